@@ -1,0 +1,50 @@
+"""dynstate: versioned, crash-safe data state for RL runs whose training data grows while
+they train. Everything public is importable from here; all other modules are private."""
+
+from ._version import __version__
+from .errors import (
+    ChecksumMismatchError,
+    CommitConflictError,
+    ConcurrencyUnsupportedError,
+    CorruptStoreError,
+    DynstateError,
+    InvalidDataError,
+    MissingDependencyError,
+    MissingShardError,
+    SchemaMismatchError,
+    StateMismatchError,
+    StorageError,
+    StoreExistsError,
+    StoreNotFoundError,
+    UnsafePathError,
+    UnsupportedFormatError,
+    VersionCollectedError,
+    VersionNotFoundError,
+)
+from .manifest import Commit, ShardRef
+from .store import Snapshot, Store
+
+__all__ = [
+    "ChecksumMismatchError",
+    "Commit",
+    "CommitConflictError",
+    "ConcurrencyUnsupportedError",
+    "CorruptStoreError",
+    "DynstateError",
+    "InvalidDataError",
+    "MissingDependencyError",
+    "MissingShardError",
+    "SchemaMismatchError",
+    "ShardRef",
+    "Snapshot",
+    "StateMismatchError",
+    "StorageError",
+    "Store",
+    "StoreExistsError",
+    "StoreNotFoundError",
+    "UnsafePathError",
+    "UnsupportedFormatError",
+    "VersionCollectedError",
+    "VersionNotFoundError",
+    "__version__",
+]

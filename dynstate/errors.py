@@ -1,0 +1,119 @@
+"""The one error hierarchy of dynstate.
+
+Every failure a user can cause or meet raises a subclass of :class:`DynstateError`. Several
+also inherit a built-in exception so that ordinary ``except`` clauses keep working::
+
+    DynstateError
+    ├── StoreNotFoundError        (FileNotFoundError)  no store at the URL
+    ├── StoreExistsError          (FileExistsError)    a different store is already there
+    ├── VersionNotFoundError      (LookupError)        no such version or tag
+    │   └── VersionCollectedError                      removed by garbage collection
+    ├── SchemaMismatchError       (ValueError)         round's columns/types differ
+    ├── InvalidDataError          (ValueError)         input Arrow cannot hold / wrong type
+    ├── CorruptStoreError                              the store's files are not what was committed
+    │   ├── ChecksumMismatchError                      bytes differ from the recorded checksum
+    │   ├── MissingShardError     (FileNotFoundError)  a committed file is gone
+    │   └── UnsafePathError                            a record points outside the store root
+    ├── UnsupportedFormatError                         written by a newer dynstate
+    ├── CommitConflictError                            lost too many commit races in a row
+    ├── ConcurrencyUnsupportedError                    backend cannot create files exclusively
+    ├── StateMismatchError        (ValueError)         sampler/dataset state of another store
+    ├── StorageError              (OSError)            the filesystem / object store failed
+    └── MissingDependencyError    (ImportError)        an optional extra is not installed
+
+Messages follow one template: what failed, the URL and version, what to do.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ChecksumMismatchError",
+    "CommitConflictError",
+    "ConcurrencyUnsupportedError",
+    "CorruptStoreError",
+    "DynstateError",
+    "InvalidDataError",
+    "MissingDependencyError",
+    "MissingShardError",
+    "SchemaMismatchError",
+    "StateMismatchError",
+    "StorageError",
+    "StoreExistsError",
+    "StoreNotFoundError",
+    "UnsafePathError",
+    "UnsupportedFormatError",
+    "VersionCollectedError",
+    "VersionNotFoundError",
+]
+
+
+class DynstateError(Exception):
+    """Base class of every error dynstate raises."""
+
+    def __str__(self) -> str:
+        # LookupError/KeyError would repr() the message; keep it readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class StoreNotFoundError(DynstateError, FileNotFoundError):
+    pass
+
+
+class StoreExistsError(DynstateError, FileExistsError):
+    pass
+
+
+class VersionNotFoundError(DynstateError, LookupError):
+    pass
+
+
+class VersionCollectedError(VersionNotFoundError):
+    pass
+
+
+class SchemaMismatchError(DynstateError, ValueError):
+    pass
+
+
+class InvalidDataError(DynstateError, ValueError):
+    pass
+
+
+class CorruptStoreError(DynstateError):
+    pass
+
+
+class ChecksumMismatchError(CorruptStoreError):
+    pass
+
+
+class MissingShardError(CorruptStoreError, FileNotFoundError):
+    pass
+
+
+class UnsafePathError(CorruptStoreError):
+    pass
+
+
+class UnsupportedFormatError(DynstateError):
+    pass
+
+
+class CommitConflictError(DynstateError):
+    pass
+
+
+class ConcurrencyUnsupportedError(DynstateError):
+    pass
+
+
+class StateMismatchError(DynstateError, ValueError):
+    pass
+
+
+class StorageError(DynstateError, OSError):
+    pass
+
+
+class MissingDependencyError(DynstateError, ImportError):
+    pass

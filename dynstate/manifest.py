@@ -1,0 +1,311 @@
+"""Metadata records of a store and their JSON form. Pure: no I/O.
+
+A store's metadata is a commit log (one record per version), periodic checkpoints that
+materialize a version's shard list, and content-addressed chunks that hold runs of shard
+entries shared between checkpoints. ``docs/format.md`` is the prose form of this module.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import pyarrow as pa
+
+from .errors import (
+    ChecksumMismatchError,
+    CorruptStoreError,
+    UnsafePathError,
+    UnsupportedFormatError,
+)
+
+FORMAT = 1
+# A checkpoint every K versions bounds the log records read to open any version to K - 1.
+CHECKPOINT_INTERVAL = 100
+# Entries per chunk: shard lists are stored as runs of this many entries so that consecutive
+# checkpoints of a growing lineage share (not copy) everything but their tail.
+CHUNK_ENTRIES = 256
+
+OPS = ("create", "append", "reset", "compact")
+
+META_DIR = "_dynstate"
+STORE_FILE = f"{META_DIR}/store.json"
+DATA_DIR = "data"
+_SHARD_PATH = re.compile(r"^data/[A-Za-z0-9][A-Za-z0-9._-]*\.parquet$")
+_HASH = re.compile(r"^[0-9a-f]{64}$")
+
+
+def log_path(version: int) -> str:
+    return f"{META_DIR}/log/{version:020d}.json"
+
+
+def checkpoint_path(version: int) -> str:
+    return f"{META_DIR}/checkpoints/{version:020d}.json"
+
+
+def chunk_path(digest: str) -> str:
+    return f"{META_DIR}/chunks/{digest}.json"
+
+
+def schema_path(fingerprint: str) -> str:
+    return f"{META_DIR}/schemas/{fingerprint}.json"
+
+
+def tag_path(name: str) -> str:
+    return f"{META_DIR}/tags/{name}.json"
+
+
+HEAD_HINT = f"{META_DIR}/_head_hint.json"
+GC_FILE = f"{META_DIR}/gc.json"
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    """Serialize a record with a checksum over its canonical JSON, so tampering is caught."""
+    body = {k: v for k, v in obj.items() if k != "checksum"}
+    body["checksum"] = sha256(_canonical(body))
+    return json.dumps(body, sort_keys=True, indent=1, ensure_ascii=False).encode()
+
+
+def decode(data: bytes, where: str) -> dict[str, Any]:
+    """Parse and verify a record written by :func:`encode`; ``where`` names it in errors."""
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptStoreError(
+            f"{where} is not valid JSON ({exc}); the file is damaged — run `dynstate verify` "
+            "and restore it from a backup or reset to an earlier version"
+        ) from exc
+    if not isinstance(obj, dict):
+        raise CorruptStoreError(f"{where} does not hold a JSON object; the file is damaged")
+    fmt = obj.get("format")
+    if not isinstance(fmt, int):
+        raise CorruptStoreError(f"{where} has no format number; it was not written by dynstate")
+    if fmt > FORMAT:
+        raise UnsupportedFormatError(
+            f"{where} uses store format {fmt} but this dynstate reads formats up to {FORMAT}; "
+            "upgrade dynstate (pip install -U dynstate)"
+        )
+    expected = obj.get("checksum")
+    body = {k: v for k, v in obj.items() if k != "checksum"}
+    if expected != sha256(_canonical(body)):
+        raise ChecksumMismatchError(
+            f"{where} does not match its checksum: the record was modified after it was "
+            "written; restore it or reset the store to an earlier version"
+        )
+    return body
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """One immutable Parquet file of a version: its path relative to the store root."""
+
+    path: str
+    rows: int
+    bytes: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "rows": self.rows, "bytes": self.bytes, "sha256": self.sha256}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> ShardRef:
+        try:
+            path, rows, nbytes, digest = obj["path"], obj["rows"], obj["bytes"], obj["sha256"]
+        except (KeyError, TypeError) as exc:
+            raise CorruptStoreError(f"{where} has a malformed shard entry {obj!r}") from exc
+        if not isinstance(path, str) or not _SHARD_PATH.match(path) or ".." in path:
+            raise UnsafePathError(
+                f"{where} names shard {path!r}, which is outside the store's data/ folder; "
+                "the record was tampered with — do not read this version, reset past it"
+            )
+        if not (isinstance(rows, int) and isinstance(nbytes, int) and rows >= 0 and nbytes >= 0):
+            raise CorruptStoreError(f"{where} has a malformed shard entry {obj!r}")
+        if not isinstance(digest, str) or not _HASH.match(digest):
+            raise CorruptStoreError(f"{where} has a malformed checksum in {obj!r}")
+        return cls(path, rows, nbytes, digest)
+
+
+@dataclass(frozen=True)
+class ShardList:
+    """A full, ordered shard list stored as chunk references plus an inline tail."""
+
+    chunks: tuple[str, ...]
+    tail: tuple[ShardRef, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"chunks": list(self.chunks), "tail": [s.to_json() for s in self.tail]}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> ShardList:
+        if not isinstance(obj, dict) or not isinstance(obj.get("chunks"), list):
+            raise CorruptStoreError(f"{where} has a malformed shard list")
+        for digest in obj["chunks"]:
+            if not isinstance(digest, str) or not _HASH.match(digest):
+                raise UnsafePathError(f"{where} names chunk {digest!r}, which is not a chunk id")
+        tail = tuple(ShardRef.from_json(s, where) for s in obj.get("tail", []))
+        return cls(tuple(obj["chunks"]), tail)
+
+
+def split_chunks(shards: list[ShardRef]) -> tuple[list[tuple[str, bytes]], ShardList]:
+    """Cut ``shards`` into content-addressed chunks; returns (chunk files, shard list)."""
+    full = len(shards) - len(shards) % CHUNK_ENTRIES
+    files: list[tuple[str, bytes]] = []
+    for start in range(0, full, CHUNK_ENTRIES):
+        entries = [s.to_json() for s in shards[start : start + CHUNK_ENTRIES]]
+        data = _canonical({"format": FORMAT, "shards": entries})
+        files.append((sha256(data), data))
+    return files, ShardList(tuple(d for d, _ in files), tuple(shards[full:]))
+
+
+def decode_chunk(digest: str, data: bytes, where: str) -> list[ShardRef]:
+    if sha256(data) != digest:
+        raise ChecksumMismatchError(
+            f"{where} does not match its content address; the chunk was modified — "
+            "restore it or reset the store past the versions that use it"
+        )
+    obj = json.loads(data)
+    if obj.get("format", 0) > FORMAT:
+        raise UnsupportedFormatError(f"{where} uses format {obj['format']}; upgrade dynstate")
+    return [ShardRef.from_json(s, where) for s in obj["shards"]]
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The record of one version. Appends list only the shards they add; ``reset`` and
+    ``compact`` carry the complete new shard list in ``base``."""
+
+    store_id: str
+    version: int
+    parent: int | None
+    op: str
+    created: str
+    schema: str | None
+    num_rows: int
+    num_shards: int
+    num_bytes: int
+    add: tuple[ShardRef, ...] = ()
+    base: ShardList | None = None
+    target: int | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rows_added(self) -> int:
+        return sum(s.rows for s in self.add)
+
+    def to_json(self) -> dict[str, Any]:
+        obj: dict[str, Any] = {
+            "format": FORMAT,
+            "store_id": self.store_id,
+            "version": self.version,
+            "parent": self.parent,
+            "op": self.op,
+            "created": self.created,
+            "schema": self.schema,
+            "num_rows": self.num_rows,
+            "num_shards": self.num_shards,
+            "num_bytes": self.num_bytes,
+            "add": [s.to_json() for s in self.add],
+            "meta": self.meta,
+        }
+        if self.base is not None:
+            obj["base"] = self.base.to_json()
+        if self.target is not None:
+            obj["target"] = self.target
+        return obj
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any], where: str) -> Commit:
+        try:
+            op = obj["op"]
+            if op not in OPS:
+                raise CorruptStoreError(f"{where} has unknown op {op!r}")
+            base = obj.get("base")
+            return cls(
+                store_id=str(obj["store_id"]),
+                version=int(obj["version"]),
+                parent=None if obj["parent"] is None else int(obj["parent"]),
+                op=op,
+                created=str(obj["created"]),
+                schema=obj["schema"],
+                num_rows=int(obj["num_rows"]),
+                num_shards=int(obj["num_shards"]),
+                num_bytes=int(obj["num_bytes"]),
+                add=tuple(ShardRef.from_json(s, where) for s in obj["add"]),
+                base=None if base is None else ShardList.from_json(base, where),
+                target=obj.get("target"),
+                meta=dict(obj.get("meta") or {}),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, CorruptStoreError):
+                raise
+            raise CorruptStoreError(
+                f"{where} is missing field {exc}; the record is damaged"
+            ) from exc
+
+
+# -- schemas -------------------------------------------------------------------------------
+
+
+def normalize_schema(schema: pa.Schema) -> pa.Schema:
+    # pandas and datasets attach their own metadata; it must not change the fingerprint.
+    return schema.remove_metadata()
+
+
+def schema_fingerprint(schema: pa.Schema) -> str:
+    return sha256(normalize_schema(schema).serialize().to_pybytes())
+
+
+def schema_to_json(schema: pa.Schema) -> dict[str, Any]:
+    schema = normalize_schema(schema)
+    return {
+        "format": FORMAT,
+        "fingerprint": schema_fingerprint(schema),
+        "fields": [{"name": f.name, "type": str(f.type), "nullable": f.nullable} for f in schema],
+        "arrow": base64.b64encode(schema.serialize().to_pybytes()).decode(),
+    }
+
+
+def schema_from_json(obj: dict[str, Any], where: str) -> pa.Schema:
+    try:
+        schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(obj["arrow"])))
+    except (KeyError, ValueError, pa.ArrowException) as exc:
+        raise CorruptStoreError(f"{where} does not hold a readable Arrow schema") from exc
+    if schema_fingerprint(schema) != obj.get("fingerprint"):
+        raise ChecksumMismatchError(f"{where} does not match its fingerprint; it was modified")
+    return schema
+
+
+def describe_schema_diff(expected: pa.Schema, got: pa.Schema) -> str:
+    """Human description of how ``got`` differs from ``expected``, naming columns."""
+    exp = {f.name: f.type for f in expected}
+    new = {f.name: f.type for f in got}
+    parts = []
+    missing = [n for n in exp if n not in new]
+    extra = [n for n in new if n not in exp]
+    changed = [
+        f"{n} ({exp[n]} -> {new[n]})" for n in exp if n in new and str(exp[n]) != str(new[n])
+    ]
+    if missing:
+        parts.append("missing columns: " + ", ".join(missing))
+    if extra:
+        parts.append("unexpected columns: " + ", ".join(extra))
+    if changed:
+        parts.append("changed types: " + ", ".join(changed))
+    return "; ".join(parts) or "column order or nullability differs"

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates .venv (or $DYNSTATE_VENV) and installs dynstate with every extra the tests need.
+# torch goes first, pinned to the CPU build on this machine's disk: a torch requirement that
+# 2.13.0 does not satisfy would make pip download a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${DYNSTATE_VENV:-.venv}"
+py="${PYTHON:-python3}"
+if [ ! -x "$venv/bin/python" ]; then
+  "$py" -m venv "$venv"
+fi
+# shellcheck disable=SC1091
+. "$venv/bin/activate"
+stamp="$venv/.dynstate-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  python -m pip install -q --upgrade pip
+  python -m pip install -q "torch==2.13.0"
+  python -m pip install -q -e ".[test,s3,verl,ray,plot]"
+  touch "$stamp"
+fi
