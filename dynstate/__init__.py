@@ -22,7 +22,7 @@ from .errors import (
     VersionNotFoundError,
 )
 from .manifest import Commit, ShardRef
-from .store import Snapshot, Store
+from .store import Snapshot, Staged, Store
 
 __all__ = [
     "ChecksumMismatchError",
@@ -37,6 +37,7 @@ __all__ = [
     "SchemaMismatchError",
     "ShardRef",
     "Snapshot",
+    "Staged",
     "StateMismatchError",
     "StorageError",
     "Store",

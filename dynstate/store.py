@@ -12,6 +12,7 @@ import random
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -38,6 +39,19 @@ log = logging.getLogger("dynstate")
 
 DEFAULT_SHARD_BYTES = 64 * 2**20
 _MAX_COMMIT_ATTEMPTS = 200
+
+
+@dataclass(frozen=True)
+class Staged:
+    """Shards written but not committed, with the schema they were validated against."""
+
+    shards: tuple[ShardRef, ...]
+    schema: pa.Schema | None
+    validated: str | None  # schema fingerprint of the head they were checked against
+
+    @property
+    def num_rows(self) -> int:
+        return sum(s.rows for s in self.shards)
 
 
 class Snapshot:
@@ -471,23 +485,58 @@ class Store:
         ``datasets.Dataset``) as one new version; returns its number. An empty round is a
         valid commit. ``allow_new_columns`` lets a round add nullable columns."""
         meta = _check_meta(meta, self.display_url)
+        staged = self.stage(data, allow_new_columns=allow_new_columns, shard_bytes=shard_bytes)
+        return self.commit_staged([staged], meta=meta)
+
+    def stage(
+        self,
+        data: Any,
+        *,
+        allow_new_columns: bool = False,
+        shard_bytes: int = DEFAULT_SHARD_BYTES,
+    ) -> Staged:
+        """Validate ``data`` against the head's schema and write its shards, without
+        committing. Several staged parts (from other processes too: a :class:`Staged` pickles)
+        become one version with :meth:`commit_staged`; uncommitted shards stay invisible and
+        are removed by gc."""
         table = to_table(data, self.display_url)
         self._require_writable()
         head = self._load_record(self.refresh())
         assert head is not None
         table, schema = self._conform_round(table, head, allow_new_columns)
-        written = self._write_shards(table, shard_bytes)
+        shards = self._write_shards(table, shard_bytes)
+        return Staged(tuple(shards), schema, head.schema)
+
+    def commit_staged(self, parts: Sequence[Staged], *, meta: dict[str, Any] | None = None) -> int:
+        """Commit staged parts, in the given order, as one new version; returns its number.
+        On failure the parts' shards are removed and nothing is committed."""
+        shards = [s for part in parts for s in part.shards]
         try:
+            meta = _check_meta(meta, self.display_url)
+            schemas = {m.schema_fingerprint(p.schema) for p in parts if p.schema is not None}
+            if len(schemas) > 1:
+                raise SchemaMismatchError(
+                    f"staged parts for {self.display_url} have different schemas; stage every "
+                    "part of a round with the same columns"
+                )
+            schema = next((p.schema for p in parts if p.schema is not None), None)
+            validated = next((p.validated for p in parts if p.schema is not None), None)
+            self._require_writable()
             if schema is not None:
                 self._put_schema(schema)
             return self._commit_loop(
-                lambda parent: self._append_record(parent, written, schema, head.schema, meta)
+                lambda parent: self._append_record(parent, shards, schema, validated, meta)
             )
         except BaseException:
             # A rejected or failed round must leave nothing behind but what gc would remove.
-            for shard in written:
-                self._delete_quietly(shard.path)
+            self.discard(parts)
             raise
+
+    def discard(self, parts: Sequence[Staged]) -> None:
+        """Remove the shards of staged parts that will not be committed."""
+        for part in parts:
+            for shard in part.shards:
+                self._delete_quietly(shard.path)
 
     def _conform_round(
         self, table: pa.Table, head: Commit, allow_new_columns: bool
