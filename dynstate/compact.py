@@ -1,0 +1,219 @@
+"""Compaction: rewrite runs of small shards as target-size shards in a new version.
+
+A compaction never changes a version's logical rows or their order (SPEC §3.4): the new
+version lists, in place of each run of consecutive small shards, shards holding exactly those
+rows concatenated. Shards already at least half the target size are reused as they are. Old
+shards are not deleted, so readers of earlier versions are unaffected; ``dynstate gc`` removes
+them once no kept version refers to them.
+
+Compaction races with writers: while version ``v`` is rewritten, other processes may append
+``v+1 … h``. The commit then rebases onto ``h`` by keeping those rounds' shards after the
+compacted ones — nothing is lost. If any of those versions is a reset or another compaction
+the rewrite no longer describes the head, so it is abandoned with :class:`CommitConflictError`
+and its new shards are removed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+
+from . import manifest as m
+from .errors import CommitConflictError, DynstateError, InvalidDataError
+from .manifest import Commit, ShardRef
+from .store import Snapshot, Store, _check_meta
+
+log = logging.getLogger("dynstate")
+
+DEFAULT_TARGET_BYTES = 128 * 2**20
+
+# A plan step: either a shard kept as it is (a ShardRef) or a run of shards to merge (a tuple).
+Step = ShardRef | tuple[ShardRef, ...]
+
+
+def plan(shards: Sequence[ShardRef], target_bytes: int) -> list[Step]:
+    """Group consecutive shards smaller than ``target_bytes / 2`` into runs of about
+    ``target_bytes``; everything else, and runs of one, stays as it is. Order is kept."""
+    steps: list[Step] = []
+    run: list[ShardRef] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal size
+        if len(run) == 1:
+            steps.append(run[0])
+        elif run:
+            steps.append(tuple(run))
+        run.clear()
+        size = 0
+
+    for shard in shards:
+        if shard.bytes * 2 >= target_bytes:
+            flush()
+            steps.append(shard)
+            continue
+        if run and size + shard.bytes > target_bytes:
+            flush()
+        run.append(shard)
+        size += shard.bytes
+    flush()
+    return steps
+
+
+def compact(
+    store: Store,
+    *,
+    target_bytes: int = DEFAULT_TARGET_BYTES,
+    version: int | str | None = None,
+    meta: dict[str, Any] | None = None,
+) -> int:
+    """Rewrite the small shards of ``version`` (default: the head) as shards of about
+    ``target_bytes`` and commit the result as a new version (``op="compact"``) with the same
+    rows in the same order; returns its number. Rounds appended by other writers meanwhile are
+    kept after the compacted rows. If there is nothing to merge, nothing is committed and the
+    current head is returned.
+
+    >>> store = Store.open("memory://doc/compact", create=True)
+    >>> for step in range(3):
+    ...     _ = store.append([{"step": step}])
+    >>> compact(store)
+    4
+    >>> len(store.snapshot().shards)
+    1
+    """
+    if isinstance(target_bytes, bool) or not isinstance(target_bytes, int) or target_bytes < 1:
+        raise InvalidDataError(
+            f"target_bytes for compacting {store.display_url} must be a positive int, "
+            f"not {target_bytes!r}"
+        )
+    meta = _check_meta(meta, store.display_url)
+    snap = store.snapshot(version)
+    base = snap.version
+    # Refuse early, before writing anything, when the head is not ``base`` plus appends.
+    _appended_since(store, base, store.refresh())
+    steps = plan(snap.shards, target_bytes)
+    if all(isinstance(step, ShardRef) for step in steps):
+        log.info("nothing to compact in version %d of %s", base, store.display_url)
+        return store.head
+    store._require_writable()
+    written: list[ShardRef] = []
+    attempts: list[Commit] = []
+    try:
+        compacted = _rewrite(store, snap, steps, written)
+        if snap.schema is not None:
+            store._put_schema(snap.schema)
+
+        def make(parent: Commit) -> Commit:
+            record = _compact_record(store, parent, base, compacted, meta)
+            attempts.append(record)
+            return record
+
+        new_version = store._commit_loop(make)
+    except BaseException:
+        if not _any_committed(store, attempts):
+            for shard in written:
+                store._delete_quietly(shard.path)
+        raise
+    log.info(
+        "compacted version %d of %s: %d shards -> %d (version %d)",
+        base,
+        store.display_url,
+        len(snap.shards),
+        len(compacted),
+        new_version,
+    )
+    return new_version
+
+
+def _rewrite(
+    store: Store, snap: Snapshot, steps: list[Step], written: list[ShardRef]
+) -> list[ShardRef]:
+    """The compacted shard list of ``snap``; new shards are added to ``written`` as they land
+    so that a failure part-way can remove them."""
+    out: list[ShardRef] = []
+    for step in steps:
+        if isinstance(step, ShardRef):
+            out.append(step)
+            continue
+        refs = _write_group(store, snap, step)
+        written.extend(refs)
+        out.extend(refs)
+    return out
+
+
+def _write_group(store: Store, snap: Snapshot, group: tuple[ShardRef, ...]) -> list[ShardRef]:
+    """Read a run of shards (verified, shaped like the snapshot's schema so older shards gain
+    later nullable columns) and write their rows, in order, as one shard."""
+    tables = [store.read_shard(s, snap.schema, version=snap.version) for s in group]
+    table = pa.concat_tables(tables).combine_chunks()
+    # One shard per group: the group was sized by file bytes already.
+    refs = store._write_shards(table, shard_bytes=2**62)
+    rows = sum(s.rows for s in group)
+    if sum(r.rows for r in refs) != rows:  # pragma: no cover - would be a bug in the writer
+        raise RuntimeError(f"compaction of {store.display_url} lost rows: {rows} expected")
+    return refs
+
+
+def _appended_since(store: Store, base: int, head: int) -> list[ShardRef]:
+    """The shards added by versions ``base+1 … head``, which must all be appends."""
+    added: list[ShardRef] = []
+    for v in range(base + 1, head + 1):
+        record = store.commit_record(v)
+        if record.op != "append":
+            raise CommitConflictError(
+                f"cannot compact version {base} of {store.display_url}: version {v} is a "
+                f"{record.op}, so the head is no longer version {base} plus appends; compact "
+                "the head instead (run it again)"
+            )
+        added.extend(record.add)
+    return added
+
+
+def _compact_record(
+    store: Store, parent: Commit, base: int, compacted: list[ShardRef], meta: dict[str, Any]
+) -> Commit:
+    shards = compacted + _appended_since(store, base, parent.version)
+    shard_list = store._put_shard_list(shards)
+    if parent.num_rows != sum(s.rows for s in shards):  # pragma: no cover - invariant
+        raise CommitConflictError(
+            f"compaction of {store.display_url} does not match version {parent.version} "
+            f"({parent.num_rows} rows); run it again"
+        )
+    return Commit(
+        store.store_id,
+        parent.version + 1,
+        parent.version,
+        "compact",
+        m.utc_now(),
+        # Rounds appended meanwhile may have added nullable columns; the head's schema is a
+        # superset of base's, and shards read back are conformed to it.
+        parent.schema,
+        parent.num_rows,
+        len(shards),
+        sum(s.bytes for s in shards),
+        base=shard_list,
+        target=base,
+        meta=meta,
+    )
+
+
+def _any_committed(store: Store, attempts: list[Commit]) -> bool:
+    """Whether one of our records may have been committed even though an error was raised
+    (an object store can apply a PUT and then fail the response). When unsure, say yes:
+    leaving orphan shards for gc is safe, deleting committed ones is not."""
+    for record in attempts:
+        try:
+            raw = store.storage.try_read(m.log_path(record.version))
+        except DynstateError:
+            return True
+        if raw is None:
+            continue
+        try:
+            if m.decode(raw, m.log_path(record.version)) == record.to_json():
+                return True
+        except DynstateError:
+            return True
+    return False
