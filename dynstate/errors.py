@@ -16,6 +16,7 @@ also inherit a built-in exception so that ordinary ``except`` clauses keep worki
     │   └── UnsafePathError                            a record points outside the store root
     ├── UnsupportedFormatError                         written by a newer dynstate
     ├── CommitConflictError                            lost too many commit races in a row
+    ├── RoundFailedError                               a part of a multi-worker round failed
     ├── ConcurrencyUnsupportedError                    backend cannot create files exclusively
     ├── StateMismatchError        (ValueError)         sampler/dataset state of another store
     ├── StorageError              (OSError)            the filesystem / object store failed
@@ -35,6 +36,7 @@ __all__ = [
     "InvalidDataError",
     "MissingDependencyError",
     "MissingShardError",
+    "RoundFailedError",
     "SchemaMismatchError",
     "StateMismatchError",
     "StorageError",
@@ -101,6 +103,12 @@ class UnsupportedFormatError(DynstateError):
 
 class CommitConflictError(DynstateError):
     pass
+
+
+class RoundFailedError(DynstateError):
+    """Nothing was committed; ``failures`` maps each failed part's index to its exception."""
+
+    failures: dict[int, BaseException]
 
 
 class ConcurrencyUnsupportedError(DynstateError):
