@@ -1,0 +1,308 @@
+"""Scale-out on Ray: rounds written by many Ray tasks, versions read as Ray Datasets.
+
+The only module that imports ``ray`` (lazily: ``pip install 'dynstate[ray]'``).
+
+A round written by N tasks is one version. Each task opens the store by URL, stages its own
+shards (:meth:`Store.stage`) and returns the :class:`Staged` record; the driver gathers the
+records in task-index order and commits them once (:meth:`Store.commit_staged`). This gives:
+
+- *atomicity*: shards are invisible until the driver's single commit names them; if any task
+  fails, the driver removes the successful tasks' shards and raises :class:`RoundFailedError`,
+  and the store stays at its previous version;
+- *determinism*: the rows of task ``i`` precede those of task ``i + 1``, whatever order the
+  tasks finish in;
+- *no duplicates under retries*: a task index yields exactly one object, so exactly one
+  :class:`Staged` per index is committed — a retried attempt's predecessor may have written
+  shards, but it never returned them, so no version references them and ``dynstate gc``
+  removes them after its grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    ChecksumMismatchError,
+    InvalidDataError,
+    MissingDependencyError,
+    MissingShardError,
+    RoundFailedError,
+)
+from .store import DEFAULT_SHARD_BYTES, Staged, Store
+
+if TYPE_CHECKING:
+    import ray.data
+
+__all__ = ["commit_round", "to_ray_dataset", "write_ray_dataset", "write_round"]
+
+log = logging.getLogger("dynstate")
+
+
+def _ray() -> Any:
+    try:
+        import ray
+        import ray.data  # the Data library is a separate extra of ray
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"dynstate.ray needs Ray with its Data library ({exc}); pip install 'dynstate[ray]'"
+        ) from exc
+    return ray
+
+
+@dataclass(frozen=True)
+class _Target:
+    """How a Ray worker reaches the store: everything it needs, and picklable."""
+
+    url: str
+    storage_options: dict[str, Any]
+    single_writer: bool
+
+    def open(self) -> Store:
+        return Store.open(
+            self.url, storage_options=self.storage_options, single_writer=self.single_writer
+        )
+
+
+def _resolve(store_or_url: Store | str, storage_options: dict[str, Any] | None) -> Store:
+    if isinstance(store_or_url, Store):
+        store = store_or_url
+    elif isinstance(store_or_url, str):
+        store = Store.open(store_or_url, storage_options=storage_options)
+    else:
+        raise InvalidDataError(
+            f"expected a Store or a store URL, not {type(store_or_url).__name__}"
+        )
+    if store.storage.memory:
+        raise InvalidDataError(
+            f"{store.display_url} is a memory:// store, which lives inside one process and "
+            "cannot be reached by Ray workers; use a shared path or an s3:// URL"
+        )
+    return store
+
+
+def _target(store: Store) -> _Target:
+    return _Target(store.url, dict(store.storage.storage_options), store.single_writer)
+
+
+# -- the Ray tasks (module level, so workers import them instead of unpickling code) ----------
+
+
+def _stage_part(
+    target: _Target,
+    fn: Callable[[Any], Any] | None,
+    item: Any,
+    allow_new_columns: bool,
+    shard_bytes: int,
+) -> Staged:
+    data = item if fn is None else fn(item)
+    return target.open().stage(data, allow_new_columns=allow_new_columns, shard_bytes=shard_bytes)
+
+
+def _remote(ray: Any, func: Callable[..., Any], **options: Any) -> Any:
+    return ray.remote(func).options(**options)
+
+
+# -- writing -------------------------------------------------------------------------------
+
+
+def write_round(
+    store_or_url: Store | str,
+    items: Iterable[Any],
+    fn: Callable[[Any], Any] | None = None,
+    *,
+    meta: dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    max_retries: int = 0,
+    retry_exceptions: bool = False,
+    num_cpus: float = 1,
+    allow_new_columns: bool = False,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    ray_remote_args: dict[str, Any] | None = None,
+) -> int:
+    """Write one round with one Ray task per item and commit it as one version.
+
+    Task ``i`` stages ``fn(items[i])`` (or ``items[i]`` itself when ``fn`` is None: anything
+    :meth:`Store.append` takes). The driver commits all parts in item order and returns the
+    new version. ``max_retries``/``retry_exceptions`` are Ray's: a retried task contributes
+    only its final attempt's rows. If a task still fails, nothing is committed and
+    :class:`RoundFailedError` is raised.
+
+    >>> write_round("s3://bucket/run1", range(8), generate, meta={"step": 3})  # doctest: +SKIP
+    """
+    ray = _ray()
+    store = _resolve(store_or_url, storage_options)
+    options = {"max_retries": max_retries, "retry_exceptions": retry_exceptions}
+    options["num_cpus"] = num_cpus
+    options.update(ray_remote_args or {})
+    task = _remote(ray, _stage_part, **options)
+    target = _target(store)
+    refs = [task.remote(target, fn, item, allow_new_columns, shard_bytes) for item in items]
+    log.info("round for %s: %d Ray tasks submitted", store.display_url, len(refs))
+    return commit_round(store, refs, meta=meta)
+
+
+def commit_round(
+    store_or_url: Store | str,
+    parts: Sequence[Any],
+    *,
+    meta: dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> int:
+    """Commit one round from ``parts`` — Ray ``ObjectRef`` s of tasks or actor methods that
+    return a :class:`Staged` (or ``Staged`` values) — in the given order, as one version.
+
+    Waits for every part. If any failed, the shards of the others are removed, nothing is
+    committed, and :class:`RoundFailedError` (with ``.failures``: index -> exception) is
+    raised. Use this with your own tasks or actors that call :meth:`Store.stage`.
+    """
+    ray = _ray()
+    store = _resolve(store_or_url, storage_options)
+    staged: list[Staged] = []
+    failures: dict[int, BaseException] = {}
+    try:
+        for index, part in enumerate(parts):
+            # Every part is awaited, also after a failure: a task still running would
+            # otherwise stage shards after we have cleaned up.
+            try:
+                value = ray.get(part) if isinstance(part, ray.ObjectRef) else part
+            except ray.exceptions.RayError as exc:
+                failures[index] = exc
+                continue
+            if not isinstance(value, Staged):
+                failures[index] = InvalidDataError(
+                    f"part {index} of a round for {store.display_url} returned a "
+                    f"{type(value).__name__}, not a dynstate.Staged; return Store.stage(...)"
+                )
+                continue
+            staged.append(value)
+    except BaseException:
+        # Interrupted while waiting (Ctrl-C, timeout): cancel what still runs and leave
+        # nothing behind that we know of; the rest is unreferenced and collected by gc.
+        for part in parts:
+            if isinstance(part, ray.ObjectRef):
+                ray.cancel(part)
+        store.discard(staged)
+        raise
+    paths = [s.path for part in staged for s in part.shards]
+    if not failures and len(paths) != len(set(paths)):
+        failures[-1] = InvalidDataError("the same staged shard was passed twice")
+    if failures:
+        store.discard(staged)
+        raise _round_failed(store, len(parts), failures)
+    version = store.commit_staged(staged, meta=meta)
+    log.info(
+        "committed a round of %d parts (%d rows) to %s as version %d",
+        len(staged),
+        sum(p.num_rows for p in staged),
+        store.display_url,
+        version,
+    )
+    return version
+
+
+def _round_failed(store: Store, total: int, failures: dict[int, BaseException]) -> Exception:
+    first_index, first = next(iter(failures.items()))
+    summary = str(first).strip().splitlines()
+    reason = summary[-1] if summary else type(first).__name__
+    where = f"part {first_index}" if first_index >= 0 else "the round"
+    error = RoundFailedError(
+        f"round for {store.display_url} not committed: {len(failures)} of {total} parts "
+        f"failed ({where}: {type(first).__name__}: {reason}); the store is still at version "
+        f"{store.refresh()} and the other parts' shards were removed; fix the cause and "
+        "write the round again (or pass max_retries)"
+    )
+    error.failures = failures
+    error.__cause__ = first
+    return error
+
+
+def _stage_block(target: _Target, block: Any, shard_bytes: int) -> Staged:
+    return target.open().stage(block, shard_bytes=shard_bytes)
+
+
+def write_ray_dataset(
+    store_or_url: Store | str,
+    ds: ray.data.Dataset,
+    *,
+    meta: dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    max_retries: int = 0,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> int:
+    """Write a Ray Dataset as one round: each block is staged by a Ray task, the driver
+    commits once. Rows keep the order of ``ds.to_arrow_refs()``; set
+    ``ds.context.execution_options.preserve_order = True`` for a deterministic order."""
+    ray = _ray()
+    store = _resolve(store_or_url, storage_options)
+    task = _remote(ray, _stage_block, max_retries=max_retries, num_cpus=1)
+    target = _target(store)
+    refs = [task.remote(target, block, shard_bytes) for block in ds.to_arrow_refs()]
+    return commit_round(store, refs, meta=meta)
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+def to_ray_dataset(
+    store_or_url: Store | str,
+    version: int | str | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    check_sizes: bool = True,
+    **read_args: Any,
+) -> ray.data.Dataset:
+    """``version`` (number, tag or None for the head) as a Ray Dataset, read with
+    ``ray.data.read_parquet`` from exactly that version's shard files, in row order.
+
+    Ray reads the files itself, so shard checksums are *not* verified on this path;
+    ``check_sizes`` (default) compares each file's size with the committed one first, which
+    catches missing and truncated shards. ``dynstate verify`` checks the content."""
+    ray = _ray()
+    store = _resolve(store_or_url, storage_options)
+    snap = store.snapshot(version)
+    if check_sizes:
+        _check_sizes(store, snap.version, snap.shards)
+    if not snap.shards:
+        empty = snap.schema.empty_table() if snap.schema is not None else None
+        return ray.data.from_arrow(empty) if empty is not None else ray.data.from_items([])
+    paths = [store.storage.path(s.path) for s in snap.shards]
+    args: dict[str, Any] = {
+        "filesystem": _arrow_fs(store),
+        "schema": snap.schema,  # older shards lack later nullable columns: read them as nulls
+        "partitioning": None,
+        "shuffle": None,
+    }
+    args.update(read_args)
+    ds = ray.data.read_parquet(paths, **args)
+    # The dataset carries its own copy of the context; the caller's global one is untouched.
+    ds.context.execution_options.preserve_order = True
+    return ds
+
+
+def _check_sizes(store: Store, version: int, shards: Sequence[Any]) -> None:
+    for shard in shards:
+        try:
+            size = store.storage.size(shard.path)
+        except FileNotFoundError:
+            raise MissingShardError(
+                f"shard {shard.path} of {store.display_url} (version {version}) is missing; "
+                "restore it, or reset the store to a version that does not use it"
+            ) from None
+        if size != shard.bytes:
+            raise ChecksumMismatchError(
+                f"shard {shard.path} of {store.display_url} (version {version}) has {size} "
+                f"bytes, {shard.bytes} committed; restore it or reset to a version without it"
+            )
+
+
+def _arrow_fs(store: Store) -> Any:
+    import pyarrow.fs as pafs
+
+    if store.storage.local:
+        return pafs.LocalFileSystem()
+    # The store's own fsspec filesystem (same credentials, endpoint and options); it pickles
+    # to the read tasks.
+    return pafs.PyFileSystem(pafs.FSSpecHandler(store.storage.fs))
