@@ -217,3 +217,30 @@ def _any_committed(store: Store, attempts: list[Commit]) -> bool:
         except DynstateError:
             return True
     return False
+
+
+def compact_if_needed(
+    store: Store,
+    *,
+    max_small_shards: int = 1000,
+    target_bytes: int = DEFAULT_TARGET_BYTES,
+    meta: dict[str, Any] | None = None,
+) -> int | None:
+    """Compact the head when it has more than ``max_small_shards`` shards smaller than
+    ``target_bytes / 2`` — a policy a training loop can call after each round. Returns the
+    new version, or None when the head is compact enough (then nothing is read or written
+    beyond the head's metadata, or when its small shards stand alone between large ones)."""
+    if isinstance(max_small_shards, bool) or not isinstance(max_small_shards, int):
+        raise InvalidDataError(
+            f"max_small_shards for {store.display_url} must be an int, not {max_small_shards!r}"
+        )
+    if max_small_shards < 1:
+        raise InvalidDataError(
+            f"max_small_shards for {store.display_url} must be at least 1, not {max_small_shards}"
+        )
+    small = sum(1 for s in store.snapshot().shards if s.bytes * 2 < target_bytes)
+    if small <= max_small_shards:
+        return None
+    new = compact(store, target_bytes=target_bytes, meta=meta)
+    # Small shards between large ones cannot be merged; then nothing was committed.
+    return new if store.commit_record(new).op == "compact" else None
