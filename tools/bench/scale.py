@@ -35,18 +35,26 @@ def _tree_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-def _round(step: int, rows: int, pad: int = 0) -> pa.Table:
+WORDS = [f"{w}{i}" for i, w in enumerate(["sum", "prime", "graph", "root", "mod"] * 800)]
+
+
+def _round(step: int, rows: int, words: int = 0) -> pa.Table:
+    """A round of generated tasks; ``words`` pseudo-random words per prompt make it compress
+    like text rather than like a repeated filler."""
+    rng = random.Random(step)
     return pa.table(
         {
             "step": pa.array([step] * rows, pa.int64()),
             "uid": pa.array([f"{step}-{j}" for j in range(rows)]),
-            "prompt": pa.array([f"Solve task {step}.{j}: " + "x" * pad for j in range(rows)]),
+            "prompt": pa.array(
+                [f"Task {step}.{j}: " + " ".join(rng.choices(WORDS, k=words)) for j in range(rows)]
+            ),
             "reward": pa.array([(step * 31 + j) % 7 / 7 for j in range(rows)], pa.float64()),
         }
     )
 
 
-def build_versions(path: Path, versions: int, rows: int, pad: int = 0) -> Store:
+def build_versions(path: Path, versions: int, rows: int, words: int = 0) -> Store:
     """A local store of ``versions`` append rounds of ``rows`` rows, built once and reused."""
     store = Store.open(str(path), create=True)
     done = _last_append(store)  # rounds are versions 1..done; a compaction may follow
@@ -54,7 +62,7 @@ def build_versions(path: Path, versions: int, rows: int, pad: int = 0) -> Store:
         raise SystemExit(f"{path} has {done} rounds, more than {versions}; delete it")
     start = time.perf_counter()
     for step in range(done + 1, versions + 1):
-        store.append(_round(step, rows, pad), meta={"step": step, "generator": "bench"})
+        store.append(_round(step, rows, words), meta={"step": step, "generator": "bench"})
         if step % 1000 == 0:
             print(f"  {path.name}: {step}/{versions} versions", file=sys.stderr, flush=True)
     if done < versions:
@@ -70,12 +78,13 @@ def _last_append(store: Store) -> int:
     return v
 
 
-def open_head_ms(path: Path, repeat: int = 9) -> float:
-    """Median time for a new handle to open the store and materialize the head's shards."""
+def open_head_ms(path: Path, repeat: int = 9, version: int | None = None) -> float:
+    """Median time for a new handle to open the store and materialize the head's (or
+    ``version``'s) shard list."""
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        Store.open(str(path)).snapshot()
+        Store.open(str(path)).snapshot(version)
         times.append((time.perf_counter() - t0) * 1000)
     return statistics.median(times)
 
@@ -91,6 +100,8 @@ def bench_metadata(root: Path, versions: list[int]) -> list[dict[str, Any]]:
             {
                 "case": f"{n} versions x 10 rows",
                 "open_head_ms": round(open_head_ms(path), 2),
+                # Worst case: a version just below a checkpoint replays K - 1 log records.
+                "open_worst_ms": round(open_head_ms(path, version=n - 1), 2),
                 "metadata_bytes": meta,
                 "metadata_per_version": round(meta / n),
                 "data_bytes": data,
@@ -99,7 +110,7 @@ def bench_metadata(root: Path, versions: list[int]) -> list[dict[str, Any]]:
         )
     # The 1 % target is for realistic rounds: 1,000 rows of ~200-character prompts.
     path = root / "rounds-1000rows"
-    build_versions(path, 200, rows=1000, pad=160)
+    build_versions(path, 200, rows=1000, words=24)
     meta, data = _tree_bytes(path / m.META_DIR), _tree_bytes(path / m.DATA_DIR)
     out.append(
         {
@@ -176,6 +187,7 @@ def bench_rss(root: Path, sizes: list[int], batches: int, cache_mib: int) -> lis
     for rows in sizes:
         path = root / f"rss-{rows}"
         cmd = [sys.executable, str(HERE / "scale_rss.py"), str(path), str(rows)]
+        subprocess.run([*cmd, "--build-only"], check=True)
         cmd += ["--batches", str(batches), "--cache-mib", str(cache_mib)]
         result = subprocess.run(cmd, check=True, capture_output=True, text=True)
         out.append(json.loads(result.stdout.strip().splitlines()[-1]))

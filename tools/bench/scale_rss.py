@@ -1,5 +1,6 @@
 """Worker of tools/bench/scale.py: loader memory over a store of N rows, in a fresh process.
 
+    python tools/bench/scale_rss.py /tmp/dynstate-bench-scale/rss-1000000 1000000 --build-only
     python tools/bench/scale_rss.py /tmp/dynstate-bench-scale/rss-1000000 1000000
 
 Builds the store once (rounds of 100k rows, 1 MiB shards), then iterates a shuffled
@@ -64,8 +65,16 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--cache-mib", type=int, default=64)
+    parser.add_argument("--build-only", action="store_true")
     args = parser.parse_args()
-    build(args.path, args.rows)
+    if args.build_only:
+        build(args.path, args.rows)
+        return 0
+    # Building in this process would leave its allocations in the baseline; build apart.
+    from dynstate import Store
+
+    if Store.open(str(args.path)).snapshot().num_rows != args.rows:
+        raise SystemExit(f"{args.path} does not hold {args.rows} rows; run with --build-only")
 
     import torch  # noqa: F401  (imported before the baseline so it is not counted)
     from torchdata.stateful_dataloader import StatefulDataLoader
