@@ -17,12 +17,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from conftest import s3_url
 
 from dynstate import Store
 from dynstate import manifest as m
 from dynstate.cli import cli
-
-from conftest import s3_url
 
 COMMANDS = ["ls", "show", "head", "verify", "gc", "diff", "tag", "reset", "compact", "export"]
 TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(\.\d{3}Z)?")
@@ -189,8 +188,8 @@ def test_head_rows_columns_jsonl(built) -> None:
     lines = run("head", url, "-n", "4", "--jsonl").stdout.splitlines()
     assert [json.loads(line) for line in lines] == rows(0, 3) + rows(10, 1)
     lines = run("head", url, "4", "--columns", "text", "--jsonl", "-n", "20").stdout.splitlines()
-    assert [json.loads(line) for line in lines] == [{"text": f"row {i}"} for i in
-                                                    [0, 1, 2, 10, 11, 12, 20, 21, 22, 30, 31, 32]]  # fmt: skip
+    expected = [0, 1, 2, 10, 11, 12, 20, 21, 22, 30, 31, 32]
+    assert [json.loads(line) for line in lines] == [{"text": f"row {i}"} for i in expected]
     table = run("head", url, "-n", "2", env={"COLUMNS": "80"}).stdout
     assert "row 0" in table and "row 1" in table and "row 2" not in table
     bad = run("head", url, "--columns", "nope", code=2)
@@ -238,7 +237,7 @@ def test_errors_are_one_line_and_redacted(s3_endpoint: str, tmp_path) -> None:
 
 
 def test_every_command_has_help_with_example() -> None:
-    for name in COMMANDS + ["plot"]:
+    for name in [*COMMANDS, "plot"]:
         text = run(name, "--help").stdout
         assert "Example:" in text and f"dynstate {name} " in text, name
         assert "--storage-option" in text, name
@@ -272,8 +271,8 @@ def test_verify_passes_on_healthy_store(built) -> None:
     url, _ = built
     assert run("verify", url).stdout.startswith(f"ok: {url}")
     report = json.loads(run("verify", url, "--all", "--json").stdout)
-    assert report["ok"] and report["problems"] == [] and report["versions_checked"] == list(
-        range(7)
+    assert (
+        report["ok"] and report["problems"] == [] and report["versions_checked"] == list(range(7))
     )
     assert report["shards_checked"] == 5  # every distinct shard of every version, once
 
@@ -366,7 +365,7 @@ def test_compact_keeps_rows_in_order_and_reduces_files(durable_url: str) -> None
     assert len(after.shards) < len(before.shards)
     old, new = before.to_arrow().to_pylist(), after.to_arrow().to_pylist()
     assert len(old) == len(new)
-    for i, (a, b) in enumerate(zip(old, new)):
+    for i, (a, b) in enumerate(zip(old, new, strict=True)):
         assert a == b, f"row {i} differs"
     assert "nothing to compact" in run("compact", durable_url, "--target-size", "1MiB").stdout
 
