@@ -9,10 +9,14 @@ through on purpose because callers act on them: ``FileNotFoundError`` (object mi
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import logging
 import os
+import random
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -20,7 +24,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
 
-from .errors import ConcurrencyUnsupportedError, MissingDependencyError, StorageError
+from .errors import (
+    ConcurrencyUnsupportedError,
+    CorruptStoreError,
+    MissingDependencyError,
+    StorageError,
+)
 
 log = logging.getLogger("dynstate")
 T = TypeVar("T")
@@ -52,16 +61,36 @@ def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
 
 
 class Storage:
-    """A store root on some filesystem; all paths given to methods are relative to it."""
+    """A store root on some filesystem; all paths given to methods are relative to it.
+
+    Remote operations are retried on transient failures (see :func:`is_transient`) with
+    exponential backoff and full jitter, on top of the retries botocore and s3fs do
+    themselves; permanent ones (missing object, lost exclusive create, denied) never are.
+    """
+
+    retry_attempts = 5  # our own attempts per operation, each one already retried below us
+    retry_base_s = 0.1
+    retry_cap_s = 5.0
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url
         self.display_url = redact(url)
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = _with_defaults(url, dict(storage_options or {}))
+        self._pid = os.getpid()
+        self._fs, root = self._connect()
+        self.root = root.rstrip("/") if root not in ("/", "") else root
+        self.local = _is_local(self._fs)
+        self.memory = "memory" in _protocols(self._fs)
+        # s3fs sends a HEAD before every GET to split large objects into parallel ranges, and
+        # on a missing key that HEAD is followed by a LIST; one plain GET is a third the cost.
+        self._read_kwargs = {"max_concurrency": 1} if "s3" in _protocols(self._fs) else {}
+        self._exclusive_ok: bool | None = True if (self.local or self.memory) else None
+
+    def _connect(self) -> tuple[fsspec.AbstractFileSystem, str]:
         try:
-            fs, root = fsspec.core.url_to_fs(url, **self.storage_options)
+            return fsspec.core.url_to_fs(self.url, **self.storage_options)
         except ImportError as exc:
-            scheme = url.split("://", 1)[0]
+            scheme = self.url.split("://", 1)[0]
             extra = _EXTRAS.get(scheme, scheme)
             raise MissingDependencyError(
                 f"cannot open {self.display_url}: the {scheme}:// filesystem is not installed; "
@@ -69,45 +98,93 @@ class Storage:
             ) from exc
         except (ValueError, TypeError) as exc:
             raise StorageError(f"cannot open {self.display_url}: {exc}") from exc
-        self.fs: fsspec.AbstractFileSystem = fs
-        self.root = root.rstrip("/") if root not in ("/", "") else root
-        self.local = _is_local(fs)
-        self.memory = "memory" in _protocols(fs)
-        self._exclusive_ok: bool | None = True if (self.local or self.memory) else None
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        """The filesystem, rebuilt after a fork: async fsspec filesystems (s3fs) hold an event
+        loop thread and sockets that do not survive into a forked DataLoader worker."""
+        if self._pid != os.getpid():
+            self._fs = self._connect()[0]
+            self._pid = os.getpid()
+        return self._fs
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled for spawned workers and Ray tasks: they reconnect from the URL and options.
+        state = dict(self.__dict__)
+        state["_fs"] = None
+        state["_pid"] = -1
+        return state
 
     # -- plumbing --------------------------------------------------------------------------
 
     def path(self, rel: str) -> str:
         return f"{self.root}/{rel}" if self.root else rel
 
-    def _call(self, what: str, rel: str, fn: Callable[[], T]) -> T:
-        """Run one filesystem operation, translating its failures at this single boundary."""
-        try:
-            return fn()
-        except (FileNotFoundError, FileExistsError):
-            raise
-        except PermissionError as exc:
-            raise StorageError(
-                f"permission denied to {what} {self.display_url}/{rel}; check the credentials "
-                "and permissions for this location"
-            ) from exc
-        except (OSError, RuntimeError, ValueError) as exc:
-            raise StorageError(
-                f"could not {what} {self.display_url}/{rel}: {exc}; check that the location is "
-                "reachable and retry"
-            ) from exc
-        except Exception as exc:  # botocore / aiohttp errors that s3fs did not translate
-            if type(exc).__module__.split(".")[0] in ("botocore", "aiohttp", "aiobotocore"):
-                raise StorageError(
-                    f"could not {what} {self.display_url}/{rel}: {exc}; retry later"
-                ) from exc
-            raise
+    def _call(self, what: str, rel: str, fn: Callable[[], T], *, retry_corrupt: bool = False) -> T:
+        """Run one filesystem operation with retries, translating its failures at this single
+        boundary. ``fn`` must be safe to repeat: every caller's operation is idempotent or, for
+        exclusive creates, resolved by :meth:`create` reading back."""
+        attempts = 1 if (self.local or self.memory) else max(1, self.retry_attempts)
+        for attempt in range(attempts):
+            try:
+                return fn()
+            except Exception as exc:
+                again = is_transient(exc) or (retry_corrupt and isinstance(exc, CorruptStoreError))
+                if attempt + 1 < attempts and again:
+                    delay = random.uniform(0, min(self.retry_cap_s, self.retry_base_s * 2**attempt))
+                    log.debug(
+                        "transient failure to %s %s/%s (attempt %d of %d), retrying in %.2fs: %r",
+                        what,
+                        self.display_url,
+                        rel,
+                        attempt + 1,
+                        attempts,
+                        delay,
+                        exc,
+                    )
+                    time.sleep(delay)
+                    continue
+                err = self._translate(what, rel, exc, attempt + 1)
+                if err is exc:
+                    raise
+                raise err from exc
+        raise AssertionError("unreachable")  # the loop always returns or raises
+
+    def _translate(self, what: str, rel: str, exc: Exception, attempts: int) -> Exception:
+        if isinstance(exc, (FileNotFoundError, FileExistsError, CorruptStoreError)):
+            return exc
+        if isinstance(exc, StorageError):
+            return exc
+        where = f"{self.display_url}/{rel}"
+        tries = f" after {attempts} attempts" if attempts > 1 else ""
+        if isinstance(exc, PermissionError):
+            return StorageError(
+                f"permission denied to {what} {where}; check the credentials and permissions "
+                "for this location"
+            )
+        if isinstance(exc, (OSError, RuntimeError, ValueError)):
+            return StorageError(
+                f"could not {what} {where}{tries}: {exc}; check that the location is reachable "
+                "and retry"
+            )
+        if _is_client_library_error(exc):  # botocore / aiohttp errors s3fs did not translate
+            return StorageError(f"could not {what} {where}{tries}: {exc!r}; retry later")
+        return exc
 
     # -- reads -----------------------------------------------------------------------------
 
-    def read(self, rel: str) -> bytes:
-        """The object's bytes; ``FileNotFoundError`` if it does not exist."""
-        return self._call("read", rel, lambda: self.fs.cat_file(self.path(rel)))
+    def read(self, rel: str, *, check: Callable[[bytes], None] | None = None) -> bytes:
+        """The object's bytes; ``FileNotFoundError`` if it does not exist. ``check`` verifies
+        them (raising :class:`CorruptStoreError`); a remote read that fails it is fetched again
+        in case the body was cut short in transit, and the error stands only if it persists."""
+
+        def fetch() -> bytes:
+            data = self.fs.cat_file(self.path(rel), **self._read_kwargs)
+            if check is not None:
+                check(data)
+            return data
+
+        return self._call("read", rel, fetch, retry_corrupt=check is not None)
 
     def try_read(self, rel: str) -> bytes | None:
         try:
@@ -125,7 +202,10 @@ class Storage:
         """Names (not paths) of the objects directly under ``rel_dir``; [] if none."""
         try:
             entries = self._call(
-                "list", rel_dir, lambda: self.fs.ls(self.path(rel_dir), detail=False)
+                "list",
+                rel_dir,
+                # refresh: other processes write here, a cached listing would hide their files
+                lambda: self.fs.ls(self.path(rel_dir), detail=False, refresh=True),
             )
         except FileNotFoundError:
             return []
@@ -152,9 +232,21 @@ class Storage:
             with _MEMORY_LOCK:
                 self._call("create", rel, lambda: self._memory_create(rel, data))
         else:
-            self._call(
-                "create", rel, lambda: self.fs.pipe_file(self.path(rel), data, mode="create")
-            )
+            try:
+                self._call(
+                    "create", rel, lambda: self.fs.pipe_file(self.path(rel), data, mode="create")
+                )
+            except FileExistsError:
+                # An earlier attempt (ours, or botocore's own retry) may have landed with its
+                # reply lost; the retry then meets our own object. Only identical bytes are ours
+                # (records carry unique shard names and timestamps), anything else lost a race.
+                if self.try_read(rel) != data:
+                    raise
+                log.info(
+                    "create of %s/%s: an earlier attempt landed though its reply was lost",
+                    self.display_url,
+                    rel,
+                )
 
     def create_if_absent(self, rel: str, data: bytes) -> bool:
         """Exclusive create for content-addressed or deterministic files: an existing object
@@ -288,3 +380,65 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# -- retry policy ------------------------------------------------------------------------------
+
+_THROTTLE_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded"}
+)
+_TRANSIENT_ERRNOS = frozenset(
+    {errno.EIO, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE}
+    | ({errno.EREMOTEIO} if hasattr(errno, "EREMOTEIO") else set())
+)
+_CLIENT_LIBRARIES = ("botocore", "aiobotocore", "aiohttp", "urllib3")
+
+
+def _with_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """S3 options with dynstate's defaults where the caller set none: botocore's standard
+    retry mode (5xx, throttling, connection errors) and no listing cache (other writers)."""
+    if url.split("://", 1)[0] not in ("s3", "s3a"):
+        return options
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("retries", {"max_attempts": 5, "mode": "standard"})
+    options["config_kwargs"] = config
+    options.setdefault("use_listings_cache", False)
+    return options
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in seen and len(seen) < 8:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def _is_client_library_error(exc: BaseException) -> bool:
+    return type(exc).__module__.split(".")[0] in _CLIENT_LIBRARIES
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failed remote operation may succeed if repeated: 5xx and throttling replies,
+    dropped or reset connections, timeouts, bodies cut short. Never a missing object, a lost
+    exclusive create, a denied request or any other 4xx."""
+    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, CorruptStoreError)):
+        return False
+    for link in _chain(exc):
+        response = getattr(link, "response", None)
+        if isinstance(response, dict) and "Error" in response:
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            code = response["Error"].get("Code", "")
+            # 501: the backend does not implement the request (e.g. a conditional header).
+            return (status >= 500 and status != 501) or status == 429 or code in _THROTTLE_CODES
+    for link in _chain(exc):
+        if isinstance(link, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+            return True
+        if _is_client_library_error(link):
+            # What is left of botocore/aiohttp/urllib3 errors without a reply is transport:
+            # closed connections, short bodies, unparsable (cut) replies, timeouts. Credential
+            # and parameter errors are the exceptions.
+            name = type(link).__name__
+            return not any(s in name for s in ("Credential", "ParamValidation", "Unknown"))
+    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS

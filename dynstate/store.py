@@ -27,6 +27,7 @@ from .errors import (
     InvalidDataError,
     MissingShardError,
     SchemaMismatchError,
+    StorageError,
     StoreExistsError,
     StoreNotFoundError,
     VersionCollectedError,
@@ -456,14 +457,17 @@ class Store:
 
     def read_shard_bytes(self, shard: ShardRef, *, version: int | None = None) -> bytes:
         at = f" (version {version})" if version is not None else ""
+        where = f"{self.display_url}{at}"
         try:
-            data = self.storage.read(shard.path)
+            # Verified inside the read, so a body cut short in transit is fetched again.
+            data = self.storage.read(
+                shard.path, check=lambda d: verify_shard_bytes(d, shard, where)
+            )
         except FileNotFoundError:
             raise MissingShardError(
                 f"shard {shard.path} of {self.display_url}{at} is missing; restore it, or reset "
                 "the store to a version that does not use it"
             ) from None
-        verify_shard_bytes(data, shard, f"{self.display_url}{at}")
         return data
 
     # -- writing -----------------------------------------------------------------------------
@@ -527,9 +531,11 @@ class Store:
             return self._commit_loop(
                 lambda parent: self._append_record(parent, shards, schema, validated, meta)
             )
-        except BaseException:
+        except BaseException as exc:
             # A rejected or failed round must leave nothing behind but what gc would remove.
-            self.discard(parts)
+            # After a StorageError the commit may have landed unseen: keep its shards for gc.
+            if not isinstance(exc, StorageError):
+                self.discard(parts)
             raise
 
     def discard(self, parts: Sequence[Staged]) -> None:

@@ -1,0 +1,330 @@
+"""The store on S3 behind a fault-injecting proxy (tests/s3_faults.py): retries, commits whose
+reply is lost, concurrent writers and reads under >= 10 % faults, request counts per operation.
+
+Every test talks to the loopback moto server through the proxy; nothing is mocked."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+
+import pyarrow as pa
+import pytest
+from botocore.exceptions import ClientError, ConnectionClosedError, ReadTimeoutError
+from conftest import s3_url
+from s3_faults import KINDS, FaultProxy
+
+from dynstate import StorageError, Store
+from dynstate.storage import Storage, is_transient
+
+pytestmark = pytest.mark.s3
+
+# Delays stay under the client's read timeout: they slow a request, the other kinds fail it.
+FAULT_RATE = 0.15
+
+
+@pytest.fixture
+def proxy(s3_endpoint):
+    with FaultProxy(s3_endpoint, seed=1234, delay_s=0.05) as p:
+        yield p
+
+
+def _options(proxy: FaultProxy, **extra) -> dict:
+    return {"endpoint_url": proxy.url, **extra}
+
+
+def _round(writer: int, number: int, rows: int = 3) -> list[dict]:
+    return [{"writer": writer, "round": number, "row": r} for r in range(rows)]
+
+
+def _check_store(url: str, endpoint: str) -> list[tuple[int, int]]:
+    """Open ``url`` directly (no faults) and check that every version reads back and verifies
+    and extends its parent by exactly one whole round; returns the rounds in commit order."""
+    store = Store.open(url, storage_options={"endpoint_url": endpoint})
+    rounds: list[tuple[int, int]] = []
+    previous: list[dict] = []
+    for version in range(1, store.head + 1):
+        rows = store.snapshot(version).to_arrow().to_pylist()
+        assert rows[: len(previous)] == previous, f"version {version} rewrote earlier rows"
+        added = rows[len(previous) :]
+        keys = {(r["writer"], r["round"]) for r in added}
+        assert len(keys) == 1 and len(added) == 3, f"version {version} added {added}"
+        rounds.append(keys.pop())
+        previous = rows
+    assert len(rounds) == len(set(rounds)), f"a round was committed twice: {rounds}"
+    assert [c.version for c in store.versions()] == list(range(store.head + 1))
+    return rounds
+
+
+# -- classification --------------------------------------------------------------------------
+
+
+def _client_error(status: int, code: str) -> ClientError:
+    response = {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {}}
+    response["ResponseMetadata"]["HTTPStatusCode"] = status
+    return ClientError(response, "PutObject")
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "transient"),
+    [
+        (500, "InternalError", True),
+        (503, "SlowDown", True),
+        (429, "TooManyRequests", True),
+        (501, "NotImplemented", False),
+        (403, "AccessDenied", False),
+        (404, "NoSuchKey", False),
+        (412, "PreconditionFailed", False),
+        (400, "InvalidArgument", False),
+    ],
+)
+def test_http_replies_are_classified(status, code, transient):
+    assert is_transient(_client_error(status, code)) is transient
+    # As s3fs hands them on: an OSError whose cause is the botocore error.
+    wrapped = OSError(5, code)
+    wrapped.__cause__ = _client_error(status, code)
+    assert is_transient(wrapped) is transient
+
+
+def test_transport_errors_are_transient_and_outcomes_are_not():
+    assert is_transient(ConnectionClosedError(endpoint_url="http://x"))
+    assert is_transient(ReadTimeoutError(endpoint_url="http://x"))
+    assert is_transient(ConnectionResetError())
+    assert not is_transient(FileNotFoundError("k"))
+    assert not is_transient(FileExistsError("k"))
+    assert not is_transient(PermissionError("k"))
+
+
+# -- exclusive create whose reply is lost ------------------------------------------------------
+
+
+@pytest.mark.parametrize("lower_retries", [True, False], ids=["botocore-retries", "ours-only"])
+def test_create_with_lost_reply_is_our_success(proxy, lower_retries):
+    options = _options(proxy)
+    if not lower_retries:
+        options["config_kwargs"] = {"retries": {"max_attempts": 1}}
+    storage = Storage(s3_url(), options)
+    storage.retry_base_s = 0.01
+    proxy.force("drop_response", method="PUT", path_contains="commit-1")
+    storage.create("commit-1", b"our record")  # applied, reply lost, retry meets 412
+    assert proxy.faults["drop_response"] == 1
+    assert proxy.counts["PUT"] == 2
+    assert storage.read("commit-1") == b"our record"
+
+
+def test_create_against_other_bytes_is_a_lost_race(proxy):
+    storage = Storage(s3_url(), _options(proxy))
+    storage.create("commit-1", b"their record")
+    proxy.force("drop_response", method="PUT", path_contains="commit-1")
+    with pytest.raises(FileExistsError):
+        storage.create("commit-1", b"our record")
+    assert storage.read("commit-1") == b"their record"
+
+
+def test_commit_with_lost_reply_lands_once(proxy, s3_endpoint):
+    url = s3_url()
+    store = Store.open(url, create=True, storage_options=_options(proxy))
+    for number in range(1, 4):
+        proxy.force("drop_response", method="PUT", path_contains="_dynstate/log/")
+        assert store.append(_round(0, number)) == number
+    assert proxy.faults["drop_response"] == 3
+    assert _check_store(url, s3_endpoint) == [(0, 1), (0, 2), (0, 3)]
+
+
+def test_commit_of_unknown_outcome_keeps_its_shards(proxy, s3_endpoint):
+    """The record lands, its reply is lost, and every retry fails: append must raise, and must
+    not delete the shards of what may be (and here is) a committed version."""
+    url = s3_url()
+    options = _options(proxy, config_kwargs={"retries": {"max_attempts": 1}})
+    store = Store.open(url, create=True, storage_options=options)
+    store.append(_round(0, 1))
+    store.storage.retry_base_s = 0.001
+
+    def then_fail_every_put(kind: str, method: str, path: str) -> None:
+        proxy.rate, proxy.kinds, proxy.methods = 1.0, ("500",), {"PUT"}
+
+    proxy.on_fault = then_fail_every_put
+    proxy.force("drop_response", method="PUT", path_contains="_dynstate/log/")
+    with pytest.raises(StorageError, match="after 5 attempts"):
+        store.append(_round(0, 2))
+    proxy.rate = 0.0
+    assert _check_store(url, s3_endpoint) == [(0, 1), (0, 2)]
+
+
+def test_permanent_errors_are_not_retried(proxy):
+    storage = Storage(s3_url(), _options(proxy))
+    with pytest.raises(FileNotFoundError):
+        storage.read("missing.json")
+    assert dict(proxy.counts) == {"GET": 1}
+    storage.create("once", b"a")
+    proxy.reset_counts()
+    with pytest.raises(FileExistsError):
+        storage.create("once", b"b")
+    assert dict(proxy.counts) == {"PUT": 1, "GET": 1}  # the 412, then the read-back
+
+
+def test_persistent_failure_is_a_clear_storage_error(proxy):
+    url = s3_url()
+    options = _options(proxy, config_kwargs={"retries": {"max_attempts": 1}})
+    store = Store.open(url, create=True, storage_options=options)
+    store.append(_round(0, 1))
+    store.storage.retry_base_s = 0.001
+    proxy.rate, proxy.kinds = 1.0, ("500",)
+    with pytest.raises(StorageError, match=r"s3://dynstate-test/.*after 5 attempts"):
+        store.append(_round(0, 2))
+    proxy.rate = 0.0
+    assert Store.open(url, storage_options=options).snapshot().to_arrow().num_rows == 3
+
+
+# -- many operations under injected faults -----------------------------------------------------
+
+
+def test_appends_and_reads_under_faults(proxy, s3_endpoint):
+    url = s3_url()
+    proxy.rate = FAULT_RATE
+    store = Store.open(url, create=True, storage_options=_options(proxy))
+    for number in range(1, 13):
+        assert store.append(_round(0, number)) == number
+    assert _check_store(url, s3_endpoint) == [(0, n) for n in range(1, 13)]
+    reader = Store.open(url, storage_options=_options(proxy))
+    for version in (4, 12):
+        table = reader.snapshot(version).to_arrow()
+        assert table.column("round").to_pylist() == [
+            n for n in range(1, version + 1) for _ in "abc"
+        ]
+    assert sum(proxy.faults.values()) >= 10
+    assert set(proxy.faults) >= {"drop_response", "truncate", "503"}
+
+
+def test_truncated_shard_bodies_are_fetched_again(proxy):
+    url = s3_url()
+    store = Store.open(url, create=True, storage_options=_options(proxy))
+    store.append(pa.table({"x": list(range(1000))}))
+    reader = Store.open(url, storage_options=_options(proxy))
+    snap = reader.snapshot()
+    for _ in range(3):
+        proxy.force("truncate", method="GET", path_contains="/data/")
+    proxy.reset_counts()
+    assert snap.to_arrow().column("x").to_pylist() == list(range(1000))
+    assert proxy.counts["GET"] == 4  # three cut bodies, then the whole one
+
+
+_WRITER = textwrap.dedent(
+    """
+    import json, sys
+    from dynstate import DynstateError, StorageError, Store
+    url, endpoint, writer = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    store = Store.open(url, storage_options={"endpoint_url": endpoint})
+    for number in range(1, 5):
+        rows = [{"writer": writer, "round": number, "row": r} for r in range(3)]
+        try:
+            version = store.append(rows)
+            print(json.dumps({"round": number, "version": version}), flush=True)
+        except StorageError as exc:
+            print(json.dumps({"round": number, "error": str(exc)}), flush=True)
+    """
+)
+
+
+def test_concurrent_writers_under_faults(proxy, s3_endpoint):
+    url = s3_url()
+    Store.open(url, create=True, storage_options={"endpoint_url": s3_endpoint})
+    proxy.rate = FAULT_RATE
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER, url, proxy.url, str(w)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ),
+        )
+        for w in range(4)
+    ]
+    reported: dict[tuple[int, int], dict] = {}
+    for writer, proc in enumerate(procs):
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err
+        for line in out.splitlines():
+            result = json.loads(line)
+            reported[(writer, result["round"])] = result
+    rounds = _check_store(url, s3_endpoint)
+    assert len(reported) == 16
+    for key, result in reported.items():
+        if "version" in result:
+            assert key in rounds, f"{key} reported as version {result['version']} but missing"
+        else:  # a clear error: its outcome was unknown, so it landed at most once
+            assert "s3://dynstate-test/" in result["error"]
+    assert set(rounds) <= set(reported)
+    assert sum(proxy.faults.values()) >= 10
+
+
+# -- request counts ----------------------------------------------------------------------------
+
+
+def test_request_counts_per_operation(proxy):
+    url = s3_url()
+    store = Store.open(url, create=True, storage_options=_options(proxy))
+    store.append(_round(0, 1))
+    proxy.reset_counts()
+    store.append(_round(0, 2))
+    append_counts = dict(proxy.counts)
+    # shard + commit record + head hint; the reads are the refresh before and the probe after.
+    assert append_counts["PUT"] == 3
+    assert "LIST" not in append_counts and "HEAD" not in append_counts
+
+    proxy.reset_counts()
+    reader = Store.open(url, storage_options=_options(proxy))
+    open_counts = dict(proxy.counts)
+    assert set(open_counts) == {"GET"}  # no LIST, no HEAD, nothing written
+
+    proxy.reset_counts()
+    snap = reader.snapshot()
+    rows = snap.to_arrow()
+    assert rows.num_rows == 6
+    snapshot_meta = proxy.counts["GET"] - len(snap.shards)
+    assert set(proxy.counts) == {"GET"}
+    proxy.reset_counts()
+    assert snap.read_shard(0).num_rows == 3
+    assert dict(proxy.counts) == {"GET": 1}  # one shard: one GET, no HEAD
+    print(
+        f"\nS3 requests: open {open_counts}, append {append_counts}, "
+        f"snapshot metadata GET {snapshot_meta}, read shard GET 1"
+    )
+
+
+# -- fork safety -------------------------------------------------------------------------------
+
+
+def _read_in_child(storage: Storage, queue) -> None:
+    try:
+        queue.put(storage.read("blob"))
+    except Exception as exc:  # reported to the parent, which fails the test with it
+        queue.put(repr(exc))
+
+
+def test_storage_survives_fork(proxy):
+    storage = Storage(s3_url(), _options(proxy))
+    storage.create("blob", b"payload")
+    assert storage.read("blob") == b"payload"  # starts s3fs's event loop in this process
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_read_in_child, args=(storage, queue))
+    child.start()
+    result = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert result == b"payload"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_fault_kind_alone_is_survived(proxy, kind):
+    storage = Storage(s3_url(), _options(proxy))
+    storage.retry_base_s = 0.01
+    proxy.force(kind, method="PUT")
+    storage.create("a", b"x" * 100)
+    proxy.force(kind, method="GET")
+    assert storage.read("a") == b"x" * 100
+    assert proxy.faults[kind] == 2
