@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     ChecksumMismatchError,
+    DynstateError,
     InvalidDataError,
     MissingDependencyError,
     MissingShardError,
@@ -208,11 +209,15 @@ def _round_failed(store: Store, total: int, failures: dict[int, BaseException]) 
     summary = str(first).strip().splitlines()
     reason = summary[-1] if summary else type(first).__name__
     where = f"part {first_index}" if first_index >= 0 else "the round"
+    try:
+        head = store.refresh()
+    except DynstateError:
+        head = store.head  # the store being unreachable must not hide the round's failure
     error = RoundFailedError(
         f"round for {store.display_url} not committed: {len(failures)} of {total} parts "
         f"failed ({where}: {type(first).__name__}: {reason}); the store is still at version "
-        f"{store.refresh()} and the other parts' shards were removed; fix the cause and "
-        "write the round again (or pass max_retries)"
+        f"{head} and the other parts' shards were removed; fix the cause and write the "
+        "round again (or pass max_retries)"
     )
     error.failures = failures
     error.__cause__ = first

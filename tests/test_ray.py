@@ -15,7 +15,13 @@ pytest.importorskip("ray.data")
 
 from conftest import s3_url  # noqa: E402
 
-from dynstate import MissingShardError, RoundFailedError, Store  # noqa: E402
+from dynstate import (  # noqa: E402
+    InvalidDataError,
+    MissingDependencyError,
+    MissingShardError,
+    RoundFailedError,
+    Store,
+)
 from dynstate.ray import (  # noqa: E402
     commit_round,
     to_ray_dataset,
@@ -149,19 +155,21 @@ def _assert_same(ds, store: Store, version: int) -> None:
 def test_to_ray_dataset_reads_exactly_a_version_and_write_ray_dataset(ray_cluster, tmp_path):
     url = str(tmp_path / "store")
     store = Store.open(url, create=True)
-    for step in range(3):
+    for step in range(2):
         # Small shards: each version spans several files whose order matters.
         store.append(_rows(step, 40), meta={"step": step}, shard_bytes=256)
+    scored = [{**row, "score": 0.5} for row in _rows(2, 10)]
+    store.append(scored, meta={"step": 2}, allow_new_columns=True)
     assert len(store.snapshot(1).shards) > 2
     _assert_same(to_ray_dataset(url, 1), store, 1)  # an older version after later appends
+    # Shards written before "score" existed are read with nulls there, as the store does.
     _assert_same(to_ray_dataset(store), store, 3)
 
-    source = ray.data.from_items(_rows(7, 30), override_num_blocks=3)
+    source = ray.data.from_items(scored, override_num_blocks=3)
     source.context.execution_options.preserve_order = True
     version = write_ray_dataset(store, source, meta={"step": 3})
-    assert store.snapshot(version).to_arrow().to_pylist()[-30:] == _rows(7, 30)
+    assert store.snapshot(version).to_arrow().to_pylist()[-10:] == scored
     assert len(store.commit_record(version).add) == 3  # one staged part per block
-    _assert_same(to_ray_dataset(store, version), store, version)
 
     store.storage.delete(store.snapshot(1).shards[0].path)
     with pytest.raises(MissingShardError, match="version 1"):
@@ -173,8 +181,17 @@ def test_round_and_dataset_on_s3(ray_cluster):
     store = _seed(url)
     version = write_round(url, range(3), _generate, meta={"step": 1})
     store.refresh()
-    assert store.snapshot(version).to_arrow().to_pylist() == _rows(-1, 3) + [
-        r for t in range(3) for r in _rows(t)
-    ]
+    expected = _rows(-1, 3) + [r for t in range(3) for r in _rows(t)]
+    assert store.snapshot(version).to_arrow().to_pylist() == expected
+    assert _data_files(store) == _referenced(store)
     _assert_same(to_ray_dataset(url, version), store, version)
-    _assert_same(to_ray_dataset(url, 1), store, 1)
+
+
+def test_unreachable_stores_and_missing_ray_raise_typed_errors(monkeypatch):
+    store = Store.open("memory://dynstate-tests/ray-refused", create=True)
+    with pytest.raises(InvalidDataError, match=r"memory://.*Ray workers"):
+        write_round(store, range(2), _generate)
+    assert store.refresh() == 0
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    with pytest.raises(MissingDependencyError, match=r"dynstate\[ray\]"):
+        to_ray_dataset(store)
