@@ -1,0 +1,305 @@
+"""Crash soak for the store: a writer process appends in a loop and is SIGKILLed at random
+instants; after each kill the store must open, every committed version must read back with
+matching checksums, and the head must hold exactly the rounds whose commit completed.
+
+    python tools/soak_store.py --trials 200          # local directory
+    python tools/soak_store.py --trials 50 --s3      # a loopback S3 server (moto)
+
+``tests/test_store_crash.py`` runs a short share of the same trials (it imports this module).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Small shards, so that a kill can land between the shards of one round.
+SHARD_BYTES = 512
+_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
+
+
+def round_rows(k: int) -> list[dict[str, Any]]:
+    """Round ``k``'s rows, a pure function of k: some rounds are empty, some span shards."""
+    n = (k * 37) % 11 * 6
+    return [{"round": k, "i": i, "text": f"round {k} row {i} " + "x" * (i % 13)} for i in range(n)]
+
+
+def writer_main(url: str, log_file: str, env: dict[str, str]) -> None:
+    """Append rounds forever, logging "begin k" before and "commit v k" after each append.
+
+    A kill between the commit and its log line leaves one version the log does not know; the
+    checker accepts exactly that one (the round whose begin has no commit line)."""
+    os.environ.update(env)
+    from dynstate import Store
+
+    fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def note(line: str) -> None:
+        os.write(fd, (line + "\n").encode())  # unbuffered: in the file once write() returns
+
+    store = Store.open(url)
+    head = store.commit_record(store.head)
+    k = int(head.meta.get("round", -1)) + 1  # carry on after what the last writer committed
+    note("ready")
+    while True:
+        note(f"begin {k}")
+        version = store.append(round_rows(k), meta={"round": k}, shard_bytes=SHARD_BYTES)
+        note(f"commit {version} {k}")
+        k += 1
+
+
+def die_at(url: str, point: str, env: dict[str, str]) -> None:
+    """Append the next round but SIGKILL this process at a chosen point of the commit:
+    ``before-commit`` (shards written, no record), ``after-commit`` (record created, head hint
+    not yet updated) or ``checkpoint`` (record created, checkpoint not yet written)."""
+    os.environ.update(env)
+    from dynstate import Store
+    from dynstate import manifest as m
+    from dynstate.storage import Storage
+
+    prefix = {
+        "before-commit": f"{m.META_DIR}/log/",
+        "after-commit": m.HEAD_HINT,
+        "checkpoint": f"{m.META_DIR}/checkpoints/",
+    }[point]
+    create, put = Storage.create, Storage.put
+
+    def dying(original: Any) -> Any:
+        def write(self: Storage, rel: str, data: bytes) -> None:
+            if rel.startswith(prefix):
+                os.kill(os.getpid(), signal.SIGKILL)
+            original(self, rel, data)
+
+        return write
+
+    Storage.create, Storage.put = dying(create), dying(put)  # type: ignore[method-assign]
+    store = Store.open(url)
+    k = int(store.commit_record(store.head).meta.get("round", -1)) + 1
+    store.append(round_rows(k), meta={"round": k}, shard_bytes=SHARD_BYTES)
+
+
+class TrialFailure(AssertionError):
+    pass
+
+
+@dataclass
+class Outcome:
+    """What one trial saw, for the summary."""
+
+    head: int
+    new_versions: int
+    unlogged_commit: bool
+    stray_shards: int
+    killed_before_ready: bool
+
+
+@dataclass
+class Soak:
+    """A store and the writers that crash into it, trial after trial."""
+
+    url: str
+    workdir: Path
+    max_delay: float = 0.3
+    rng: random.Random = field(default_factory=random.Random)
+    env: dict[str, str] = field(default_factory=dict)
+    trials: int = 0
+    full_every: int = 10
+    rows_of: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from dynstate import Store
+
+        Store.open(self.url, create=True)
+        self.env = {k: os.environ[k] for k in _ENV if k in os.environ}
+        self.verified_head = 0  # versions up to here were checked by an earlier trial
+
+    def trial(self) -> Outcome:
+        """Start a writer, kill it at a random instant, check the store."""
+        self.trials += 1
+        log_file = self.workdir / f"writer-{self.trials}.log"
+        ctx = _context()
+        import soak_store  # by module name, also when this file runs as __main__
+
+        proc = ctx.Process(target=soak_store.writer_main, args=(self.url, str(log_file), self.env))
+        proc.start()
+        early = self.rng.random() < 0.1
+        if early:
+            time.sleep(self.rng.uniform(0, 0.05))  # perhaps while it is still opening
+        else:
+            deadline = time.monotonic() + 60
+            while "ready" not in _read(log_file):
+                if time.monotonic() > deadline or not proc.is_alive():
+                    proc.kill()
+                    raise TrialFailure(f"writer never became ready (exit {proc.exitcode})")
+                time.sleep(0.002)
+            time.sleep(self.rng.uniform(0, self.max_delay))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        if proc.exitcode != -signal.SIGKILL:
+            raise TrialFailure(f"writer ended with {proc.exitcode} before the kill")
+        return self.check(_read(log_file), early)
+
+    def check(self, log_text: str, early: bool) -> Outcome:
+        from dynstate import Store
+
+        store = Store.open(self.url)  # must open whatever the instant of the kill
+        head = store.head
+        begun: list[int] = []
+        logged: dict[int, int] = {}  # version -> round
+        for line in log_text.splitlines():
+            parts = line.split()
+            if parts[:1] == ["begin"] and len(parts) == 2:
+                begun.append(int(parts[1]))
+            elif parts[:1] == ["commit"] and len(parts) == 3:
+                logged[int(parts[1])] = int(parts[2])
+        last_logged = max(logged, default=self.verified_head)
+        unlogged = head == last_logged + 1
+        if not (head == last_logged or unlogged):
+            raise TrialFailure(f"head is {head}, but the writer last logged {last_logged}")
+        if unlogged:
+            pending = [k for k in begun if k not in logged.values()]
+            if len(pending) != 1 or store.commit_record(head).meta.get("round") != pending[0]:
+                raise TrialFailure(f"version {head} is not the round in flight {pending}")
+            logged[head] = pending[0]
+
+        records = store.versions()
+        if [r.version for r in records] != list(range(head + 1)):
+            raise TrialFailure(f"versions have gaps: {[r.version for r in records]}")
+        for version, k in logged.items():
+            if records[version].meta.get("round") != k:
+                raise TrialFailure(f"version {version} holds {records[version].meta}, not {k}")
+        # Rounds are committed one after the other: version v holds round (its parent's) + 1.
+        rounds = [r.meta["round"] for r in records[1:]]
+        if rounds != list(range(len(rounds))):
+            raise TrialFailure(f"rounds are not each committed once, in order: {rounds}")
+
+        # The head holds exactly the committed rounds, every shard matching its checksum.
+        # Shards are immutable, so each is read (and verified) once, and the whole head again
+        # every ``full_every`` trials and at the end.
+        snap = store.snapshot(head)
+        if self.trials % self.full_every == 0:
+            self.rows_of.clear()
+        for shard in snap.shards:
+            if shard.path not in self.rows_of:
+                self.rows_of[shard.path] = store.read_shard(shard, snap.schema).to_pylist()
+        got = [row for shard in snap.shards for row in self.rows_of[shard.path]]
+        if got != [row for k in rounds for row in round_rows(k)]:
+            raise TrialFailure(f"head {head} does not hold exactly the committed rounds")
+        # Each new version is a prefix of the head (row identity) and reads back.
+        for version in range(self.verified_head + 1, head + 1):
+            part = store.snapshot(version)
+            if list(part.shards) != list(snap.shards[: len(part.shards)]):
+                raise TrialFailure(f"version {version} is not a prefix of the head")
+            if part.commit.num_rows != part.num_rows:
+                raise TrialFailure(f"version {version} lists {part.num_rows} rows")
+        referenced = {s.path.rsplit("/", 1)[-1] for s in snap.shards}
+        stray = [n for n in store.storage.list("data") if n not in referenced]
+        new = head - self.verified_head
+        self.verified_head = head
+        return Outcome(head, new, unlogged, len(stray), early)
+
+    def final_check(self) -> None:
+        """Every version of the store read back in full by a fresh reader, checksums and all."""
+        from dynstate import Store
+
+        store = Store.open(self.url)
+        head = store.snapshot().to_arrow()
+        for record in store.versions():
+            table = store.snapshot(record.version).to_arrow()
+            if table.num_rows and table.to_pylist() != head.slice(0, table.num_rows).to_pylist():
+                raise TrialFailure(f"version {record.version} is not a prefix of the head")
+
+
+_CTX: Any = None
+
+
+def _context() -> Any:
+    """A forkserver with dynstate preloaded: each writer starts in milliseconds, from a clean
+    single-threaded parent (not a fork of pytest or the S3 server threads)."""
+    global _CTX
+    if _CTX is None:
+        here = str(Path(__file__).resolve().parent)
+        if here not in sys.path:
+            sys.path.insert(0, here)
+        _CTX = mp.get_context("forkserver")
+        # pyarrow imports pandas lazily on the first from_pylist: preload it too.
+        _CTX.set_forkserver_preload(["soak_store", "dynstate", "pyarrow.parquet", "pandas", "s3fs"])
+    return _CTX
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
+
+
+def _moto() -> Any:
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="soak",
+        AWS_SECRET_ACCESS_KEY="soak",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+    )
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket="dynstate-soak")
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=200)
+    parser.add_argument("--s3", action="store_true", help="use a loopback moto S3 server")
+    parser.add_argument("--seed", type=int, default=int(time.time()))
+    parser.add_argument("--max-delay", type=float, default=0.3, help="seconds, per trial")
+    args = parser.parse_args(argv)
+    server = _moto() if args.s3 else None
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="dynstate-soak-") as tmp:
+        url = "s3://dynstate-soak/store" if args.s3 else os.path.join(tmp, "store")
+        soak = Soak(url, Path(tmp), max_delay=args.max_delay, rng=random.Random(args.seed))
+        outcomes: list[Outcome] = []
+        try:
+            for n in range(args.trials):
+                outcomes.append(soak.trial())
+                if (n + 1) % 20 == 0:
+                    print(f"{n + 1} trials, head {outcomes[-1].head}", flush=True)
+            soak.final_check()
+        except TrialFailure as exc:
+            print(f"FAILED at trial {soak.trials} (seed {args.seed}): {exc}", file=sys.stderr)
+            return 1
+        finally:
+            if server is not None:
+                server.stop()
+    print(
+        f"{len(outcomes)} kills on {'s3' if args.s3 else 'local'} (seed {args.seed}) in "
+        f"{time.monotonic() - start:.0f}s: all passed; head {outcomes[-1].head}, "
+        f"{sum(o.unlogged_commit for o in outcomes)} kills between a commit and its log line, "
+        f"{sum(o.killed_before_ready for o in outcomes)} while opening, "
+        f"{sum(o.new_versions == 0 for o in outcomes)} with no new version, "
+        f"{outcomes[-1].stray_shards} uncommitted shards left for gc"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
