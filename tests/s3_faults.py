@@ -22,6 +22,7 @@ import http.client
 import random
 import socket
 import struct
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -53,6 +54,15 @@ def operation(method: str, path: str) -> str:
     return method
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        # A client that timed out and left (a delayed request) is part of the game, not news.
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
+
+
 class FaultProxy:
     """A threaded loopback proxy in front of ``upstream`` (``http://host:port``)."""
 
@@ -82,8 +92,7 @@ class FaultProxy:
         self._random = random.Random(seed)
         self._forced: list[tuple[str, str | None, str | None]] = []
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._server.daemon_threads = True
+        self._server = _Server(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pyarrow as pa
 import pytest
@@ -152,6 +153,21 @@ def test_commit_of_unknown_outcome_keeps_its_shards(proxy, s3_endpoint):
     with pytest.raises(StorageError, match="after 5 attempts"):
         store.append(_round(0, 2))
     proxy.rate = 0.0
+    assert _check_store(url, s3_endpoint) == [(0, 1), (0, 2)]
+
+
+def test_timed_out_commit_lands_once(proxy, s3_endpoint):
+    """The record's PUT is held past the client's read timeout, so the client retries while the
+    first request is still on its way; it reaches the server later. One version either way."""
+    url = s3_url()
+    options = _options(proxy, config_kwargs={"read_timeout": 1, "connect_timeout": 1})
+    store = Store.open(url, create=True, storage_options=options)
+    proxy.delay_s = 2.0
+    proxy.force("delay", method="PUT", path_contains="_dynstate/log/")
+    assert store.append(_round(0, 1)) == 1
+    threading.Event().wait(proxy.delay_s)  # let the held request land before checking
+    assert store.append(_round(0, 2)) == 2
+    assert proxy.faults["delay"] == 1
     assert _check_store(url, s3_endpoint) == [(0, 1), (0, 2)]
 
 
