@@ -9,8 +9,6 @@ import json
 import logging
 import os
 import re
-import shutil
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,10 +19,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import manifest as m
 from .errors import DynstateError
-from .gc import DEFAULT_GRACE_S, collect_garbage, gc_floor, lineage, parse_duration
-from .store import Snapshot, Store
+from .export import export
+from .gc import DEFAULT_GRACE_S, collect_garbage, parse_duration
+from .history import describe, diff, version_rows
+from .store import Store
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
@@ -123,16 +122,6 @@ def _version(value: str | None) -> int | str | None:
     return None if value in (None, "head") else value
 
 
-def _ranges(versions: list[int]) -> str:
-    parts: list[str] = []
-    for v in sorted(versions):
-        if parts and parts[-1][1] == v - 1:
-            parts[-1] = (parts[-1][0], v)
-        else:
-            parts.append((v, v))
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
-
-
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", count=True, help="Log more (repeat for debug).")
 @click.version_option(package_name="dynstate")
@@ -169,17 +158,8 @@ def ls_cmd(url: str, show_all: bool, limit: int | None, as_json: bool, storage_o
       dynstate ls ./runs/run1 --all --limit 20
     """
     store = _open(url, storage_options)
-    head, floor = store.refresh(), gc_floor(store)
-    if show_all:
-        versions = list(range(max(floor, head - limit + 1 if limit else floor), head + 1))
-        line = set(lineage(store, head, versions[0]))
-    else:
-        line = set(lineage(store, head, floor)[:limit])
-        versions = sorted(line)
-    tags: dict[int, list[str]] = {}
-    for name, v in sorted(store.tags().items()):
-        tags.setdefault(v, []).append(name)
-    rows = [_ls_row(store.commit_record(v), head, line, tags.get(v, [])) for v in versions]
+    rows = version_rows(store, include_abandoned=show_all, limit=limit)
+    head = store.head
     if as_json:
         _print_json(rows)
         return
@@ -205,25 +185,6 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def _ls_row(record: m.Commit, head: int, line: set[int], tags: list[str]) -> dict[str, Any]:
-    status = "head" if record.version == head else None
-    if record.version not in line:
-        status = "abandoned"
-    return {
-        "version": record.version,
-        "op": record.op,
-        "rows_added": record.rows_added,
-        "total_rows": record.num_rows,
-        "shards": record.num_shards,
-        "bytes": record.num_bytes,
-        "step": record.meta.get("step"),
-        "generator": record.meta.get("generator"),
-        "created": record.created,
-        "tags": tags,
-        "status": status,
-    }
-
-
 @cli.command("show")
 @click.argument("url")
 @click.argument("version", required=False)
@@ -241,8 +202,7 @@ def show_cmd(
       dynstate show s3://bucket/runs/run1 12
     """
     store = _open(url, storage_options)
-    snap = store.snapshot(_version(version))
-    info = _describe(store, snap)
+    info = describe(store, _version(version))
     if as_json:
         _print_json(info)
         return
@@ -268,36 +228,6 @@ def show_cmd(
         console.print(
             f"... and {len(info['shard_list']) - max_shards} more shards (--json lists all)"
         )
-
-
-def _describe(store: Store, snap: Snapshot) -> dict[str, Any]:
-    record = snap.commit
-    head, floor = store.refresh(), gc_floor(store)
-    line = lineage(store, record.version, floor)
-    status = "head" if record.version == head else None
-    if status is None and record.version not in lineage(store, head, record.version):
-        status = "abandoned"
-    return {
-        "url": store.display_url,
-        "store_id": store.store_id,
-        "version": record.version,
-        "op": record.op,
-        "parent": record.parent,
-        "target": record.target,
-        "created": record.created,
-        "status": status,
-        "rows": snap.num_rows,
-        "rows_added": record.rows_added,
-        "shards": len(snap.shards),
-        "bytes": record.num_bytes,
-        "tags": sorted(n for n, v in store.tags().items() if v == record.version),
-        "lineage": f"{_ranges(line)} ({len(line)} versions)",
-        "meta": record.meta,
-        "schema": [
-            {"name": f.name, "type": str(f.type), "nullable": f.nullable} for f in snap.schema or []
-        ],
-        "shard_list": [s.to_json() for s in snap.shards],
-    }
 
 
 @cli.command("head")
@@ -356,38 +286,18 @@ def diff_cmd(url: str, v1: str, v2: str, as_json: bool, storage_options) -> None
       dynstate diff ./runs/run1 3 head
     """
     store = _open(url, storage_options)
-    a, b = store.snapshot(_version(v1)), store.snapshot(_version(v2))
-    prefix = 0
-    while prefix < min(len(a.shards), len(b.shards)) and a.shards[prefix] == b.shards[prefix]:
-        prefix += 1
-    a_paths, b_paths = {s.path for s in a.shards}, {s.path for s in b.shards}
-    schema = None
-    if a.commit.schema != b.commit.schema and a.schema is not None and b.schema is not None:
-        schema = m.describe_schema_diff(a.schema, b.schema)
-    info = {
-        "url": store.display_url,
-        "from": a.version,
-        "to": b.version,
-        "rows": [a.num_rows, b.num_rows],
-        "shards": [len(a.shards), len(b.shards)],
-        "shared_prefix_rows": a.offsets[prefix],
-        "extends": prefix == len(a.shards),
-        "schema_change": schema,
-        "added": [s.to_json() for s in b.shards if s.path not in a_paths],
-        "removed": [s.to_json() for s in a.shards if s.path not in b_paths],
-    }
+    info = diff(store, _version(v1), _version(v2))
     if as_json:
         _print_json(info)
         return
-    delta = b.num_rows - a.num_rows
+    (a, b), (ra, rb), (sa, sb) = (info["from"], info["to"]), info["rows"], info["shards"]
     lines = [
-        f"{store.display_url}: version {a.version} -> {b.version}",
-        f"rows:   {a.num_rows} -> {b.num_rows} ({delta:+d})",
-        f"shards: {len(a.shards)} -> {len(b.shards)} "
-        f"(+{len(info['added'])} added, -{len(info['removed'])} removed)",
+        f"{store.display_url}: version {a} -> {b}",
+        f"rows:   {ra} -> {rb} ({rb - ra:+d})",
+        f"shards: {sa} -> {sb} (+{len(info['added'])} added, -{len(info['removed'])} removed)",
         f"shared leading rows: {info['shared_prefix_rows']}"
-        + (f" (version {b.version} extends version {a.version})" if info["extends"] else ""),
-        f"schema: {schema or 'unchanged'}",
+        + (f" (version {b} extends version {a})" if info["extends"] else ""),
+        f"schema: {info['schema_change'] or 'unchanged'}",
     ]
     lines += [f"+ {s['path']} ({s['rows']} rows)" for s in info["added"]]
     lines += [f"- {s['path']} ({s['rows']} rows)" for s in info["removed"]]
@@ -570,52 +480,13 @@ def export_cmd(url: str, args: tuple[str, ...], fmt: str, overwrite: bool, stora
     if len(args) > 2:
         raise click.UsageError("expected URL [VERSION] OUT")
     version, out = (None, args[0]) if len(args) == 1 else args
-    if os.path.exists(out) and not overwrite:
-        raise CliError(f"{out} exists; choose another path or pass --overwrite")
     store = _open(url, storage_options)
     snap = store.snapshot(_version(version))
-    tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{uuid.uuid4().hex}.tmp")
-    try:
-        with _progress("exporting shards") as update:
-            if fmt == "parquet":
-                _write_parquet(snap, tmp, update)
-            else:
-                _write_datasets(snap, tmp, update)
-        if os.path.isdir(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except OSError as exc:
-        raise CliError(f"cannot write {out}: {exc}") from exc
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp)
-        elif os.path.exists(tmp):
-            os.unlink(tmp)
+    with _progress("exporting shards") as update:
+        export(snap, out, fmt=fmt, overwrite=overwrite, progress=update)
     click.echo(
         f"exported version {snap.version} of {store.display_url} ({snap.num_rows} rows) to {out}"
     )
-
-
-def _write_parquet(snap: Snapshot, path: str, update: Callable[[int, int], None]) -> None:
-    import pyarrow.parquet as pq
-
-    with pq.ParquetWriter(path, snap.schema or snap.to_arrow().schema) as writer:
-        for i in range(len(snap.shards)):
-            writer.write_table(snap.read_shard(i))
-            update(i + 1, len(snap.shards))
-
-
-def _write_datasets(snap: Snapshot, path: str, update: Callable[[int, int], None]) -> None:
-    import datasets
-    import pyarrow as pa
-
-    tables = []
-    for i in range(len(snap.shards)):
-        tables.append(snap.read_shard(i))
-        update(i + 1, len(snap.shards))
-    table = pa.concat_tables(tables) if tables else snap.to_arrow()
-    datasets.disable_progress_bars()  # ours is already showing
-    datasets.Dataset(table).save_to_disk(path)
 
 
 @cli.command("plot")

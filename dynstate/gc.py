@@ -101,18 +101,6 @@ def gc_floor(store: Store) -> int:
     return int(m.decode(raw, f"{store.display_url}/{m.GC_FILE}")["floor"])
 
 
-def lineage(store: Store, version: int, floor: int) -> list[int]:
-    """Versions whose rows ``version`` carries, newest first: appends and compactions follow
-    their parent, a reset jumps to its target."""
-    out: list[int] = []
-    v: int | None = version
-    while v is not None and v >= floor:
-        out.append(v)
-        record = store.commit_record(v)
-        v = record.target if record.op == "reset" else record.parent
-    return out
-
-
 def retention_floor(
     store: Store, *, keep: int | None = None, older_than_s: float | None = None
 ) -> int:

@@ -10,7 +10,8 @@ import os
 from typing import Any
 
 from .errors import MissingDependencyError, StorageError
-from .gc import gc_floor, lineage
+from .gc import gc_floor
+from .history import lineage
 from .store import Store
 
 log = logging.getLogger("dynstate")
