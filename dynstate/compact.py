@@ -16,10 +16,12 @@ and its new shards are removed.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from . import manifest as m
 from .errors import CommitConflictError, DynstateError, InvalidDataError
@@ -29,6 +31,8 @@ from .store import Snapshot, Store, _check_meta
 log = logging.getLogger("dynstate")
 
 DEFAULT_TARGET_BYTES = 128 * 2**20
+# Decoded rows buffered before they are written as one row group of a compacted shard.
+_ROW_GROUP_BYTES = 32 * 2**20
 
 # A plan step: either a shard kept as it is (a ShardRef) or a run of shards to merge (a tuple).
 Step = ShardRef | tuple[ShardRef, ...]
@@ -131,30 +135,47 @@ def compact(
 def _rewrite(
     store: Store, snap: Snapshot, steps: list[Step], written: list[ShardRef]
 ) -> list[ShardRef]:
-    """The compacted shard list of ``snap``; new shards are added to ``written`` as they land
-    so that a failure part-way can remove them."""
+    """The compacted shard list of ``snap``; new shards are added to ``written`` before they
+    are written, so that a failure part-way can remove them."""
     out: list[ShardRef] = []
     for step in steps:
-        if isinstance(step, ShardRef):
-            out.append(step)
-            continue
-        refs = _write_group(store, snap, step)
-        written.extend(refs)
-        out.extend(refs)
+        out.append(step if isinstance(step, ShardRef) else _write_group(store, snap, step, written))
+    store.storage.sync_dir(m.DATA_DIR)
     return out
 
 
-def _write_group(store: Store, snap: Snapshot, group: tuple[ShardRef, ...]) -> list[ShardRef]:
-    """Read a run of shards (verified, shaped like the snapshot's schema so older shards gain
-    later nullable columns) and write their rows, in order, as one shard."""
-    tables = [store.read_shard(s, snap.schema, version=snap.version) for s in group]
-    table = pa.concat_tables(tables).combine_chunks()
-    # One shard per group: the group was sized by file bytes already.
-    refs = store._write_shards(table, shard_bytes=2**62)
-    rows = sum(s.rows for s in group)
-    if sum(r.rows for r in refs) != rows:  # pragma: no cover - would be a bug in the writer
-        raise RuntimeError(f"compaction of {store.display_url} lost rows: {rows} expected")
-    return refs
+def _write_group(
+    store: Store, snap: Snapshot, group: tuple[ShardRef, ...], written: list[ShardRef]
+) -> ShardRef:
+    """Write the rows of a run of shards, in order, as one shard. Source shards are read one
+    at a time (verified, shaped like the snapshot's schema so older shards gain later nullable
+    columns) and written as row groups of about ``_ROW_GROUP_BYTES``, so memory stays near
+    the output's size rather than several times the decoded group."""
+    sink = pa.BufferOutputStream()
+    writer = pq.ParquetWriter(sink, snap.schema) if snap.schema is not None else None
+    pending: list[pa.Table] = []
+    pending_bytes = rows = 0
+    try:
+        for shard in group:
+            table = store.read_shard(shard, snap.schema, version=snap.version)
+            if writer is None:
+                writer = pq.ParquetWriter(sink, table.schema)
+            pending.append(table)
+            pending_bytes += table.nbytes
+            rows += table.num_rows
+            if pending_bytes >= _ROW_GROUP_BYTES:
+                writer.write_table(pa.concat_tables(pending))
+                pending, pending_bytes = [], 0
+        if pending and writer is not None:
+            writer.write_table(pa.concat_tables(pending))
+    finally:
+        if writer is not None:
+            writer.close()
+    data = sink.getvalue().to_pybytes()
+    ref = ShardRef(f"{m.DATA_DIR}/{uuid.uuid4().hex}.parquet", rows, len(data), m.sha256(data))
+    written.append(ref)
+    store.storage.write_shard(ref.path, data)
+    return ref
 
 
 def _appended_since(store: Store, base: int, head: int) -> list[ShardRef]:

@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--versions", default="1000,10000")
     parser.add_argument("--reads", type=int, default=10000)
     parser.add_argument("--rss-rows", default="1000000,10000000")
-    parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--batches", type=int, default=100)
     parser.add_argument("--cache-mib", type=int, default=64)
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args(argv)

@@ -62,7 +62,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("path", type=Path)
     parser.add_argument("rows", type=int)
-    parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--batches", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--cache-mib", type=int, default=64)
     parser.add_argument("--build-only", action="store_true")
