@@ -12,6 +12,7 @@ import time
 import uuid
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -325,3 +326,16 @@ def test_sigkill_during_compaction_leaves_last_version_readable(tmp_path, seed) 
     # The killed compaction's leftovers do not stop the next one.
     compact(fresh, target_bytes=SMALL)
     _assert_same_rows(want, _rows(Store.open(url)))
+
+
+def test_groups_are_written_in_row_groups_and_keep_order(monkeypatch) -> None:
+    store = Store.open(f"memory://compact/{uuid.uuid4().hex}", create=True)
+    _fill(store, 9)
+    store.append([{"step": 9, "row": 0, "prompt": "p", "score": 1.5}], allow_new_columns=True)
+    expected = _rows(store)
+    monkeypatch.setattr(compaction, "_ROW_GROUP_BYTES", 1)  # one row group per source shard
+    compact(store, target_bytes=SMALL)
+    (shard,) = store.snapshot().shards
+    data = store.read_shard_bytes(shard)
+    assert pq.ParquetFile(pa.BufferReader(data)).metadata.num_row_groups == 10
+    _assert_same_rows(expected, _rows(store))
