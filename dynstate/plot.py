@@ -5,6 +5,7 @@ matplotlib is an optional extra (``dynstate[plot]``), imported only when a plot 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from typing import Any
@@ -35,12 +36,16 @@ def growth_points(store: Store) -> tuple[str, list[dict[str, Any]]]:
     is ``meta["step"]`` where every version has one ("step"), else the version ("version")."""
     versions = sorted(lineage(store, store.refresh(), gc_floor(store)))
     records = [store.commit_record(v) for v in versions]
-    by_step = all(isinstance(r.meta.get("step"), (int, float)) for r in records if r.version)
+    # Resets and compactions usually carry no step: they sit at the step of the round before.
+    appends = [r for r in records if r.op == "append"]
+    by_step = bool(appends) and all(_is_number(r.meta.get("step")) for r in appends)
     points = []
+    x: float = 0
     for record in records:
         if record.version == 0 and record.num_rows == 0:
             continue  # the empty root version has nothing to plot
-        x = record.meta.get("step") if by_step else record.version
+        step = record.meta.get("step")
+        x = (step if _is_number(step) else x) if by_step else record.version
         points.append(
             {
                 "version": record.version,
@@ -52,6 +57,10 @@ def growth_points(store: Store) -> tuple[str, list[dict[str, Any]]]:
     return ("step" if by_step else "version"), points
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def plot_growth(store: Store, out: str | os.PathLike[str]) -> int:
     """Draw rows added per round (bars) and total rows (line) over steps to ``out`` (PNG);
     returns the number of versions plotted."""
@@ -60,7 +69,9 @@ def plot_growth(store: Store, out: str | os.PathLike[str]) -> int:
     xs = [p["x"] for p in points]
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
     try:
-        top.bar(xs, [p["rows_added"] for p in points], color="tab:blue")
+        gaps = [b - a for a, b in itertools.pairwise(xs) if b > a]
+        width = 0.8 * min(gaps) if gaps else 0.8
+        top.bar(xs, [p["rows_added"] for p in points], width=width, color="tab:blue")
         top.set_ylabel("rows added")
         top.set_title(f"{store.display_url}: growth")
         bottom.plot(xs, [p["total_rows"] for p in points], marker="o", color="tab:green")

@@ -22,6 +22,7 @@ from conftest import s3_url
 from dynstate import Store
 from dynstate import manifest as m
 from dynstate.cli import cli
+from dynstate.plot import growth_points
 
 COMMANDS = ["ls", "show", "head", "verify", "gc", "diff", "tag", "reset", "compact", "export"]
 TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(\.\d{3}Z)?")
@@ -333,6 +334,10 @@ def test_plot_writes_png(tmp_path) -> None:
     out = tmp_path / "growth.png"
     assert "4 versions" in run("plot", url, str(out)).stdout  # 1, 2, 5, 6: the head's lineage
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    label, points = growth_points(Store.open(url))
+    assert label == "step"  # the reset (no step of its own) sits at the step before it
+    got = [(p["version"], p["x"], p["rows_added"], p["total_rows"]) for p in points]
+    assert got == [(1, 0, 3, 3), (2, 1, 3, 6), (5, 1, 0, 6), (6, 4, 2, 8)]
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path) -> None:
