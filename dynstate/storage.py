@@ -257,10 +257,11 @@ class Storage:
             return False
         return True
 
-    def put(self, rel: str, data: bytes) -> None:
-        """Write ``rel``, replacing any previous content (only for hints, never for data)."""
+    def put(self, rel: str, data: bytes, *, durable: bool = True) -> None:
+        """Write ``rel``, replacing any previous content (only for hints, never for data).
+        ``durable=False`` skips the fsync where a lost or torn write is harmless."""
         if self.local:
-            self._call("write", rel, lambda: self._local_put(rel, data))
+            self._call("write", rel, lambda: self._local_put(rel, data, durable))
         else:
             self._call("write", rel, lambda: self.fs.pipe_file(self.path(rel), data))
 
@@ -317,10 +318,14 @@ class Storage:
             os.unlink(tmp)
         _fsync_dir(directory)
 
-    def _local_put(self, rel: str, data: bytes) -> None:
+    def _local_put(self, rel: str, data: bytes, durable: bool = True) -> None:
         directory = self._local_dir(rel)
         tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
-        _write_fsync(tmp, data)
+        if durable:
+            _write_fsync(tmp, data)
+        else:
+            with open(tmp, "xb") as f:
+                f.write(data)
         os.replace(tmp, self.path(rel))
 
     def _memory_create(self, rel: str, data: bytes) -> None:

@@ -616,7 +616,10 @@ class Store:
         try:
             if record.version % m.CHECKPOINT_INTERVAL == 0:
                 self._write_checkpoint(record)
-            self.storage.put(m.HEAD_HINT, json.dumps({"version": record.version}).encode())
+            # No fsync: the hint only ever names a version already durable, and a hint lost
+            # or torn by a power cut is ignored by refresh(), which then probes.
+            hint = json.dumps({"version": record.version}).encode()
+            self.storage.put(m.HEAD_HINT, hint, durable=False)
         except DynstateError as exc:
             log.warning("post-commit upkeep of %s failed: %s", self.display_url, exc)
 
@@ -652,14 +655,16 @@ class Store:
                 part = table.slice(start, per_shard)
                 sink = pa.BufferOutputStream()
                 pq.write_table(part, sink)
-                data = sink.getvalue().to_pybytes()
+                data = sink.getvalue()  # an Arrow buffer: local files take it without a copy
                 ref = ShardRef(
                     f"{m.DATA_DIR}/{uuid.uuid4().hex}.parquet",
                     part.num_rows,
-                    len(data),
+                    data.size,
                     m.sha256(data),
                 )
-                self.storage.write_shard(ref.path, data)
+                self.storage.write_shard(
+                    ref.path, data if self.storage.local else data.to_pybytes()
+                )
                 written.append(ref)
             self.storage.sync_dir(m.DATA_DIR)
         except BaseException:
