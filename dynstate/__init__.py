@@ -2,6 +2,7 @@
 they train. Everything public is importable from here; all other modules are private."""
 
 from ._version import __version__
+from .dataset import RowIndex, VersionedDataset
 from .errors import (
     ChecksumMismatchError,
     CommitConflictError,
@@ -23,6 +24,8 @@ from .errors import (
     VersionNotFoundError,
 )
 from .manifest import Commit, ShardRef
+from .resume import lineage, rollback, version_at_step
+from .sampler import VersionedSampler, find_sampler_state
 from .store import Snapshot, Staged, Store
 
 __all__ = [
@@ -36,6 +39,7 @@ __all__ = [
     "MissingDependencyError",
     "MissingShardError",
     "RoundFailedError",
+    "RowIndex",
     "SchemaMismatchError",
     "ShardRef",
     "Snapshot",
@@ -49,5 +53,11 @@ __all__ = [
     "UnsupportedFormatError",
     "VersionCollectedError",
     "VersionNotFoundError",
+    "VersionedDataset",
+    "VersionedSampler",
     "__version__",
+    "find_sampler_state",
+    "lineage",
+    "rollback",
+    "version_at_step",
 ]

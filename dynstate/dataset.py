@@ -1,0 +1,242 @@
+"""VersionedDataset: a map-style dataset over one version of a store, safe in DataLoader
+workers, with a bounded shard cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from torch.utils.data import Dataset
+
+from . import manifest as m
+from .errors import DynstateError
+from .store import Snapshot, Store, conform, verify_shard_bytes
+
+log = logging.getLogger("dynstate")
+
+DEFAULT_CACHE_BYTES = 512 * 2**20
+
+
+class RowIndex(int):
+    """A row number that carries the version it was drawn from.
+
+    The sampler yields these so a DataLoader worker reads the row from exactly the version the
+    sampler pinned, even if the worker's own copy of the dataset is older, or the store was
+    reset since. They behave as plain ints everywhere else."""
+
+    version: int
+
+    def __new__(cls, value: int, version: int) -> RowIndex:
+        obj = super().__new__(cls, value)
+        obj.version = version
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RowIndex, (int(self), self.version))
+
+    def __repr__(self) -> str:
+        return f"RowIndex({int(self)}, version={self.version})"
+
+
+class ShardCache:
+    """Decoded shards in memory, least-recently-used first out, bounded in bytes. Remote shards
+    are also kept on local disk (bounded too) so that re-reading them costs no request."""
+
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES, disk_dir: str | None = None):
+        self.max_bytes = max_bytes
+        self.disk_dir = disk_dir
+        self._tables: OrderedDict[str, pa.Table] = OrderedDict()
+        self._bytes = 0
+        self._disk: OrderedDict[str, int] = OrderedDict()
+        self._disk_bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, store: Store, shard: m.ShardRef, schema: pa.Schema | None, version: int):
+        key = shard.sha256
+        with self._lock:
+            table = self._tables.get(key)
+            if table is not None:
+                self._tables.move_to_end(key)
+                self.hits += 1
+                return table if schema is None else conform(table, schema)
+        self.misses += 1
+        table = self._load(store, shard, version)
+        with self._lock:
+            if key not in self._tables:
+                self._tables[key] = table
+                self._bytes += table.nbytes
+                while self._bytes > self.max_bytes and len(self._tables) > 1:
+                    _, old = self._tables.popitem(last=False)
+                    self._bytes -= old.nbytes
+        return table if schema is None else conform(table, schema)
+
+    def _load(self, store: Store, shard: m.ShardRef, version: int) -> pa.Table:
+        if store.storage.local or self.disk_dir is None:
+            return pq.read_table(pa.BufferReader(store.read_shard_bytes(shard, version=version)))
+        path = os.path.join(self.disk_dir, f"{shard.sha256}.parquet")
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+            verify_shard_bytes(data, shard, f"local cache of {store.display_url}")
+        except (OSError, DynstateError):
+            data = store.read_shard_bytes(shard, version=version)
+            self._remember_on_disk(path, shard, data)
+        return pq.read_table(pa.BufferReader(data))
+
+    def _remember_on_disk(self, path: str, shard: m.ShardRef, data: bytes) -> None:
+        try:
+            os.makedirs(self.disk_dir, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.debug("shard cache write failed: %s", exc)
+            return
+        with self._lock:
+            self._disk[shard.sha256] = len(data)
+            self._disk_bytes += len(data)
+            while self._disk_bytes > self.max_bytes and len(self._disk) > 1:
+                old, size = self._disk.popitem(last=False)
+                self._disk_bytes -= size
+                try:
+                    os.unlink(os.path.join(self.disk_dir, f"{old}.parquet"))
+                except OSError:
+                    pass
+
+
+class VersionedDataset(Dataset):
+    """Map-style dataset over one version (a number, a tag, or None for the head) of a store.
+
+    It pickles without rows, so DataLoader workers receive it cheaply and reopen the store
+    themselves. Indices from :class:`~dynstate.VersionedSampler` carry their version; a plain
+    index beyond the pinned version moves the dataset to the store's head.
+
+    >>> ds = VersionedDataset("memory://doc/store")          # doctest: +SKIP
+    >>> ds[0]                                                 # doctest: +SKIP
+    {'prompt': '1+1', 'answer': '2'}
+    """
+
+    def __init__(
+        self,
+        store_or_url: Store | str,
+        version: int | str | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        cache_dir: str | None = None,
+        columns: Sequence[str] | None = None,
+    ) -> None:
+        if isinstance(store_or_url, Store):
+            self._store: Store | None = store_or_url
+            self.url = store_or_url.url
+            self.storage_options = store_or_url.storage.storage_options
+        else:
+            self._store = None
+            self.url = str(store_or_url)
+            self.storage_options = dict(storage_options or {})
+        self.cache_bytes = cache_bytes
+        self.cache_dir = cache_dir
+        self.columns = list(columns) if columns is not None else None
+        self._pid = os.getpid()
+        self._cache: ShardCache | None = None
+        store = self.store
+        self.store_id = store.store_id
+        self.version = store.resolve(version)
+
+    # -- per-process state -------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_store"] = None
+        state["_cache"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pid = -1  # reopen lazily in this process
+
+    @property
+    def store(self) -> Store:
+        if self._store is None or self._pid != os.getpid():
+            # A forked worker must not share the parent's filesystem clients or caches.
+            self._store = Store.open(self.url, storage_options=self.storage_options)
+            self._cache = None
+            self._pid = os.getpid()
+        return self._store
+
+    @property
+    def cache(self) -> ShardCache:
+        store = self.store
+        if self._cache is None:
+            disk = None
+            if not store.storage.local:
+                base = self.cache_dir or os.path.join(tempfile.gettempdir(), "dynstate-cache")
+                disk = os.path.join(base, store.store_id)
+            self._cache = ShardCache(self.cache_bytes, disk)
+        return self._cache
+
+    # -- versions ----------------------------------------------------------------------------
+
+    def snapshot(self, version: int | None = None) -> Snapshot:
+        return self.store.snapshot(self.version if version is None else version)
+
+    def pin(self, version: int | str | None) -> int:
+        """Move to ``version`` (None: the head); returns the version number."""
+        self.version = self.store.resolve(version)
+        return self.version
+
+    def refresh(self) -> int:
+        """Move to the store's head."""
+        return self.pin(None)
+
+    # -- access ------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.snapshot().num_rows
+
+    def _snapshot_for(self, index: int) -> Snapshot:
+        version = getattr(index, "version", None)
+        if version is not None:
+            return self.store.snapshot(version)
+        snap = self.snapshot()
+        if index >= snap.num_rows:
+            # Rows appended after this copy was made (e.g. in a worker): follow the head.
+            self.refresh()
+            snap = self.snapshot()
+        return snap
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """Fetch several rows at once, one decode per shard touched."""
+        out: list[dict[str, Any] | None] = [None] * len(indices)
+        groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for pos, index in enumerate(indices):
+            if index < 0:
+                raise IndexError(f"negative row index {index} for {self.store.display_url}")
+            snap = self._snapshot_for(index)
+            shard, row = snap.locate(int(index))
+            groups.setdefault((snap.version, shard), []).append((pos, row))
+        for (version, shard), wanted in groups.items():
+            snap = self.store.snapshot(version)
+            table = self.cache.get(self.store, snap.shards[shard], snap.schema, version)
+            if self.columns is not None:
+                table = table.select(self.columns)
+            rows = table.take([row for _, row in wanted]).to_pylist()
+            for (pos, _), row in zip(wanted, rows, strict=True):
+                out[pos] = row
+        return out  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return f"VersionedDataset({self.store.display_url!r}, version={self.version})"

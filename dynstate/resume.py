@@ -1,0 +1,80 @@
+"""Rolling a store back to what a checkpoint saw (SPEC §3.6).
+
+A run that crashed after its last checkpoint may have committed rounds the resumed run will
+generate again. :func:`rollback` makes the checkpointed state the head again by a new ``reset``
+commit; the abandoned versions stay listed and readable until gc.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .errors import InvalidDataError
+from .store import Store
+
+log = logging.getLogger("dynstate")
+
+
+def lineage(store: Store, version: int | None = None) -> list[int]:
+    """Versions whose content makes up ``version`` (default: the head), newest first: appends
+    lead to their parent, a reset to its target, a compaction to its parent."""
+    v = store.resolve(version)
+    out = []
+    while v is not None and v >= 0:
+        out.append(v)
+        record = store.commit_record(v)
+        v = record.target if record.op == "reset" else record.parent
+    return out
+
+
+def version_at_step(store: Store, step: int) -> int:
+    """The newest version in the head's lineage made by a round of ``step`` or earlier.
+    Versions without a step (the initial import, resets) belong to the step before them."""
+    chain = lineage(store)[::-1]  # oldest first
+    effective: int | None = None
+    best = chain[0]
+    for v in chain:
+        record_step = store.commit_record(v).meta.get("step")
+        if record_step is not None:
+            effective = record_step
+        if effective is None or effective <= step:
+            best = v
+    return best
+
+
+def rollback(
+    store: Store,
+    *,
+    version: int | None = None,
+    step: int | None = None,
+    keep: bool = False,
+    meta: dict[str, Any] | None = None,
+) -> int:
+    """Make the store's head equal the content a checkpoint saw; returns the head.
+
+    Pass the checkpoint's ``version`` (the head when it was saved), or its training ``step`` to
+    keep rounds of steps ``<= step`` and drop later ones. Nothing is committed when the head
+    already has that content. ``keep=True`` keeps later rounds (logged, not silent)."""
+    if (version is None) == (step is None):
+        raise InvalidDataError(f"rollback of {store.display_url} needs exactly one of version/step")
+    head = store.refresh()
+    target = store.resolve(version) if version is not None else version_at_step(store, step)
+    if target == head or (target in lineage(store) and _same_content(store, target, head)):
+        return head
+    if keep:
+        log.warning(
+            "keeping versions %d..%d of %s committed after the checkpoint (keep=True)",
+            target + 1,
+            head,
+            store.display_url,
+        )
+        return head
+    info = {"rollback_from": head, **(meta or {})}
+    new = store.reset(target, meta=info)
+    log.info("rolled %s back to version %d as version %d", store.display_url, target, new)
+    return new
+
+
+def _same_content(store: Store, a: int, b: int) -> bool:
+    return store.snapshot(a).shards == store.snapshot(b).shards
