@@ -408,7 +408,8 @@ class Store:
             if record.base is not None:
                 shards = self._expand(record.base, self._where(m.log_path(v)))
                 break
-            if v != version and (v % m.CHECKPOINT_INTERVAL == 0 or v == self._gc_floor):
+            # At the gc floor the checkpoint is the only way back, even for the floor itself.
+            if v == self._gc_floor or (v != version and v % m.CHECKPOINT_INTERVAL == 0):
                 shards = self._load_checkpoint(v)
                 if shards is not None:
                     break
