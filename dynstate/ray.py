@@ -281,7 +281,18 @@ def to_ray_dataset(
         "shuffle": None,
     }
     args.update(read_args)
-    ds = ray.data.read_parquet(paths, **args)
+    ctx = ray.data.DataContext.get_current()
+    v2 = getattr(ctx, "use_datasource_v2", None)
+    if v2:
+        # Ray's v2 reader lists and stats the paths in an extra stage that costs seconds per
+        # read even for a few files; the file list here is already exact, so use the v1
+        # reader. The dataset keeps its own copy of the context; the global flag is restored.
+        ctx.use_datasource_v2 = False
+    try:
+        ds = ray.data.read_parquet(paths, **args)
+    finally:
+        if v2:
+            ctx.use_datasource_v2 = v2
     # The dataset carries its own copy of the context; the caller's global one is untouched.
     ds.context.execution_options.preserve_order = True
     return ds

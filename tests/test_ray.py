@@ -161,7 +161,10 @@ def test_to_ray_dataset_reads_exactly_a_version_and_write_ray_dataset(ray_cluste
     scored = [{**row, "score": 0.5} for row in _rows(2, 10)]
     store.append(scored, meta={"step": 2}, allow_new_columns=True)
     assert len(store.snapshot(1).shards) > 2
+    context = ray.data.DataContext.get_current()
+    flag = getattr(context, "use_datasource_v2", None)
     _assert_same(to_ray_dataset(url, 1), store, 1)  # an older version after later appends
+    assert getattr(context, "use_datasource_v2", None) == flag  # the caller's context is kept
     # Shards written before "score" existed are read with nulls there, as the store does.
     _assert_same(to_ray_dataset(store), store, 3)
 
