@@ -253,7 +253,11 @@ class VersionedSampler(Sampler[int]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state(state, self.dataset.store_id, self.dataset.store.display_url)
-        for key in ("mode", "shuffle", "seed", "batch_size", "fresh_share", "lag"):
+        # lag and share shape the stream only in mix mode; epoch mode may change them freely
+        keys = ("mode", "shuffle", "seed") + (
+            ("batch_size", "fresh_share", "lag") if self.mode == "mix" else ()
+        )
+        for key in keys:
             if state[key] != getattr(self, key):
                 raise StateMismatchError(
                     f"sampler state for {self.dataset.store.display_url} was saved with "
