@@ -89,6 +89,7 @@ class FaultProxy:
         self.on_fault: Callable[[str, str, str], None] | None = None
         self.counts: Counter[str] = Counter()  # requests received, by operation
         self.faults: Counter[str] = Counter()  # faults injected, by kind
+        self.log: list[tuple[str, str]] = []  # (operation, path) of every request received
         self._random = random.Random(seed)
         self._forced: list[tuple[str, str | None, str | None]] = []
         self._lock = threading.Lock()
@@ -126,10 +127,12 @@ class FaultProxy:
         with self._lock:
             self.counts.clear()
             self.faults.clear()
+            self.log.clear()
 
     def _decide(self, method: str, path: str) -> str | None:
         with self._lock:
             self.counts[operation(method, path)] += 1
+            self.log.append((operation(method, path), path))
             for i, (kind, want_method, want_path) in enumerate(self._forced):
                 if (want_method is None or want_method == method) and (
                     want_path is None or want_path in path
