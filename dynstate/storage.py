@@ -276,17 +276,25 @@ class Storage:
         Some S3-compatible stores ignore ``If-None-Match``; find out once, by trying."""
         if self._exclusive_ok is None:
             probe = f"_dynstate/probe/{uuid.uuid4().hex}"
-            self.create(probe, b"1")
             try:
-                self.create(probe, b"2")
-                self._exclusive_ok = False
-            except FileExistsError:
-                self._exclusive_ok = True
-            except StorageError:
-                self._exclusive_ok = False
+                self.create(probe, b"1")
+                try:
+                    self.create(probe, b"2")
+                    ok = False  # the header was ignored: the second create replaced the first
+                except FileExistsError:
+                    ok = True
+            except StorageError as exc:
+                if is_transient(exc):
+                    raise  # unreachable or overloaded, which says nothing about the header
+                log.info("%s rejects conditional writes: %s", self.display_url, exc)
+                ok = False
             finally:
-                self.delete(probe)
-            log.debug("exclusive create on %s: %s", self.display_url, self._exclusive_ok)
+                try:
+                    self.delete(probe)
+                except StorageError as exc:
+                    log.warning("could not remove probe %s/%s: %s", self.display_url, probe, exc)
+            self._exclusive_ok = ok
+            log.debug("exclusive create on %s: %s", self.display_url, ok)
         return self._exclusive_ok
 
     def require_exclusive_create(self, single_writer: bool) -> None:

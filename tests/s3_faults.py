@@ -84,6 +84,8 @@ class FaultProxy:
         self.kinds = tuple(kinds)
         self.delay_s = delay_s
         self.methods: set[str] | None = None  # drawn faults only hit these methods; None: all
+        # Forward without If-None-Match: a backend that ignores conditional writes.
+        self.ignore_conditional = False
         # Called as on_fault(kind, method, path) when a fault is injected, under the proxy's
         # lock: a test may change rate, kinds or methods from it to script what follows.
         self.on_fault: Callable[[str, str, str], None] | None = None
@@ -192,6 +194,8 @@ class FaultProxy:
                         self.command, self.path, skip_host=True, skip_accept_encoding=True
                     )
                     for key, value in self.headers.items():
+                        if proxy.ignore_conditional and key.lower() == "if-none-match":
+                            continue
                         if key.lower() not in _HOP_BY_HOP and key.lower() != "content-length":
                             conn.putheader(key, value)
                     if body or self.command in ("PUT", "POST"):

@@ -19,7 +19,7 @@ from botocore.exceptions import ClientError, ConnectionClosedError, ReadTimeoutE
 from conftest import s3_url
 from s3_faults import KINDS, FaultProxy
 
-from dynstate import StorageError, Store
+from dynstate import ConcurrencyUnsupportedError, StorageError, Store
 from dynstate.storage import Storage, is_transient
 
 pytestmark = pytest.mark.s3
@@ -169,6 +169,27 @@ def test_timed_out_commit_lands_once(proxy, s3_endpoint):
     assert store.append(_round(0, 2)) == 2
     assert proxy.faults["delay"] == 1
     assert _check_store(url, s3_endpoint) == [(0, 1), (0, 2)]
+
+
+def test_backend_without_conditional_writes_is_refused(proxy):
+    proxy.ignore_conditional = True
+    url = s3_url()
+    with pytest.raises(ConcurrencyUnsupportedError, match=r"If-None-Match.*single_writer=True"):
+        Store.open(url, create=True, storage_options=_options(proxy))
+    store = Store.open(url, create=True, storage_options=_options(proxy), single_writer=True)
+    assert store.append(_round(0, 1)) == 1
+    with pytest.raises(ConcurrencyUnsupportedError):
+        Store.open(url, storage_options=_options(proxy)).append(_round(0, 2))
+
+
+def test_probe_under_outage_is_a_storage_error_not_a_verdict(proxy):
+    storage = Storage(s3_url(), _options(proxy, config_kwargs={"retries": {"max_attempts": 1}}))
+    storage.retry_base_s = 0.001
+    proxy.rate, proxy.kinds = 1.0, ("500",)
+    with pytest.raises(StorageError, match="after 5 attempts"):
+        storage.check_exclusive_create()
+    proxy.rate = 0.0
+    assert storage.check_exclusive_create() is True
 
 
 def test_permanent_errors_are_not_retried(proxy):
