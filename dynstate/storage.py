@@ -240,7 +240,7 @@ class Storage:
                 # An earlier attempt (ours, or botocore's own retry) may have landed with its
                 # reply lost; the retry then meets our own object. Only identical bytes are ours
                 # (records carry unique shard names and timestamps), anything else lost a race.
-                if self.try_read(rel) != data:
+                if self.try_read(rel) != bytes(data):
                     raise
                 log.info(
                     "create of %s/%s: an earlier attempt landed though its reply was lost",
