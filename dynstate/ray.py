@@ -20,6 +20,7 @@ records in task-index order and commits them once (:meth:`Store.commit_staged`).
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -140,7 +141,18 @@ def write_round(
     options.update(ray_remote_args or {})
     task = _remote(ray, _stage_part, **options)
     target = _target(store)
-    refs = [task.remote(target, fn, item, allow_new_columns, shard_bytes) for item in items]
+    refs: list[Any] = []
+    try:
+        for item in items:
+            refs.append(task.remote(target, fn, item, allow_new_columns, shard_bytes))
+    except BaseException as exc:
+        _abandon(ray, store, refs)
+        if isinstance(exc, (TypeError, pickle.PicklingError)):
+            raise InvalidDataError(
+                f"cannot send part {len(refs)} of a round for {store.display_url} to Ray "
+                f"({_first_line(exc)}); nothing was committed — fn and every item must pickle"
+            ) from exc
+        raise
     log.info("round for %s: %d Ray tasks submitted", store.display_url, len(refs))
     return commit_round(store, refs, meta=meta)
 
@@ -180,11 +192,11 @@ def commit_round(
                 continue
             staged.append(value)
     except BaseException:
-        # Interrupted while waiting (Ctrl-C, timeout): cancel what still runs and leave
-        # nothing behind that we know of; the rest is unreferenced and collected by gc.
+        # Interrupted while waiting (Ctrl-C): cancel what still runs and leave nothing behind
+        # that we know of; whatever else was staged is unreferenced and collected by gc.
         for part in parts:
             if isinstance(part, ray.ObjectRef):
-                ray.cancel(part)
+                _cancel_quietly(ray, part)
         store.discard(staged)
         raise
     paths = [s.path for part in staged for s in part.shards]
@@ -202,6 +214,31 @@ def commit_round(
         version,
     )
     return version
+
+
+def _cancel_quietly(ray: Any, ref: Any) -> None:
+    try:
+        ray.cancel(ref)
+    except Exception as exc:  # already finished, or its owner is gone: nothing to stop
+        log.debug("could not cancel %s: %s", ref, exc)
+
+
+def _abandon(ray: Any, store: Store, refs: list[Any]) -> None:
+    """Remove what the submitted tasks of a round that will not be committed staged.
+    They are awaited rather than cancelled: a task interrupted between writing its shards
+    and returning them would leave files we cannot name."""
+    for ref in refs:
+        try:
+            value = ray.get(ref)
+        except ray.exceptions.RayError:
+            continue  # it failed: whatever it wrote is unreferenced, left for gc
+        if isinstance(value, Staged):
+            store.discard([value])
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def _round_failed(store: Store, total: int, failures: dict[int, BaseException]) -> Exception:

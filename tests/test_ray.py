@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import pyarrow as pa
 import pytest
@@ -198,3 +199,13 @@ def test_unreachable_stores_and_missing_ray_raise_typed_errors(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
     with pytest.raises(MissingDependencyError, match=r"dynstate\[ray\]"):
         to_ray_dataset(store)
+
+
+def test_round_that_cannot_be_sent_to_ray_leaves_nothing(ray_cluster, tmp_path):
+    store = _seed(str(tmp_path / "store"))
+    before = _data_files(store)
+    items = [0, 1, threading.Lock()]  # parts 0 and 1 are submitted (and stage) before 2 fails
+    with pytest.raises(InvalidDataError, match=r"part 2 .* must pickle"):
+        write_round(store, items, _generate)
+    assert Store.open(str(tmp_path / "store")).head == 1
+    assert _data_files(store) == before
