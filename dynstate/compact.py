@@ -77,8 +77,8 @@ def compact(
     """Rewrite the small shards of ``version`` (default: the head) as shards of about
     ``target_bytes`` and commit the result as a new version (``op="compact"``) with the same
     rows in the same order; returns its number. Rounds appended by other writers meanwhile are
-    kept after the compacted rows. If there is nothing to merge, nothing is committed and the
-    current head is returned.
+    kept after the compacted rows. If there is nothing to merge, nothing is committed and
+    ``version``'s number is returned.
 
     >>> store = Store.open("memory://doc/compact", create=True)
     >>> for step in range(3):
@@ -101,7 +101,7 @@ def compact(
     steps = plan(snap.shards, target_bytes)
     if all(isinstance(step, ShardRef) for step in steps):
         log.info("nothing to compact in version %d of %s", base, store.display_url)
-        return store.head
+        return base
     store._require_writable()
     written: list[ShardRef] = []
     attempts: list[Commit] = []
@@ -259,9 +259,10 @@ def compact_if_needed(
         raise InvalidDataError(
             f"max_small_shards for {store.display_url} must be at least 1, not {max_small_shards}"
         )
-    small = sum(1 for s in store.snapshot().shards if s.bytes * 2 < target_bytes)
+    snap = store.snapshot()
+    small = sum(1 for s in snap.shards if s.bytes * 2 < target_bytes)
     if small <= max_small_shards:
         return None
-    new = compact(store, target_bytes=target_bytes, meta=meta)
+    new = compact(store, target_bytes=target_bytes, meta=meta, version=snap.version)
     # Small shards between large ones cannot be merged; then nothing was committed.
-    return new if store.commit_record(new).op == "compact" else None
+    return None if new == snap.version else new

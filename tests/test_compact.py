@@ -339,3 +339,16 @@ def test_groups_are_written_in_row_groups_and_keep_order(monkeypatch) -> None:
     data = store.read_shard_bytes(shard)
     assert pq.ParquetFile(pa.BufferReader(data)).metadata.num_row_groups == 10
     _assert_same_rows(expected, _rows(store))
+
+
+def test_small_shards_between_large_ones_are_left_alone() -> None:
+    store = Store.open(f"memory://compact/{uuid.uuid4().hex}", create=True)
+    big = pa.table({"step": [1] * 3000, "row": list(range(3000)), "prompt": ["b" * 20] * 3000})
+    for step in range(3):
+        store.append(_round(step, 1))
+        store.append(big)
+    target = 2 * min(s.bytes for s in store.snapshot().shards if s.rows == 3000)
+    files = _data_files(store)
+    assert compact(store, target_bytes=target) == 6
+    assert compact_if_needed(store, max_small_shards=1, target_bytes=target) is None
+    assert store.refresh() == 6 and _data_files(store) == files
