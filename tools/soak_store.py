@@ -11,6 +11,7 @@ matching checksums, and the head must hold exactly the rounds whose commit compl
 from __future__ import annotations
 
 import argparse
+import logging
 import multiprocessing as mp
 import os
 import random
@@ -74,10 +75,10 @@ def die_at(url: str, point: str, env: dict[str, str]) -> None:
     create, put = Storage.create, Storage.put
 
     def dying(original: Any) -> Any:
-        def write(self: Storage, rel: str, data: bytes) -> None:
+        def write(self: Storage, rel: str, data: bytes, **kwargs: Any) -> None:
             if rel.startswith(prefix):
                 os.kill(os.getpid(), signal.SIGKILL)
-            original(self, rel, data)
+            original(self, rel, data, **kwargs)
 
         return write
 
@@ -261,6 +262,7 @@ def _moto() -> Any:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     os.environ.update(
