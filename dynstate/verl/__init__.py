@@ -1,0 +1,32 @@
+"""dynstate for verl 0.9: dynamic data generation that checkpoints and resumes exactly.
+
+The only package of dynstate that imports verl. ``data.custom_cls.path: pkg://dynstate.verl``
+with ``name: DynstateRLDataset``; run with ``python -m dynstate.verl.main_ppo`` (or mix
+:class:`DynstateTrainerMixin` into your own ``RayPPOTrainer``). See docs/verl.md.
+"""
+
+from __future__ import annotations
+
+from ..errors import MissingDependencyError
+
+try:
+    import verl  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise MissingDependencyError(
+        "dynstate.verl needs verl; install it with `pip install 'dynstate[verl]'`"
+    ) from exc
+
+from .dataset import DynstateRLDataset, Settings, read_loader_state
+from .generator import SOURCE_COLUMN, AbstractDataGenerator, DynstateGenerator
+from .trainer import DynstateTrainerMixin, dynstate_trainer_class
+
+__all__ = [
+    "SOURCE_COLUMN",
+    "AbstractDataGenerator",
+    "DynstateGenerator",
+    "DynstateRLDataset",
+    "DynstateTrainerMixin",
+    "Settings",
+    "dynstate_trainer_class",
+    "read_loader_state",
+]

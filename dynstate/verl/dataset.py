@@ -1,0 +1,377 @@
+"""DynstateRLDataset: verl's RLHFDataset over a dynstate store, growing one round per step.
+
+Loaded through ``data.custom_cls`` (``path: pkg://dynstate.verl``, ``name: DynstateRLDataset``).
+Items are built by verl's own ``RLHFDataset.__getitem__`` from rows read out of the store, so
+``raw_prompt``, ``index``, ``tools_kwargs``, ``interaction_kwargs`` and ``dummy_tensor`` are
+exactly verl's; one key is added: ``dynstate_row``, the row's number in the store, which
+generators use to record lineage. See docs/verl.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import datasets
+import pyarrow as pa
+import torch
+from omegaconf import OmegaConf
+from verl.utils.dataset.rl_dataset import RLHFDataset
+
+from ..dataset import VersionedDataset
+from ..errors import InvalidDataError, StateMismatchError
+from ..resume import version_at_step
+from ..sampler import VersionedSampler, check_state, find_sampler_state
+from ..store import Store, to_table
+from .generator import (
+    ROW_KEY,
+    SOURCE_COLUMN,
+    DynstateGenerator,
+    generator_name,
+    load_generator,
+    run_generator,
+)
+
+log = logging.getLogger("dynstate")
+
+IMPORT_META = "verl_import"
+SOURCE_TYPE = pa.list_(pa.int64())
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The ``data.dynstate`` section, read in one place."""
+
+    url: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    mode: str = "epoch"
+    fresh_share: float = 0.25
+    lag: int = 1
+    on_generator_error: str = "raise"
+    batch_size: int = 1
+    shuffle: bool = True
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, config: Any) -> Settings:
+        section = config.get("dynstate")
+        if section is None or not section.get("url"):
+            raise InvalidDataError(
+                "data.dynstate.url is not set; add e.g. +data.dynstate.url=/path/to/store (or "
+                "s3://bucket/run) so DynstateRLDataset knows where the training data lives"
+            )
+        plain = (
+            OmegaConf.to_container(section, resolve=True)
+            if OmegaConf.is_config(section)
+            else dict(section)
+        )
+        on_error = plain.get("on_generator_error", "raise")
+        if on_error not in ("raise", "skip"):
+            raise InvalidDataError(
+                f"data.dynstate.on_generator_error must be 'raise' or 'skip', not {on_error!r}"
+            )
+        return cls(
+            url=str(plain["url"]),
+            storage_options=dict(plain.get("storage_options") or {}),
+            mode=plain.get("mode", "epoch"),
+            fresh_share=float(plain.get("fresh_share", 0.25)),
+            lag=int(plain.get("lag", 1)),
+            on_generator_error=on_error,
+            batch_size=int(config.get("gen_batch_size") or config.get("train_batch_size") or 1),
+            shuffle=bool(config.get("shuffle", True)),
+            seed=int(config.get("seed") or 0),
+        )
+
+
+class StoreFrame:
+    """Stands where RLHFDataset keeps its ``datasets.Dataset``: integer access reads one row
+    from the store (at the version its RowIndex carries); everything else (``select``,
+    columns, ``filter``…) goes to a ``datasets.Dataset`` of the current version, as verl's old
+    generators expect from ``dataset.dataframe``."""
+
+    def __init__(self, rows: VersionedDataset):
+        self._rows = rows
+        self._view: datasets.Dataset | None = None
+        self._view_version: int | None = None
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, int) and not isinstance(key, bool):
+            row = self._rows[key]
+            row.pop(SOURCE_COLUMN, None)
+            return row
+        return self.view()[key]
+
+    def view(self) -> datasets.Dataset:
+        version = self._rows.version
+        if self._view is None or self._view_version != version:
+            table = self._rows.snapshot(version).to_arrow()
+            if SOURCE_COLUMN in table.column_names:
+                table = table.drop_columns([SOURCE_COLUMN])
+            self._view, self._view_version = datasets.Dataset(table), version
+        return self._view
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.view(), name)
+
+
+def _same_files(a: Any, b: Any) -> bool:
+    def norm(x: Any) -> list[str]:
+        if x is None:
+            return []
+        if isinstance(x, str):
+            return [x]
+        return [str(p) for p in x]
+
+    return norm(a) == norm(b)
+
+
+class DynstateRLDataset(RLHFDataset):
+    """verl's RLHFDataset whose rows live in a dynstate store and grow by one round per step.
+
+    Built with ``data.train_files`` it serves the store at ``data.dynstate.url`` (importing
+    the files into an empty store first); built with any other files (verl builds the
+    validation set with the same class) it is a plain, fixed RLHFDataset."""
+
+    def __init__(
+        self,
+        data_files: Any,
+        tokenizer: Any,
+        config: Any,
+        processor: Any = None,
+        max_samples: int = -1,
+    ) -> None:
+        self.fixed = not _same_files(data_files, config.get("train_files"))
+        self.settings = None if self.fixed else Settings.from_config(config)
+        self._rows: VersionedDataset | None = None
+        self._frame: StoreFrame | None = None
+        self._local_frame: datasets.Dataset | None = None
+        self.step = 0  # the last step whose round this dataset has seen committed
+        self.data_generator = None
+        super().__init__(data_files, tokenizer, config, processor, max_samples)
+        if not self.fixed:
+            self.data_generator = load_generator(config.get("datagen"))
+
+    # -- where the rows come from ------------------------------------------------------------
+
+    @property
+    def dataframe(self) -> Any:
+        return self._frame if self._frame is not None else self._local_frame
+
+    @dataframe.setter
+    def dataframe(self, value: Any) -> None:
+        self._local_frame = value
+
+    @property
+    def store(self) -> Store:
+        assert self._rows is not None
+        return self._rows.store
+
+    def _open_store(self) -> Store:
+        assert self.settings is not None
+        if self._rows is None:
+            store = Store.open(
+                self.settings.url, create=True, storage_options=self.settings.storage_options
+            )
+            self._rows = VersionedDataset(store)
+        return self._rows.store
+
+    def _download(self, use_origin_parquet: bool = False) -> None:
+        if not self.fixed and self._open_store().refresh() > 0:
+            return  # already imported: the train files are not read again
+        super()._download(use_origin_parquet)
+
+    def _read_files_and_tokenize(self) -> None:
+        if self.fixed:
+            super()._read_files_and_tokenize()
+            return
+        store = self._open_store()
+        if store.refresh() == 0:
+            # verl's own reading, sampling and overlong filtering, then one atomic commit:
+            # a crash before it leaves the store empty, so the next start imports again.
+            super()._read_files_and_tokenize()
+            table = _with_source(to_table(self._local_frame, store.display_url))
+            version = store.append(
+                table,
+                meta={IMPORT_META: True, "files": [str(f) for f in self.original_data_files]},
+            )
+            log.info("imported %d rows into %s as version %d", table.num_rows, store.url, version)
+            self._local_frame = None
+        else:
+            log.info("using %s at version %d (train files not re-imported)", store.url, store.head)
+        assert self._rows is not None
+        self._rows.refresh()
+        self._frame = StoreFrame(self._rows)
+
+    def __getitem__(self, item: int) -> dict[str, Any]:
+        out = super().__getitem__(item)
+        if not self.fixed:
+            out[ROW_KEY] = int(item)
+        return out
+
+    def make_sampler(self) -> VersionedSampler:
+        """The train sampler to pass as RayPPOTrainer's ``train_sampler``."""
+        assert self.settings is not None and self._rows is not None
+        s = self.settings
+        return VersionedSampler(
+            self._rows,
+            shuffle=s.shuffle,
+            seed=s.seed,
+            mode=s.mode,
+            batch_size=s.batch_size,
+            fresh_share=s.fresh_share,
+            lag=s.lag,
+        )
+
+    # -- one round per step ------------------------------------------------------------------
+
+    def round_of(self, step: int) -> int | None:
+        """The version of the head's lineage that holds the round of ``step``, or None."""
+        store = self.store
+        v = store.refresh()
+        while v > 0:
+            record = store.commit_record(v)
+            record_step = record.meta.get("step")
+            if record_step is not None and record_step < step:
+                return None
+            if record_step == step:
+                return v
+            v = record.target if record.op == "reset" else record.parent
+        return None
+
+    def on_batch_end(self, batch: Any) -> int | None:
+        """Generate and commit the round of the step whose ``batch`` just trained; returns the
+        version holding it. verl calls this once per step (not after the last one)."""
+        if self.fixed:
+            return None
+        step = self.step + 1
+        self.step = step
+        existing = self.round_of(step)
+        if existing is not None:
+            log.info(
+                "round of step %d is already version %d; not committing it twice", step, existing
+            )
+            return existing
+        assert self._rows is not None and self.settings is not None
+        self._rows.refresh()
+        name = generator_name(self.data_generator) if self.data_generator else "none"
+        meta: dict[str, Any] = {"step": step, "generator": name}
+        rows = None
+        if self.data_generator is not None:
+            try:
+                rows = run_generator(self.data_generator, batch, step, self)
+            except Exception as exc:
+                if self.settings.on_generator_error != "skip":
+                    log.error("generator %s failed at step %d: %r", name, step, exc)
+                    raise
+                log.warning(
+                    "generator %s failed at step %d, committing an empty round: %r", name, step, exc
+                )
+                meta["error"] = repr(exc)[:500]
+        keep_source = isinstance(self.data_generator, DynstateGenerator)
+        table = self._round_table(rows, keep_source)
+        meta["rows"] = table.num_rows
+        version = self.store.append(table if table.num_rows else [], meta=meta)
+        self._rows.refresh()
+        log.info("step %d: %s added %d rows as version %d", step, name, table.num_rows, version)
+        return version
+
+    def _round_table(self, rows: Any, keep_source: bool) -> pa.Table:
+        url = self.store.display_url
+        if rows is None:
+            return pa.table({})
+        if isinstance(rows, list):
+            if not rows:
+                return pa.table({})
+            rows = datasets.Dataset.from_list(rows)
+        elif not isinstance(rows, datasets.Dataset):
+            rows = datasets.Dataset(to_table(rows, url))
+        drop = [c for c in (ROW_KEY,) if c in rows.column_names]
+        if not keep_source and SOURCE_COLUMN in rows.column_names:
+            drop.append(SOURCE_COLUMN)  # the old interface cannot know lineage
+        if drop:
+            rows = rows.remove_columns(drop)
+        if len(rows) == 0:
+            return pa.table({})
+        rows = self.maybe_filter_out_long_prompts(rows)  # verl's filter, as for the train files
+        return _with_source(to_table(rows, url))
+
+    # -- resume ------------------------------------------------------------------------------
+
+    def resume(self, checkpoint_dir: str | None, loader: Any, step: int) -> None:
+        """Bring store, loader and step counter to what ``global_step_<step>`` saw.
+
+        Rounds of later steps are rolled back (a new reset commit; they stay listed). A round
+        ``step`` that the crashed run committed after saving the checkpoint is kept; if it
+        never got committed, an empty round with ``lost: true`` records the gap. The loader
+        state is always loaded here, also where verl skips it (``global_steps`` a multiple of
+        the loader length, which means nothing for a growing dataset)."""
+        if self.fixed:
+            return
+        store = self.store
+        if checkpoint_dir is None or step <= 0:
+            step = 0
+        state = None
+        if checkpoint_dir is not None and step > 0:
+            state = read_loader_state(os.path.join(checkpoint_dir, "data.pt"), store)
+        name = generator_name(self.data_generator) if self.data_generator else "none"
+        # Not rollback()'s same-content shortcut: an empty round of a later step must leave
+        # the lineage too, or the resumed run would take it for its own and skip that step.
+        head, target = store.refresh(), version_at_step(store, step)
+        if head != target:
+            store.reset(target, meta={"rollback_from": head, "verl_resume_step": step})
+            log.info("rolled %s back to step %d (version %d)", store.display_url, step, target)
+        if step > 0 and self.round_of(step) is None:
+            version = store.append(
+                [],
+                meta={"step": step, "generator": f"lost:{name}", "lost": True},
+            )
+            log.warning(
+                "the round of step %d was never committed (the run stopped between saving "
+                "global_step_%d and committing it); recorded as lost in version %d of %s",
+                step,
+                step,
+                version,
+                store.display_url,
+            )
+        if state is not None:
+            loader.load_state_dict(state)
+        self.step = step
+        self._rows.refresh()  # type: ignore[union-attr]
+
+
+def read_loader_state(path: str, store: Store) -> dict[str, Any]:
+    """Load a verl ``data.pt`` safely and check that it belongs to ``store``."""
+    if not os.path.exists(path):
+        raise StateMismatchError(
+            f"no dataloader state at {path}; cannot resume {store.display_url} exactly — "
+            "resume from a checkpoint written with DynstateRLDataset"
+        )
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as exc:
+        raise StateMismatchError(
+            f"{path} is not a plain dataloader state (torch.load weights_only=True failed: "
+            f"{exc}); it was not written by the dynstate sampler for {store.display_url}"
+        ) from exc
+    sampler_state = find_sampler_state(state)
+    if sampler_state is None:
+        raise StateMismatchError(
+            f"{path} holds no dynstate sampler state, so it cannot resume {store.display_url}; "
+            "was the run started with dynstate's train sampler (see docs/verl.md)?"
+        )
+    check_state(sampler_state, store.store_id, store.display_url)
+    return state
+
+
+def _with_source(table: pa.Table) -> pa.Table:
+    if SOURCE_COLUMN in table.column_names:
+        i = table.column_names.index(SOURCE_COLUMN)
+        return table.set_column(i, SOURCE_COLUMN, table.column(SOURCE_COLUMN).cast(SOURCE_TYPE))
+    return table.append_column(SOURCE_COLUMN, pa.nulls(table.num_rows, SOURCE_TYPE))
