@@ -508,6 +508,76 @@ def plot_cmd(url: str, out: str, storage_options) -> None:
     click.echo(f"wrote {out} ({points} versions of {store.display_url})")
 
 
+@cli.command("inspect")
+@click.argument("path")
+@click.option("--store", "store_url", help="Store URL, if not the one recorded in the state.")
+@click.option("-n", "rows", type=int, help="Rows of the next batch to show (default: batch size).")
+@json_option
+@store_command
+def inspect_cmd(
+    path: str, store_url: str | None, rows: int | None, as_json: bool, storage_options
+) -> None:
+    """Show what a checkpoint refers to: store URL and id, version, epoch, position, and the
+    rows the next step sees. PATH is a verl global_step_N directory or a data.pt file.
+
+    \b
+    Example:
+      dynstate inspect checkpoints/global_step_40
+    """
+    from .checkpoint import describe_checkpoint
+
+    info = describe_checkpoint(
+        path, store_url=store_url, storage_options=storage_options, rows=rows
+    )
+    if as_json:
+        _print_json(info)
+        return
+    console = _console()
+    for key in ("checkpoint", "store_url", "store_id", "head", "mode", "seed", "epoch",
+                "version", "base_rows", "position", "step"):
+        console.print(f"{key + ':':<12}{info[key]}", markup=False)
+    console.print(
+        f"next batch: epoch {info['next_epoch']}, version {info['next_version']}, "
+        f"rows {info['next_indices']}",
+        markup=False,
+    )
+    if "next_error" in info:
+        console.print(f"note: {info['next_error']}", markup=False)
+    if info["next_rows"]:
+        columns = list(info["next_rows"][0])
+        table = Table("row", *columns, box=box.SIMPLE_HEAD)
+        for index, row in zip(info["next_indices"], info["next_rows"], strict=True):
+            table.add_row(str(index), *(str(row[c])[:60] for c in columns))
+        console.print(table)
+
+
 def main() -> None:
     """Console-script entry point."""
     cli(prog_name="dynstate")
+
+
+@cli.command("demo")
+@click.option("--dir", "out_dir", default="demo-out", show_default=True, help="Output directory.")
+@click.option("--s3", is_flag=True, help="Use a loopback S3 server (needs dynstate[test]).")
+@click.option("--steps", default=60, show_default=True, type=click.IntRange(min=1))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(min=0))
+@click.option("--mode", default="mix", show_default=True, type=click.Choice(["mix", "epoch"]))
+@click.option("--step-time", default=0.4, show_default=True, help="Simulated seconds per step.")
+def demo_cmd(out_dir: str, s3: bool, steps: int, seed: int, workers: int, mode, step_time):
+    """Run a dynamic-datagen training run, SIGKILL it, resume it from its last checkpoint and
+    check that it continues exactly as an uninterrupted run; then list the store and plot it.
+
+    \b
+    Example:
+      dynstate demo --dir demo-out --steps 40
+    """
+    from .demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(steps=steps, seed=seed, workers=workers, mode=mode, step_time=step_time)
+    try:
+        ok = run_demo(out_dir, s3=s3, cfg=cfg)
+    except RuntimeError as exc:  # a training process failed: its log tail is in the message
+        raise CliError(str(exc)) from exc
+    if not ok:
+        raise SystemExit(1)
