@@ -157,6 +157,7 @@ class Storage:
             return exc
         where = f"{self.display_url}/{rel}"
         tries = f" after {attempts} attempts" if attempts > 1 else ""
+        text = self.scrub(str(exc))  # botocore's messages may quote a credential
         if isinstance(exc, PermissionError):
             return StorageError(
                 f"permission denied to {what} {where}; check the credentials and permissions "
@@ -164,12 +165,27 @@ class Storage:
             )
         if isinstance(exc, (OSError, RuntimeError, ValueError)):
             return StorageError(
-                f"could not {what} {where}{tries}: {exc}; check that the location is reachable "
+                f"could not {what} {where}{tries}: {text}; check that the location is reachable "
                 "and retry"
             )
         if _is_client_library_error(exc):  # botocore / aiohttp errors s3fs did not translate
-            return StorageError(f"could not {what} {where}{tries}: {exc!r}; retry later")
+            return StorageError(f"could not {what} {where}{tries}: {text}; retry later")
         return exc
+
+    def scrub(self, text: str) -> str:
+        """``text`` with any credential of this location replaced by ``***``."""
+        parts = urlsplit(self.url) if "://" in self.url else None
+        secrets = [parts.password, parts.username] if parts else []
+        secrets += [
+            str(v)
+            for k, v in self.storage_options.items()
+            if any(word in k.lower() for word in ("secret", "key", "token", "password"))
+            and isinstance(v, str)
+        ]
+        for secret in secrets:
+            if secret and len(secret) >= 4:
+                text = text.replace(secret, "***")
+        return text
 
     # -- reads -----------------------------------------------------------------------------
 

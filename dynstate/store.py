@@ -409,7 +409,7 @@ class Store:
                 shards = self._expand(record.base, self._where(m.log_path(v)))
                 break
             # At the gc floor the checkpoint is the only way back, even for the floor itself.
-            if v == self._gc_floor or (v != version and v % m.CHECKPOINT_INTERVAL == 0):
+            if v == self._gc_floor or v % m.CHECKPOINT_INTERVAL == 0:
                 shards = self._load_checkpoint(v)
                 if shards is not None:
                     break
@@ -864,7 +864,8 @@ def _plain(t: pa.DataType) -> pa.DataType:
 
 
 def same_type(a: pa.DataType, b: pa.DataType) -> bool:
-    return a == b or _plain(a) == _plain(b)
+    # an all-None column of a list-of-dicts round arrives as type null: it fits any column
+    return a == b or pa.types.is_null(a) or _plain(a) == _plain(b)
 
 
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
