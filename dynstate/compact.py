@@ -26,7 +26,8 @@ import pyarrow.parquet as pq
 from . import manifest as m
 from .errors import CommitConflictError, DynstateError, InvalidDataError
 from .manifest import Commit, ShardRef
-from .store import Snapshot, Store, _check_meta
+from .rounds import check_meta
+from .store import Snapshot, Store
 
 log = logging.getLogger("dynstate")
 
@@ -93,7 +94,7 @@ def compact(
             f"target_bytes for compacting {store.display_url} must be a positive int, "
             f"not {target_bytes!r}"
         )
-    meta = _check_meta(meta, store.display_url)
+    meta = check_meta(meta, store.display_url)
     snap = store.snapshot(version)
     base = snap.version
     # Refuse early, before writing anything, when the head is not ``base`` plus appends.
