@@ -1,0 +1,473 @@
+"""`dynstate demo`: a verl-style dynamic-datagen run that is killed with SIGKILL and resumed.
+
+Arithmetic tasks go into a store; a simulated policy fails the tasks whose answer is above a
+threshold that grows with the step; a rule-based generator commits variations of the failed
+tasks as one round per step. The training loop uses torchdata's real ``StatefulDataLoader``
+with :class:`VersionedDataset` and :class:`VersionedSampler` and saves
+``{"loader": loader.state_dict(), "step": s}`` every few steps, as verl's ``data.pt``.
+
+The same loop runs in subprocesses: once uninterrupted on a reference store, once on the
+run's store until it is SIGKILLed at a seeded step, then resumed from its last checkpoint in a
+fresh process (``rollback`` + ``loader.load_state_dict``). The demo checks that the batches and
+the final head equal the reference's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from .errors import InvalidDataError, MissingDependencyError, StoreExistsError
+from .resume import rollback
+from .store import Store
+
+log = logging.getLogger("dynstate")
+
+GENERATOR = "variations-v1"
+MARKER = ".dynstate-demo"
+S3_BUCKET = "dynstate-demo"
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("prompt", pa.string()),
+        ("a", pa.int64()),
+        ("b", pa.int64()),
+        ("answer", pa.int64()),
+        ("origin_step", pa.int64()),  # -1: the initial import
+        ("parent", pa.string()),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    steps: int = 60
+    seed: int = 0
+    workers: int = 2
+    mode: str = "mix"
+    batch_size: int = 8
+    initial_tasks: int = 64
+    ckpt_every: int = 5
+    max_new: int = 8  # variations per round
+    step_time: float = 0.4  # the simulated policy update, seconds per step
+
+    def check(self) -> None:
+        if self.ckpt_every < 1 or self.steps < self.ckpt_every + 3:
+            raise InvalidDataError(
+                f"the demo needs steps >= checkpoint interval + 3 to crash after a checkpoint "
+                f"(steps={self.steps}, every={self.ckpt_every}); pass a larger --steps"
+            )
+        if self.workers < 0 or self.batch_size < 1 or self.initial_tasks < self.batch_size:
+            raise InvalidDataError(
+                "the demo needs workers >= 0 and at least one batch of initial tasks"
+            )
+
+    @property
+    def lag(self) -> int:
+        # Fresh rows may only be drawn once their round is surely committed: beyond the
+        # loader's prefetch depth (prefetch_factor is 1 here).
+        return self.workers + 1
+
+
+# -- the task world ----------------------------------------------------------------------------
+
+
+def initial_tasks(cfg: DemoConfig) -> pa.Table:
+    rng = random.Random(cfg.seed)
+    rows = []
+    for i in range(cfg.initial_tasks):
+        a, b = rng.randint(1, 60), rng.randint(1, 60)
+        rows.append(_task(f"t{i:04d}", a, b, -1, ""))
+    return pa.Table.from_pylist(rows, schema=SCHEMA)
+
+
+def _task(task_id: str, a: int, b: int, step: int, parent: str) -> dict[str, Any]:
+    prompt = f"what is {a}+{b}?"
+    return {"id": task_id, "prompt": prompt, "a": a, "b": b, "answer": a + b,
+            "origin_step": step, "parent": parent}  # fmt: skip
+
+
+def policy_solves(task: dict[str, Any], step: int) -> bool:
+    """The simulated policy: it solves every task up to a threshold that grows as it trains."""
+    return task["answer"] <= 40 + 2 * step
+
+
+def generate(failed: list[dict[str, Any]], step: int, cfg: DemoConfig) -> pa.Table:
+    """Two easier variations of each failed task (one operand made smaller), in batch order,
+    at most ``cfg.max_new`` per round: deterministic, so a resumed run regenerates the same."""
+    rows: list[dict[str, Any]] = []
+    for task in failed:
+        k = 1 + (31 * task["a"] + 17 * task["b"] + step + cfg.seed) % 9
+        for a, b in ((max(1, task["a"] - k), task["b"]), (task["a"], max(1, task["b"] - k))):
+            if len(rows) < cfg.max_new:
+                rows.append(_task(f"g{step:04d}.{len(rows):02d}", a, b, step, task["id"]))
+    return pa.Table.from_pylist(rows, schema=SCHEMA)
+
+
+# -- the training process (runs in a subprocess) -----------------------------------------------
+
+
+def _collate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return rows
+
+
+def _latest_checkpoint(ckpt_dir: str) -> tuple[int, str] | None:
+    """verl's convention: latest_checkpointed_iteration.txt names the newest complete one."""
+    try:
+        with open(os.path.join(ckpt_dir, "latest_checkpointed_iteration.txt")) as fh:
+            step = int(fh.read().strip())
+    except FileNotFoundError:
+        return None
+    return step, os.path.join(ckpt_dir, f"global_step_{step}", "data.pt")
+
+
+def _save_checkpoint(ckpt_dir: str, step: int, loader: Any) -> None:
+    import torch
+
+    path = os.path.join(ckpt_dir, f"global_step_{step}")
+    os.makedirs(path, exist_ok=True)
+    torch.save({"loader": loader.state_dict(), "step": step}, os.path.join(path, "data.pt.tmp"))
+    os.replace(os.path.join(path, "data.pt.tmp"), os.path.join(path, "data.pt"))
+    _write_atomic(os.path.join(ckpt_dir, "latest_checkpointed_iteration.txt"), str(step))
+
+
+def _write_atomic(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def train(url: str, workdir: str, cfg: DemoConfig, *, resume: bool = False) -> None:
+    """The training loop. Appends one line per step to ``stream.jsonl`` (or
+    ``stream-resumed.jsonl``): the step and the rows of its batch."""
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from .dataset import VersionedDataset
+    from .sampler import VersionedSampler
+
+    store = Store.open(url)
+    ckpt_dir = os.path.join(workdir, "ckpt")
+    start, state = 0, None
+    if resume:
+        found = _latest_checkpoint(ckpt_dir)
+        if found is None:
+            raise InvalidDataError(f"no checkpoint in {ckpt_dir} to resume {url} from")
+        ckpt_step, path = found
+        ckpt = torch.load(path, weights_only=True)  # plain types only: no pickle
+        # Rounds the crashed run committed after its checkpoint must not leak in.
+        rollback(store, step=ckpt_step, meta={"reason": "demo resume"})
+        start, state = ckpt_step + 1, ckpt["loader"]
+    dataset = VersionedDataset(store)
+    sampler = VersionedSampler(
+        dataset, seed=cfg.seed, mode=cfg.mode, batch_size=cfg.batch_size, lag=cfg.lag
+    )
+    loader = StatefulDataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        num_workers=cfg.workers,
+        collate_fn=_collate,
+        **({"prefetch_factor": 1} if cfg.workers else {}),
+    )
+    if state is not None:
+        loader.load_state_dict(state)
+    name = "stream-resumed.jsonl" if resume else "stream.jsonl"
+    step = start
+    with open(os.path.join(workdir, name), "a") as stream:
+        while step < cfg.steps:
+            for batch in loader:
+                failed = [task for task in batch if not policy_solves(task, step)]
+                time.sleep(cfg.step_time)
+                new = generate(failed, step, cfg)
+                store.append(new, meta={"step": step, "generator": GENERATOR})
+                if (step + 1) % cfg.ckpt_every == 0:
+                    _save_checkpoint(ckpt_dir, step, loader)
+                line = {"step": step, "rows": batch, "failed": len(failed), "new": new.num_rows}
+                stream.write(json.dumps(line) + "\n")
+                stream.flush()
+                step += 1
+                if step >= cfg.steps:
+                    break
+
+
+# -- the orchestrating process -----------------------------------------------------------------
+
+
+def prepare_dir(path: str) -> str:
+    """Empty ``path`` for a new demo; refuses a non-empty directory the demo did not make."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path) and os.listdir(path):
+        if not os.path.exists(os.path.join(path, MARKER)):
+            raise StoreExistsError(
+                f"{path} is not empty and was not made by `dynstate demo`; pass --dir with a "
+                "new or empty directory"
+            )
+        shutil.rmtree(path)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, MARKER), "w") as fh:
+        fh.write("made by `dynstate demo`; the next demo run deletes this directory\n")
+    return path
+
+
+@contextlib.contextmanager
+def loopback_s3() -> Iterator[str]:
+    """A moto S3 server on loopback for the --s3 demo; AWS_* variables point subprocesses to
+    it (the variables are restored afterwards)."""
+    try:
+        import boto3
+        from moto.server import ThreadedMotoServer
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "the --s3 demo starts a local S3 server with moto, which is not installed; "
+            "pip install 'dynstate[test]'"
+        ) from exc
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {"AWS_ACCESS_KEY_ID": "demo", "AWS_SECRET_ACCESS_KEY": "demo",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}  # fmt: skip
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=S3_BUCKET)
+        yield endpoint
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def read_stream(path: str) -> list[dict[str, Any]]:
+    """Steps a training process logged; a line cut short by SIGKILL is not a step."""
+    try:
+        with open(path) as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.split("\n")[:-1]]
+
+
+class _Child:
+    """One training process (``python -m dynstate.demo _train``) in its own process group, so
+    the crash kills it together with its DataLoader workers, as a lost node would."""
+
+    def __init__(self, url: str, workdir: str, cfg: DemoConfig, resume: bool = False):
+        os.makedirs(workdir, exist_ok=True)
+        self.stream = os.path.join(workdir, "stream-resumed.jsonl" if resume else "stream.jsonl")
+        self.log_path = os.path.join(workdir, "resumed.log" if resume else "train.log")
+        args = {"url": url, "workdir": workdir, "cfg": asdict(cfg), "resume": resume}
+        with open(self.log_path, "wb") as log_file:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dynstate.demo", "_train", json.dumps(args)],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def steps(self) -> int:
+        return len(read_stream(self.stream))
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def failure(self, what: str) -> str:
+        with open(self.log_path, errors="replace") as fh:
+            tail = fh.read()[-2000:]
+        return f"{what} exited with {self.proc.returncode}; its log ({self.log_path}):\n{tail}"
+
+
+def pick_crash_step(cfg: DemoConfig) -> int:
+    """A seeded step after the first checkpoint and not itself a checkpoint step, so the
+    crashed run always leaves rounds behind that the resume must roll back."""
+    steps = [s for s in range(cfg.ckpt_every, cfg.steps - 2) if (s + 1) % cfg.ckpt_every]
+    return random.Random(f"crash-{cfg.seed}").choice(steps)
+
+
+def compare(ref_dir: str, run_dir: str, ckpt_step: int, cfg: DemoConfig) -> str | None:
+    """None if the crashed run's steps up to its checkpoint plus the resumed run's steps equal
+    the reference's, batch by batch and row by row; else where they first differ."""
+    reference = read_stream(os.path.join(ref_dir, "stream.jsonl"))
+    before = [
+        s for s in read_stream(os.path.join(run_dir, "stream.jsonl")) if s["step"] <= ckpt_step
+    ]
+    combined = before + read_stream(os.path.join(run_dir, "stream-resumed.jsonl"))
+    if [s["step"] for s in combined] != list(range(cfg.steps)):
+        return f"the run logged steps {[s['step'] for s in combined]}, expected 0..{cfg.steps - 1}"
+    for ours, theirs in zip(combined, reference, strict=True):
+        if ours["rows"] != theirs["rows"]:
+            ids = [r["id"] for r in ours["rows"]], [r["id"] for r in theirs["rows"]]
+            return f"step {ours['step']}: batch {ids[0]} but the reference had {ids[1]}"
+    return None
+
+
+def run_demo(
+    out_dir: str = "demo-out", *, s3: bool = False, cfg: DemoConfig | None = None, console=None
+) -> bool:
+    """Run the demo; prints progress, the verdict and ``dynstate ls``, writes growth.png and
+    summary.json. Returns True when the resumed run equals the reference exactly."""
+    from rich.console import Console
+
+    cfg = cfg or DemoConfig()
+    cfg.check()
+    console = console or Console(highlight=False, soft_wrap=True)
+    out = prepare_dir(out_dir)
+    with loopback_s3() if s3 else contextlib.nullcontext():
+        base = f"s3://{S3_BUCKET}" if s3 else out
+        urls = {"run": f"{base}/store", "reference": f"{base}/reference-store"}
+        for url in urls.values():
+            Store.open(url, create=True).append(
+                initial_tasks(cfg), meta={"step": -1, "generator": "initial"}
+            )
+        crash = pick_crash_step(cfg)
+        console.print(
+            f"dynstate demo: {cfg.initial_tasks} arithmetic tasks, {cfg.steps} steps of "
+            f"{cfg.batch_size},\n  sampler mode {cfg.mode!r}, DataLoader workers: {cfg.workers}, "
+            f"a checkpoint every {cfg.ckpt_every} steps\n  store:     {urls['run']}\n"
+            f"  reference: {urls['reference']}\n  the training run will be SIGKILLed "
+            f"after step {crash}"
+        )
+        ckpt_step, lost = _crash_and_resume(urls, out, cfg, crash, console)
+        problem = compare(os.path.join(out, "reference"), os.path.join(out, "run"), ckpt_step, cfg)
+        head, ref_head = (Store.open(url).snapshot() for url in (urls["run"], urls["reference"]))
+        if problem is None and not head.to_arrow().equals(ref_head.to_arrow()):
+            problem = f"head {head.num_rows} rows differs from the reference's {ref_head.num_rows}"
+        _show_store(urls["run"], os.path.join(out, "growth.png"), console)
+    summary = {
+        "ok": problem is None,
+        "problem": problem,
+        "crash_after_step": crash,
+        "checkpoint_step": ckpt_step,
+        "rolled_back_steps": lost,
+        "urls": urls,
+        "head_version": head.version,
+        "head_rows": head.num_rows,
+        "config": asdict(cfg),
+    }
+    _write_atomic(os.path.join(out, "summary.json"), json.dumps(summary, indent=2))
+    if problem is not None:
+        console.print(f"resume exact: MISMATCH {problem}", markup=False)
+        return False
+    console.print(
+        f"resume exact: OK (steps {ckpt_step + 1}..{cfg.steps - 1} after the crash and the head, "
+        f"{head.num_rows} rows at version {head.version}, equal the uninterrupted run)",
+        markup=False,
+    )
+    return True
+
+
+def _crash_and_resume(
+    urls: dict[str, str], out: str, cfg: DemoConfig, crash: int, console: Any
+) -> tuple[int, list[int]]:
+    """Run the reference and the training run side by side, SIGKILL the training run after
+    step ``crash``, resume it; returns the checkpoint step and the rounds rolled back."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    ref_dir, run_dir = os.path.join(out, "reference"), os.path.join(out, "run")
+    children: list[_Child] = []
+    columns = (TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn())
+    try:
+        with Progress(*columns, console=console, disable=not console.is_terminal) as bars:
+
+            def follow(child: _Child, bar: Any, offset: int = 0) -> int:
+                done = child.steps()
+                bars.update(bar, completed=offset + done)
+                return done
+
+            ref = _Child(urls["reference"], ref_dir, cfg)
+            run = _Child(urls["run"], run_dir, cfg)
+            children += [ref, run]
+            ref_bar = bars.add_task("reference run (uninterrupted)", total=cfg.steps)
+            run_bar = bars.add_task("training run (will crash)", total=cfg.steps)
+            while run.proc.poll() is None:
+                follow(ref, ref_bar)
+                if follow(run, run_bar) > crash:
+                    run.kill()
+                time.sleep(0.02)
+            if run.proc.returncode != -signal.SIGKILL:
+                early = " (it finished before the kill: use a larger --step-time)"
+                raise RuntimeError(
+                    run.failure("the training run" + early * (not run.proc.returncode))
+                )
+            found = _latest_checkpoint(os.path.join(run_dir, "ckpt"))
+            if found is None:  # cannot happen: the crash step lies after the first checkpoint
+                raise RuntimeError(run.failure("the training run (no checkpoint)"))
+            ckpt_step = found[0]
+            versions = Store.open(urls["run"]).versions()
+            lost = [c.meta["step"] for c in versions if c.meta.get("step", -1) > ckpt_step]
+            bars.update(run_bar, description=f"training run (killed after {run.steps()})")
+            console.print(
+                f"SIGKILLed the training process after step {crash}; its last checkpoint is "
+                f"step {ckpt_step},\n  and it had committed rounds of steps {lost} after it "
+                "(the resume rolls them back)"
+            )
+            resumed = _Child(urls["run"], run_dir, cfg, resume=True)
+            children.append(resumed)
+            res_bar = bars.add_task(f"resumed from step {ckpt_step}", total=cfg.steps)
+            while resumed.proc.poll() is None or ref.proc.poll() is None:
+                follow(ref, ref_bar)
+                follow(resumed, res_bar, ckpt_step + 1)
+                time.sleep(0.02)
+            follow(ref, ref_bar)
+            follow(resumed, res_bar, ckpt_step + 1)
+    finally:
+        # The children run in their own sessions: Ctrl-C or an error here must not orphan them.
+        for child in children:
+            if child.proc.poll() is None:
+                child.kill()
+    for child, what in ((ref, "the reference run"), (resumed, "the resumed run")):
+        if child.proc.returncode != 0:
+            raise RuntimeError(child.failure(what))
+    return ckpt_step, lost
+
+
+def _show_store(url: str, png: str, console: Any) -> None:
+    from .cli import cli
+
+    console.print(f"\n$ dynstate ls {url} --all")
+    cli.main(["ls", url, "--all"], prog_name="dynstate", standalone_mode=False)
+    try:
+        from .plot import plot_growth
+
+        plot_growth(Store.open(url), png)
+        console.print(f"growth plot: {png}")
+    except MissingDependencyError as exc:
+        console.print(f"growth plot skipped: {exc}")
+
+
+def _train_main(arg: str) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    args = json.loads(arg)
+    train(args["url"], args["workdir"], DemoConfig(**args["cfg"]), resume=args["resume"])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["_train"]:
+        _train_main(sys.argv[2])
+    else:
+        from .cli import cli
+
+        cli(["demo", *sys.argv[1:]], prog_name="dynstate")
