@@ -152,30 +152,30 @@ def _write_group(
     at a time (verified, shaped like the snapshot's schema so older shards gain later nullable
     columns) and written as row groups of about ``_ROW_GROUP_BYTES``, so memory stays near
     the output's size rather than several times the decoded group."""
-    sink = pa.BufferOutputStream()
-    writer = pq.ParquetWriter(sink, snap.schema) if snap.schema is not None else None
-    pending: list[pa.Table] = []
-    pending_bytes = rows = 0
-    try:
-        for shard in group:
-            table = store.read_shard(shard, snap.schema, version=snap.version)
-            if writer is None:
-                writer = pq.ParquetWriter(sink, table.schema)
-            pending.append(table)
-            pending_bytes += table.nbytes
-            rows += table.num_rows
-            if pending_bytes >= _ROW_GROUP_BYTES:
+    path = f"{m.DATA_DIR}/{uuid.uuid4().hex}.parquet"
+    rows = 0
+    with store.storage.new_shard(path) as sink:
+        writer: pq.ParquetWriter | None = None
+        pending: list[pa.Table] = []
+        pending_bytes = 0
+        try:
+            for shard in group:
+                table = store.read_shard(shard, snap.schema, version=snap.version)
+                if writer is None:
+                    writer = pq.ParquetWriter(sink, snap.schema or table.schema)
+                pending.append(table)
+                pending_bytes += table.nbytes
+                rows += table.num_rows
+                if pending_bytes >= _ROW_GROUP_BYTES:
+                    writer.write_table(pa.concat_tables(pending))
+                    pending, pending_bytes = [], 0
+            if pending and writer is not None:
                 writer.write_table(pa.concat_tables(pending))
-                pending, pending_bytes = [], 0
-        if pending and writer is not None:
-            writer.write_table(pa.concat_tables(pending))
-    finally:
-        if writer is not None:
-            writer.close()
-    data = sink.getvalue().to_pybytes()
-    ref = ShardRef(f"{m.DATA_DIR}/{uuid.uuid4().hex}.parquet", rows, len(data), m.sha256(data))
+        finally:
+            if writer is not None:
+                writer.close()
+    ref = ShardRef(path, rows, sink.size, sink.sha256)
     written.append(ref)
-    store.storage.write_shard(ref.path, data)
     return ref
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import logging
 import os
 import random
@@ -18,7 +19,8 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -358,22 +360,35 @@ class Storage:
             raise FileExistsError(path)
         self.fs.pipe_file(path, data)
 
-    def write_shard(self, rel: str, data: bytes) -> None:
-        """Write a new immutable data file under a fresh unique name (never overwrites)."""
-        if self.local:
-
-            def write() -> None:
-                self._local_dir(rel)
-                fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                try:
-                    _write_all(fd, data)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-
-            self._call("write", rel, write)
-        else:
-            self.create(rel, data)
+    @contextmanager
+    def new_shard(self, rel: str) -> Iterator[ShardSink]:
+        """A sink for a new immutable data file under a fresh unique name (never overwrites);
+        it hashes what passes through. Local files are streamed to disk and fsynced; remote
+        ones are uploaded in one exclusive create when the block ends. A failure inside the
+        block removes the partial file."""
+        if not self.local:
+            sink = ShardSink(None)
+            yield sink
+            self.create(rel, sink.getvalue())
+            return
+        self._call("write", rel, lambda: self._local_dir(rel))
+        fd = self._call(
+            "create",
+            rel,
+            lambda: os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644),
+        )
+        try:
+            sink = ShardSink(fd)
+            yield sink
+            self._call("sync", rel, lambda: os.fsync(fd))
+        except BaseException:
+            os.close(fd)
+            fd = -1
+            self.delete(rel)
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def sync_dir(self, rel_dir: str) -> None:
         if self.local:
@@ -387,7 +402,43 @@ def is_safe_name(name: str) -> bool:
     return bool(_SAFE_NAME.match(name)) and ".." not in name
 
 
-def _write_all(fd: int, data: bytes) -> None:
+class ShardSink:
+    """A write-only file object for pyarrow that hashes (SHA-256) and counts what it is
+    given, writing it to ``fd`` — or keeping it in memory when ``fd`` is None."""
+
+    def __init__(self, fd: int | None):
+        self._fd = fd
+        self._hash = hashlib.sha256()
+        self._buffer: list[bytes] | None = [] if fd is None else None
+        self.size = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self._hash.update(view)
+        if self._buffer is not None:
+            self._buffer.append(bytes(view))
+        else:
+            assert self._fd is not None
+            _write_all(self._fd, view)
+        self.size += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        pass
+
+    @property
+    def sha256(self) -> str:
+        return self._hash.hexdigest()
+
+    def getvalue(self) -> bytes:
+        return b"".join(self._buffer or [])
+
+
+def _write_all(fd: int, data: Any) -> None:
     view = memoryview(data)
     while view:
         written = os.write(fd, view)

@@ -655,18 +655,10 @@ class Store:
         try:
             for start in range(0, table.num_rows, per_shard):
                 part = table.slice(start, per_shard)
-                sink = pa.BufferOutputStream()
-                pq.write_table(part, sink)
-                data = sink.getvalue()  # an Arrow buffer: local files take it without a copy
-                ref = ShardRef(
-                    f"{m.DATA_DIR}/{uuid.uuid4().hex}.parquet",
-                    part.num_rows,
-                    data.size,
-                    m.sha256(data),
-                )
-                self.storage.write_shard(
-                    ref.path, data if self.storage.local else data.to_pybytes()
-                )
+                path = f"{m.DATA_DIR}/{uuid.uuid4().hex}.parquet"
+                with self.storage.new_shard(path) as sink:
+                    pq.write_table(part, sink)
+                ref = ShardRef(path, part.num_rows, sink.size, sink.sha256)
                 written.append(ref)
             self.storage.sync_dir(m.DATA_DIR)
         except BaseException:
