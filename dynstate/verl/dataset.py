@@ -23,8 +23,9 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 from ..dataset import VersionedDataset
 from ..errors import InvalidDataError, StateMismatchError
 from ..resume import version_at_step
+from ..rounds import to_table
 from ..sampler import VersionedSampler, check_state, find_sampler_state
-from ..store import Store, to_table
+from ..store import Store
 from .generator import (
     ROW_KEY,
     SOURCE_COLUMN,

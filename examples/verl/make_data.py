@@ -1,0 +1,24 @@
+"""Write arithmetic tasks in verl's parquet layout: ``python make_data.py ~/data/arith``."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import pandas as pd
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arith_generator import make_task
+
+
+def main(folder: str, n_train: int = 2000, n_val: int = 200) -> None:
+    rng = random.Random(0)
+    os.makedirs(folder, exist_ok=True)
+    for split, n in (("train", n_train), ("test", n_val)):
+        rows = [make_task(rng.randint(1, 999), rng.randint(1, 999), i, split) for i in range(n)]
+        pd.DataFrame(rows).to_parquet(os.path.join(folder, f"{split}.parquet"))
+
+
+if __name__ == "__main__":
+    main(os.path.expanduser(sys.argv[1] if len(sys.argv) > 1 else "~/data/arith"))
