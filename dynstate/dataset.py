@@ -22,6 +22,7 @@ from .store import Snapshot, Store, conform, verify_shard_bytes
 log = logging.getLogger("dynstate")
 
 DEFAULT_CACHE_BYTES = 512 * 2**20
+_CELL_ROWS = 32
 
 
 class RowIndex(int):
@@ -53,6 +54,7 @@ class ShardCache:
         self.max_bytes = max_bytes
         self.disk_dir = disk_dir
         self._tables: OrderedDict[str, pa.Table] = OrderedDict()
+        self._cells: dict[str, tuple[list[str], list[pa.ChunkedArray]]] = {}
         self._bytes = 0
         self._disk: OrderedDict[str, int] = OrderedDict()
         self._disk_bytes = 0
@@ -75,9 +77,27 @@ class ShardCache:
                 self._tables[key] = table
                 self._bytes += table.nbytes
                 while self._bytes > self.max_bytes and len(self._tables) > 1:
-                    _, old = self._tables.popitem(last=False)
+                    gone, old = self._tables.popitem(last=False)
+                    self._cells.pop(gone, None)
                     self._bytes -= old.nbytes
         return table if schema is None else conform(table, schema)
+
+    def cells(self, store: Store, shard: m.ShardRef, schema: pa.Schema | None, version: int):
+        """(column names, columns) of a shard for cell-by-cell reads; kept with the cached table
+        because building them costs ~10 µs, as much as reading a row."""
+        cells = self._cells.get(shard.sha256)
+        if cells is None:
+            table = self.get(store, shard, schema, version)
+            cells = (table.column_names, table.columns)
+            with self._lock:
+                if self._tables.get(shard.sha256) is table:  # not conformed: same every time
+                    self._cells[shard.sha256] = cells
+        else:
+            with self._lock:
+                if shard.sha256 in self._tables:
+                    self._tables.move_to_end(shard.sha256)
+                    self.hits += 1
+        return cells
 
     def _load(self, store: Store, shard: m.ShardRef, version: int) -> pa.Table:
         if store.storage.local or self.disk_dir is None:
@@ -222,18 +242,31 @@ class VersionedDataset(Dataset):
         """Fetch several rows at once, one decode per shard touched."""
         out: list[dict[str, Any] | None] = [None] * len(indices)
         groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        snaps: dict[int | None, Snapshot] = {}  # by the index's version: ~5 µs saved per row
         for pos, index in enumerate(indices):
             if index < 0:
                 raise IndexError(f"negative row index {index} for {self.store.display_url}")
-            snap = self._snapshot_for(index)
+            version = getattr(index, "version", None)
+            snap = snaps.get(version)
+            if snap is None or index >= snap.num_rows:
+                snap = snaps[version] = self._snapshot_for(index)
             shard, row = snap.locate(int(index))
             groups.setdefault((snap.version, shard), []).append((pos, row))
         for (version, shard), wanted in groups.items():
             snap = self.store.snapshot(version)
-            table = self.cache.get(self.store, snap.shards[shard], snap.schema, version)
-            if self.columns is not None:
-                table = table.select(self.columns)
-            rows = table.take([row for _, row in wanted]).to_pylist()
+            positions = [row for _, row in wanted]
+            if len(positions) <= _CELL_ROWS and self.columns is None:
+                # take() costs ~100 µs per call whatever its size, a cell ~3 µs: up to ~32 rows
+                # (random access, a batch spread over shards) are faster read cell by cell.
+                ref = snap.shards[shard]
+                names, columns = self.cache.cells(self.store, ref, snap.schema, version)
+                cells = list(zip(names, columns, strict=True))
+                rows = [{n: c[r].as_py() for n, c in cells} for r in positions]
+            else:
+                table = self.cache.get(self.store, snap.shards[shard], snap.schema, version)
+                if self.columns is not None:
+                    table = table.select(self.columns)
+                rows = table.take(positions).to_pylist()
             for (pos, _), row in zip(wanted, rows, strict=True):
                 out[pos] = row
         return out  # type: ignore[return-value]
