@@ -169,7 +169,6 @@ def trials() -> list[tuple[int, str, int, str]]:
     out = [
         (4, "saved", 2, "local"),  # between checkpoint 4 and round 4: the lost-round window
         (2, "fetched", 0, "local"),  # before the first checkpoint: resume from scratch
-        (7, "committed", 2, "local"),
         # Resumes from step 4 with 18 rows: 4 % (18 // 4) == 0, so verl's _load_checkpoint
         # skips the loader state as "at an epoch boundary"; resume() must restore it anyway.
         (4, "committed", 0, "local"),
