@@ -562,7 +562,7 @@ def main() -> None:
 @click.option("--steps", default=60, show_default=True, type=click.IntRange(min=1))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(min=0))
-@click.option("--mode", default="mix", show_default=True, type=click.Choice(["mix", "epoch"]))
+@click.option("--mode", default="epoch", show_default=True, type=click.Choice(["epoch", "mix"]))
 @click.option("--step-time", default=0.4, show_default=True, help="Simulated seconds per step.")
 def demo_cmd(out_dir: str, s3: bool, steps: int, seed: int, workers: int, mode, step_time):
     """Run a dynamic-datagen training run, SIGKILL it, resume it from its last checkpoint and

@@ -32,7 +32,7 @@ from typing import Any
 import pyarrow as pa
 
 from .errors import InvalidDataError, MissingDependencyError, StoreExistsError
-from .resume import rollback
+from .resume import lineage, rollback
 from .store import Store
 
 log = logging.getLogger("dynstate")
@@ -58,7 +58,7 @@ class DemoConfig:
     steps: int = 60
     seed: int = 0
     workers: int = 2
-    mode: str = "mix"
+    mode: str = "epoch"
     batch_size: int = 8
     initial_tasks: int = 64
     ckpt_every: int = 5
@@ -199,7 +199,11 @@ def train(url: str, workdir: str, cfg: DemoConfig, *, resume: bool = False) -> N
                 store.append(new, meta={"step": step, "generator": GENERATOR})
                 if (step + 1) % cfg.ckpt_every == 0:
                     _save_checkpoint(ckpt_dir, step, loader)
-                line = {"step": step, "rows": batch, "failed": len(failed), "new": new.num_rows}
+                # Versions the sampler has read from so far (it runs ahead by the prefetch).
+                read = sorted(
+                    {v for v in (sampler.version, sampler.fresh_version) if v is not None}
+                )
+                line = {"step": step, "rows": batch, "versions": read, "new": new.num_rows}
                 stream.write(json.dumps(line) + "\n")
                 stream.flush()
                 step += 1
@@ -307,9 +311,12 @@ def pick_crash_step(cfg: DemoConfig) -> int:
     return random.Random(f"crash-{cfg.seed}").choice(steps)
 
 
-def compare(ref_dir: str, run_dir: str, ckpt_step: int, cfg: DemoConfig) -> str | None:
+def compare(
+    ref_dir: str, run_dir: str, ckpt_step: int, cfg: DemoConfig, run_store: Store | None = None
+) -> str | None:
     """None if the crashed run's steps up to its checkpoint plus the resumed run's steps equal
-    the reference's, batch by batch and row by row; else where they first differ."""
+    the reference's, batch by batch and row by row, and (given ``run_store``) read only
+    versions of its head's lineage; else where they first differ."""
     reference = read_stream(os.path.join(ref_dir, "stream.jsonl"))
     before = [
         s for s in read_stream(os.path.join(run_dir, "stream.jsonl")) if s["step"] <= ckpt_step
@@ -317,6 +324,15 @@ def compare(ref_dir: str, run_dir: str, ckpt_step: int, cfg: DemoConfig) -> str 
     combined = before + read_stream(os.path.join(run_dir, "stream-resumed.jsonl"))
     if [s["step"] for s in combined] != list(range(cfg.steps)):
         return f"the run logged steps {[s['step'] for s in combined]}, expected 0..{cfg.steps - 1}"
+    if run_store is not None:
+        kept = set(lineage(run_store))
+        for step in combined:
+            gone = [v for v in step["versions"] if v not in kept]
+            if gone:
+                return (
+                    f"step {step['step']}: the sampler read version(s) {gone}, which the "
+                    "rollback abandoned: rounds of the crashed run leaked into the resumed run"
+                )
     for ours, theirs in zip(combined, reference, strict=True):
         if ours["rows"] != theirs["rows"]:
             ids = [r["id"] for r in ours["rows"]], [r["id"] for r in theirs["rows"]]
@@ -351,7 +367,8 @@ def run_demo(
             f"after step {crash}"
         )
         ckpt_step, lost = _crash_and_resume(urls, out, cfg, crash, console)
-        problem = compare(os.path.join(out, "reference"), os.path.join(out, "run"), ckpt_step, cfg)
+        dirs = [os.path.join(out, name) for name in ("reference", "run")]
+        problem = compare(*dirs, ckpt_step, cfg, Store.open(urls["run"]))
         head, ref_head = (Store.open(url).snapshot() for url in (urls["run"], urls["reference"]))
         if problem is None and not head.to_arrow().equals(ref_head.to_arrow()):
             problem = f"head {head.num_rows} rows differs from the reference's {ref_head.num_rows}"

@@ -66,21 +66,26 @@ def check_outputs(out: Path, run_url: str, ref_url: str, proc) -> None:
 
 
 @pytest.mark.slow
-def test_demo_crash_and_resume_local_mix_with_workers(tmp_path) -> None:
+def test_demo_crash_and_resume_local_epoch_with_workers(tmp_path) -> None:
     out = tmp_path / "demo"
     proc = run_demo(["--dir", str(out), "--workers", "1", "--seed", "3", *SMALL])
     check_outputs(out, str(out / "store"), str(out / "reference-store"), proc)
 
 
 @pytest.mark.slow
-def test_demo_module_entry_epoch_mode_reuses_its_own_dir(tmp_path) -> None:
+def test_demo_module_entry_mix_mode_reuses_its_own_dir(tmp_path) -> None:
     out = tmp_path / "demo"
     prepare_dir(str(out))  # a previous demo's directory is replaced, not refused
     (out / "stale").write_text("from a previous demo")
-    args = ["--dir", str(out), "--workers", "0", "--mode", "epoch", "--seed", "1", *SMALL]
+    args = ["--dir", str(out), "--workers", "0", "--mode", "mix", "--seed", "1", *SMALL]
     proc = run_demo(args, cli=False)
-    check_outputs(out, str(out / "store"), str(out / "reference-store"), proc)
     assert not (out / "stale").exists()
+    if proc.returncode == 1 and "leaked into the resumed run" in verdict(proc):
+        # Known: after a rollback, mix mode's sampler finds fresh rows by version number, not
+        # by lineage, and reads the abandoned rounds (docs/verl.md, "Not done / limits").
+        # The demo detects it; remove this branch once the sampler follows the lineage.
+        pytest.xfail(f"mix mode reads abandoned versions after a rollback: {verdict(proc)}")
+    check_outputs(out, str(out / "store"), str(out / "reference-store"), proc)
 
 
 @pytest.mark.slow
@@ -154,3 +159,22 @@ def test_generator_varies_only_failed_tasks_deterministically() -> None:
         assert task["prompt"] == f"what is {task['a']}+{task['b']}?"
         assert task["answer"] == task["a"] + task["b"] and task["origin_step"] == 3
     assert generate([], 3, cfg).num_rows == 0  # an empty round is still committed
+
+
+def test_compare_flags_reads_from_abandoned_versions(tmp_path) -> None:
+    store = Store.open(str(tmp_path / "store"), create=True)
+    for step in range(-1, 4):
+        store.append([{"id": f"r{step}"}], meta={"step": step})  # versions 1..5
+    store.reset(3)  # steps 2 and 3 (versions 4, 5) abandoned; head 6
+    cfg = DemoConfig(steps=4, ckpt_every=1)
+    for name, steps in (("ref/stream.jsonl", range(4)), ("run/stream.jsonl", range(2))):
+        path = tmp_path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("".join(json.dumps({"step": s, "rows": [], "versions": [1, 3]}) + "\n"
+                                for s in steps))  # fmt: skip
+    resumed = tmp_path / "run/stream-resumed.jsonl"
+    resumed.write_text("".join(json.dumps({"step": s, "rows": [], "versions": [1, v]}) + "\n"
+                               for s, v in ((2, 6), (3, 4))))  # fmt: skip
+    problem = compare(str(tmp_path / "ref"), str(tmp_path / "run"), 1, cfg, store)
+    assert problem is not None and problem.startswith("step 3: the sampler read version(s) [4]")
+    assert compare(str(tmp_path / "ref"), str(tmp_path / "run"), 1, cfg) is None
