@@ -8,6 +8,7 @@ commit; the abandoned versions stay listed and readable until gc.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from .errors import InvalidDataError
@@ -16,16 +17,19 @@ from .store import Store
 log = logging.getLogger("dynstate")
 
 
-def lineage(store: Store, version: int | None = None) -> list[int]:
-    """Versions whose content makes up ``version`` (default: the head), newest first: appends
-    lead to their parent, a reset to its target, a compaction to its parent."""
-    v = store.resolve(version)
-    out = []
+def walk_lineage(store: Store, version: int) -> Iterator[int]:
+    """Versions whose content makes up ``version``, newest first: appends and compactions lead
+    to their parent, a reset to its target. Abandoned versions are never on the way."""
+    v: int | None = version
     while v is not None and v >= 0:
-        out.append(v)
+        yield v
         record = store.commit_record(v)
         v = record.target if record.op == "reset" else record.parent
-    return out
+
+
+def lineage(store: Store, version: int | None = None) -> list[int]:
+    """:func:`walk_lineage` of ``version`` (default: the head) as a list."""
+    return list(walk_lineage(store, store.resolve(version)))
 
 
 def version_at_step(store: Store, step: int) -> int:
@@ -55,12 +59,12 @@ def rollback(
 
     Pass the checkpoint's ``version`` (the head when it was saved), or its training ``step`` to
     keep rounds of steps ``<= step`` and drop later ones. Nothing is committed when the head
-    already has that content. ``keep=True`` keeps later rounds (logged, not silent)."""
+    already is that version. ``keep=True`` keeps later rounds (logged, not silent)."""
     if (version is None) == (step is None):
         raise InvalidDataError(f"rollback of {store.display_url} needs exactly one of version/step")
     head = store.refresh()
     target = store.resolve(version) if version is not None else version_at_step(store, step)
-    if target == head or (target in lineage(store) and _same_content(store, target, head)):
+    if target == head:
         return head
     if keep:
         log.warning(
@@ -74,7 +78,3 @@ def rollback(
     new = store.reset(target, meta=info)
     log.info("rolled %s back to version %d as version %d", store.display_url, target, new)
     return new
-
-
-def _same_content(store: Store, a: int, b: int) -> bool:
-    return store.snapshot(a).shards == store.snapshot(b).shards

@@ -8,6 +8,7 @@ to its row in O(1): resuming at row 10M costs what resuming at row 0 costs.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from torch.utils.data import Sampler
 
 from .dataset import RowIndex, VersionedDataset
 from .errors import InvalidDataError, StateMismatchError, UnsupportedFormatError
+from .resume import walk_lineage
 
 log = logging.getLogger("dynstate")
 
@@ -203,8 +205,8 @@ class VersionedSampler(Sampler[int]):
             version = current
             last = _latest_step(store, current)
             done = step < 0 or (last is not None and last >= step)
-            head = store.refresh()
-            for v in range(current + 1, head + 1):
+            # Only the head's lineage counts: rounds a rollback abandoned never become fresh.
+            for v in _lineage_after(store, store.refresh(), current):
                 record_step = store.commit_record(v).meta.get("step")
                 if record_step is None:
                     continue
@@ -281,12 +283,18 @@ class VersionedSampler(Sampler[int]):
 
 
 def _latest_step(store: Any, version: int, horizon: int = 1000) -> int | None:
-    """The step of the newest round at or before ``version`` that records one."""
-    for v in range(version, max(-1, version - horizon), -1):
+    """The step of the newest round in ``version``'s lineage that records one."""
+    for v in itertools.islice(walk_lineage(store, version), horizon):
         step = store.commit_record(v).meta.get("step")
         if step is not None:
             return step
     return None
+
+
+def _lineage_after(store: Any, head: int, floor: int) -> list[int]:
+    """The versions of ``head``'s lineage newer than ``floor``, oldest first."""
+    out = list(itertools.takewhile(lambda v: v > floor, walk_lineage(store, head)))
+    return out[::-1]
 
 
 def check_state(state: Any, store_id: str, url: str) -> None:

@@ -33,12 +33,16 @@ class Config:
     growth: int = 3  # rows per round vary in 0..growth
     ckpt_every: int = 2
     fresh_share: float = 0.5
+    # rounds of steps after this one get other rows, as a non-deterministic generator would:
+    # a crashed run's abandoned rounds then differ from the resumed run's
+    salt_after: int | None = None
 
 
 def round_rows(step: int, cfg: Config) -> list[dict]:
     # deterministic generator: the rows of a round depend only on the step
     n = (step * 7 + cfg.seed) % (cfg.growth + 1)
-    return [{"id": 100_000 * (step + 1) + k, "text": f"task {step}-{k}"} for k in range(n)]
+    salt = 50_000 if cfg.salt_after is not None and step > cfg.salt_after else 0
+    return [{"id": 100_000 * (step + 1) + salt + k, "text": f"task {step}-{k}"} for k in range(n)]
 
 
 def init_store(cfg: Config) -> Store:

@@ -80,11 +80,6 @@ def test_demo_module_entry_mix_mode_reuses_its_own_dir(tmp_path) -> None:
     args = ["--dir", str(out), "--workers", "0", "--mode", "mix", "--seed", "1", *SMALL]
     proc = run_demo(args, cli=False)
     assert not (out / "stale").exists()
-    if proc.returncode == 1 and "leaked into the resumed run" in verdict(proc):
-        # Known: after a rollback, mix mode's sampler finds fresh rows by version number, not
-        # by lineage, and reads the abandoned rounds (docs/verl.md, "Not done / limits").
-        # The demo detects it; remove this branch once the sampler follows the lineage.
-        pytest.xfail(f"mix mode reads abandoned versions after a rollback: {verdict(proc)}")
     check_outputs(out, str(out / "store"), str(out / "reference-store"), proc)
 
 
