@@ -35,8 +35,8 @@ DEFAULT_TARGET_BYTES = 128 * 2**20
 # Decoded rows buffered before they are written as one row group of a compacted shard.
 _ROW_GROUP_BYTES = 32 * 2**20
 
-# A plan step: either a shard kept as it is (a ShardRef) or a run of shards to merge (a tuple).
-Step = ShardRef | tuple[ShardRef, ...]
+# A plan step: either a shard kept as it is (a ShardRef) or a run of shards to merge (a list).
+Step = ShardRef | list[ShardRef]
 
 
 def plan(shards: Sequence[ShardRef], target_bytes: int) -> list[Step]:
@@ -51,7 +51,7 @@ def plan(shards: Sequence[ShardRef], target_bytes: int) -> list[Step]:
         if len(run) == 1:
             steps.append(run[0])
         elif run:
-            steps.append(tuple(run))
+            steps.append(list(run))
         run.clear()
         size = 0
 
@@ -146,7 +146,7 @@ def _rewrite(
 
 
 def _write_group(
-    store: Store, snap: Snapshot, group: tuple[ShardRef, ...], written: list[ShardRef]
+    store: Store, snap: Snapshot, group: list[ShardRef], written: list[ShardRef]
 ) -> ShardRef:
     """Write the rows of a run of shards, in order, as one shard. Source shards are read one
     at a time (verified, shaped like the snapshot's schema so older shards gain later nullable

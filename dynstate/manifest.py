@@ -13,7 +13,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 
@@ -112,9 +112,9 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
     return body
 
 
-@dataclass(frozen=True)
-class ShardRef:
-    """One immutable Parquet file of a version: its path relative to the store root."""
+class ShardRef(NamedTuple):
+    """One immutable Parquet file of a version: its path relative to the store root.
+    (A named tuple: versions of 10k shards are opened by building 10k of these.)"""
 
     path: str
     rows: int
@@ -127,18 +127,22 @@ class ShardRef:
     @classmethod
     def from_json(cls, obj: Any, where: str) -> ShardRef:
         try:
-            path, rows, nbytes, digest = obj["path"], obj["rows"], obj["bytes"], obj["sha256"]
+            return cls.checked(obj["path"], obj["rows"], obj["bytes"], obj["sha256"], where)
         except (KeyError, TypeError) as exc:
             raise CorruptStoreError(f"{where} has a malformed shard entry {obj!r}") from exc
+
+    @classmethod
+    def checked(cls, path: Any, rows: Any, nbytes: Any, digest: Any, where: str) -> ShardRef:
+        """A ShardRef from untrusted values, refusing paths outside ``data/``."""
         if not isinstance(path, str) or not _SHARD_PATH.match(path) or ".." in path:
             raise UnsafePathError(
                 f"{where} names shard {path!r}, which is outside the store's data/ folder; "
                 "the record was tampered with — do not read this version, reset past it"
             )
-        if not (isinstance(rows, int) and isinstance(nbytes, int) and rows >= 0 and nbytes >= 0):
-            raise CorruptStoreError(f"{where} has a malformed shard entry {obj!r}")
+        if not (type(rows) is int and type(nbytes) is int and rows >= 0 and nbytes >= 0):
+            raise CorruptStoreError(f"{where} has a malformed shard entry for {path}")
         if not isinstance(digest, str) or not _HASH.match(digest):
-            raise CorruptStoreError(f"{where} has a malformed checksum in {obj!r}")
+            raise CorruptStoreError(f"{where} has a malformed checksum for {path}")
         return cls(path, rows, nbytes, digest)
 
 
@@ -164,12 +168,15 @@ class ShardList:
 
 
 def split_chunks(shards: list[ShardRef]) -> tuple[list[tuple[str, bytes]], ShardList]:
-    """Cut ``shards`` into content-addressed chunks; returns (chunk files, shard list)."""
+    """Cut ``shards`` into content-addressed chunks; returns (chunk files, shard list).
+    Chunks are columnar (one list per field): 10k entries parse several times faster than
+    10k objects."""
     full = len(shards) - len(shards) % CHUNK_ENTRIES
     files: list[tuple[str, bytes]] = []
     for start in range(0, full, CHUNK_ENTRIES):
-        entries = [s.to_json() for s in shards[start : start + CHUNK_ENTRIES]]
-        data = _canonical({"format": FORMAT, "shards": entries})
+        run = shards[start : start + CHUNK_ENTRIES]
+        columns = {name: [getattr(s, name) for s in run] for name in ShardRef._fields}
+        data = _canonical({"format": FORMAT, **columns})
         files.append((sha256(data), data))
     return files, ShardList(tuple(d for d, _ in files), tuple(shards[full:]))
 
@@ -183,7 +190,13 @@ def decode_chunk(digest: str, data: bytes, where: str) -> list[ShardRef]:
     obj = json.loads(data)
     if obj.get("format", 0) > FORMAT:
         raise UnsupportedFormatError(f"{where} uses format {obj['format']}; upgrade dynstate")
-    return [ShardRef.from_json(s, where) for s in obj["shards"]]
+    try:
+        columns = [obj[name] for name in ShardRef._fields]
+        if len({len(c) for c in columns}) != 1:
+            raise CorruptStoreError(f"{where} has columns of different lengths")
+        return [ShardRef.checked(*values, where) for values in zip(*columns, strict=True)]
+    except (KeyError, TypeError) as exc:
+        raise CorruptStoreError(f"{where} is not a chunk of shard entries") from exc
 
 
 @dataclass(frozen=True)

@@ -251,10 +251,10 @@ def test_concurrent_writer_thread_loses_nothing(tmp_path, backend) -> None:
 def test_plan_keeps_order_and_merges_only_small_runs(sizes: list[int], target: int) -> None:
     shards = [ShardRef(f"data/{i}.parquet", 1, b, "0" * 64) for i, b in enumerate(sizes)]
     steps = plan(shards, target)
-    flat = [s for step in steps for s in (step if isinstance(step, tuple) else (step,))]
+    flat = [s for step in steps for s in (step if isinstance(step, list) else (step,))]
     assert flat == shards
     for step in steps:
-        if isinstance(step, tuple):
+        if isinstance(step, list):
             assert len(step) > 1
             assert all(s.bytes * 2 < target for s in step)
             assert sum(s.bytes for s in step) <= target or len(step) == 1
