@@ -17,7 +17,8 @@ from torch.utils.data import Dataset
 
 from . import manifest as m
 from .errors import DynstateError
-from .store import Snapshot, Store, conform, verify_shard_bytes
+from .rounds import conform
+from .store import Snapshot, Store, verify_shard_bytes
 
 log = logging.getLogger("dynstate")
 
