@@ -533,8 +533,19 @@ def inspect_cmd(
         _print_json(info)
         return
     console = _console()
-    for key in ("checkpoint", "store_url", "store_id", "head", "mode", "seed", "epoch",
-                "version", "base_rows", "position", "step"):
+    for key in (
+        "checkpoint",
+        "store_url",
+        "store_id",
+        "head",
+        "mode",
+        "seed",
+        "epoch",
+        "version",
+        "base_rows",
+        "position",
+        "step",
+    ):
         console.print(f"{key + ':':<12}{info[key]}", markup=False)
     console.print(
         f"next batch: epoch {info['next_epoch']}, version {info['next_version']}, "

@@ -5,6 +5,6 @@ cd "$(dirname "$0")/.."
 bash tools/setup-venv.sh
 # shellcheck disable=SC1091
 . "${DYNSTATE_VENV:-.venv}/bin/activate"
-ruff check dynstate tests tools
-ruff format --check dynstate tests tools
+ruff check dynstate tests tools examples
+ruff format --check dynstate tests tools examples
 python -m pytest -q "$@"
