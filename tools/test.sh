@@ -7,4 +7,4 @@ bash tools/setup-venv.sh
 . "${DYNSTATE_VENV:-.venv}/bin/activate"
 ruff check dynstate tests tools examples
 ruff format --check dynstate tests tools examples
-python -m pytest -q "$@"
+python -m pytest -q --durations=20 "$@"
