@@ -9,6 +9,7 @@ import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
@@ -60,6 +61,8 @@ class ShardCache:
         self._disk: OrderedDict[str, int] = OrderedDict()
         self._disk_bytes = 0
         self._lock = threading.Lock()
+        self._inflight: set[str] = set()
+        self._pool: ThreadPoolExecutor | None = None
         self.hits = 0
         self.misses = 0
 
@@ -112,6 +115,31 @@ class ShardCache:
             data = store.read_shard_bytes(shard, version=version)
             self._remember_on_disk(path, shard, data)
         return pq.read_table(pa.BufferReader(data))
+
+    def prefetch(self, store: Store, shards: Sequence[m.ShardRef]) -> None:
+        """Download remote ``shards`` into the disk cache in the background, so that the
+        process that reads them next (often a DataLoader worker sharing the cache folder)
+        finds them local. A no-op for local stores."""
+        if store.storage.local or self.disk_dir is None:
+            return
+        for shard in shards:
+            path = os.path.join(self.disk_dir, f"{shard.sha256}.parquet")
+            with self._lock:
+                if shard.sha256 in self._inflight or os.path.exists(path):
+                    continue
+                self._inflight.add(shard.sha256)
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(2, thread_name_prefix="dynstate-prefetch")
+            self._pool.submit(self._fetch_to_disk, store, shard, path)
+
+    def _fetch_to_disk(self, store: Store, shard: m.ShardRef, path: str) -> None:
+        try:
+            self._remember_on_disk(path, shard, store.read_shard_bytes(shard))
+        except DynstateError as exc:  # the reader will fetch it itself and report
+            log.debug("prefetch of %s failed: %s", shard.path, exc)
+        finally:
+            with self._lock:
+                self._inflight.discard(shard.sha256)
 
     def _remember_on_disk(self, path: str, shard: m.ShardRef, data: bytes) -> None:
         try:
@@ -221,6 +249,12 @@ class VersionedDataset(Dataset):
         return self.pin(None)
 
     # -- access ------------------------------------------------------------------------------
+
+    def prefetch(self, version: int, indices: Sequence[int]) -> None:
+        """Start downloading the shards that hold ``indices`` of ``version`` (remote stores)."""
+        snap = self.store.snapshot(version)
+        wanted = {snap.locate(int(i))[0] for i in indices if 0 <= i < snap.num_rows}
+        self.cache.prefetch(self.store, [snap.shards[i] for i in sorted(wanted)])
 
     def __len__(self) -> int:
         return self.snapshot().num_rows

@@ -87,6 +87,10 @@ class VersionedSampler(Sampler[int]):
       be at least the loader's prefetch depth + 1 (``num_workers * prefetch_factor + 1``; 1
       without workers).
 
+    With ``prefetch`` (default), the shards of the next block of the order are downloaded into
+    the dataset's disk cache in the background (remote stores only), where DataLoader workers
+    sharing the cache folder find them.
+
     ``state_dict()`` returns plain types (loadable with ``torch.load(weights_only=True)``);
     ``load_state_dict()`` continues exactly where the state was taken.
     """
@@ -102,6 +106,7 @@ class VersionedSampler(Sampler[int]):
         fresh_share: float = 0.25,
         lag: int = 1,
         wait_timeout: float = 600.0,
+        prefetch: bool = True,
     ) -> None:
         if mode not in MODES:
             raise InvalidDataError(f"mode must be one of {MODES}, not {mode!r}")
@@ -120,6 +125,7 @@ class VersionedSampler(Sampler[int]):
         self.fresh_share = fresh_share
         self.lag = lag
         self.wait_timeout = wait_timeout
+        self.prefetch = prefetch
         # The position: which epoch, over which version, how far in.
         self.epoch = 0
         self.version: int | None = None
@@ -164,10 +170,17 @@ class VersionedSampler(Sampler[int]):
             return positions
         return FeistelPermutation(self.base_rows, self.seed, self.epoch)(positions)
 
+    def _prefetch(self, start: int) -> None:
+        """Warm the shards of the block after ``start`` while this one is consumed."""
+        if self.prefetch and start < self.base_rows:
+            stop = min(start + _BLOCK, self.base_rows)
+            self.dataset.prefetch(self.version, self._base_indices(start, stop).tolist())
+
     def _iter_epoch(self) -> Iterator[int]:
         version = self.version
         while self.position < self.base_rows:
             stop = min(self.position + _BLOCK, self.base_rows)
+            self._prefetch(stop)
             for index in self._base_indices(self.position, stop).tolist():
                 self.position += 1
                 yield RowIndex(index, version)
@@ -176,6 +189,8 @@ class VersionedSampler(Sampler[int]):
         assert self.batch_size is not None
         want_fresh = max(1, round(self.fresh_share * self.batch_size))
         while self.position < self.base_rows:
+            if self.position % _BLOCK < self.batch_size:
+                self._prefetch(self.position - self.position % _BLOCK + _BLOCK)
             fresh_version, fresh_rows = self._visible(self.step - self.lag)
             n_fresh = min(want_fresh, max(0, fresh_rows - self.fresh_next))
             n_base = min(self.batch_size - n_fresh, self.base_rows - self.position)

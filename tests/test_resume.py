@@ -324,3 +324,39 @@ def test_resume_with_different_num_workers(tmp_path):
                 break
     assert got == ref
     assert os.path.exists(cfg.url)
+
+
+def test_sampler_prefetches_the_next_shards_of_a_remote_store(s3_endpoint, tmp_path):
+    from conftest import s3_url
+
+    url = s3_url()
+    store = Store.open(url, create=True)
+    for start in range(0, 2100, 100):
+        store.append([{"id": i} for i in range(start, start + 100)])
+    ds = VersionedDataset(url, cache_dir=str(tmp_path / "cache"))
+    sampler = VersionedSampler(ds, seed=5)
+    it = iter(sampler)
+    next(it)  # starts the epoch and the prefetch of the block after the first
+    snap = store.snapshot()
+    import numpy as np
+
+    from dynstate.sampler import FeistelPermutation
+
+    following = FeistelPermutation(snap.num_rows, 5, 0)(np.arange(1024, 2048)).tolist()
+    wanted = {snap.shards[snap.locate(i)[0]].sha256 for i in following}
+    folder = tmp_path / "cache" / store.store_id
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        have = (
+            {p.name.split(".")[0] for p in folder.glob("*.parquet")} if folder.exists() else set()
+        )
+        if wanted <= have:
+            break
+        time.sleep(0.05)
+    assert wanted <= have
+    no_prefetch = VersionedSampler(
+        VersionedDataset(url, cache_dir=str(tmp_path / "c2")), seed=5, prefetch=False
+    )
+    next(iter(no_prefetch))
+    time.sleep(0.5)
+    assert not (tmp_path / "c2").exists()
