@@ -22,7 +22,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 
 from ..dataset import VersionedDataset
 from ..errors import InvalidDataError, StateMismatchError
-from ..resume import version_at_step
+from ..resume import rollback
 from ..rounds import to_table
 from ..sampler import VersionedSampler, check_state, find_sampler_state
 from ..store import Store
@@ -54,6 +54,7 @@ class Settings:
     batch_size: int = 1
     shuffle: bool = True
     seed: int = 0
+    checkpoint_mirror: str | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> Settings:
@@ -83,6 +84,7 @@ class Settings:
             batch_size=int(config.get("gen_batch_size") or config.get("train_batch_size") or 1),
             shuffle=bool(config.get("shuffle", True)),
             seed=int(config.get("seed") or 0),
+            checkpoint_mirror=plain.get("checkpoint_mirror"),
         )
 
 
@@ -322,12 +324,9 @@ class DynstateRLDataset(RLHFDataset):
         if checkpoint_dir is not None and step > 0:
             state = read_loader_state(os.path.join(checkpoint_dir, "data.pt"), store)
         name = generator_name(self.data_generator) if self.data_generator else "none"
-        # Not rollback()'s same-content shortcut: an empty round of a later step must leave
-        # the lineage too, or the resumed run would take it for its own and skip that step.
-        head, target = store.refresh(), version_at_step(store, step)
-        if head != target:
-            store.reset(target, meta={"rollback_from": head, "verl_resume_step": step})
-            log.info("rolled %s back to step %d (version %d)", store.display_url, step, target)
+        # Rounds of later steps leave the lineage (empty ones too: the resumed run would
+        # otherwise take them for its own and skip those steps).
+        rollback(store, step=step, meta={"verl_resume_step": step})
         if step > 0 and self.round_of(step) is None:
             version = store.append(
                 [],

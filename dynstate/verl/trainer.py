@@ -14,6 +14,7 @@ import logging
 import os
 from typing import Any
 
+from . import mirror
 from .dataset import DynstateRLDataset
 
 log = logging.getLogger("dynstate")
@@ -55,7 +56,25 @@ class DynstateTrainerMixin:
             train_sampler = train_dataset.make_sampler()
         super()._create_dataloader(train_dataset, val_dataset, collate_fn, train_sampler)  # type: ignore[misc]
 
+    def _mirror(self) -> str | None:
+        dataset = self.train_dataset
+        if isinstance(dataset, DynstateRLDataset) and not dataset.fixed:
+            return dataset.settings.checkpoint_mirror
+        return None
+
+    def _save_checkpoint(self):  # type: ignore[no-untyped-def]
+        result = super()._save_checkpoint()  # type: ignore[misc]
+        if url := self._mirror():
+            root = str(self.config.trainer.default_local_dir)
+            mirror.push(root, self.global_steps, url, self.train_dataset.settings.storage_options)
+        return result
+
     def _load_checkpoint(self):  # type: ignore[no-untyped-def]
+        root = str(self.config.trainer.default_local_dir)
+        url = self._mirror()
+        if url and not os.path.exists(os.path.join(root, mirror.TRACKER)):
+            # a fresh machine: bring the latest checkpoint next to the store back first
+            mirror.pull(root, url, self.train_dataset.settings.storage_options)
         result = super()._load_checkpoint()  # type: ignore[misc]
         if isinstance(self.train_dataset, DynstateRLDataset):
             folder = checkpoint_dir(self.config.trainer, self.global_steps)
