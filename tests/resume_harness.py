@@ -110,10 +110,15 @@ def train(
     store = init_store(cfg)
     _sampler, loader = make_loader(cfg)
     step = 0
-    if resume and ckpt_dir and (ckpt := latest_checkpoint(ckpt_dir)) is not None:
-        rollback(store, version=ckpt["head"])
-        loader.load_state_dict(ckpt["loader"])
-        step = ckpt["step"] + 1
+    if resume and ckpt_dir:
+        ckpt = latest_checkpoint(ckpt_dir)
+        if ckpt is None:
+            # killed before its first checkpoint: start again from before any round
+            rollback(store, step=-1)
+        else:
+            rollback(store, version=ckpt["head"])
+            loader.load_state_dict(ckpt["loader"])
+            step = ckpt["step"] + 1
     batches: dict[int, list[int]] = {}
     while step < cfg.steps:
         for ids in loader:
