@@ -2,7 +2,7 @@
 they train. Everything public is importable from here; all other modules are private."""
 
 from ._version import __version__
-from .dataset import RowIndex, VersionedDataset
+from .dataset import VersionedDataset, decode_index, encode_index
 from .errors import (
     ChecksumMismatchError,
     CommitConflictError,
@@ -39,7 +39,6 @@ __all__ = [
     "MissingDependencyError",
     "MissingShardError",
     "RoundFailedError",
-    "RowIndex",
     "SchemaMismatchError",
     "ShardRef",
     "Snapshot",
@@ -56,6 +55,8 @@ __all__ = [
     "VersionedDataset",
     "VersionedSampler",
     "__version__",
+    "decode_index",
+    "encode_index",
     "find_sampler_state",
     "lineage",
     "rollback",

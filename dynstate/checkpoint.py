@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .dataset import VersionedDataset
+from .dataset import VersionedDataset, decode_index
 from .errors import StateMismatchError, StoreNotFoundError
 from .sampler import VersionedSampler, find_sampler_state
 
@@ -86,6 +86,6 @@ def describe_checkpoint(
         info["next_error"] = str(exc)
     info["next_version"] = sampler.version
     info["next_epoch"] = sampler.epoch
-    info["next_indices"] = [int(i) for i in indices]
+    info["next_indices"] = [decode_index(i)[1] for i in indices]
     info["next_rows"] = dataset.__getitems__(indices) if indices else []
     return info

@@ -27,25 +27,27 @@ DEFAULT_CACHE_BYTES = 512 * 2**20
 _CELL_ROWS = 32
 
 
-class RowIndex(int):
-    """A row number that carries the version it was drawn from.
+# Sampler indices carry the version they were drawn from in their high bits, so a DataLoader
+# worker reads the row from exactly the version the sampler pinned, even if its own copy of
+# the dataset is older or the store was reset since. Plain ints: 30x cheaper to send to a
+# worker than an int subclass with an attribute.
+_ROW_BITS = 40
+_ROW_MASK = (1 << _ROW_BITS) - 1
 
-    The sampler yields these so a DataLoader worker reads the row from exactly the version the
-    sampler pinned, even if the worker's own copy of the dataset is older, or the store was
-    reset since. They behave as plain ints everywhere else."""
 
-    version: int
+def encode_index(version: int, row: int) -> int:
+    """An index meaning "row ``row`` of version ``version``" (rows < 2**40)."""
+    return ((version + 1) << _ROW_BITS) | row
 
-    def __new__(cls, value: int, version: int) -> RowIndex:
-        obj = super().__new__(cls, value)
-        obj.version = version
-        return obj
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (RowIndex, (int(self), self.version))
-
-    def __repr__(self) -> str:
-        return f"RowIndex({int(self)}, version={self.version})"
+def decode_index(index: int) -> tuple[int | None, int]:
+    """(version or None, row) of a dataset index; plain row numbers have no version."""
+    index = int(index)
+    if index < 0:
+        raise IndexError(f"negative row index {index}")
+    if index <= _ROW_MASK:
+        return None, index
+    return (index >> _ROW_BITS) - 1, index & _ROW_MASK
 
 
 class ShardCache:
@@ -252,6 +254,8 @@ class VersionedDataset(Dataset):
 
     def prefetch(self, version: int, indices: Sequence[int]) -> None:
         """Start downloading the shards that hold ``indices`` of ``version`` (remote stores)."""
+        if self.store.storage.local:
+            return  # local shards are read where they lie: nothing to warm
         snap = self.store.snapshot(version)
         wanted = {snap.locate(int(i))[0] for i in indices if 0 <= i < snap.num_rows}
         self.cache.prefetch(self.store, [snap.shards[i] for i in sorted(wanted)])
@@ -259,12 +263,11 @@ class VersionedDataset(Dataset):
     def __len__(self) -> int:
         return self.snapshot().num_rows
 
-    def _snapshot_for(self, index: int) -> Snapshot:
-        version = getattr(index, "version", None)
+    def _snapshot_for(self, version: int | None, row: int) -> Snapshot:
         if version is not None:
             return self.store.snapshot(version)
         snap = self.snapshot()
-        if index >= snap.num_rows:
+        if row >= snap.num_rows:
             # Rows appended after this copy was made (e.g. in a worker): follow the head.
             self.refresh()
             snap = self.snapshot()
@@ -279,13 +282,11 @@ class VersionedDataset(Dataset):
         groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
         snaps: dict[int | None, Snapshot] = {}  # by the index's version: ~5 µs saved per row
         for pos, index in enumerate(indices):
-            if index < 0:
-                raise IndexError(f"negative row index {index} for {self.store.display_url}")
-            version = getattr(index, "version", None)
+            version, row = decode_index(index)
             snap = snaps.get(version)
-            if snap is None or index >= snap.num_rows:
-                snap = snaps[version] = self._snapshot_for(index)
-            shard, row = snap.locate(int(index))
+            if snap is None or row >= snap.num_rows:
+                snap = snaps[version] = self._snapshot_for(version, row)
+            shard, row = snap.locate(row)
             groups.setdefault((snap.version, shard), []).append((pos, row))
         for (version, shard), wanted in groups.items():
             snap = self.store.snapshot(version)

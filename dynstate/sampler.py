@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from .dataset import RowIndex, VersionedDataset
+from .dataset import VersionedDataset, encode_index
 from .errors import InvalidDataError, StateMismatchError, UnsupportedFormatError
 from .resume import walk_lineage
 
@@ -177,13 +177,13 @@ class VersionedSampler(Sampler[int]):
             self.dataset.prefetch(self.version, self._base_indices(start, stop).tolist())
 
     def _iter_epoch(self) -> Iterator[int]:
-        version = self.version
+        tag = encode_index(self.version, 0)
         while self.position < self.base_rows:
             stop = min(self.position + _BLOCK, self.base_rows)
             self._prefetch(stop)
             for index in self._base_indices(self.position, stop).tolist():
                 self.position += 1
-                yield RowIndex(index, version)
+                yield tag | index
 
     def _iter_mix(self) -> Iterator[int]:
         assert self.batch_size is not None
@@ -194,14 +194,12 @@ class VersionedSampler(Sampler[int]):
             fresh_version, fresh_rows = self._visible(self.step - self.lag)
             n_fresh = min(want_fresh, max(0, fresh_rows - self.fresh_next))
             n_base = min(self.batch_size - n_fresh, self.base_rows - self.position)
+            base_tag, fresh_tag = encode_index(self.version, 0), encode_index(fresh_version, 0)
             batch = [
-                RowIndex(i, self.version)
+                base_tag | i
                 for i in self._base_indices(self.position, self.position + n_base).tolist()
             ]
-            batch += [
-                RowIndex(i, fresh_version)
-                for i in range(self.fresh_next, self.fresh_next + n_fresh)
-            ]
+            batch += [fresh_tag | i for i in range(self.fresh_next, self.fresh_next + n_fresh)]
             # State advances before the batch's indices leave, as the loader snapshots it
             # when it hands out the batch's first index.
             self.position += n_base

@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
-from ..dataset import VersionedDataset
+from ..dataset import VersionedDataset, decode_index
 from ..errors import InvalidDataError, StateMismatchError
 from ..resume import rollback
 from ..rounds import to_table
@@ -90,7 +90,7 @@ class Settings:
 
 class StoreFrame:
     """Stands where RLHFDataset keeps its ``datasets.Dataset``: integer access reads one row
-    from the store (at the version its RowIndex carries); everything else (``select``,
+    from the store (at the version its index carries); everything else (``select``,
     columns, ``filter``…) goes to a ``datasets.Dataset`` of the current version, as verl's old
     generators expect from ``dataset.dataframe``."""
 
@@ -215,7 +215,7 @@ class DynstateRLDataset(RLHFDataset):
     def __getitem__(self, item: int) -> dict[str, Any]:
         out = super().__getitem__(item)
         if not self.fixed:
-            out[ROW_KEY] = int(item)
+            out[ROW_KEY] = decode_index(item)[1]
         return out
 
     def make_sampler(self) -> VersionedSampler:
