@@ -231,9 +231,9 @@ def prepare_dir(path: str) -> str:
 
 
 @contextlib.contextmanager
-def loopback_s3() -> Iterator[str]:
-    """A moto S3 server on loopback for the --s3 demo; AWS_* variables point subprocesses to
-    it (the variables are restored afterwards)."""
+def loopback_s3(bucket: str = S3_BUCKET) -> Iterator[str]:
+    """A moto S3 server on loopback holding ``bucket``, for the --s3 demo and the test suite;
+    AWS_* variables point subprocesses to it (the variables are restored afterwards)."""
     try:
         import boto3
         from moto.server import ThreadedMotoServer
@@ -253,7 +253,7 @@ def loopback_s3() -> Iterator[str]:
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=S3_BUCKET)
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
         yield endpoint
     finally:
         server.stop()

@@ -11,7 +11,7 @@ import math
 import random
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -723,9 +723,6 @@ class Store:
         return self.commit_base(
             list(snap.shards), op="reset", schema=snap.schema, meta=meta, target=snap.version
         )
-
-    def iter_versions(self) -> Iterator[Commit]:
-        yield from self.versions()
 
 
 def _checkpoint_bytes(record: Commit, shard_list: m.ShardList) -> bytes:
