@@ -26,7 +26,8 @@ from .errors import (
 from .manifest import Commit, ShardRef
 from .resume import lineage, rollback, version_at_step
 from .sampler import VersionedSampler, find_sampler_state
-from .store import Snapshot, Staged, Store
+from .snapshot import Snapshot, Staged
+from .store import Store
 
 __all__ = [
     "ChecksumMismatchError",

@@ -27,7 +27,8 @@ from . import manifest as m
 from .errors import CommitConflictError, DynstateError, InvalidDataError
 from .manifest import Commit, ShardRef
 from .rounds import check_meta
-from .store import Snapshot, Store
+from .snapshot import Snapshot
+from .store import Store
 
 log = logging.getLogger("dynstate")
 

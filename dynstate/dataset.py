@@ -19,7 +19,8 @@ from torch.utils.data import Dataset
 from . import manifest as m
 from .errors import DynstateError
 from .rounds import conform
-from .store import Snapshot, Store, verify_shard_bytes
+from .snapshot import Snapshot, verify_shard_bytes
+from .store import Store
 
 log = logging.getLogger("dynstate")
 

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import InvalidDataError, StorageError, StoreExistsError
-from .store import Snapshot
+from .snapshot import Snapshot
 
 FORMATS = ("parquet", "datasets")
 

@@ -33,7 +33,8 @@ from .errors import (
     MissingShardError,
     RoundFailedError,
 )
-from .store import DEFAULT_SHARD_BYTES, Staged, Store
+from .snapshot import Staged
+from .store import DEFAULT_SHARD_BYTES, Store
 
 if TYPE_CHECKING:
     import ray.data
