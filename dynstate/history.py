@@ -3,24 +3,20 @@ the difference between two versions. The CLI renders these; scripts can use them
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from . import manifest as m
 from .gc import gc_floor
 from .manifest import Commit
+from .resume import walk_lineage
 from .store import Store
 
 
 def lineage(store: Store, version: int, floor: int = 0) -> list[int]:
-    """Versions whose rows ``version`` carries, newest first, down to ``floor``: appends and
-    compactions follow their parent, a reset jumps to its target."""
-    out: list[int] = []
-    v: int | None = version
-    while v is not None and v >= floor:
-        out.append(v)
-        record = store.commit_record(v)
-        v = record.target if record.op == "reset" else record.parent
-    return out
+    """Versions whose rows ``version`` carries, newest first, down to ``floor``
+    (:func:`dynstate.resume.walk_lineage`, stopped at the gc floor)."""
+    return list(itertools.takewhile(lambda v: v >= floor, walk_lineage(store, version)))
 
 
 def ranges(versions: list[int]) -> str:

@@ -22,7 +22,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 
 from ..dataset import VersionedDataset, decode_index
 from ..errors import InvalidDataError, StateMismatchError
-from ..resume import rollback
+from ..resume import rollback, walk_lineage
 from ..rounds import to_table
 from ..sampler import VersionedSampler, check_state, find_sampler_state
 from ..store import Store
@@ -237,15 +237,14 @@ class DynstateRLDataset(RLHFDataset):
     def round_of(self, step: int) -> int | None:
         """The version of the head's lineage that holds the round of ``step``, or None."""
         store = self.store
-        v = store.refresh()
-        while v > 0:
-            record = store.commit_record(v)
-            record_step = record.meta.get("step")
+        for v in walk_lineage(store, store.refresh()):
+            if v == 0:
+                break
+            record_step = store.commit_record(v).meta.get("step")
             if record_step is not None and record_step < step:
                 return None
             if record_step == step:
                 return v
-            v = record.target if record.op == "reset" else record.parent
         return None
 
     def on_batch_end(self, batch: Any) -> int | None:
