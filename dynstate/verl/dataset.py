@@ -252,7 +252,14 @@ class DynstateRLDataset(RLHFDataset):
         version holding it. verl calls this once per step (not after the last one)."""
         if self.fixed:
             return None
-        step = self.step + 1
+        return self.commit_round(batch, self.step + 1)
+
+    def commit_round(self, batch: Any, step: int) -> int | None:
+        """Generate and commit the round of training step ``step`` from its scored ``batch``;
+        returns the version holding it. Idempotent per step: a round already on the head's
+        lineage for ``step`` is returned without running the generator again."""
+        if self.fixed:
+            return None
         self.step = step
         existing = self.round_of(step)
         if existing is not None:
