@@ -2,7 +2,6 @@
 they train. Everything public is importable from here; all other modules are private."""
 
 from ._version import __version__
-from .dataset import VersionedDataset, decode_index, encode_index
 from .errors import (
     ChecksumMismatchError,
     CommitConflictError,
@@ -25,9 +24,34 @@ from .errors import (
 )
 from .manifest import Commit, ShardRef
 from .resume import lineage, rollback, version_at_step
-from .sampler import VersionedSampler, find_sampler_state
 from .snapshot import Snapshot, Staged
 from .store import Store
+
+# The loader classes import torch (~2 s): they load on first use, so that `import dynstate`
+# and the `dynstate` command stay fast.
+_LAZY = {
+    "VersionedDataset": "dataset",
+    "VersionedSampler": "sampler",
+    "decode_index": "dataset",
+    "encode_index": "dataset",
+    "find_sampler_state": "sampler",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dynstate' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "ChecksumMismatchError",
