@@ -218,8 +218,9 @@ class DynstateRLDataset(RLHFDataset):
             out[ROW_KEY] = decode_index(item)[1]
         return out
 
-    def make_sampler(self) -> VersionedSampler:
-        """The train sampler to pass as RayPPOTrainer's ``train_sampler``."""
+    def make_sampler(self, batch_size: int | None = None) -> VersionedSampler:
+        """The train sampler to pass as RayPPOTrainer's ``train_sampler``; ``batch_size``: the
+        rows of one training step, if not the loader's batch (verl's V1 trainer)."""
         assert self.settings is not None and self._rows is not None
         s = self.settings
         return VersionedSampler(
@@ -227,7 +228,7 @@ class DynstateRLDataset(RLHFDataset):
             shuffle=s.shuffle,
             seed=s.seed,
             mode=s.mode,
-            batch_size=s.batch_size,
+            batch_size=batch_size or s.batch_size,
             fresh_share=s.fresh_share,
             lag=s.lag,
         )
