@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +125,17 @@ class StoreFrame:
         return getattr(self.view(), name)
 
 
+# The growing dataset built from each data config object (by id; the dataset holds the config,
+# so the id cannot be reused while the entry is alive).
+_GROWING: dict[int, weakref.ref] = {}
+
+
+def _growing_for(config: Any) -> DynstateRLDataset | None:
+    ref = _GROWING.get(id(config))
+    dataset = ref() if ref is not None else None
+    return dataset if dataset is not None and dataset.config is config else None
+
+
 def _same_files(a: Any, b: Any) -> bool:
     def norm(x: Any) -> list[str]:
         if x is None:
@@ -138,9 +150,11 @@ def _same_files(a: Any, b: Any) -> bool:
 class DynstateRLDataset(RLHFDataset):
     """verl's RLHFDataset whose rows live in a dynstate store and grow by one round per step.
 
-    Built with ``data.train_files`` it serves the store at ``data.dynstate.url`` (importing
-    the files into an empty store first); built with any other files (verl builds the
-    validation set with the same class) it is a plain, fixed RLHFDataset."""
+    The first one built from a data config with ``data.train_files`` is the train set: it
+    serves the store at ``data.dynstate.url`` (importing the files into an empty store first).
+    verl builds the validation set with the same class from the same config, after the train
+    set: any later one, and any built with other files, is a plain, fixed RLHFDataset — also
+    when ``val_files`` names the same files as ``train_files``."""
 
     def __init__(
         self,
@@ -150,16 +164,27 @@ class DynstateRLDataset(RLHFDataset):
         processor: Any = None,
         max_samples: int = -1,
     ) -> None:
-        self.fixed = not _same_files(data_files, config.get("train_files"))
+        self.fixed = (
+            not _same_files(data_files, config.get("train_files"))
+            or _growing_for(config) is not None
+        )
         self.settings = None if self.fixed else Settings.from_config(config)
+        self._committed: tuple[Any, int, int] | None = None  # (batch, step, version)
         self._rows: VersionedDataset | None = None
         self._frame: StoreFrame | None = None
         self._local_frame: datasets.Dataset | None = None
         self.step = 0  # the last step whose round this dataset has seen committed
         self.data_generator = None
-        super().__init__(data_files, tokenizer, config, processor, max_samples)
         if not self.fixed:
-            self.data_generator = load_generator(config.get("datagen"))
+            _GROWING[id(config)] = weakref.ref(self)
+        try:
+            super().__init__(data_files, tokenizer, config, processor, max_samples)
+            if not self.fixed:
+                self.data_generator = load_generator(config.get("datagen"))
+        except BaseException:
+            if not self.fixed:
+                _GROWING.pop(id(config), None)
+            raise
 
     # -- where the rows come from ------------------------------------------------------------
 
@@ -204,10 +229,16 @@ class DynstateRLDataset(RLHFDataset):
                 table,
                 meta={IMPORT_META: True, "files": [str(f) for f in self.original_data_files]},
             )
-            log.info("imported %d rows into %s as version %d", table.num_rows, store.url, version)
+            log.info(
+                "imported %d rows into %s as version %d", table.num_rows, store.display_url, version
+            )
             self._local_frame = None
         else:
-            log.info("using %s at version %d (train files not re-imported)", store.url, store.head)
+            log.info(
+                "using %s at version %d (train files not re-imported)",
+                store.display_url,
+                store.head,
+            )
         assert self._rows is not None
         self._rows.refresh()
         self._frame = StoreFrame(self._rows)
@@ -250,9 +281,14 @@ class DynstateRLDataset(RLHFDataset):
 
     def on_batch_end(self, batch: Any) -> int | None:
         """Generate and commit the round of the step whose ``batch`` just trained; returns the
-        version holding it. verl calls this once per step (not after the last one)."""
+        version holding it. verl's legacy loop calls this once per step (not after the last
+        one), after the checkpoint; when the trainer mixin already committed this very batch
+        before the checkpoint, its version is returned and nothing is committed."""
         if self.fixed:
             return None
+        if self._committed is not None and self._committed[0] is batch:
+            version, self._committed = self._committed[2], None  # the batch is not kept alive
+            return version
         return self.commit_round(batch, self.step + 1)
 
     def commit_round(self, batch: Any, step: int) -> int | None:
@@ -267,6 +303,7 @@ class DynstateRLDataset(RLHFDataset):
             log.info(
                 "round of step %d is already version %d; not committing it twice", step, existing
             )
+            self._committed = (batch, step, existing)
             return existing
         assert self._rows is not None and self.settings is not None
         self._rows.refresh()
@@ -289,6 +326,7 @@ class DynstateRLDataset(RLHFDataset):
         meta["rows"] = table.num_rows
         version = self.store.append(table if table.num_rows else [], meta=meta)
         self._rows.refresh()
+        self._committed = (batch, step, version)
         log.info("step %d: %s added %d rows as version %d", step, name, table.num_rows, version)
         return version
 
@@ -317,11 +355,12 @@ class DynstateRLDataset(RLHFDataset):
     def resume(self, checkpoint_dir: str | None, loader: Any, step: int) -> None:
         """Bring store, loader and step counter to what ``global_step_<step>`` saw.
 
-        Rounds of later steps are rolled back (a new reset commit; they stay listed). A round
-        ``step`` that the crashed run committed after saving the checkpoint is kept; if it
-        never got committed, an empty round with ``lost: true`` records the gap. The loader
-        state is always loaded here, also where verl skips it (``global_steps`` a multiple of
-        the loader length, which means nothing for a growing dataset)."""
+        The round of ``step`` is on the head's lineage (the trainer integration commits it
+        before it writes the checkpoint); a checkpoint without it was not written through
+        dynstate and is refused with ``StateMismatchError``, the store left as it was. Rounds
+        of later steps are rolled back (a new reset commit; they stay listed). The loader state
+        is always loaded here, also where verl skips it (``global_steps`` a multiple of the
+        loader length, which means nothing for a growing dataset)."""
         if self.fixed:
             return
         store = self.store
@@ -330,26 +369,20 @@ class DynstateRLDataset(RLHFDataset):
         state = None
         if checkpoint_dir is not None and step > 0:
             state = read_loader_state(os.path.join(checkpoint_dir, "data.pt"), store)
-        name = generator_name(self.data_generator) if self.data_generator else "none"
+            if self.round_of(step) is None:
+                raise StateMismatchError(
+                    f"{checkpoint_dir} is a checkpoint of step {step}, but {store.display_url} "
+                    f"holds no round of step {step} on its head's lineage; it was not written "
+                    "by dynstate's trainer integration (which commits the round first) — resume "
+                    "from a checkpoint written with DynstateTrainerMixin"
+                )
         # Rounds of later steps leave the lineage (empty ones too: the resumed run would
         # otherwise take them for its own and skip those steps).
         rollback(store, step=step, meta={"verl_resume_step": step})
-        if step > 0 and self.round_of(step) is None:
-            version = store.append(
-                [],
-                meta={"step": step, "generator": f"lost:{name}", "lost": True},
-            )
-            log.warning(
-                "the round of step %d was never committed (the run stopped between saving "
-                "global_step_%d and committing it); recorded as lost in version %d of %s",
-                step,
-                step,
-                version,
-                store.display_url,
-            )
         if state is not None:
             loader.load_state_dict(state)
         self.step = step
+        self._committed = None
         self._rows.refresh()  # type: ignore[union-attr]
 
 

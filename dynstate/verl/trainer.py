@@ -1,11 +1,21 @@
-"""The one way into verl's trainer that dynstate needs: its own train sampler, and a resume
-that also restores the store.
+"""The way into verl's legacy ``RayPPOTrainer`` (``trainer.use_v1=false``) that dynstate needs.
 
 verl 0.9 builds the train sampler with ``create_rl_sampler`` (RandomSampler or
-SequentialSampler, no config hook) unless the trainer is given ``train_sampler``. The mixin
-below passes :meth:`DynstateRLDataset.make_sampler` whenever the train dataset is a dynstate
-one, and after verl's ``_load_checkpoint`` calls :meth:`DynstateRLDataset.resume`. Everything
-else is verl's code, unchanged.
+SequentialSampler, no config hook) unless the trainer is given ``train_sampler``; its
+``_get_gen_batch`` moves the dataset's columns out of the batch that is later scored; it writes
+``global_step_N`` before it calls ``on_batch_end`` for step N, and never calls it after the
+last step. :class:`DynstateTrainerMixin` overrides five methods, everything else is verl's:
+
+* ``_create_dataloader``: the train loader gets :meth:`DynstateRLDataset.make_sampler`;
+* ``_get_gen_batch``: the input columns (``raw_prompt``, ``dynstate_row``, …) stay on the
+  training batch too, so the scored batch a generator receives carries them;
+* ``_update_actor``: keeps the step's scored batch (verl calls it after reward and
+  advantages, right before ``_save_checkpoint``);
+* ``_save_checkpoint``: commits the step's round *before* verl writes the checkpoint, so a
+  checkpoint never names a step whose round is missing (``on_batch_end`` then finds the round
+  and commits nothing); then mirrors the folder if configured;
+* ``_load_checkpoint``: after verl's own, :meth:`DynstateRLDataset.resume` restores the store
+  version and the exact sampler position.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import logging
 import os
 from typing import Any
 
+from ..errors import InvalidDataError, StateMismatchError
 from . import mirror
 from .dataset import DynstateRLDataset
 
@@ -31,13 +42,22 @@ def checkpoint_dir(trainer_config: Any, global_steps: int) -> str | None:
     return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
 
 
+def growing(dataset: Any) -> DynstateRLDataset | None:
+    """``dataset`` if it is a store-backed (train) DynstateRLDataset, else None."""
+    if isinstance(dataset, DynstateRLDataset) and not dataset.fixed:
+        return dataset
+    return None
+
+
 class DynstateTrainerMixin:
-    """Mix into ``RayPPOTrainer`` (``class T(DynstateTrainerMixin, RayPPOTrainer)``)."""
+    """Mix into ``RayPPOTrainer``: ``class T(DynstateTrainerMixin, RayPPOTrainer)``."""
 
     config: Any
     train_dataset: Any
     train_dataloader: Any
     global_steps: int
+    _dynstate_scored: tuple[int, Any] | None = None
+    _dynstate_validating: bool = False
 
     def _create_dataloader(self, train_dataset, val_dataset, collate_fn, train_sampler):  # type: ignore[no-untyped-def]
         if train_dataset is None:
@@ -50,40 +70,81 @@ class DynstateTrainerMixin:
                 self.processor,  # type: ignore[attr-defined]
                 max_samples=self.config.data.get("train_max_samples", -1),
             )
-        if isinstance(train_dataset, DynstateRLDataset) and not train_dataset.fixed:
+        if growing(val_dataset) is not None and val_dataset is not train_dataset:
+            raise InvalidDataError(
+                "the validation dataset is a growing DynstateRLDataset; build the train set "
+                "first from the same data config (as verl's TaskRunner does), or pass a plain "
+                "RLHFDataset as val_dataset"
+            )
+        if (dataset := growing(train_dataset)) is not None:
             if train_sampler is not None:
                 log.info("replacing train_sampler %s with dynstate's", type(train_sampler).__name__)
-            train_sampler = train_dataset.make_sampler()
+            train_sampler = dataset.make_sampler()
         super()._create_dataloader(train_dataset, val_dataset, collate_fn, train_sampler)  # type: ignore[misc]
 
-    def _mirror(self) -> str | None:
-        dataset = self.train_dataset
-        if isinstance(dataset, DynstateRLDataset) and not dataset.fixed:
-            return dataset.settings.checkpoint_mirror
-        return None
+    # -- the scored batch carries the inputs -------------------------------------------------
+
+    def _get_gen_batch(self, batch):  # type: ignore[no-untyped-def]
+        gen_batch = super()._get_gen_batch(batch)  # type: ignore[misc]
+        if not self._dynstate_validating and growing(self.train_dataset) is not None:
+            # verl moved the dataset's columns into gen_batch; the agent loop hands them back
+            # only with a colocated reward model. Keep them on the batch as well: verl's own
+            # repeat() and union() then carry them to the scored batch.
+            for key, value in gen_batch.non_tensor_batch.items():
+                batch.non_tensor_batch.setdefault(key, value)
+        return gen_batch
+
+    def _validate(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self._dynstate_validating = True
+        try:
+            return super()._validate(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._dynstate_validating = False
+
+    # -- no lost round -----------------------------------------------------------------------
+
+    def _update_actor(self, batch):  # type: ignore[no-untyped-def]
+        # verl calls this with the step's batch after reward and advantages, and writes the
+        # checkpoint right after: keep the batch for the round _save_checkpoint commits.
+        self._dynstate_scored = (self.global_steps, batch)
+        return super()._update_actor(batch)  # type: ignore[misc]
 
     def _save_checkpoint(self):  # type: ignore[no-untyped-def]
+        if (dataset := growing(self.train_dataset)) is not None:
+            scored = self._dynstate_scored
+            if scored is None or scored[0] != self.global_steps:
+                raise StateMismatchError(
+                    f"saving global_step_{self.global_steps} before its batch was scored; "
+                    f"dynstate commits the round of step {self.global_steps} from that batch "
+                    "before the checkpoint — call _save_checkpoint from fit() only"
+                )
+            dataset.commit_round(scored[1], self.global_steps)
         result = super()._save_checkpoint()  # type: ignore[misc]
-        if url := self._mirror():
+        if dataset is not None and (url := dataset.settings.checkpoint_mirror):
             root = str(self.config.trainer.default_local_dir)
-            mirror.push(root, self.global_steps, url, self.train_dataset.settings.storage_options)
+            mirror.push(root, self.global_steps, url, dataset.settings.storage_options)
         return result
 
     def _load_checkpoint(self):  # type: ignore[no-untyped-def]
+        dataset = growing(self.train_dataset)
         root = str(self.config.trainer.default_local_dir)
-        url = self._mirror()
-        if url and not os.path.exists(os.path.join(root, mirror.TRACKER)):
+        url = dataset.settings.checkpoint_mirror if dataset is not None else None
+        if (
+            url
+            and self.config.trainer.resume_mode != "disable"
+            and not os.path.exists(os.path.join(root, mirror.TRACKER))
+        ):
             # a fresh machine: bring the latest checkpoint next to the store back first
-            mirror.pull(root, url, self.train_dataset.settings.storage_options)
+            mirror.pull(root, url, dataset.settings.storage_options)  # type: ignore[union-attr]
         result = super()._load_checkpoint()  # type: ignore[misc]
-        if isinstance(self.train_dataset, DynstateRLDataset):
+        if dataset is not None:
             folder = checkpoint_dir(self.config.trainer, self.global_steps)
-            self.train_dataset.resume(folder, self.train_dataloader, self.global_steps)
+            dataset.resume(folder, self.train_dataloader, self.global_steps)
         return result
 
 
 def dynstate_trainer_class() -> type:
-    """``RayPPOTrainer`` with :class:`DynstateTrainerMixin` mixed in."""
+    """verl's legacy ``RayPPOTrainer`` with :class:`DynstateTrainerMixin` mixed in."""
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
     return type("DynstatePPOTrainer", (DynstateTrainerMixin, RayPPOTrainer), {})

@@ -1,0 +1,531 @@
+"""verl's real ``RayPPOTrainer.fit()`` on CPU: stand-ins only where verl talks to GPU workers.
+
+What is verl's own code here: the composed ``ppo_trainer`` Hydra config, ``validate_config``,
+the trainer (``dynstate_trainer_class()``: dynstate's mixin over ``RayPPOTrainer``) and its whole
+``fit()`` loop, dataset factory, collate_fn, StatefulDataLoader, ``_get_gen_batch``, GRPO
+advantages, ``_save_checkpoint`` / ``_load_checkpoint``, validation, verl's
+``AgentLoopManager`` / ``AgentLoopWorker`` / ``SingleTurnAgentLoop`` (chat template,
+tokenisation, padding, postprocess) and verl's ``RewardLoopWorker`` with the ``naive`` reward
+manager calling a rule-based ``custom_reward_function`` (verl's default reward path: no reward
+model, rewards streamed from the agent loop).
+
+What stands in:
+
+* the LLM server (``LLMServerManager``'s client): a word-level "policy" that answers
+  ``What is a + b?`` right unless ``a + b`` is divisible by 3;
+* the actor worker group (``update_actor`` / ``save_checkpoint`` / ``load_checkpoint``: no
+  model; the checkpoint is a small file) and the checkpoint engine (weight sync);
+* Ray's actor transport: agent-loop and reward-loop workers are verl's classes, each in its own
+  thread with its own event loop (as a Ray async actor has), called through ``.remote()`` with
+  every argument and result pickled, as Ray would. No Ray cluster is started, so a SIGKILLed
+  driver leaves no processes behind.
+
+``python verl_cpu.py '<json spec>'`` runs one driver; ``spec["kill"] = [step, instant]``
+SIGKILLs it at ``rollout`` (inside generation of that step), ``saved`` (right after the
+checkpoint of that step is written), ``validation`` (inside validation after that step),
+``committed`` (right after the round of that step is committed). Every trained batch is logged
+to ``spec["log"]`` (one JSON line, fsynced), with the store version each row came from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pickle
+import signal
+import sys
+import threading
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+INSTANTS = ("rollout", "saved", "validation", "committed")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+WORDS = ["<unk>", "<pad>", "<eos>", "What", "is", "+", "?", "user", "assistant", ":"]
+WORDS += [str(i) for i in range(3000)] + ["and", "also", "then", "more", "The", "answer"]
+
+
+# -- files: tokenizer/model folder and data ----------------------------------------------------
+
+
+def make_model_dir(folder: str) -> str:
+    """A word-level tokenizer and a tiny model config, saved like a HF model folder (no
+    weights: nothing here loads a model). verl's HFModelConfig, RewardLoopWorker and the agent
+    loop read it with ``from_pretrained``, offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(folder)
+    LlamaConfig(
+        vocab_size=len(WORDS),
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        pad_token_id=1,
+        eos_token_id=2,
+        bos_token_id=None,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(folder)
+    return folder
+
+
+def write_data(folder: str, n_train: int, n_val: int) -> tuple[str, str]:
+    """Arithmetic tasks as verl's preprocessing writes them; a few are overlong (verl's filter
+    drops them on import)."""
+    import numpy as np
+    import pandas as pd
+
+    sys.path.insert(0, os.path.join(ROOT, "examples", "verl"))
+    from arith_generator import make_task
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(n_train):
+        a, b = (int(x) for x in rng.integers(1, 60, size=2))
+        task = make_task(a, b, index=i)
+        if i % 7 == 3:
+            task["prompt"][0]["content"] += " and" * 40
+        rows.append(task)
+    val = [make_task(i, i + 1, index=i, split="test") for i in range(n_val)]
+    train_path = os.path.join(folder, "train.parquet")
+    val_path = os.path.join(folder, "val.parquet")
+    pd.DataFrame(rows).to_parquet(train_path)
+    pd.DataFrame(val).to_parquet(val_path)
+    return train_path, val_path
+
+
+# -- the reward: verl's custom_reward_function signature ---------------------------------------
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **_):
+    """Rule-based reward, as verl's ``custom_reward_function`` calls it."""
+    words = solution_str.split()
+    return 1.0 if words and words[-1] == str(ground_truth) else 0.0
+
+
+# -- config ------------------------------------------------------------------------------------
+
+
+def compose_config(spec: dict) -> Any:
+    """verl's own ``ppo_trainer`` config, composed by Hydra, with the run's overrides."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf, open_dict
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    model = spec["model"]
+    overrides = [
+        "trainer.use_v1=false",
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        "trainer.logger=[console]",
+        "trainer.project_name=dynstate",
+        "trainer.experiment_name=cpu",
+        f"trainer.default_local_dir={spec['ckpt']}",
+        f"trainer.save_freq={spec.get('save_freq', 2)}",
+        f"trainer.test_freq={spec.get('test_freq', 3)}",
+        f"trainer.total_training_steps={spec.get('steps', 7)}",
+        "trainer.total_epochs=1000",
+        f"trainer.resume_mode={spec.get('resume_mode', 'auto')}",
+        "trainer.val_before_train=false",
+        "trainer.balance_batch=false",
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=false",
+        "algorithm.rollout_correction.bypass_mode=true",
+        f"actor_rollout_ref.model.path={model}",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        "actor_rollout_ref.actor.strategy=fsdp",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={spec.get('batch_size', 4)}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.prompt_length=32",
+        "actor_rollout_ref.rollout.response_length=8",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+        "reward.num_workers=1",
+        f"reward.custom_reward_function.path={os.path.abspath(__file__)}",
+        "reward.custom_reward_function.name=compute_score",
+        f"data.train_files={spec['train']}",
+        f"data.val_files={spec.get('val_files', spec['val'])}",
+        f"data.train_batch_size={spec.get('batch_size', 4)}",
+        "data.max_prompt_length=24",
+        "data.max_response_length=8",
+        "data.filter_overlong_prompts=true",
+        "data.filter_overlong_prompts_workers=1",
+        "data.shuffle=true",
+        "data.seed=7",
+        f"data.dataloader_num_workers={spec.get('num_workers', 0)}",
+        "data.custom_cls.path=pkg://dynstate.verl",
+        "data.custom_cls.name=DynstateRLDataset",
+    ]
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        config = compose(config_name="ppo_trainer", overrides=overrides)
+    datagen = spec.get(
+        "datagen",
+        {
+            "path": os.path.join(ROOT, "examples/verl/arith_generator.py"),
+            "name": "ArithVariations",
+            "variations": 1,
+            "max_new": 3,
+        },
+    )
+    with open_dict(config):
+        config.data.dynstate = OmegaConf.create(
+            {"url": spec["store"], "storage_options": spec.get("storage_options", {})}
+        )
+        config.data.dynstate.update(spec.get("dynstate", {}))
+        config.data.datagen = OmegaConf.create(datagen)
+    return config
+
+
+# -- stand-ins ---------------------------------------------------------------------------------
+
+
+class _Instant:
+    """Where the driver SIGKILLs itself: ``(step, instant)`` or nothing."""
+
+    def __init__(self, kill: list | None):
+        self.kill = tuple(kill) if kill else None
+
+    def __call__(self, step: int, instant: str) -> None:
+        if self.kill == (step, instant):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+DIE = _Instant(None)
+
+
+class StandInLLM:
+    """The LLM server's client: verl's agent loop awaits ``generate(prompt_ids=...)``."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self._tok = None
+        self.step = 0  # set by the trainer before each rollout (not sent through "Ray")
+
+    async def generate(self, *, prompt_ids: list[int], sampling_params: dict, **_: Any) -> Any:
+        from transformers import AutoTokenizer
+        from verl.workers.rollout.replica import TokenOutput
+
+        if self._tok is None:
+            self._tok = AutoTokenizer.from_pretrained(self.model_dir)
+        words = self._tok.decode(prompt_ids).split()
+        answer = "0"
+        if "What" in words:
+            i = words.index("What")
+            a, b = int(words[i + 2]), int(words[i + 4])
+            answer = str(a + b + 1) if (a + b) % 3 == 0 else str(a + b)
+        ids = self._tok.convert_tokens_to_ids(["The", "answer", "is", answer, "<eos>"])
+        return TokenOutput(token_ids=ids, log_probs=[-0.5] * len(ids), stop_reason="completed")
+
+
+class _Method:
+    def __init__(self, actor: InProcessActor, name: str):
+        self.actor, self.name = actor, name
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.actor.call(self.name, args, kwargs)
+
+
+class InProcessActor:
+    """A verl worker class run the way a Ray async actor runs it — its own thread and event
+    loop, arguments and results serialised — but inside this process."""
+
+    def __init__(self, cls: type, *args: Any, **kwargs: Any):
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        error: list[BaseException] = []
+
+        def main() -> None:
+            asyncio.set_event_loop(self._loop)
+            try:
+                self._obj = cls(*_copy(args), **_copy(kwargs))
+            except BaseException as exc:  # reported to the constructing thread
+                error.append(exc)
+            ready.set()
+            if not error:
+                self._loop.run_forever()
+
+        self._thread = threading.Thread(target=main, daemon=True, name=f"actor-{cls.__name__}")
+        self._thread.start()
+        ready.wait()
+        if error:
+            raise error[0]
+
+    def __getattr__(self, name: str) -> _Method:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _Method(self, name)
+
+    def call(self, name: str, args: tuple, kwargs: dict) -> Any:
+        async def run() -> Any:
+            result = getattr(self._obj, name)(*_copy(args), **_copy(kwargs))
+            if asyncio.iscoroutine(result):
+                result = await result
+            return _copy(result)
+
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), self._loop))
+
+
+_HANDLES: dict[int, InProcessActor] = {}
+
+
+def _copy(value: Any) -> Any:
+    """What crossing a Ray actor boundary does to a value: a serialised copy, in which actor
+    handles stay references to the same actor."""
+    import io
+
+    import cloudpickle
+
+    class Pickler(cloudpickle.CloudPickler):
+        def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, InProcessActor):
+                _HANDLES[id(obj)] = obj
+                return id(obj)
+            return None
+
+    class Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> Any:
+            return _HANDLES[pid]
+
+    buf = io.BytesIO()
+    Pickler(buf).dump(value)
+    buf.seek(0)
+    return Unpickler(buf).load()
+
+
+class StandInActorGroup:
+    """The actor/rollout worker group: no model. ``update_actor`` checks the batch it gets is
+    verl's scored batch; checkpoints are small files."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+
+    def update_actor(self, batch_td: Any) -> Any:
+        from verl.utils import tensordict_utils as tu
+
+        assert "advantages" in batch_td, "update_actor got a batch without advantages"
+        return tu.get_tensordict({}, non_tensor_dict={"metrics": {"mfu": 0.0, "pg_loss": 0.0}})
+
+    def save_checkpoint(self, local_path: str, remote_path: Any, step: int, **_: Any) -> None:
+        os.makedirs(local_path, exist_ok=True)
+        with open(os.path.join(local_path, "weights.txt"), "w") as f:
+            f.write(str(step))
+
+    def load_checkpoint(self, local_path: str, **_: Any) -> None:
+        with open(os.path.join(local_path, "weights.txt")) as f:
+            assert int(f.read()) == int(
+                local_path.rstrip("/").split("global_step_")[-1].split("/")[0]
+            )
+
+
+class StandInCheckpointEngine:
+    def update_weights(self, step: int) -> None:
+        pass
+
+    def sleep_replicas(self) -> None:
+        pass
+
+
+class StandInLLMServers:
+    def __init__(self, client: StandInLLM):
+        self.client = client
+
+    def get_client(self) -> StandInLLM:
+        return self.client
+
+    def start_profile(self) -> None:
+        pass
+
+    def stop_profile(self) -> None:
+        pass
+
+
+class StandInResourcePools:
+    def get_n_gpus(self) -> int:
+        return 1
+
+
+def cpu_trainer_class() -> type:
+    """``dynstate_trainer_class()`` with only ``init_workers`` replaced by stand-ins, plus the
+    kill instants and the batch log (wrappers that call the real methods)."""
+    from verl.experimental.agent_loop import AgentLoopManager, AgentLoopWorker
+    from verl.experimental.reward_loop import RewardLoopWorker
+
+    from dynstate.verl import dynstate_trainer_class
+
+    class InProcessAgentLoopManager(AgentLoopManager):
+        async def _init_agent_loop_workers(self) -> None:
+            self.agent_loop_workers = [
+                InProcessActor(
+                    AgentLoopWorker,
+                    self.config,
+                    self.llm_client,
+                    self.teacher_client,
+                    self.reward_loop_worker_handles,
+                )
+                for _ in range(self.rollout_config.agent.num_workers)
+            ]
+
+    base = dynstate_trainer_class()
+
+    class CPUTrainer(base):  # type: ignore[misc, valid-type]
+        def init_workers(self) -> None:
+            self.actor_rollout_wg = StandInActorGroup(self)
+            self.resource_pool_manager = StandInResourcePools()
+            self.reward_loop_workers = [
+                InProcessActor(RewardLoopWorker, self.config, None)
+                for _ in range(self.config.reward.num_workers)
+            ]
+            self.llm_server_manager = StandInLLMServers(
+                StandInLLM(self.config.actor_rollout_ref.model.path)
+            )
+            self.teacher_model_manager = None
+            self.distillation_config = None
+            self.async_rollout_manager = InProcessAgentLoopManager.create(
+                config=self.config,
+                llm_client=self.llm_server_manager.get_client(),
+                teacher_client=None,
+                reward_loop_worker_handles=self.reward_loop_workers,
+            )
+            self.checkpoint_manager = StandInCheckpointEngine()
+            self.async_rollout_mode = True
+            self.reward_loop_manager = None
+
+        # instrumentation around verl's own methods
+        def _validate(self, merged: bool = False) -> Any:
+            DIE(self.global_steps, "validation")
+            return super()._validate(merged)
+
+        def _save_checkpoint(self) -> Any:
+            result = super()._save_checkpoint()
+            DIE(self.global_steps, "saved")
+            return result
+
+    return CPUTrainer
+
+
+# -- the driver --------------------------------------------------------------------------------
+
+
+def run(spec: dict) -> None:
+    global DIE
+    DIE = _Instant(spec.get("kill"))
+    from verl.experimental.agent_loop import AgentLoopWorker
+    from verl.trainer.ppo.utils import create_rl_dataset, need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.dataset.rl_dataset import collate_fn
+
+    from dynstate.verl import DynstateRLDataset
+
+    log_file = open(spec["log"], "a")  # noqa: SIM115 - one line per batch, fsynced, whole run
+
+    def record(entry: dict) -> None:
+        log_file.write(json.dumps(entry) + "\n")
+        log_file.flush()
+        os.fsync(log_file.fileno())
+
+    config = compose_config(spec)
+    validate_config(
+        config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config)
+    )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    # As verl's TaskRunner (main_ppo_v0) builds them: train, then validation, same config.
+    train = create_rl_dataset(config.data.train_files, config.data, tokenizer, None, is_train=True)
+    val = create_rl_dataset(config.data.val_files, config.data, tokenizer, None, is_train=False)
+    assert isinstance(train, DynstateRLDataset)
+
+    commit_round = train.commit_round
+
+    def logged_commit(batch: Any, step: int) -> Any:
+        version = commit_round(batch, step)
+        DIE(step, "committed")
+        return version
+
+    train.commit_round = logged_commit  # type: ignore[method-assign]
+
+    generate = AgentLoopWorker.generate_sequences
+
+    async def rollout(self: Any, batch: Any) -> Any:
+        step = batch.meta_info.get("global_steps", -1)
+        if not batch.meta_info.get("validate", False):
+            DIE(step, "rollout")
+        return await generate(self, batch)
+
+    AgentLoopWorker.generate_sequences = rollout  # type: ignore[method-assign]
+
+    trainer_cls = cpu_trainer_class()
+    from verl.trainer.ppo.ray_trainer import Role
+
+    trainer = trainer_cls(
+        config=config,
+        tokenizer=tokenizer,
+        processor=None,
+        role_worker_mapping={Role.ActorRollout: object},
+        resource_pool_manager=StandInResourcePools(),
+        train_dataset=train,
+        val_dataset=val,
+        collate_fn=collate_fn,
+        train_sampler=None,
+    )
+    update_actor = (
+        trainer.actor_rollout_wg.update_actor if hasattr(trainer, "actor_rollout_wg") else None
+    )
+    del update_actor
+    trainer.init_workers()
+    real_update = trainer._update_actor
+
+    def update(batch: Any) -> Any:
+        from dynstate.dataset import decode_index  # noqa: F401
+
+        keys = sorted(batch.non_tensor_batch.keys())
+        record(
+            {
+                "event": "batch",
+                "step": trainer.global_steps,
+                "rows": [int(r) for r in batch.non_tensor_batch["dynstate_row"]],
+                "prompts": [m[-1]["content"] for m in batch.non_tensor_batch["raw_prompt"]],
+                "scores": batch.batch["token_level_scores"].sum(-1).tolist(),
+                "keys": keys,
+            }
+        )
+        return real_update(batch)
+
+    trainer._update_actor = update  # type: ignore[method-assign]
+    record({"event": "start"})
+    trainer.fit()
+    record({"event": "done", "global_steps": trainer.global_steps})
+
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    if spec.get("cmd") == "data":
+        make_model_dir(spec["model"])
+        write_data(spec["folder"], spec.get("n_train", 24), spec.get("n_val", 4))
+    else:
+        run(spec)
