@@ -1,0 +1,272 @@
+"""The Starlette application of ``dynstate serve``: HTML pages rendered on the server and their
+JSON twins under ``/api``, read-only (GET only), over one :class:`~dynstate.serve.api.StoreView`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from importlib import resources
+from typing import Any
+from urllib.parse import urlencode
+
+import jinja2
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from .._version import __version__
+from ..errors import (
+    DynstateError,
+    InvalidDataError,
+    StateMismatchError,
+    StoreNotFoundError,
+    VersionNotFoundError,
+)
+from .api import RESERVED, RowNotFoundError, StoreView, scrub
+from .chart import COLORS, graph_svg, growth_svg
+
+log = logging.getLogger("dynstate")
+
+_PACKAGE = resources.files("dynstate.serve")
+
+
+def _status(exc: DynstateError) -> int:
+    if isinstance(exc, (VersionNotFoundError, RowNotFoundError, StoreNotFoundError)):
+        return 404
+    if isinstance(exc, InvalidDataError):
+        return 400
+    if isinstance(exc, StateMismatchError):
+        return 409
+    return 500
+
+
+class _Json(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, default=str, indent=1).encode()
+
+
+def _fmt_bytes(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return ""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _fmt_int(n: Any) -> str:
+    return (
+        f"{n:,}"
+        if isinstance(n, int) and not isinstance(n, bool)
+        else ("" if n is None else str(n))
+    )
+
+
+def _cell(value: Any, limit: int = 160) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, (str, int, float, bool)) and not (
+        isinstance(value, str) and len(value) > 80
+    )
+
+
+def create_app(view: StoreView, *, warm: bool = True) -> Starlette:
+    """The web application over ``view``. ``warm`` builds the growth chart in a background
+    thread at start-up, so the first store page does not wait for it."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(_PACKAGE / "templates")),
+        autoescape=jinja2.select_autoescape(["html"]),
+        trim_blocks=True,
+        lstrip_blocks=True,
+        undefined=jinja2.StrictUndefined,
+    )
+    env.filters.update(bytes=_fmt_bytes, num=_fmt_int, cell=_cell)
+    env.globals.update(version=__version__, colors=COLORS, scalar=_scalar)
+
+    def body(text: str) -> bytes:
+        return scrub(text, view.secrets).encode()
+
+    def page(request: Request, template: str, api: str, code: int = 200, **ctx: Any) -> Response:
+        base = request.scope.get("root_path", "")
+        html = env.get_template(template).render(
+            base=base, url=view.store.display_url, api=base + api, request=request, **ctx
+        )
+        return HTMLResponse(body(html), status_code=code)
+
+    def api(data: Any, status: int = 200) -> Response:
+        return Response(
+            body(_Json(None).render(data).decode()), status, media_type="application/json"
+        )
+
+    def error(request: Request, status: int, message: str) -> Response:
+        message = scrub(message, view.secrets)
+        if request.url.path.startswith("/api/"):
+            return api({"error": message, "status": status}, status)
+        return page(request, "error.html", "/api/store", status, status=status, message=message)
+
+    def guarded(fn: Callable[[Request], Response]) -> Callable[[Request], Response]:
+        def endpoint(request: Request) -> Response:
+            try:
+                return fn(request)
+            except DynstateError as exc:
+                status = _status(exc)
+                if status == 500:
+                    log.warning("%s: %s", request.url.path, exc)
+                return error(request, status, str(exc))
+
+        return endpoint
+
+    def filters_of(request: Request) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for key, value in request.query_params.multi_items():
+            if key not in RESERVED:
+                out.setdefault(key, []).append(value)
+        return out
+
+    def qs(request: Request, **changes: Any) -> str:
+        """The current query string with some parameters replaced (None removes one)."""
+        items = [(k, v) for k, v in request.query_params.multi_items() if k not in changes]
+        for key, value in changes.items():
+            if value is None:
+                continue
+            for v in value if isinstance(value, list) else [value]:
+                items.append((key, str(v)))
+        return "?" + urlencode(items) if items else "?"
+
+    env.globals["qs"] = qs
+
+    # -- JSON --------------------------------------------------------------------------------
+
+    def api_store(request: Request) -> Response:
+        return api(view.store_info())
+
+    def api_versions(request: Request) -> Response:
+        q = request.query_params
+        return api(view.versions_page(limit=q.get("limit"), before=q.get("before")))
+
+    def api_version(request: Request) -> Response:
+        return api(view.version_info(request.path_params["v"]))
+
+    def api_rows(request: Request) -> Response:
+        return api(_rows(request))
+
+    def _rows(request: Request) -> dict[str, Any]:
+        q = request.query_params
+        return view.rows_page(
+            request.path_params["v"],
+            offset=q.get("offset"),
+            limit=q.get("limit"),
+            q=q.get("q"),
+            filters=filters_of(request),
+        )
+
+    def api_row(request: Request) -> Response:
+        return api(view.row_detail(request.path_params["v"], request.path_params["i"]))
+
+    def api_diff(request: Request) -> Response:
+        return api(view.diff(request.path_params["a"], request.path_params["b"]))
+
+    def api_checkpoint(request: Request) -> Response:
+        return api(view.checkpoint(request.path_params["k"]))
+
+    # -- HTML --------------------------------------------------------------------------------
+
+    def store_page(request: Request) -> Response:
+        info = view.store_info()
+        recent = view.versions_page(limit="15")
+        base = request.scope.get("root_path", "")
+        chart = growth_svg(info["growth"], link=f"{base}/versions/")
+        return page(request, "store.html", "/api/store", info=info, recent=recent, chart=chart)
+
+    def versions_page(request: Request) -> Response:
+        q = request.query_params
+        data = view.versions_page(limit=q.get("limit"), before=q.get("before"))
+        return page(request, "versions.html", "/api/versions" + qs(request), data=data)
+
+    def version_page(request: Request) -> Response:
+        v = request.path_params["v"]
+        info = view.version_info(v)
+        rows = _rows(request)
+        api_path = f"/api/versions/{info['version']}/rows{qs(request)}"
+        return page(request, "version.html", api_path, info=info, rows=rows)
+
+    def row_page(request: Request) -> Response:
+        detail = view.row_detail(request.path_params["v"], request.path_params["i"])
+        base = request.scope.get("root_path", "")
+        graph = graph_svg(detail, link=f"{base}/versions/{detail['version']}/rows/")
+        api_path = f"/api/versions/{detail['version']}/rows/{detail['row']}"
+        return page(request, "row.html", api_path, detail=detail, graph=graph)
+
+    def diff_form(request: Request) -> Response:
+        q = request.query_params
+        if q.get("a") and q.get("b"):
+            base = request.scope.get("root_path", "")
+            return RedirectResponse(f"{base}/diff/{q['a']}/{q['b']}", status_code=303)
+        head = view.store.refresh()
+        return page(request, "diff_form.html", "/api/store", head=head)
+
+    def diff_page(request: Request) -> Response:
+        data = view.diff(request.path_params["a"], request.path_params["b"])
+        api_path = f"/api/diff/{data['from']}/{data['to']}"
+        return page(request, "diff.html", api_path, data=data)
+
+    def checkpoint_page(request: Request) -> Response:
+        data = view.checkpoint(request.path_params["k"])
+        return page(request, "checkpoint.html", f"/api/checkpoints/{data['id']}", data=data)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 404
+        detail = exc.detail if isinstance(exc, HTTPException) else "not found"
+        if status == 404:
+            detail = f"no page at {request.url.path}; the store page is /, the API is /api/store"
+        return error(request, status, str(detail))
+
+    routes = [
+        Route("/", guarded(store_page)),
+        Route("/versions", guarded(versions_page)),
+        Route("/versions/{v}", guarded(version_page)),
+        Route("/versions/{v}/rows/{i}", guarded(row_page)),
+        Route("/diff", guarded(diff_form)),
+        Route("/diff/{a}/{b}", guarded(diff_page)),
+        Route("/checkpoints/{k}", guarded(checkpoint_page)),
+        Route("/api/store", guarded(api_store)),
+        Route("/api/versions", guarded(api_versions)),
+        Route("/api/versions/{v}", guarded(api_version)),
+        Route("/api/versions/{v}/rows", guarded(api_rows)),
+        Route("/api/versions/{v}/rows/{i}", guarded(api_row)),
+        Route("/api/diff/{a}/{b}", guarded(api_diff)),
+        Route("/api/checkpoints/{k}", guarded(api_checkpoint)),
+        Mount("/static", StaticFiles(directory=str(_PACKAGE / "static")), name="static"),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if warm:
+            threading.Thread(target=_warm, args=(view,), daemon=True, name="dynstate-warm").start()
+        yield
+
+    return Starlette(
+        routes=routes,
+        exception_handlers={404: not_found, 405: not_found},
+        lifespan=lifespan,
+    )
+
+
+def _warm(view: StoreView) -> None:
+    try:
+        view.growth()
+    except DynstateError as exc:
+        log.warning("could not build the growth chart of %s: %s", view.store.display_url, exc)

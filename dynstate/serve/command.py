@@ -1,0 +1,136 @@
+"""The ``serve`` click command. Imports only click at module level: ``dynstate`` registers it
+lazily, and without the ``serve`` extra it says how to install it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from ..errors import MissingDependencyError
+
+log = logging.getLogger("dynstate")
+
+_NEEDED = ("starlette", "uvicorn", "jinja2")
+
+
+def require_web_stack() -> None:
+    """Raise :class:`MissingDependencyError` unless the ``serve`` extra is installed."""
+    missing = []
+    for name in _NEEDED:
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise MissingDependencyError(
+            f"dynstate serve needs {', '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not installed; "
+            "pip install 'dynstate[serve]'"
+        )
+
+
+def _parse_storage_options(pairs: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(
+                f"expected KEY=VALUE, got {pair!r}", param_hint="--storage-option"
+            )
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (port 0: any free port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise click.ClickException(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --port"
+        ) from exc
+    sock.listen(128)
+    return sock
+
+
+def address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+@click.command("serve")
+@click.argument("url")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="Port to listen on (0: any free port).")  # fmt: skip
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; the default serves this machine only.")  # fmt: skip
+@click.option("--open", "open_browser", is_flag=True, help="Open the store page in a browser.")
+@click.option(
+    "--checkpoint",
+    "checkpoints",
+    multiple=True,
+    type=click.Path(exists=True),
+    help="A verl global_step_N folder or data.pt to show (repeatable).",
+)
+@click.option(
+    "--storage-option",
+    "storage_option",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="fsspec storage option (repeatable); VALUE is parsed as JSON where it can be. "
+    "Endpoint and credentials otherwise come from the standard AWS environment.",
+)
+def serve(
+    url: str,
+    port: int = 8000,
+    host: str = "127.0.0.1",
+    open_browser: bool = False,
+    checkpoints: tuple[str, ...] = (),
+    storage_option: tuple[str, ...] = (),
+) -> None:
+    """Browse a store in a web browser: versions, rows with filters and search, where each row
+    came from and what was derived from it, growth over training steps, diffs and checkpoints.
+    Read-only; every page has a JSON twin under /api. Needs `pip install 'dynstate[serve]'`.
+
+    \b
+    Example:
+      dynstate serve ./runs/run1 --checkpoint ckpt/global_step_40 --open
+    """
+    require_web_stack()
+    import uvicorn
+
+    from ..store import Store
+    from .api import StoreView
+    from .app import create_app
+
+    options = _parse_storage_options(storage_option)
+    store = Store.open(url, storage_options=options)
+    view = StoreView(store, checkpoints=checkpoints, url=url, storage_options=options)
+    app = create_app(view)
+    sock = bind(host, port)
+    where = address(sock)
+    click.echo(f"serving {store.display_url} (head {store.head}) at {where}/  (Ctrl-C stops)")
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        click.echo(
+            f"note: listening on {host}: anyone who can reach it can read the store", err=True
+        )
+    if open_browser:
+        import webbrowser
+
+        threading.Timer(0.3, webbrowser.open, args=(f"{where}/",)).start()
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])
