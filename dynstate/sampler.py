@@ -1,17 +1,24 @@
 """VersionedSampler: a stateful sampler whose state pins a store version and a position, so
-a growing dataset resumes exactly under torchdata's StatefulDataLoader.
+a growing dataset resumes exactly under torchdata's StatefulDataLoader, on one rank or many.
 
-The order depends only on the seed and the store's history, never on timing, worker count or
-prefetch depth. Shuffling uses a keyed Feistel permutation, so position ``p`` of an epoch maps
-to its row in O(1): resuming at row 10M costs what resuming at row 0 costs.
+The order depends only on the seed, the batch layout and the store's history, never on timing,
+worker count or prefetch depth. Shuffling uses a keyed Feistel permutation
+(:mod:`dynstate.permutation`), so position ``p`` of an epoch maps to its row in O(1): resuming
+at row 10M costs what resuming at row 0 costs.
+
+Positions are global: a step hands out ``num_replicas * batch_size`` positions of the epoch,
+and rank ``r`` takes every ``num_replicas``-th of them from the ``r``-th on, as torch's
+``DistributedSampler`` does. The state is the same on every rank, so one checkpoint restores
+all of them, at any world size.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -19,80 +26,64 @@ from torch.utils.data import Sampler
 
 from .dataset import VersionedDataset, encode_index
 from .errors import InvalidDataError, StateMismatchError, UnsupportedFormatError
+from .permutation import FeistelPermutation
 from .resume import walk_lineage
 
 log = logging.getLogger("dynstate")
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2
 STATE_KIND = "dynstate.VersionedSampler"
 MODES = ("epoch", "mix")
 _BLOCK = 1024
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+_MAX_ROWS = 2**40  # rows of one version; an index carries its row in 40 bits
+
+__all__ = ["FeistelPermutation", "VersionedSampler", "check_state", "find_sampler_state"]
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer: a fast, well-distributed 64-bit hash (wrapping uint64 math)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-class FeistelPermutation:
-    """A pseudo-random bijection of [0, n) keyed by (seed, epoch); O(1) state, vectorized."""
+def _dist_world() -> tuple[int, int] | None:
+    """(world size, rank) of an initialized torch.distributed process group, else None."""
+    import torch.distributed as dist
 
-    ROUNDS = 4
-
-    def __init__(self, n: int, seed: int, epoch: int):
-        self.n = n
-        bits = max(2, (max(n, 2) - 1).bit_length())
-        bits += bits % 2
-        self.half = bits // 2
-        self.mask = np.uint64((1 << self.half) - 1)
-        base = np.array([seed & 0xFFFFFFFFFFFFFFFF, epoch & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64)
-        k = _mix64(_mix64(base[:1]) ^ base[1:])[0]
-        self.keys = [
-            _mix64(np.array([k + np.uint64(r + 1)], dtype=np.uint64))[0] for r in range(self.ROUNDS)
-        ]
-
-    def _encrypt(self, x: np.ndarray) -> np.ndarray:
-        half = np.uint64(self.half)
-        left, right = x >> half, x & self.mask
-        for key in self.keys:
-            left, right = right, left ^ (_mix64(right ^ key) & self.mask)
-        return (left << half) | right
-
-    def __call__(self, positions: np.ndarray) -> np.ndarray:
-        out = self._encrypt(positions.astype(np.uint64))
-        # Cycle-walk values outside [0, n) back into range: still a bijection on [0, n).
-        bad = out >= np.uint64(self.n)
-        while bad.any():
-            out[bad] = self._encrypt(out[bad])
-            bad = out >= np.uint64(self.n)
-        return out.astype(np.int64)
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return None
 
 
 class VersionedSampler(Sampler[int]):
-    """Stateful sampler over a :class:`VersionedDataset`.
+    """Stateful sampler over a :class:`VersionedDataset`, for one rank or many.
 
     Modes:
 
-    * ``"epoch"`` — each epoch pins the store's head when it starts and visits that version's
-      rows once (shuffled with ``seed`` and the epoch number). Rows committed during an epoch
-      join at the next one.
-    * ``"mix"`` — as ``"epoch"``, and in addition each batch of ``batch_size`` indices draws up
-      to ``fresh_share`` of its rows from rows committed after the epoch began, oldest first:
-      rows of the round committed with ``meta={"step": s}`` become eligible at step ``s + lag``.
-      Commit exactly one round per step (an empty one if nothing was generated). The sampler
-      waits for the round of step ``t - lag`` before it hands out batch ``t``, so ``lag`` must
-      be at least the loader's prefetch depth + 1 (``num_workers * prefetch_factor + 1``; 1
-      without workers).
+    * ``"epoch"`` — each epoch pins one version of the store and visits its rows once
+      (shuffled with ``seed`` and the epoch number). Rows committed during an epoch join at
+      the next one.
+    * ``"mix"`` — as ``"epoch"``, but each batch gives up to ``fresh_share`` of its slots to
+      rows committed after the epoch began, oldest first: rows of the round committed with
+      ``meta={"step": s}`` become eligible at step ``s + lag``. Commit exactly one round per
+      step (an empty one if nothing was generated). ``lag`` must exceed the loader's prefetch
+      depth: ``lag >= num_workers * prefetch_factor + 1`` (1 without workers).
 
-    With ``prefetch`` (default), the shards of the next block of the order are downloaded into
-    the dataset's disk cache in the background (remote stores only), where DataLoader workers
-    sharing the cache folder find them.
+    Steps: with ``batch_size`` (the per-rank batch size of the loader), the sampler counts the
+    loader's steps. Epoch ``e + 1``, which starts at step ``S``, pins the version of the round
+    of step ``S - 1`` (the newest version of the head's lineage whose ``meta["step"]`` is at
+    most ``S - 1``), a rule on the store's history, so every rank and every resumed run pins
+    the same version. Mix mode waits for that round; epoch mode pins the head when the run
+    commits no rounds. The first epoch pins the head (rank 0's, broadcast to every rank when
+    ``torch.distributed`` is initialized).
+
+    Ranks follow torch's ``DistributedSampler``: ``num_replicas``/``rank`` default to the
+    initialized process group's (else 1 and 0); ``drop_last=True`` drops the end of an epoch
+    that does not fill a whole step on every rank, ``drop_last=False`` repeats rows from the
+    start of the epoch so that every rank gets as many. Pass the loader's ``drop_last`` here
+    too, and call :meth:`check_loader` on the loader you build.
 
     ``state_dict()`` returns plain types (loadable with ``torch.load(weights_only=True)``);
-    ``load_state_dict()`` continues exactly where the state was taken.
+    ``load_state_dict()`` continues exactly where the state was taken, with any number of
+    ranks and workers.
     """
 
     def __init__(
@@ -105,107 +96,291 @@ class VersionedSampler(Sampler[int]):
         batch_size: int | None = None,
         fresh_share: float = 0.25,
         lag: int = 1,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        drop_last: bool = False,
         wait_timeout: float = 600.0,
         prefetch: bool = True,
     ) -> None:
         if mode not in MODES:
             raise InvalidDataError(f"mode must be one of {MODES}, not {mode!r}")
+        if not _is_int(seed):
+            raise InvalidDataError(f"seed must be an int, not {seed!r}")
+        if batch_size is not None and (not _is_int(batch_size) or batch_size < 1):
+            raise InvalidDataError(f"batch_size must be a positive int or None, not {batch_size!r}")
+        if not isinstance(drop_last, bool) or not isinstance(shuffle, bool):
+            raise InvalidDataError("shuffle and drop_last must be True or False")
         if mode == "mix":
-            if not batch_size or batch_size < 1:
+            if batch_size is None:
                 raise InvalidDataError("mode='mix' needs the loader's batch_size")
-            if not 0.0 < fresh_share <= 1.0:
-                raise InvalidDataError(f"fresh_share must be in (0, 1], not {fresh_share}")
-            if lag < 1:
-                raise InvalidDataError(f"lag must be >= 1, not {lag}")
+            if not isinstance(fresh_share, (int, float)) or not 0.0 < fresh_share <= 1.0:
+                raise InvalidDataError(f"fresh_share must be in (0, 1], not {fresh_share!r}")
+            if not _is_int(lag) or lag < 1:
+                raise InvalidDataError(f"lag must be an int >= 1, not {lag!r}")
+        world = _dist_world() if num_replicas is None or rank is None else None
+        if num_replicas is None:
+            num_replicas = world[0] if world else 1
+        if rank is None:
+            rank = world[1] if world else 0
+        if not _is_int(num_replicas) or num_replicas < 1:
+            raise InvalidDataError(f"num_replicas must be a positive int, not {num_replicas!r}")
+        if not _is_int(rank) or not 0 <= rank < num_replicas:
+            raise InvalidDataError(f"rank must be in [0, {num_replicas}), not {rank!r}")
         self.dataset = dataset
         self.shuffle = shuffle
         self.seed = int(seed)
         self.mode = mode
-        self.batch_size = batch_size
+        self.batch_size = None if batch_size is None else int(batch_size)
         self.fresh_share = fresh_share
         self.lag = lag
+        self.num_replicas = int(num_replicas)
+        self.rank = int(rank)
+        self.drop_last = drop_last
         self.wait_timeout = wait_timeout
         self.prefetch = prefetch
-        # The position: which epoch, over which version, how far in.
+        # The position, the same on every rank: which epoch, over which version, how far in.
         self.epoch = 0
         self.version: int | None = None
         self.base_rows = 0
-        self.position = 0  # indices of the base permutation handed out this epoch
-        self.step = 0  # batches handed out over the whole run (mix mode)
+        self.position = 0  # slots of the epoch handed out, all ranks together
+        self.base_next = 0  # next position of the epoch's permutation (mix: <= position)
+        self.step = 0  # steps handed out over the whole run (with batch_size)
         self.fresh_next = 0  # next fresh row to hand out (mix mode)
         self.fresh_version: int | None = None
+        self._perm_key: tuple[int, int] | None = None
+        self._perm_start = 0
+        self._perm_rows: list[int] = []
+        self._prefetched = -1
 
-    # -- iteration ---------------------------------------------------------------------------
+    # -- layout ------------------------------------------------------------------------------
+
+    def _step_shape(self) -> tuple[int, int] | None:
+        """(slots, indices per rank) of the step at ``position``; None when the epoch is over."""
+        left = self.base_rows - self.position
+        if left <= 0:
+            return None
+        per_rank = self.batch_size or 1
+        full = per_rank * self.num_replicas
+        if left >= full:
+            return full, per_rank
+        if self.drop_last:
+            return None
+        return left, -(-left // self.num_replicas)
+
+    def _share(self, rows: int) -> int:
+        """Indices one rank gets from an epoch of ``rows`` rows."""
+        per_rank = self.batch_size or 1
+        steps, left = divmod(rows, per_rank * self.num_replicas)
+        if self.drop_last or left == 0:
+            return steps * per_rank
+        return steps * per_rank + -(-left // self.num_replicas)
 
     def __len__(self) -> int:
-        if self.version is None:
-            return self.dataset.store.snapshot().num_rows
-        return self.base_rows
+        """Indices this rank gets in the current epoch (the next one's, from the head, if none
+        is under way): what ``len(loader)`` needs, in both modes."""
+        if self.version is not None and self._step_shape() is not None:
+            return self._share(self.base_rows)
+        return self._share(self.dataset.store.snapshot().num_rows)
 
-    def _start_epoch(self, epoch: int) -> None:
-        snap = self.dataset.store.snapshot(self.dataset.store.refresh())
-        self.epoch = epoch
-        self.version = snap.version
-        self.base_rows = snap.num_rows
-        self.position = 0
-        self.fresh_next = snap.num_rows
-        self.fresh_version = snap.version
-        log.debug("epoch %d pins version %d (%d rows)", epoch, self.version, self.base_rows)
+    def set_epoch(self, epoch: int) -> None:
+        """Accepted for ``DistributedSampler`` compatibility. The sampler numbers epochs itself
+        (its state carries the number), so a resumed loop need not pass the right one."""
+        if (
+            _is_int(epoch)
+            and self.version is not None
+            and epoch not in (self.epoch, self.epoch + 1)
+        ):
+            log.debug("set_epoch(%d) ignored: the sampler is in epoch %d", epoch, self.epoch)
+
+    def check_loader(self, loader: Any) -> Any:
+        """Check that ``loader`` batches as this sampler counts, and that mix mode's ``lag`` is
+        deeper than its prefetch; returns the loader. Call it when the loader is built."""
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        if getattr(loader, "sampler", None) is not self and (
+            getattr(batch_sampler, "sampler", None) is not self
+        ):
+            raise InvalidDataError("this loader does not draw from this VersionedSampler")
+        url = self.dataset.store.display_url
+        size, drop = getattr(loader, "batch_size", None), bool(getattr(loader, "drop_last", False))
+        if self.batch_size is not None and size != self.batch_size:
+            raise InvalidDataError(
+                f"the loader's batch_size is {size} but the VersionedSampler for {url} counts "
+                f"steps of {self.batch_size}; pass the loader's batch_size to both"
+            )
+        if size is not None and self.batch_size is None and self.num_replicas > 1:
+            raise InvalidDataError(
+                f"pass batch_size={size} to the VersionedSampler for {url}: with several ranks "
+                "it counts the loader's steps"
+            )
+        if drop and not self.drop_last and self.batch_size is not None:
+            raise InvalidDataError(
+                f"the loader drops the partial last batch (drop_last=True) but the "
+                f"VersionedSampler for {url} counts it as a step; pass drop_last=True to both"
+            )
+        workers = int(getattr(loader, "num_workers", 0) or 0)
+        factor = int(getattr(loader, "prefetch_factor", None) or 0) if workers else 0
+        if self.mode == "mix":
+            if workers and not getattr(loader, "in_order", True):
+                raise InvalidDataError(
+                    f"mix mode over {url} needs batches in order; build the loader with "
+                    "in_order=True"
+                )
+            if self.lag < workers * factor + 1:
+                raise InvalidDataError(
+                    f"lag={self.lag} is too small for num_workers={workers} and "
+                    f"prefetch_factor={factor}: the loader asks for batch t while step "
+                    f"t - {workers * factor} trains, so the round it waits for cannot exist "
+                    f"yet; use lag >= {workers * factor + 1} (num_workers * prefetch_factor + 1)"
+                )
+        return loader
+
+    # -- iteration ---------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[int]:
         # A generator: nothing happens until the first index is requested, so the extra
         # iter() calls StatefulDataLoader makes while restoring have no effect.
-        if self.version is None:
-            self._start_epoch(self.epoch)
-        elif self.position >= self.base_rows:
-            self._start_epoch(self.epoch + 1)
+        if self.version is None or self._step_shape() is None:
+            self._start_epoch()
         if self.mode == "epoch":
             yield from self._iter_epoch()
         else:
             yield from self._iter_mix()
 
-    def _base_indices(self, start: int, stop: int) -> np.ndarray:
-        positions = np.arange(start, stop, dtype=np.int64)
-        if not self.shuffle:
-            return positions
-        return FeistelPermutation(self.base_rows, self.seed, self.epoch)(positions)
+    def _start_epoch(self) -> None:
+        first = self.version is None
+        version = self._agree(lambda: self._epoch_version(first))
+        snap = self.dataset.store.snapshot(version)
+        self.epoch = self.epoch if first else self.epoch + 1
+        self.version = snap.version
+        self.base_rows = snap.num_rows
+        self.position = self.base_next = 0
+        self.fresh_next = snap.num_rows
+        self.fresh_version = snap.version
+        log.debug(
+            "epoch %d pins version %d (%d rows) at step %d",
+            self.epoch,
+            self.version,
+            self.base_rows,
+            self.step,
+        )
 
-    def _prefetch(self, start: int) -> None:
-        """Warm the shards of the block after ``start`` while this one is consumed."""
-        if self.prefetch and start < self.base_rows:
+    def _agree(self, decide: Callable[[], int]) -> int:
+        """``decide()`` on rank 0, broadcast to every rank of an initialized process group that
+        this sampler spans, so all ranks pin one version even while others commit."""
+        world = _dist_world()
+        if self.num_replicas == 1 or world is None or world[0] != self.num_replicas:
+            return decide()
+        import torch.distributed as dist
+
+        box = [decide() if world[1] == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return int(box[0])  # type: ignore[arg-type]
+
+    def _epoch_version(self, first: bool) -> int:
+        """The version the epoch starting now pins (see the class docstring)."""
+        store = self.dataset.store
+        deadline = time.monotonic() + self.wait_timeout
+        while True:
+            head = store.refresh()
+            if first or self.batch_size is None:
+                return head
+            found = _round_version(store, head, self.version, self.step - 1)  # type: ignore[arg-type]
+            if found is not None:
+                return found
+            if self.mode == "epoch":
+                return head  # a run that commits no rounds: the head, as it always was
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the round of step {self.step - 1} did not appear in {store.display_url} "
+                    f"within {self.wait_timeout}s, so epoch {self.epoch + 1} cannot pin its "
+                    "version; commit one round (possibly empty) with meta={'step': ...} per step"
+                )
+            time.sleep(0.01)
+
+    def _rows(self, start: int, count: int) -> list[int]:
+        """Rows at positions ``start .. start + count`` of the epoch's permutation."""
+        if count <= 0:
+            return []
+        key = (self.epoch, self.base_rows)
+        offset = start - self._perm_start
+        if key != self._perm_key or offset < 0 or offset + count > len(self._perm_rows):
+            stop = min(self.base_rows, start + max(count, _BLOCK))
+            positions = np.arange(start, stop, dtype=np.int64)
+            if self.shuffle:
+                positions = FeistelPermutation(self.base_rows, self.seed, self.epoch)(positions)
+            self._perm_key, self._perm_start, self._perm_rows = key, start, positions.tolist()
+            offset = 0
+        return self._perm_rows[offset : offset + count]
+
+    def _prefetch(self) -> None:
+        """Warm the shards of the block after the one being consumed (remote stores)."""
+        block = self.base_next // _BLOCK
+        if not self.prefetch or block == self._prefetched:
+            return
+        self._prefetched = block
+        start = (block + 1) * _BLOCK
+        if start < self.base_rows:
             stop = min(start + _BLOCK, self.base_rows)
-            self.dataset.prefetch(self.version, self._base_indices(start, stop).tolist())
+            positions = np.arange(start, stop, dtype=np.int64)
+            if self.shuffle:
+                positions = FeistelPermutation(self.base_rows, self.seed, self.epoch)(positions)
+            self.dataset.prefetch(self.version, positions.tolist())  # type: ignore[arg-type]
+
+    def _padding(self, count: int) -> list[int]:
+        # Rows repeated from the start of the epoch so that every rank gets as many; they may
+        # repeat more than once only in an epoch with fewer rows than ranks.
+        if count <= 0 or self.base_rows == 0:
+            return []
+        reps = self._rows(0, min(count, self.base_rows))
+        return (reps * math.ceil(count / len(reps)))[:count]
 
     def _iter_epoch(self) -> Iterator[int]:
-        tag = encode_index(self.version, 0)
-        while self.position < self.base_rows:
-            stop = min(self.position + _BLOCK, self.base_rows)
-            self._prefetch(stop)
-            for index in self._base_indices(self.position, stop).tolist():
-                self.position += 1
-                yield tag | index
+        tag = encode_index(self.version, 0)  # type: ignore[arg-type]
+        replicas, rank = self.num_replicas, self.rank
+        if replicas == 1 and self.batch_size is None:
+            # One index per step: the position moves index by index, in blocks.
+            while self.position < self.base_rows:
+                self._prefetch()
+                stop = min(self.position + _BLOCK, self.base_rows)
+                for row in self._rows(self.position, stop - self.position):
+                    self.position += 1
+                    self.base_next = self.position
+                    yield tag | row
+            return
+        while (shape := self._step_shape()) is not None:
+            slots, per_rank = shape
+            self._prefetch()
+            rows = self._rows(self.position, slots)
+            rows += self._padding(per_rank * replicas - slots)
+            # State moves a whole step before its indices leave: the loader snapshots it once
+            # the batch is complete, and every rank must hold the same state.
+            self.position += slots
+            self.base_next = self.position
+            if self.batch_size is not None:
+                self.step += 1
+            for row in rows[rank::replicas] if replicas > 1 else rows:
+                yield tag | row
 
     def _iter_mix(self) -> Iterator[int]:
         assert self.batch_size is not None
-        want_fresh = max(1, round(self.fresh_share * self.batch_size))
-        while self.position < self.base_rows:
-            if self.position % _BLOCK < self.batch_size:
-                self._prefetch(self.position - self.position % _BLOCK + _BLOCK)
+        replicas, rank = self.num_replicas, self.rank
+        want = max(1, round(self.fresh_share * self.batch_size))
+        while (shape := self._step_shape()) is not None:
+            slots, per_rank = shape
+            self._prefetch()
             fresh_version, fresh_rows = self._visible(self.step - self.lag)
-            n_fresh = min(want_fresh, max(0, fresh_rows - self.fresh_next))
-            n_base = min(self.batch_size - n_fresh, self.base_rows - self.position)
-            base_tag, fresh_tag = encode_index(self.version, 0), encode_index(fresh_version, 0)
-            batch = [
-                base_tag | i
-                for i in self._base_indices(self.position, self.position + n_base).tolist()
-            ]
-            batch += [fresh_tag | i for i in range(self.fresh_next, self.fresh_next + n_fresh)]
-            # State advances before the batch's indices leave, as the loader snapshots it
-            # when it hands out the batch's first index.
-            self.position += n_base
+            n_fresh = min(min(want, per_rank) * replicas, slots, fresh_rows - self.fresh_next)
+            n_fresh = max(0, n_fresh)
+            n_base = slots - n_fresh
+            base_tag, fresh_tag = encode_index(self.version, 0), encode_index(fresh_version, 0)  # type: ignore[arg-type]
+            batch = [base_tag | row for row in self._rows(self.base_next, n_base)]
+            batch += [fresh_tag | row for row in range(self.fresh_next, self.fresh_next + n_fresh)]
+            batch += [base_tag | row for row in self._padding(per_rank * replicas - slots)]
+            self.position += slots
+            self.base_next += n_base
             self.fresh_next += n_fresh
             self.step += 1
-            yield from batch
+            yield from batch[rank::replicas] if replicas > 1 else batch
 
     def _visible(self, step: int) -> tuple[int, int]:
         """(version, rows) of the newest version whose round belongs to a step <= ``step``.
@@ -213,6 +388,7 @@ class VersionedSampler(Sampler[int]):
         never depends on how far the loader prefetches."""
         store = self.dataset.store
         current = self.fresh_version if self.fresh_version is not None else self.version
+        assert current is not None
         deadline = time.monotonic() + self.wait_timeout
         while True:
             version = current
@@ -237,7 +413,8 @@ class VersionedSampler(Sampler[int]):
                 raise TimeoutError(
                     f"the round of step {step} did not appear in {store.display_url} within "
                     f"{self.wait_timeout}s; commit one round (possibly empty) with "
-                    "meta={'step': ...} per step, and make lag larger than the prefetch depth"
+                    "meta={'step': ...} per step, and check the loader with "
+                    "VersionedSampler.check_loader (lag must exceed its prefetch depth)"
                 )
             time.sleep(0.01)
         self.fresh_version = version
@@ -257,42 +434,72 @@ class VersionedSampler(Sampler[int]):
             "batch_size": self.batch_size,
             "fresh_share": self.fresh_share,
             "lag": self.lag,
+            "drop_last": self.drop_last,
+            "num_replicas": self.num_replicas,
             "epoch": self.epoch,
             "version": self.version,
             "base_rows": self.base_rows,
             "position": self.position,
+            "base_next": self.base_next,
             "step": self.step,
             "fresh_next": self.fresh_next,
             "fresh_version": self.fresh_version,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state(state, self.dataset.store_id, self.dataset.store.display_url)
+        """Continue from ``state`` (any rank's, any world size's); checked in full first: a
+        bad state raises :class:`StateMismatchError` and leaves the sampler as it was."""
+        url = self.dataset.store.display_url
+        state = check_state(state, self.dataset.store_id, url)
         # lag and share shape the stream only in mix mode; epoch mode may change them freely
-        keys = ("mode", "shuffle", "seed") + (
-            ("batch_size", "fresh_share", "lag") if self.mode == "mix" else ()
-        )
+        keys = ["mode", "shuffle", "seed", "drop_last", "batch_size"]
+        if self.mode == "mix":
+            keys += ["fresh_share", "lag"]
         for key in keys:
             if state[key] != getattr(self, key):
                 raise StateMismatchError(
-                    f"sampler state for {self.dataset.store.display_url} was saved with "
-                    f"{key}={state[key]!r} but this sampler has {key}={getattr(self, key)!r}; "
-                    "construct the sampler with the same settings to resume exactly"
+                    f"sampler state for {url} was saved with {key}={state[key]!r} but this "
+                    f"sampler has {key}={getattr(self, key)!r}; construct the sampler with "
+                    "the same settings to resume exactly"
                 )
         if state["version"] is not None:
-            snap = self.dataset.store.snapshot(state["version"])  # raises if collected
+            store = self.dataset.store
+            snap = store.snapshot(state["version"])  # raises if collected
             if snap.num_rows != state["base_rows"]:
                 raise StateMismatchError(
-                    f"version {snap.version} of {self.dataset.store.display_url} has "
-                    f"{snap.num_rows} rows, but the state expects {state['base_rows']}"
+                    f"version {snap.version} of {url} has {snap.num_rows} rows, but the "
+                    f"sampler state expects {state['base_rows']}; it belongs to another history"
                 )
-        self.epoch = state["epoch"]
-        self.version = state["version"]
-        self.base_rows = state["base_rows"]
-        self.position = state["position"]
-        self.step = state["step"]
+            fresh = store.snapshot(state["fresh_version"])
+            if state["fresh_next"] > fresh.num_rows:
+                raise StateMismatchError(
+                    f"sampler state for {url} expects row {state['fresh_next']} of version "
+                    f"{fresh.version}, which has {fresh.num_rows} rows"
+                )
+        if state["format"] == 1 and state["mode"] == "epoch" and state["version"] is not None:
+            # Format 1 counted no steps in epoch mode: take them up after the newest round.
+            last = _latest_step(self.dataset.store, self.dataset.store.refresh())
+            state["step"] = 0 if last is None else last + 1
+        for key in ("epoch", "version", "base_rows", "position", "base_next", "step"):
+            setattr(self, key, state[key])
         self.fresh_next = state["fresh_next"]
         self.fresh_version = state["fresh_version"]
+
+
+def _round_version(store: Any, head: int, floor: int, step: int) -> int | None:
+    """The newest version of ``head``'s lineage after ``floor`` whose round belongs to a step
+    <= ``step`` (``floor`` if none); None while no round of ``step`` or later is there."""
+    best = floor
+    for v in _lineage_after(store, head, floor):
+        record_step = store.commit_record(v).meta.get("step")
+        if record_step is None:
+            continue
+        if record_step > step:
+            return best
+        best = v
+        if record_step == step:
+            return best
+    return None
 
 
 def _latest_step(store: Any, version: int, horizon: int = 1000) -> int | None:
@@ -310,24 +517,124 @@ def _lineage_after(store: Any, head: int, floor: int) -> list[int]:
     return out[::-1]
 
 
-def check_state(state: Any, store_id: str, url: str) -> None:
-    """Validate a sampler state dict against the store it is loaded into."""
+# -- state validation --------------------------------------------------------------------------
+
+_INT = "int"
+_FIELDS: dict[str, tuple[str, bool]] = {  # key: (type, may be None)
+    "store_id": ("str", False),
+    "store_url": ("str", False),
+    "mode": ("str", False),
+    "shuffle": ("bool", False),
+    "seed": (_INT, False),
+    "batch_size": (_INT, True),
+    "fresh_share": ("float", False),
+    "lag": (_INT, False),
+    "epoch": (_INT, False),
+    "version": (_INT, True),
+    "base_rows": (_INT, False),
+    "position": (_INT, False),
+    "step": (_INT, False),
+    "fresh_next": (_INT, False),
+    "fresh_version": (_INT, True),
+}
+_FIELDS_2: dict[str, tuple[str, bool]] = {
+    "drop_last": ("bool", False),
+    "num_replicas": (_INT, False),
+    "base_next": (_INT, False),
+}
+
+
+def _type_ok(value: Any, kind: str) -> bool:
+    if kind == _INT:
+        return _is_int(value)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, str)
+
+
+def check_state(state: Any, store_id: str, url: str) -> dict[str, Any]:
+    """Validate a sampler state dict in full (keys, types, ranges, format) against the store it
+    is loaded into; returns it in the current format. Raises :class:`StateMismatchError`
+    (:class:`UnsupportedFormatError` for a newer format) and changes nothing."""
     if not isinstance(state, dict) or state.get("kind") != STATE_KIND:
         raise StateMismatchError(
             f"not a dynstate sampler state (for {url}); pass the dict VersionedSampler."
             "state_dict() returned, or use dynstate.find_sampler_state(loader_state)"
         )
-    if not isinstance(state.get("format"), int) or state["format"] > STATE_FORMAT:
+    fmt = state.get("format")
+    if not _is_int(fmt) or fmt < 1:
+        raise StateMismatchError(f"sampler state for {url} has no valid format number: {fmt!r}")
+    if fmt > STATE_FORMAT:
         raise UnsupportedFormatError(
-            f"sampler state format {state.get('format')!r} is newer than this dynstate "
-            f"supports ({STATE_FORMAT}); upgrade dynstate"
+            f"sampler state format {fmt} is newer than this dynstate supports "
+            f"({STATE_FORMAT}); upgrade dynstate to resume {url}"
         )
-    if state.get("store_id") != store_id:
+    fields = dict(_FIELDS, **(_FIELDS_2 if fmt >= 2 else {}))
+    missing = sorted(k for k in fields if k not in state)
+    if missing:
         raise StateMismatchError(
-            f"this state belongs to store {state.get('store_id')} "
-            f"({state.get('store_url')}), not to {url} (store {store_id}); resume with the "
-            "store the checkpoint was written for"
+            f"sampler state for {url} lacks {', '.join(missing)}; it is damaged or was not "
+            "written by VersionedSampler.state_dict()"
         )
+    for key, (kind, nullable) in fields.items():
+        value = state[key]
+        if not (value is None and nullable) and not _type_ok(value, kind):
+            raise StateMismatchError(
+                f"sampler state for {url} has {key}={value!r} ({type(value).__name__}); "
+                f"expected {kind}{' or None' if nullable else ''}"
+            )
+    if state["store_id"] != store_id:
+        raise StateMismatchError(
+            f"this state belongs to store {state['store_id']} ({state['store_url']}), not to "
+            f"{url} (store {store_id}); resume with the store the checkpoint was written for"
+        )
+    out = {k: state[k] for k in fields}
+    out["format"] = fmt
+    if fmt == 1:
+        # Format 1 counted only base rows in ``position``; slots include the fresh ones drawn.
+        fresh_drawn = state["fresh_next"] - state["base_rows"] if state["mode"] == "mix" else 0
+        out.update(
+            drop_last=False,
+            num_replicas=1,
+            base_next=state["position"],
+            position=min(state["base_rows"], state["position"] + max(0, fresh_drawn)),
+        )
+    if state["mode"] == "epoch":
+        out["base_next"] = out["position"]  # one counter in epoch mode: keep them in step
+    _check_ranges(out, url)
+    return out
+
+
+def _check_ranges(s: dict[str, Any], url: str) -> None:
+    def bad(what: str) -> StateMismatchError:
+        return StateMismatchError(f"sampler state for {url} is inconsistent: {what}")
+
+    if s["mode"] not in MODES:
+        raise bad(f"mode={s['mode']!r} is not one of {MODES}")
+    if s["batch_size"] is not None and s["batch_size"] < 1:
+        raise bad(f"batch_size={s['batch_size']} is below 1")
+    if s["num_replicas"] < 1:
+        raise bad(f"num_replicas={s['num_replicas']} is below 1")
+    if not 0.0 < s["fresh_share"] <= 1.0 or s["lag"] < 1:
+        raise bad(f"fresh_share={s['fresh_share']} / lag={s['lag']} out of range")
+    for key in ("epoch", "base_rows", "position", "base_next", "step", "fresh_next"):
+        if not 0 <= s[key] < _MAX_ROWS:
+            raise bad(f"{key}={s[key]} is out of range [0, 2**40)")
+    if s["version"] is None:
+        if s["position"] or s["base_rows"] or s["fresh_version"] is not None:
+            raise bad("no version is pinned, yet a position/base_rows/fresh_version is set")
+        return
+    if s["version"] < 0 or s["position"] > s["base_rows"] or s["base_next"] > s["position"]:
+        raise bad(
+            f"position={s['position']} / base_next={s['base_next']} do not fit version "
+            f"{s['version']} of {s['base_rows']} rows"
+        )
+    if s["fresh_version"] is None or s["fresh_version"] < s["version"]:
+        raise bad(f"fresh_version={s['fresh_version']} is older than version={s['version']}")
+    if s["fresh_next"] < s["base_rows"]:
+        raise bad(f"fresh_next={s['fresh_next']} is below base_rows={s['base_rows']}")
 
 
 def find_sampler_state(loader_state: Any) -> dict[str, Any] | None:
