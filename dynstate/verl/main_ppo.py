@@ -1,12 +1,24 @@
-"""``python -m dynstate.verl.main_ppo`` — verl's ``main_ppo`` with dynstate's trainer.
+"""``python -m dynstate.verl.main_ppo`` — verl's ``main_ppo`` with dynstate's trainers.
 
-Same Hydra config and overrides as ``python -m verl.trainer.main_ppo``; it runs verl's legacy
-``RayPPOTrainer`` (the trainer that calls ``on_batch_end``; ``trainer.use_v1`` is ignored) with
-:class:`~dynstate.verl.trainer.DynstateTrainerMixin` mixed in. Needs GPUs, like verl.
+Same Hydra config and overrides as ``python -m verl.trainer.main_ppo``, and like it, it honours
+``trainer.use_v1`` (true by default in verl 0.9):
+
+- ``use_v1=true``: verl's ``TaskRunnerV1`` with ``trainer.v1.trainer_mode=dynstate``
+  (:class:`~dynstate.verl.v1.DynstatePPOTrainer`, verl's ``sync`` trainer with dynstate's
+  sampler, round commits and resume). ``sync`` — verl's default — is run as ``dynstate``;
+  the async modes, DAPO group filtering and ``sync_refill_failed_groups`` are refused here,
+  before Ray starts (:func:`dynstate.verl.v1.check_config`).
+- ``use_v1=false``: verl's legacy ``TaskRunner`` with ``RayPPOTrainer`` replaced by
+  :func:`~dynstate.verl.trainer.dynstate_trainer_class` inside the Ray actor.
+
+verl's trainer registry lives in the process that runs the trainer (the TaskRunner actor), and
+``TaskRunnerV1.run`` looks the mode up before it loads anything of the user's: the runner below
+imports :mod:`dynstate.verl.v1` there first, which registers the mode. Needs GPUs, like verl.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -14,6 +26,10 @@ import hydra
 import verl
 
 CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+
+
+def _log_level() -> None:
+    logging.getLogger("dynstate").setLevel(os.getenv("DYNSTATE_LOGGING_LEVEL", "INFO"))
 
 
 def _task_runner_class() -> Any:
@@ -27,19 +43,67 @@ def _task_runner_class() -> Any:
             # Runs inside the Ray actor: point verl's TaskRunner at the mixed-in trainer.
             from .trainer import dynstate_trainer_class
 
+            _log_level()
             main_ppo_v0.RayPPOTrainer = dynstate_trainer_class()
             return super().run(config)
 
     return ray.remote(DynstateTaskRunner)
 
 
-@hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)
-def main(config: Any) -> None:
+def _task_runner_v1_class() -> Any:
+    import ray
+    from verl.trainer.main_ppo import TaskRunnerV1
+
+    base = TaskRunnerV1.__ray_metadata__.modified_class
+
+    class DynstateTaskRunnerV1(base):  # type: ignore[misc, valid-type]
+        def run(self, config: Any) -> Any:
+            # Runs inside the Ray actor, before verl's get_trainer_cls: register the mode here.
+            from . import v1
+
+            _log_level()
+            v1.check_config(config)
+            return super().run(config)
+
+    return ray.remote(DynstateTaskRunnerV1)
+
+
+def select_v1_trainer(config: Any) -> None:
+    """Point ``trainer.v1.trainer_mode`` at dynstate's trainer (``sync`` becomes ``dynstate``)
+    or raise :class:`~dynstate.InvalidDataError` naming the supported modes."""
+    from omegaconf import open_dict
+
+    from . import v1
+
+    with open_dict(config):
+        if config.trainer.v1.get("trainer_mode", "sync") in v1.SUPPORTED_MODES:
+            config.trainer.v1.trainer_mode = v1.TRAINER_MODE
+    v1.check_config(config)
+
+
+def run(config: Any) -> None:
+    """What ``main`` does once Hydra has composed ``config``."""
     from verl.trainer.main_ppo import run_ppo
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
     auto_set_device(config)
-    run_ppo(config, task_runner_class=_task_runner_class())
+    validate_config(
+        config=config,
+        use_reference_policy=need_reference_policy(config),
+        use_critic=need_critic(config),
+    )
+    if config.trainer.get("use_v1", True):
+        select_v1_trainer(config)
+        run_ppo(config, task_runner_class=_task_runner_v1_class())
+    else:
+        run_ppo(config, task_runner_class=_task_runner_class())
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)
+def main(config: Any) -> None:
+    run(config)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,477 @@
+"""verl's real V1 trainer loop on CPU: stand-ins only where verl talks to GPU workers and the
+rollout engine.
+
+verl's own code here: the composed ``ppo_trainer`` Hydra config, ``TaskRunnerV1.run`` (run in
+this process: it is the driver), TransferQueue (``tq.init``: its controller and storage unit are
+Ray actors of a local cluster), the dynstate trainer (``trainer.v1.trainer_mode=dynstate``:
+verl's ``PPOTrainerSync`` with dynstate's overrides) and its whole ``fit()``/``step()`` loop,
+the ``ReplayBuffer``, dataset factory, collate_fn, StatefulDataLoader, GRPO advantages,
+``_save_checkpoint`` / ``_load_checkpoint``, validation, ``AgentLoopManagerTQ`` /
+``AgentLoopWorkerTQ`` / ``SingleTurnAgentLoop`` (chat template, tokenisation, postprocess,
+TransferQueue records) and ``RewardLoopManager`` / ``RewardLoopWorker`` (Ray actors) with
+verl's default rule-based reward (``default_compute_score``, ``openai/gsm8k``): no reward
+model, rewards streamed from the agent loop.
+
+What stands in:
+
+* the LLM server's client: a word-level "policy" answering ``What is a + b ?`` with
+  ``#### a+b``, wrong when ``a + b`` is divisible by 3;
+* the actor worker group (``compute_log_prob`` writes zero log-probs into TransferQueue,
+  ``update_actor`` checks the advantages are there; checkpoints are small files), the LLM
+  server manager and the checkpoint engine (weight sync): ``_setup``'s GPU part.
+
+``python verl_v1_standins.py '<json spec>'`` runs one driver; ``spec["kill"] = [step, instant]``
+SIGKILLs it at ``rollout`` (prompts of that step in flight), ``saved`` (right after the
+checkpoint of that step is written), ``validation`` (inside validation after that step),
+``committed`` (right after the round of that step is committed). Every trained batch is logged
+to ``spec["log"]`` (one JSON line per step, fsynced); the Ray processes the driver started are
+listed in ``spec["pids"]`` so that whoever kills it can end them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+INSTANTS = ("rollout", "saved", "validation", "committed")
+STANDIN_MODE = "dynstate_cpu_standins"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+WORDS = ["<unk>", "<pad>", "<eos>", "What", "is", "+", "?", "<|user|>", "<|assistant|>", "####"]
+WORDS += [str(i) for i in range(3000)] + ["and", "The", "answer"]
+
+
+# -- files: tokenizer/model folder and data ----------------------------------------------------
+
+
+def make_model_dir(folder: str) -> str:
+    """A word-level tokenizer and a tiny model config, saved like a HF model folder (no
+    weights: nothing loads a model)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(folder)
+    LlamaConfig(
+        vocab_size=len(WORDS),
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        pad_token_id=1,
+        eos_token_id=2,
+        bos_token_id=None,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(folder)
+    return folder
+
+
+def make_task(a: int, b: int, index: int, split: str = "train") -> dict[str, Any]:
+    """A row as verl's GSM8K preprocessing writes it, scored by verl's default reward."""
+    return {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": f"What is {a} + {b} ?"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        "extra_info": {"split": split, "index": index},
+    }
+
+
+def write_data(folder: str, n_train: int, n_val: int) -> tuple[str, str]:
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(n_train):
+        a, b = (int(x) for x in rng.integers(1, 60, size=2))
+        task = make_task(a, b, index=i)
+        if i % 7 == 3:  # overlong: verl's filter drops it on import
+            task["prompt"][0]["content"] += " and" * 40
+        rows.append(task)
+    val = [make_task(i, i + 1, index=i, split="test") for i in range(n_val)]
+    train_path = os.path.join(folder, "train.parquet")
+    val_path = os.path.join(folder, "val.parquet")
+    pd.DataFrame(rows).to_parquet(train_path)
+    pd.DataFrame(val).to_parquet(val_path)
+    return train_path, val_path
+
+
+# -- generators --------------------------------------------------------------------------------
+
+INPUT_COLUMNS = ("raw_prompt", "dynstate_row", "data_source", "reward_model", "extra_info")
+
+
+def _generator_classes() -> tuple[type, type]:
+    from dynstate.verl import AbstractDataGenerator, DynstateGenerator
+
+    class FailedVariations(DynstateGenerator):
+        """New tasks from the prompts the policy failed; needs the step's inputs and scores."""
+
+        name = "failed-variations"
+
+        def generate(self, batch: Any, step: int, dataset: Any) -> list[dict[str, Any]]:
+            missing = [k for k in INPUT_COLUMNS if k not in batch.non_tensor_batch]
+            missing += [k for k in ("responses", "token_level_scores") if k not in batch.batch]
+            if missing:
+                raise KeyError(f"the scored batch lacks {missing}")
+            scores = batch.batch["token_level_scores"].sum(dim=-1).tolist()
+            out: list[dict[str, Any]] = []
+            seen: set[int] = set()
+            for score, messages, row, truth in zip(
+                scores,
+                batch.non_tensor_batch["raw_prompt"],
+                batch.non_tensor_batch["dynstate_row"],
+                batch.non_tensor_batch["reward_model"],
+                strict=True,
+            ):
+                if score >= 0.5 or int(row) in seen or len(out) >= 3:
+                    continue
+                seen.add(int(row))
+                words = messages[-1]["content"].split()
+                a, b = int(words[2]), int(words[4])
+                assert int(truth["ground_truth"]) == a + b
+                task = make_task(a + step, b + 1, index=100_000 * step + len(out))
+                task["_dynstate_source"] = [int(row)]
+                out.append(task)
+            return out
+
+    class OldInterface(AbstractDataGenerator):
+        """verl's old interface: sees only the dataset."""
+
+        def generate(self, dataset: Any) -> Any:
+            import datasets
+
+            n = len(dataset.dataframe)
+            return datasets.Dataset.from_list([make_task(n, 7, index=n)])
+
+    return FailedVariations, OldInterface
+
+
+def __getattr__(name: str) -> Any:
+    # generators are loaded by verl's load_extern_object from this file, lazily
+    if name in ("FailedVariations", "OldInterface"):
+        failed, old = _generator_classes()
+        return {"FailedVariations": failed, "OldInterface": old}[name]
+    raise AttributeError(name)
+
+
+# -- config ------------------------------------------------------------------------------------
+
+
+def compose_config(spec: dict) -> Any:
+    """verl's own ``ppo_trainer`` config, composed by Hydra, with the run's overrides."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf, open_dict
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    batch = spec.get("batch_size", 4)
+    overrides = [
+        f"trainer.v1.trainer_mode={spec.get('trainer_mode', STANDIN_MODE)}",
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        "trainer.logger=[console]",
+        "trainer.project_name=dynstate",
+        "trainer.experiment_name=v1-cpu",
+        f"trainer.default_local_dir={spec['ckpt']}",
+        f"trainer.save_freq={spec.get('save_freq', 2)}",
+        f"trainer.test_freq={spec.get('test_freq', 3)}",
+        f"trainer.total_training_steps={spec.get('steps', 6)}",
+        "trainer.total_epochs=1000",
+        f"trainer.resume_mode={spec.get('resume_mode', 'auto')}",
+        "trainer.val_before_train=false",
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=false",
+        f"actor_rollout_ref.model.path={spec['model']}",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.prompt_length=32",
+        "actor_rollout_ref.rollout.response_length=8",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "reward.num_workers=1",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        f"data.train_files={spec['train']}",
+        f"data.val_files={spec['val']}",
+        f"data.train_batch_size={batch}",
+        f"data.val_batch_size={spec.get('val_batch_size', 4)}",
+        "data.max_prompt_length=24",
+        "data.max_response_length=8",
+        "data.filter_overlong_prompts=true",
+        "data.filter_overlong_prompts_workers=1",
+        "data.shuffle=true",
+        "data.seed=7",
+        f"data.dataloader_num_workers={spec.get('num_workers', 0)}",
+        "data.custom_cls.path=pkg://dynstate.verl",
+        "data.custom_cls.name=DynstateRLDataset",
+    ]
+    overrides += spec.get("overrides", [])
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        config = compose(config_name="ppo_trainer", overrides=overrides)
+    datagen = spec.get("datagen", {"path": os.path.abspath(__file__), "name": "FailedVariations"})
+    with open_dict(config):
+        config.data.dynstate = OmegaConf.create(
+            {"url": spec["store"], "storage_options": spec.get("storage_options", {})}
+        )
+        config.data.dynstate.update(spec.get("dynstate", {}))
+        config.data.datagen = OmegaConf.create(datagen)
+    return config
+
+
+# -- stand-ins ---------------------------------------------------------------------------------
+
+
+class StandInLLM:
+    """The LLM server's client, as verl's agent loop awaits it (``generate(prompt_ids=...)``).
+    Pickled into the agent-loop worker actor."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self._tok = None
+
+    async def generate(self, *, prompt_ids: list[int], sampling_params: dict, **_: Any) -> Any:
+        from transformers import AutoTokenizer
+        from verl.workers.rollout.replica import TokenOutput
+
+        if self._tok is None:
+            self._tok = AutoTokenizer.from_pretrained(self.model_dir)
+        words = self._tok.decode(prompt_ids).split()
+        answer = "0"
+        if "What" in words:
+            i = words.index("What")
+            a, b = int(words[i + 2]), int(words[i + 4])
+            answer = str(a + b + 1) if (a + b) % 3 == 0 else str(a + b)
+        ids = self._tok.convert_tokens_to_ids(["The", "answer", "is", "####", answer, "<eos>"])
+        return TokenOutput(
+            token_ids=ids,
+            log_probs=[-0.5] * len(ids),
+            stop_reason="completed",
+            extra_fields={"min_global_steps": 0, "max_global_steps": 0},
+        )
+
+
+class StandInActorGroup:
+    """The actor/rollout worker group: no model, data through TransferQueue as verl's
+    workers do; checkpoints are small files."""
+
+    def __init__(self) -> None:
+        self._dispatch_info: dict[str, list[int]] = {}
+
+    def _query_dispatch_info(self, role: str) -> list[int]:
+        return [0]  # one data-parallel rank
+
+    def compute_log_prob(self, batch: Any) -> Any:
+        import torch
+        import transfer_queue as tq
+        from tensordict import TensorDict
+
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id)
+        seqs = data["input_ids"]
+        zeros = [torch.zeros(int(n)) for n in seqs.offsets().diff().tolist()]
+        fields = TensorDict(
+            {
+                "log_probs": torch.nested.as_nested_tensor(zeros, layout=torch.jagged),
+                "entropy": torch.nested.as_nested_tensor(zeros, layout=torch.jagged),
+            },
+            batch_size=len(batch),
+        )
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
+        return batch
+
+    def update_actor(self, batch: Any) -> dict:
+        import transfer_queue as tq
+
+        data = tq.kv_batch_get(
+            keys=batch.keys, partition_id=batch.partition_id, select_fields=["advantages"]
+        )
+        assert "advantages" in data, "update_actor got a batch without advantages"
+        return {"metrics": {"mfu": 0.0, "pg_loss": 0.0}}
+
+    def save_checkpoint(self, local_path: str, remote_path: Any, step: int, **_: Any) -> None:
+        os.makedirs(local_path, exist_ok=True)
+        with open(os.path.join(local_path, "weights.txt"), "w") as f:
+            f.write(str(step))
+
+    def load_checkpoint(self, local_path: str, **_: Any) -> None:
+        with open(os.path.join(local_path, "weights.txt")) as f:
+            step = int(local_path.rstrip("/").split("global_step_")[-1].split("/")[0])
+            assert int(f.read()) == step
+
+
+class StandInCheckpointEngine:
+    def update_weights(self, step: int | None = None) -> None:
+        pass
+
+    def sleep_replicas(self) -> None:
+        pass
+
+
+class StandInLLMServers:
+    def __init__(self, client: StandInLLM):
+        self.client = client
+
+    def get_client(self, **_: Any) -> StandInLLM:
+        return self.client
+
+    def get_replicas(self) -> list:
+        return []
+
+
+class StandInResourcePools:
+    def get_n_gpus(self) -> int:
+        return 1
+
+
+def _die(spec_kill: tuple | None, step: int, instant: str) -> None:
+    if spec_kill == (step, instant):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def register_standin_trainer(spec: dict) -> type:
+    """dynstate's V1 trainer with only ``_setup``'s GPU part replaced by stand-ins, plus the
+    kill instants and the batch log (wrappers that call the real methods)."""
+    from verl.experimental.reward_loop import RewardLoopManager
+    from verl.trainer.ppo.v1 import register_trainer
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    from dynstate.verl.v1 import DynstatePPOTrainer
+
+    if STANDIN_MODE in TRAINER_REGISTRY:
+        return TRAINER_REGISTRY[STANDIN_MODE]
+    kill = tuple(spec["kill"]) if spec.get("kill") else None
+    log_path = spec.get("log")
+
+    class CPUTrainer(DynstatePPOTrainer):
+        def _setup(self) -> None:
+            # verl's _setup up to the worker groups, then stand-ins for what needs GPUs
+            self._init_tokenizer()
+            self._init_dataloader()
+            self._init_dump_executor()
+            self.resource_pool_manager = StandInResourcePools()
+            self.ref_in_actor = False
+            self.actor_rollout_wg = StandInActorGroup()
+            self.reward_loop_manager = RewardLoopManager(config=self.config, rm_resource_pool=None)
+            self.teacher_model_manager = None
+            self.distillation_config = None
+            self.llm_server_manager = StandInLLMServers(
+                StandInLLM(self.config.actor_rollout_ref.model.path)
+            )
+            self.checkpoint_manager = StandInCheckpointEngine()
+            self.checkpoint_manager.sleep_replicas()
+            self._load_checkpoint()
+
+        def on_sample_begin(self) -> None:
+            _die(kill, self.global_steps, "rollout")  # this step's prompts are in flight
+            super().on_sample_begin()
+
+        def step(self, metrics: dict, timing_raw: dict) -> Any:
+            batch = super().step(metrics, timing_raw)
+            if log_path and self._scored is not None:
+                scored = self._scored[1]
+                entry = {
+                    "step": self.global_steps,
+                    "rows": [int(r) for r in scored.non_tensor_batch["dynstate_row"]],
+                    "prompts": [m[-1]["content"] for m in scored.non_tensor_batch["raw_prompt"]],
+                    "scores": scored.batch["token_level_scores"].sum(-1).tolist(),
+                    "version": self.train_dataloader.sampler.version,
+                }
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(entry) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+            return batch
+
+        def commit_step_round(self) -> int | None:
+            pending = self._scored is not None
+            version = super().commit_step_round()
+            if pending and version is not None:
+                _die(kill, self.global_steps, "committed")
+            return version
+
+        def _save_checkpoint(self) -> Any:
+            result = super()._save_checkpoint()
+            _die(kill, self.global_steps, "saved")
+            return result
+
+        def _maybe_log_val_generations(self, inputs: Any, outputs: Any, scores: Any) -> None:
+            _die(kill, self.global_steps, "validation")  # inside _validate, after its rollouts
+            super()._maybe_log_val_generations(inputs, outputs, scores)
+
+    register_trainer(STANDIN_MODE)(CPUTrainer)
+    return CPUTrainer
+
+
+# -- the driver --------------------------------------------------------------------------------
+
+
+def _record_ray_pids(path: str) -> None:
+    import ray
+
+    node = ray._private.worker._global_node
+    pids = [os.getpid()]
+    for infos in node.all_processes.values():
+        pids += [info.process.pid for info in infos]
+    with open(path, "w") as f:
+        json.dump(pids, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def run(spec: dict) -> None:
+    """One driver: a local Ray cluster, then verl's ``TaskRunnerV1.run`` in this process."""
+    import logging
+
+    import ray
+
+    logging.basicConfig(level=logging.INFO)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (HERE, ROOT, os.environ.get("PYTHONPATH")) if p
+    )
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=bool(spec.get("ray_logs", False)),
+        runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}},
+    )
+    if spec.get("pids"):
+        _record_ray_pids(spec["pids"])
+    try:
+        from verl.trainer.main_ppo import TaskRunnerV1
+
+        register_standin_trainer(spec)
+        config = compose_config(spec)
+        TaskRunnerV1.__ray_metadata__.modified_class().run(config)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [HERE, ROOT]
+    run(json.loads(sys.argv[1]))
