@@ -8,6 +8,7 @@ also inherit a built-in exception so that ordinary ``except`` clauses keep worki
     ├── StoreExistsError          (FileExistsError)    a different store is already there
     ├── VersionNotFoundError      (LookupError)        no such version or tag
     │   └── VersionCollectedError                      removed by garbage collection
+    ├── RowOutOfRangeError        (IndexError)         no such row in the version read
     ├── SchemaMismatchError       (ValueError)         round's columns/types differ
     ├── InvalidDataError          (ValueError)         input Arrow cannot hold / wrong type
     ├── CorruptStoreError                              the store's files are not what was committed
@@ -16,6 +17,7 @@ also inherit a built-in exception so that ordinary ``except`` clauses keep worki
     │   └── UnsafePathError                            a record points outside the store root
     ├── UnsupportedFormatError                         written by a newer dynstate
     ├── CommitConflictError                            lost too many commit races in a row
+    ├── LeaseExpiredError                              gc collected staged files before commit
     ├── RoundFailedError                               a part of a multi-worker round failed
     ├── ConcurrencyUnsupportedError                    backend cannot create files exclusively
     ├── StateMismatchError        (ValueError)         sampler/dataset state of another store
@@ -34,9 +36,11 @@ __all__ = [
     "CorruptStoreError",
     "DynstateError",
     "InvalidDataError",
+    "LeaseExpiredError",
     "MissingDependencyError",
     "MissingShardError",
     "RoundFailedError",
+    "RowOutOfRangeError",
     "SchemaMismatchError",
     "StateMismatchError",
     "StorageError",
@@ -73,6 +77,10 @@ class VersionCollectedError(VersionNotFoundError):
     pass
 
 
+class RowOutOfRangeError(DynstateError, IndexError):
+    pass
+
+
 class SchemaMismatchError(DynstateError, ValueError):
     pass
 
@@ -103,6 +111,10 @@ class UnsupportedFormatError(DynstateError):
 
 class CommitConflictError(DynstateError):
     pass
+
+
+class LeaseExpiredError(DynstateError):
+    """Staged files were collected (their lease expired) before they were committed."""
 
 
 class RoundFailedError(DynstateError):

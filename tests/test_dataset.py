@@ -1,0 +1,292 @@
+"""VersionedDataset reads: batches equal the same rows read one by one and Arrow's own rows,
+in order, across shards and versions; bad indices raise typed errors; the cache stays
+bounded; the columnar batch formats hold the same values."""
+
+from __future__ import annotations
+
+import datetime as dt
+import pickle
+import random
+import uuid
+
+import pyarrow as pa
+import pytest
+
+from dynstate import (
+    DynstateError,
+    InvalidDataError,
+    RowOutOfRangeError,
+    Store,
+    VersionedDataset,
+    decode_index,
+    encode_index,
+)
+
+
+def _round(start: int, n: int) -> pa.Table:
+    """Rows with every kind of column the read paths treat apart: null-free ints and floats
+    (numpy), ints with nulls, strings, bools, lists, structs, timestamps (Arrow)."""
+    ids = list(range(start, start + n))
+    return pa.table(
+        {
+            "id": pa.array(ids, pa.int64()),
+            "small": pa.array([i % 100 for i in ids], pa.int8()),
+            "u": pa.array([i * 3 for i in ids], pa.uint32()),
+            "score": pa.array([i / 7 for i in ids], pa.float64()),
+            "half": pa.array([i / 4 for i in ids], pa.float32()),
+            "maybe": pa.array([None if i % 3 == 0 else i for i in ids], pa.int64()),
+            "prompt": pa.array([f"task {i} " + "é" * (i % 5) for i in ids], pa.string()),
+            "flag": pa.array([i % 2 == 0 for i in ids], pa.bool_()),
+            "tags": pa.array([[f"t{i % 4}"] * (i % 3) for i in ids], pa.list_(pa.string())),
+            "meta": pa.array(
+                [{"k": i, "s": str(i)} for i in ids],
+                pa.struct([("k", pa.int64()), ("s", pa.string())]),
+            ),
+            "at": pa.array(
+                [dt.datetime(2026, 1, 1) + dt.timedelta(seconds=i) for i in ids],
+                pa.timestamp("us"),
+            ),
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory) -> str:
+    """Five rounds of 300 rows, each split into ~3 shards: 15ish shards of ~100 rows."""
+    path = str(tmp_path_factory.mktemp("ds") / "store")
+    store = Store.open(path, create=True)
+    for k in range(5):
+        store.append(_round(k * 300, 300), shard_bytes=4096)
+    return path
+
+
+@pytest.fixture(scope="module")
+def expected(store_path) -> list[dict]:
+    return Store.open(store_path).snapshot().to_arrow().to_pylist()
+
+
+def test_the_fixture_spans_many_shards(store_path):
+    snap = Store.open(store_path).snapshot()
+    assert len(snap.shards) >= 10
+    assert snap.num_rows == 1500
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 64, 600])
+def test_batches_equal_arrow_rows_in_order(store_path, expected, size):
+    """Random batches (rows across every shard boundary, duplicates included) equal Arrow's
+    rows at those indices, in the batch's order, and the same rows read one by one."""
+    ds = VersionedDataset(store_path)
+    rng = random.Random(size)
+    offsets = ds.snapshot().offsets
+    boundary = [o for o in offsets[1:-1]] + [o - 1 for o in offsets[1:-1]]
+    for trial in range(5):
+        indices = [rng.randrange(1500) for _ in range(size)]
+        if trial == 1:
+            indices = [rng.choice(boundary) for _ in range(size)]
+        if trial == 2 and size > 1:
+            indices[-1] = indices[0]  # a duplicate
+        got = ds.__getitems__(indices)
+        assert got == [expected[i] for i in indices]
+        assert got == [ds[i] for i in indices]
+        tagged = [encode_index(ds.version, i) for i in indices]
+        assert ds.__getitems__(tagged) == got
+
+
+def test_values_keep_their_python_types(store_path, expected):
+    ds = VersionedDataset(store_path)
+    for row in (ds[4], ds.__getitems__([4, 5, 6, 7, 8, 9, 10, 11, 400])[0]):
+        assert row == expected[4]
+        assert [type(v) for v in row.values()] == [type(v) for v in expected[4].values()]
+    assert type(ds[3]["maybe"]) is type(None)
+    assert isinstance(ds[5]["at"], dt.datetime)
+
+
+def test_duplicates_are_distinct_dicts(store_path):
+    ds = VersionedDataset(store_path)
+    a, b = ds.__getitems__([7, 7])
+    assert a == b and a is not b
+    a["id"] = -1
+    assert b["id"] == 7 and ds[7]["id"] == 7
+
+
+def test_whole_dataset_in_one_batch_and_by_iteration(store_path, expected):
+    ds = VersionedDataset(store_path)
+    assert ds.__getitems__(list(range(1500))) == expected
+    assert ds.__getitems__(list(range(1499, -1, -1))) == expected[::-1]
+    assert list(ds) == expected  # the sequence protocol stops at the first IndexError
+
+
+def test_empty_batch(store_path):
+    ds = VersionedDataset(store_path)
+    assert ds.__getitems__([]) == []
+    columns = ds.read_batch([], "columns")
+    assert list(columns) == ds.snapshot().schema.names
+    assert all(v == [] for v in columns.values())
+    batch = ds.read_batch([], "arrow")
+    assert batch.num_rows == 0
+    assert batch.schema.equals(ds.snapshot().schema, check_metadata=False)
+
+
+def test_out_of_range_and_bad_indices_raise_typed_errors(store_path):
+    ds = VersionedDataset(store_path)
+    old = ds.store.snapshot(1)
+    bad = [
+        lambda: ds[1500],
+        lambda: ds[-1],
+        lambda: ds.__getitems__([0, 1500]),
+        lambda: ds.__getitems__([3, -2]),
+        lambda: ds[encode_index(1, old.num_rows)],
+        lambda: ds.__getitems__([encode_index(1, 0), encode_index(1, old.num_rows)]),
+        lambda: decode_index(-5),
+    ]
+    for call in bad:
+        with pytest.raises(RowOutOfRangeError) as info:
+            call()
+        assert isinstance(info.value, IndexError) and isinstance(info.value, DynstateError)
+        assert "\n" not in str(info.value)
+    with pytest.raises(RowOutOfRangeError, match=r"version 1 of .*\(300 rows\)"):
+        ds[encode_index(1, 300)]
+    with pytest.raises(InvalidDataError):
+        ds.__getitems__(["x"])
+    with pytest.raises(InvalidDataError):
+        ds["x"]
+    with pytest.raises(InvalidDataError):
+        ds.read_batch([0], "pandas")
+    with pytest.raises(InvalidDataError):
+        VersionedDataset(store_path, batch_format="nope")
+
+
+def test_mixed_versions_and_schemas_in_one_batch(tmp_path):
+    """A batch holding rows of an older version (fewer columns) and of a newer one (a column
+    added since): each row is read from its own version, as the sampler's indices say."""
+    store = Store.open(str(tmp_path / "s"), create=True)
+    v1 = store.append([{"id": i, "text": f"r{i}"} for i in range(50)], shard_bytes=512)
+    v2 = store.append(
+        [{"id": i, "text": f"r{i}", "extra": i * 2} for i in range(50, 90)],
+        allow_new_columns=True,
+        shard_bytes=512,
+    )
+    ds = VersionedDataset(store, version=v1)
+    rng = random.Random(0)
+    indices = []
+    for _ in range(120):
+        if rng.random() < 0.5:
+            indices.append(encode_index(v1, rng.randrange(50)))
+        else:
+            indices.append(encode_index(v2, rng.randrange(90)))
+    indices += [7, 7]  # plain rows of the pinned version
+    got = ds.__getitems__(indices)
+    assert got == [ds[i] for i in indices]
+    for index, row in zip(indices, got, strict=True):
+        version, r = decode_index(index)
+        if version == v2:
+            assert row == {"id": r, "text": f"r{r}", "extra": r * 2 if r >= 50 else None}
+        else:
+            assert row == {"id": r, "text": f"r{r}"}
+    columns = ds.read_batch(indices, "columns")
+    assert list(columns) == ["id", "text", "extra"]
+    assert columns["id"] == [row["id"] for row in got]
+    assert columns["extra"] == [row.get("extra") for row in got]
+    batch = ds.read_batch(indices, "arrow")
+    assert batch.column("id").to_pylist() == columns["id"]
+    assert batch.column("extra").to_pylist() == columns["extra"]
+    assert ds.version == v1  # tagged indices never move the pinned version
+
+
+def test_plain_index_past_the_pinned_version_follows_the_head(tmp_path):
+    store = Store.open(str(tmp_path / "s"), create=True)
+    store.append([{"x": i} for i in range(5)])
+    ds = VersionedDataset(str(tmp_path / "s"))
+    store.append([{"x": i} for i in range(5, 9)])
+    assert ds.__getitems__([8, 0]) == [{"x": 8}, {"x": 0}]
+    assert ds.version == store.head
+    with pytest.raises(RowOutOfRangeError):
+        ds[9]
+
+
+@pytest.mark.parametrize("fmt", ["columns", "arrow"])
+def test_columnar_formats_hold_the_same_rows(store_path, expected, fmt):
+    ds = VersionedDataset(store_path, batch_format=fmt)
+    rng = random.Random(3)
+    indices = [rng.randrange(1500) for _ in range(200)] + [0, 0]
+    batch = ds.__getitems__(indices)
+    if fmt == "arrow":
+        assert isinstance(batch, pa.RecordBatch)
+        assert batch.schema.equals(ds.snapshot().schema, check_metadata=False)
+        batch = batch.to_pydict()
+    assert list(batch) == list(expected[0])
+    for name, values in batch.items():
+        assert values == [expected[i][name] for i in indices]
+    assert ds[5] == expected[5]  # one row stays a dict
+
+
+def test_column_selection(store_path, expected):
+    ds = VersionedDataset(store_path, columns=["prompt", "id"])
+    indices = [5, 900, 3, 1400, 5, 77, 78, 79, 80, 81, 82, 83, 84, 85]
+    want = [{"prompt": expected[i]["prompt"], "id": i} for i in indices]
+    assert ds.__getitems__(indices) == want
+    assert ds[900] == want[1]
+    assert ds.read_batch(indices, "columns") == {
+        "prompt": [w["prompt"] for w in want],
+        "id": indices,
+    }
+    assert ds.read_batch(indices, "arrow").to_pylist() == want
+    with pytest.raises(InvalidDataError, match="nope"):
+        VersionedDataset(store_path, columns=["nope"])[0]
+
+
+def test_cache_stays_bounded_and_reads_stay_right(store_path, expected):
+    one_shard = VersionedDataset(store_path).cache
+    ds = VersionedDataset(store_path, cache_bytes=20_000)
+    rng = random.Random(5)
+    largest = 0
+    for _ in range(30):
+        indices = [rng.randrange(1500) for _ in range(50)]
+        assert ds.__getitems__(indices) == [expected[i] for i in indices]
+        largest = max(largest, ds.cache.nbytes)
+    assert ds.cache.misses > len(ds.snapshot().shards)  # evictions happened
+    shard_bytes = max(
+        one_shard.shard(ds.store, s, ds.snapshot().schema, None, ds.version).nbytes
+        for s in ds.snapshot().shards
+    )
+    assert largest <= 20_000 + shard_bytes
+
+
+def test_pickles_without_rows(store_path, expected):
+    ds = VersionedDataset(store_path, batch_format="columns")
+    ds.__getitems__(list(range(0, 1500, 7)))  # warm: the cache must not travel
+    blob = pickle.dumps(ds)
+    assert len(blob) < 2000
+    copy = pickle.loads(blob)
+    assert copy.__getitems__([3, 1499])["id"] == [3, 1499]
+    assert copy[10] == expected[10]
+
+
+def test_memory_store_batches(expected):
+    url = f"memory://dynstate-tests/{uuid.uuid4().hex}"
+    store = Store.open(url, create=True)
+    store.append(_round(0, 300), shard_bytes=4096)
+    ds = VersionedDataset(url)
+    assert ds.__getitems__([299, 0, 150]) == [expected[299], expected[0], expected[150]]
+
+
+# torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+@pytest.mark.parametrize("fmt", ["rows", "columns"])
+def test_loader_with_workers_sees_every_row_once(store_path, fmt):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from dynstate import VersionedSampler
+
+    ds = VersionedDataset(store_path, batch_format=fmt)
+    loader = StatefulDataLoader(
+        ds,
+        batch_size=64,
+        sampler=VersionedSampler(ds, seed=1),
+        num_workers=2,
+        collate_fn=lambda batch: batch,
+    )
+    ids = []
+    for batch in loader:
+        ids += [row["id"] for row in batch] if fmt == "rows" else batch["id"]
+    assert sorted(ids) == list(range(1500))
