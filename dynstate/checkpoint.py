@@ -11,11 +11,12 @@ from typing import Any
 
 from .dataset import VersionedDataset, decode_index
 from .errors import StateMismatchError, StoreNotFoundError
-from .sampler import VersionedSampler, find_sampler_state
+from .sampler import VersionedSampler, check_state, find_sampler_state
 
 
 def load_checkpoint_state(path: str) -> tuple[str, dict[str, Any]]:
-    """(file read, sampler state) of the checkpoint at ``path``."""
+    """(file read, sampler state) of the checkpoint at ``path``; the state is not yet checked
+    against any store."""
     import torch
 
     file = path
@@ -33,7 +34,8 @@ def load_checkpoint_state(path: str) -> tuple[str, dict[str, Any]]:
         obj = torch.load(file, weights_only=True, map_location="cpu")
     except Exception as exc:  # torch raises a zoo of types for bad files
         raise StateMismatchError(
-            f"{file} could not be loaded with torch.load(weights_only=True): {exc}"
+            f"{file} could not be loaded with torch.load(weights_only=True) ({_why(exc)}); "
+            "pass the data.pt the run's checkpoint wrote, and restore it if it is damaged"
         ) from exc
     state = find_sampler_state(obj)
     if state is None:
@@ -42,6 +44,17 @@ def load_checkpoint_state(path: str) -> tuple[str, dict[str, Any]]:
             "dynstate.VersionedSampler?"
         )
     return file, state
+
+
+def _why(exc: BaseException) -> str:
+    """One line on why torch.load failed (its messages run to many lines, or are empty)."""
+    text = str(exc)
+    if "Weights only load failed" in text:
+        return "it holds Python objects other than plain types and tensors"
+    if isinstance(exc, EOFError) or not text.strip():
+        return f"{type(exc).__name__}: the file is empty or cut short"
+    first = text.strip().splitlines()[0][:200]
+    return f"not a torch.save file, or a damaged one: {type(exc).__name__}: {first}"
 
 
 def describe_checkpoint(
@@ -54,28 +67,46 @@ def describe_checkpoint(
     """Where the checkpoint at ``path`` is in its store, and the rows of its next batch.
     ``store_url`` overrides the (redacted) URL recorded in the state."""
     file, state = load_checkpoint_state(path)
-    url = store_url or state["store_url"]
+    recorded = state.get("store_url")
+    url = store_url or recorded
+    if not isinstance(url, str) or not url:
+        raise StateMismatchError(
+            f"the sampler state in {file} records no store URL (store_url={recorded!r}); pass "
+            "the store's URL: describe_checkpoint(..., store_url=URL) or `dynstate inspect "
+            "--store URL`"
+        )
+    if recorded is None:
+        state = {**state, "store_url": url}  # the caller named the store; the id still checks
+    dataset = VersionedDataset(url, storage_options=storage_options)
+    # Checked in full (keys, types, ranges, store id) before anything reads a value from it.
+    try:
+        checked = check_state(state, dataset.store_id, dataset.store.display_url)
+    except StateMismatchError as exc:
+        raise StateMismatchError(f"{file}: {exc}") from exc
     info: dict[str, Any] = {
         "checkpoint": file,
-        "store_url": state["store_url"],
-        "store_id": state["store_id"],
-        **{k: state[k] for k in ("mode", "epoch", "version", "position", "base_rows", "step")},
-        "seed": state["seed"],
+        "store_url": checked["store_url"],
+        "store_id": checked["store_id"],
+        **{k: checked[k] for k in ("mode", "epoch", "version", "position", "base_rows", "step")},
+        "seed": checked["seed"],
     }
-    dataset = VersionedDataset(url, storage_options=storage_options)
     sampler = VersionedSampler(
         dataset,
-        shuffle=state["shuffle"],
-        seed=state["seed"],
-        mode=state["mode"],
-        batch_size=state["batch_size"],
-        fresh_share=state["fresh_share"],
-        lag=state["lag"],
+        shuffle=checked["shuffle"],
+        seed=checked["seed"],
+        mode=checked["mode"],
+        batch_size=checked["batch_size"],
+        fresh_share=checked["fresh_share"],
+        lag=checked["lag"],
+        num_replicas=checked["num_replicas"],
+        rank=0,
+        drop_last=checked["drop_last"],
         wait_timeout=5.0,
+        prefetch=False,
     )
-    sampler.load_state_dict(state)  # checks the store id, and that the version still exists
+    sampler.load_state_dict(state)  # checks that the version still exists, with its rows
     info["head"] = dataset.store.head
-    n = rows or state["batch_size"] or 8
+    n = rows or checked["batch_size"] or 8
     indices = []
     try:
         for index in sampler:
