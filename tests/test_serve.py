@@ -1,0 +1,483 @@
+"""`dynstate serve`: every JSON endpoint and page, served by a real uvicorn server on loopback,
+over a local and a loopback-S3 store that has been compacted, rolled back and garbage
+collected, with lineage recorded in `_dynstate_source`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from click.testing import CliRunner
+
+from dynstate import MissingDependencyError, Store
+from dynstate.compact import compact
+from dynstate.gc import collect_garbage
+
+pytest.importorskip("starlette", reason="the serve extra is part of the test environment")
+
+from conftest import s3_url
+
+from dynstate.serve.api import StoreView
+from dynstate.serve.app import create_app
+from dynstate.serve.command import address, bind
+from dynstate.serve.command import serve as serve_command
+
+SECRET = "wJalrXUtnFEMI-serve-test-SECRET"
+SCHEMA = pa.schema(
+    [
+        ("prompt", pa.string()),
+        ("answer", pa.string()),
+        ("difficulty", pa.int64()),
+        ("_dynstate_source", pa.list_(pa.int64())),
+    ]
+)
+
+
+@dataclass
+class Run:
+    """A store as a short dynamic-datagen run leaves it, and what the test expects of it."""
+
+    url: str
+    options: dict[str, Any]
+    store: Store = field(init=False)
+    rounds: dict[int, tuple[int, str, range]] = field(default_factory=dict)  # head lineage
+    abandoned: dict[int, tuple[int, str, range]] = field(default_factory=dict)
+    sources: dict[int, list[int]] = field(default_factory=dict)
+
+
+def _round(store: Store, run: Run, step: int, generator: str, n: int = 3) -> int:
+    start = store.snapshot().num_rows
+    prev = max((r for r in run.rounds.values() if r[2].stop <= start), key=lambda r: r[2].stop)
+    base = prev[2].start
+    rows = []
+    for j in range(n):
+        src = [base + j] if j < 2 else [base, base + 2]
+        run.sources[start + j] = src
+        rows.append(
+            {
+                "prompt": f"Task of step {step} row {j}: derive from {src}",
+                "answer": str(step * 10 + j),
+                "difficulty": j,
+                "_dynstate_source": src,
+            }
+        )
+    version = store.append(
+        pa.Table.from_pylist(rows, SCHEMA), meta={"step": step, "generator": generator}
+    )
+    run.rounds[version] = (step, generator, range(start, start + n))
+    return version
+
+
+def build_run(url: str, options: dict[str, Any]) -> Run:
+    """v1 initial rows, v2-v5 steps 0-3, v6 compaction, v7 step 4 (tagged), v8 step 5,
+    v9 an empty round, v10 a rollback to v7, v11 a lost round, v12 step 6, v13 an empty round,
+    v14 step 8; then gc keeps the newest 13 versions, so v0 and v1 are collected."""
+    run = Run(url, options)
+    store = Store.open(url, create=True, storage_options=options)
+    initial = [
+        {
+            "prompt": f"Seed task {i}",
+            "answer": str(i),
+            "difficulty": i % 3,
+            "_dynstate_source": None,
+        }
+        for i in range(6)
+    ]
+    v = store.append(
+        pa.Table.from_pylist(initial, SCHEMA), meta={"step": -1, "generator": "initial"}
+    )
+    run.rounds[v] = (-1, "initial", range(0, 6))
+    for step in range(4):
+        _round(store, run, step, "mutator" if step % 2 == 0 else "proposer")
+    assert compact(store, target_bytes=2**20) == 6
+    assert _round(store, run, 4, "mutator") == 7
+    store.tag("ckpt", 7)
+    v8 = _round(store, run, 5, "proposer")
+    run.abandoned[v8] = run.rounds.pop(v8)
+    for row in run.abandoned[v8][2]:
+        run.sources.pop(row)
+    store.append([], meta={"step": 6, "generator": "proposer"})  # v9, abandoned too
+    assert store.reset(7, meta={"rollback_from": 9}) == 10
+    store.append([], meta={"step": 5, "generator": "lost:proposer", "lost": True})
+    assert _round(store, run, 6, "mutator") == 12
+    store.append([], meta={"step": 7, "generator": "proposer"})
+    assert _round(store, run, 8, "proposer") == 14
+    collect_garbage(store, keep=13, grace_s=0)
+    run.store = Store.open(url, storage_options=options)
+    return run
+
+
+@contextmanager
+def served(view: StoreView) -> Iterator[str]:
+    """The app on a real uvicorn server on 127.0.0.1, in a thread."""
+    import uvicorn
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(view), log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield address(sock)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+class Client:
+    def __init__(self, base: str):
+        self.base = base
+        self.bodies: list[str] = []
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.base + path, timeout=60) as resp:
+                status, body = resp.status, resp.read().decode()
+        except urllib.error.HTTPError as err:
+            status, body = err.code, err.read().decode()
+        self.bodies.append(body)
+        return status, body
+
+    def json(self, path: str, status: int = 200) -> Any:
+        code, body = self.get(path)
+        assert code == status, f"{path}: {code} {body[:500]}"
+        return json.loads(body)
+
+
+@pytest.fixture(scope="module", params=["local", "s3"])
+def site(request, tmp_path_factory) -> Iterator[tuple[Run, Client]]:
+    if request.param == "local":
+        url, options = str(tmp_path_factory.mktemp("serve") / "store"), {}
+    else:
+        request.getfixturevalue("s3_endpoint")
+        url = s3_url()
+        options = {"key": os.environ["AWS_ACCESS_KEY_ID"], "secret": SECRET}
+    run = build_run(url, options)
+    view = StoreView(run.store, url=url, storage_options=options)
+    with served(view) as base:
+        client = Client(base)
+        yield run, client
+    # No credential in any response of the whole module.
+    for body in client.bodies:
+        assert SECRET not in body
+
+
+def _head_rows(run: Run) -> list[int]:
+    return [r for _, _, rows in sorted(run.rounds.values(), key=lambda r: r[2].start) for r in rows]
+
+
+def test_store_summary_and_growth_marks(site):
+    run, client = site
+    info = client.json("/api/store")
+    assert info["url"] == run.store.display_url and info["store_id"] == run.store.store_id
+    assert (info["head"], info["oldest"], info["versions"]) == (14, 2, 13)
+    assert info["rows"] == len(_head_rows(run)) == 27
+    assert info["tags"] == {"ckpt": 7}
+    growth = info["growth"]
+    assert growth["axis"] == "step"
+    assert [p["version"] for p in growth["points"]] == [2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14]
+    marks = {(m["kind"], m["version"]) for m in growth["markers"]}
+    assert {("compact", 6), ("reset", 10), ("lost", 11), ("empty", 13)} <= marks
+    reset = next(m for m in growth["markers"] if m["kind"] == "reset")
+    assert reset["target"] == 7 and reset["abandoned"] == [8, 9] and reset["rows_dropped"] == 3
+    # Step 5's round was lost and step 7's empty: marked as such, not as missing steps.
+    assert [m for m in growth["markers"] if m["kind"] == "missing"] == []
+
+
+def test_growth_marks_steps_without_a_round():
+    store = Store.open(f"memory://serve-tests/{uuid.uuid4().hex}", create=True)
+    for step in (0, 1, 4):
+        store.append([{"x": step}], meta={"step": step, "generator": "g"})
+    growth = StoreView(store).growth()
+    assert [m["steps"] for m in growth["markers"] if m["kind"] == "missing"] == [[2, 3]]
+    assert [p["x"] for p in growth["points"]] == [0, 1, 4]
+
+
+def test_versions_paged_newest_first_with_the_cli_keys(site):
+    run, client = site
+    first = client.json("/api/versions?limit=5")
+    assert [v["version"] for v in first["versions"]] == [14, 13, 12, 11, 10]
+    assert first["next_before"] == 10 and first["versions"][0]["status"] == "head"
+    second = client.json(f"/api/versions?limit=5&before={first['next_before']}")
+    assert [v["version"] for v in second["versions"]] == [9, 8, 7, 6, 5]
+    status = {v["version"]: v["status"] for v in second["versions"]}
+    assert status == {9: "abandoned", 8: "abandoned", 7: None, 6: None, 5: None}
+    assert second["versions"][2]["tags"] == ["ckpt"]
+    last = client.json("/api/versions?limit=5&before=5")
+    assert [v["version"] for v in last["versions"]] == [4, 3, 2] and last["next_before"] is None
+
+    from dynstate.cli import cli
+
+    args = ["ls", run.url, "--all", "--json"]
+    for key, value in run.options.items():
+        args += ["--storage-option", f"{key}={value}"]
+    listed = CliRunner().invoke(cli, args)
+    assert listed.exit_code == 0, listed.output
+    by_version = {row["version"]: row for row in json.loads(listed.output)}
+    for row in [*first["versions"], *second["versions"], *last["versions"]]:
+        assert row == by_version[row["version"]]
+
+
+def test_version_record_schema_shards_and_rounds(site):
+    _run, client = site
+    info = client.json("/api/versions/ckpt")
+    assert info["version"] == 7 and info["op"] == "append" and info["tags"] == ["ckpt"]
+    assert info["rows"] == 21 and info["meta"] == {"step": 4, "generator": "mutator"}
+    assert [f["name"] for f in info["schema"]] == SCHEMA.names
+    assert sum(s["rows"] for s in info["shard_list"]) == 21
+    # Rows 0-5 were written by version 1, whose record gc removed.
+    assert info["rounds"][0] == {
+        "version": None,
+        "step": None,
+        "generator": None,
+        "created": None,
+        "rows": [0, 6],
+    }
+    assert [r["version"] for r in info["rounds"][1:]] == [2, 3, 4, 5, 7]
+    head = client.json("/api/versions/head")
+    assert head["version"] == 14 and head["status"] == "head"
+
+
+def test_rows_paging_filters_search_and_facets(site):
+    run, client = site
+    page = client.json("/api/versions/head/rows?limit=4&offset=4")
+    assert [r["row"] for r in page["rows"]] == [4, 5, 6, 7]
+    assert page["total"] == 27 and page["next_offset"] == 8
+    assert page["rows"][2]["values"]["_dynstate_source"] == run.sources[6]
+    assert (page["rows"][2]["round"], page["rows"][2]["step"]) == (2, 0)
+
+    proposer = client.json("/api/versions/head/rows?generator=proposer&limit=100")
+    expected = sorted(r for _, gen, rows in run.rounds.values() if gen == "proposer" for r in rows)
+    assert [r["row"] for r in proposer["rows"]] == expected and proposer["total"] == len(expected)
+    assert {r["generator"] for r in proposer["rows"]} == {"proposer"}
+    # Facets count rows given the other filters: all generators, the proposer's steps.
+    facet = {f["value"]: f["count"] for f in proposer["facets"]["generator"]["values"]}
+    assert facet == {"mutator": 12, "proposer": 9, None: 6}
+    steps = {f["value"]: f["count"] for f in proposer["facets"]["step"]["values"]}
+    assert steps == {1: 3, 3: 3, 8: 3}
+
+    step3 = client.json("/api/versions/head/rows?step=3")
+    assert [r["row"] for r in step3["rows"]] == list(run.rounds[5][2])
+
+    found = client.json("/api/versions/head/rows?q=STEP%203%20ROW")
+    assert [r["row"] for r in found["rows"]] == list(run.rounds[5][2]) and found["total"] == 3
+    assert found["facets"]["step"]["exact"] is True
+    assert {f["value"] for f in found["facets"]["step"]["values"]} == {3}
+
+    hard = client.json("/api/versions/head/rows?difficulty=2&generator=mutator&limit=2")
+    assert all(r["values"]["difficulty"] == 2 and r["generator"] == "mutator" for r in hard["rows"])
+    assert len(hard["rows"]) == 2 and hard["next_offset"] == 2
+
+    # An older version shows its own rows: the abandoned round is there in version 8.
+    old = client.json("/api/versions/8/rows?step=5")
+    assert [r["row"] for r in old["rows"]] == list(run.abandoned[8][2])
+    assert client.json("/api/versions/head/rows?step=5")["rows"] == []
+
+
+def test_row_lineage_both_ways(site):
+    run, client = site
+    row = run.rounds[3][2].start  # step 1, derived from row 6 (step 0), derived from row 0
+    detail = client.json(f"/api/versions/head/rows/{row}")
+    assert detail["values"]["prompt"].startswith("Task of step 1 row 0")
+    assert detail["round"]["version"] == 3 and detail["round"]["step"] == 1
+    assert detail["round"]["generator"] == "proposer"
+    assert detail["sources"] == run.sources[row] == [6]
+    ancestors = {(a["row"], a["depth"]) for a in detail["ancestors"]}
+    assert ancestors == {(6, 1), (0, 2)}
+    children = sorted(r for r, src in run.sources.items() if row in src)
+    assert children == [12, 14]
+    direct = sorted(d["row"] for d in detail["descendants"] if d["depth"] == 1)
+    assert direct == children
+    grand = {r for r, src in run.sources.items() if set(src) & set(children)}
+    assert {d["row"] for d in detail["descendants"] if d["depth"] == 2} == grand
+    assert [6, row] in detail["edges"] and [row, 12] in detail["edges"]
+    # The rows of the abandoned round never show up as descendants in the head.
+    assert not {d["row"] for d in detail["descendants"]} & set(run.abandoned[8][2]) - set(
+        _head_rows(run)
+    )
+    # From the parent's side: row 6's descendants include this row.
+    parent = client.json("/api/versions/head/rows/6")
+    assert row in [d["row"] for d in parent["descendants"] if d["depth"] == 1]
+    # A row of the newest round was derived from rows of step 6 (version 12).
+    newest = client.json(f"/api/versions/14/rows/{run.rounds[14][2].start}")
+    assert [a["row"] for a in newest["ancestors"] if a["depth"] == 1] == run.sources[24]
+
+
+def test_diff_by_rows_and_rounds(site):
+    _run, client = site
+    d = client.json("/api/diff/8/head")
+    assert (d["from"], d["to"], d["rows"]) == (8, 14, [24, 27])
+    assert d["common_version"] == 7 and d["shared_rows"] == 21
+    assert d["rows_added"] == {"start": 21, "stop": 27, "count": 6}
+    assert d["rows_removed"] == {"start": 21, "stop": 24, "count": 3}
+    assert [r["version"] for r in d["rounds_added"]] == [12, 14]
+    assert [r["version"] for r in d["rounds_removed"]] == [8]
+    assert {"shared_prefix_rows", "extends", "added", "removed", "schema_change"} <= set(d)
+    same = client.json("/api/diff/ckpt/7")
+    assert same["rows_added"]["count"] == 0 and same["rounds_added"] == []
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("/api/versions/99", "version 99 not found"),
+        ("/api/versions/1", "removed by garbage collection"),
+        ("/api/versions/nosuchtag", "no tag 'nosuchtag'"),
+        ("/api/versions/99/rows", "version 99 not found"),
+        ("/api/versions/head/rows/27", "row 27 not found in version 14"),
+        ("/api/versions/head/rows/-1", "row -1 not found"),
+        ("/api/versions/head/rows/x", "row x not found"),
+        ("/api/versions/1/rows/0", "removed by garbage collection"),
+        ("/api/diff/1/head", "removed by garbage collection"),
+        ("/api/checkpoints/0", "no checkpoint 0"),
+        ("/api/nothing", "no page at /api/nothing"),
+    ],
+)
+def test_unknown_versions_and_rows_are_404_with_a_message(site, path, message):
+    _, client = site
+    body = client.json(path, status=404)
+    assert message in body["error"] and body["status"] == 404
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("/api/versions/head/rows?nosuch=1", "unknown column 'nosuch'"),
+        ("/api/versions/head/rows?limit=0", "limit must be between 1 and 500"),
+        ("/api/versions/head/rows?offset=abc", "offset must be an integer"),
+        ("/api/versions/head/rows?difficulty=hard", "cannot compare column 'difficulty'"),
+        ("/api/versions/head/rows?_dynstate_source=1", "only plain values"),
+        ("/api/versions?limit=-3", "limit must be between"),
+    ],
+)
+def test_bad_parameters_are_400_with_a_message(site, path, message):
+    _, client = site
+    body = client.json(path, status=400)
+    assert message in body["error"]
+
+
+def test_pages_render_and_link_their_json_twins(site):
+    run, client = site
+    pages = {
+        "/": ['class="growth"', "Latest versions", "ckpt", "/api/store"],
+        "/versions?limit=5&before=10": ["abandoned", "older →", "← newer"],
+        "/versions/head?generator=proposer": ["generator = proposer", "/api/versions/14/rows"],
+        f"/versions/head/rows/{run.rounds[3][2].start}": [
+            'class="lineage"',
+            "Descendants (",
+            "row 6",
+        ],
+        "/diff/8/14": ["Rounds added (2)", "Rounds removed (1)"],
+        "/diff?a=8&b=head": ["Rounds added (2)"],
+        "/diff": ["Compare two versions"],
+    }
+    for path, needles in pages.items():
+        status, body = client.get(path)
+        assert status == 200, (path, body[:300])
+        for needle in needles:
+            assert needle in body, (path, needle)
+        # Nothing is loaded from elsewhere: no CDN, no network.
+        assert 'src="http' not in body and 'href="http' not in body
+    status, body = client.get("/versions/99")
+    assert status == 404 and "version 99 not found" in body and "<html" in body
+    status, _ = client.get("/static/style.css")
+    assert status == 200
+    req = urllib.request.Request(client.base + "/api/store", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 405  # read-only
+
+
+def test_checkpoint_page_shows_the_pinned_version_and_next_batches(tmp_path):
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from dynstate import VersionedDataset, VersionedSampler
+
+    run = build_run(str(tmp_path / "store"), {})
+    dataset = VersionedDataset(run.url)
+    sampler = VersionedSampler(dataset, seed=3, batch_size=4)
+    loader = StatefulDataLoader(dataset, batch_size=4, sampler=sampler, collate_fn=list)
+    batches = iter(loader)
+    next(batches), next(batches)
+    folder = tmp_path / "ckpt" / "global_step_2"
+    folder.mkdir(parents=True)
+    torch.save(loader.state_dict(), folder / "data.pt")
+    upcoming = [next(batches), next(batches)]
+
+    view = StoreView(run.store, checkpoints=[str(folder)], url=run.url)
+    with served(view) as base:
+        client = Client(base)
+        info = client.json("/api/checkpoints/0")
+        assert info["store_id"] == run.store.store_id and info["version"] == 14
+        assert info["position"] == 8 and info["batch_size"] == 4
+        got = [[row["prompt"] for row in b["values"]] for b in info["next_batches"]]
+        assert got == [[row["prompt"] for row in batch] for batch in upcoming]
+        assert client.json("/api/store")["checkpoints"] == [{"id": 0, "path": str(folder)}]
+        status, body = client.get("/checkpoints/0")
+        assert status == 200 and "Next batches" in body and "version 14" in body
+
+    other = build_run(str(tmp_path / "other"), {})
+    view = StoreView(other.store, checkpoints=[str(folder)], url=other.url)
+    with served(view) as base:
+        body = Client(base).json("/api/checkpoints/0", status=409)
+        assert "store" in body["error"]
+
+
+def test_descendant_index_extends_an_older_versions_index(tmp_path):
+    run = build_run(str(tmp_path / "store"), {})
+    view = StoreView(run.store)
+    older = view.lineage.index(12)
+    newer = view.lineage.index(14)
+    assert newer.num_rows == 27 and older.num_rows == 24
+    for row in range(27):
+        expected = sorted(r for r, src in run.sources.items() if row in src)
+        assert newer.children_of(row) == expected
+    fresh = StoreView(Store.open(run.url)).lineage.index(14)
+    assert (fresh.sources.tolist(), fresh.children.tolist()) == (
+        newer.sources.tolist(),
+        newer.children.tolist(),
+    )
+
+
+def test_serve_without_the_extra_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    result = CliRunner().invoke(serve_command, ["memory://nothing"])
+    assert isinstance(result.exception, MissingDependencyError)
+    assert "pip install 'dynstate[serve]'" in str(result.exception)
+
+
+def test_serve_command_binds_loopback_and_answers(tmp_path):
+    run = build_run(str(tmp_path / "store"), {})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dynstate.serve", run.url, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "serving" in line and "http://127.0.0.1:" in line, (line, proc.stderr.read())
+        base = line.split(" at ")[1].split()[0].rstrip("/")
+        info = Client(base).json("/api/store")
+        assert info["head"] == 14
+    finally:
+        proc.terminate()
+        proc.wait(30)
