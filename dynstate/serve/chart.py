@@ -270,7 +270,8 @@ def growth_svg(data: dict[str, Any], *, width: int = 960, link: str = "versions/
             out.append(
                 f'<a href={href}><g class="mark-{m["kind"]}"><line x1="{x:.1f}" x2="{x:.1f}" '
                 f'y1="{top}" y2="{base_y}" stroke="{color}" stroke-width="2" '
-                f'stroke-dasharray="{dash}"/><text x="{x + 3:.1f}" y="{top + 10}" '
+                f'stroke-dasharray="{dash}" pointer-events="none"/>'
+                f'<text x="{x + 3:.1f}" y="{top + 10}" '
                 f'fill="{color}" class="mark-label">'
                 f"{'reset' if m['kind'] == 'reset' else 'compact'}</text>"
                 f"<title>{escape(tip)}</title></g></a>"
