@@ -1,0 +1,259 @@
+"""`dynstate serve` benchmark (issue 16): start-up on a store of 10,000 versions, and
+descendant lookups on a store of 1,000,000 rows.
+
+* **Start-up** — ``python -m dynstate.serve DIR --port 0`` is started as a user would start
+  it; measured: until the server answers its first page of versions (target < 2 s), until
+  ``/api/store`` with the growth chart over the whole lineage answers, and until the store page
+  does. Baseline in the same run: a bare ``python -c "import dynstate; Store.open(DIR)"``.
+* **Descendants** — the first lookup builds the per-version index (it reads the
+  ``_dynstate_source`` column of every shard once); then row pages (``/api/versions/head/rows/
+  {i}``, over HTTP, with ancestors and descendants) for random rows (target < 1 s). Baseline:
+  finding one row's children by scanning the version's source column, which is what a lookup
+  without an index costs.
+
+The stores are built once into ``--dir`` (in memory, then copied to disk: writing 10,000
+versions with an fsync each is not what is measured) and reused by later runs.
+
+    python tools/bench/bench_serve.py --dir /tmp/serve-bench
+    python tools/bench/bench_serve.py --dir /tmp/serve-bench --versions 2000 --rows 200000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+
+from dynstate import Store
+
+SOURCE = pa.list_(pa.int64())
+
+
+def _copy_out(memory_url: str, target: Path) -> None:
+    fs = fsspec.filesystem("memory")
+    root = memory_url.removeprefix("memory://")
+    for path in fs.find(root):
+        rel = path.lstrip("/")[len(root.lstrip("/")) :].lstrip("/")
+        out = target / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(fs.cat_file(path))
+    fs.rm(root, recursive=True)
+
+
+def build_versions(target: Path, versions: int) -> None:
+    """``versions`` small rounds (8 rows each), a rollback every 1,000 and a few empty ones."""
+    url = f"memory://bench-serve/{uuid.uuid4().hex}"
+    store = Store.open(url, create=True)
+    step = 0
+    started = time.perf_counter()
+    while store.head < versions - 1:
+        if store.head % 1000 == 999:
+            store.reset(store.head - 3, meta={"rollback_from": store.head})
+            step -= 3
+            continue
+        n = 0 if step % 97 == 0 else 8
+        rows = [{"prompt": f"task {step}.{j}", "answer": str(j), "_dynstate_source": [j]}
+                for j in range(n)]  # fmt: skip
+        table = pa.Table.from_pylist(
+            rows,
+            pa.schema(
+                [("prompt", pa.string()), ("answer", pa.string()), ("_dynstate_source", SOURCE)]
+            ),
+        )
+        store.append(table, meta={"step": step, "generator": f"g{step % 3}"})
+        step += 1
+        if store.head % 1000 == 0:
+            print(f"  {store.head} versions ({time.perf_counter() - started:.0f} s)", flush=True)
+    _copy_out(url, target)
+
+
+def build_rows(target: Path, rows: int, rounds: int, seed: int = 0) -> None:
+    """``rows`` rows in ``rounds`` rounds; each generated row names 1-3 earlier rows as
+    sources, more often recent ones (as a generator working from the latest failures)."""
+    url = f"memory://bench-serve/{uuid.uuid4().hex}"
+    store = Store.open(url, create=True)
+    rng = np.random.default_rng(seed)
+    per = rows // rounds
+    total = 0
+    for k in range(rounds):
+        ids = np.arange(total, total + per)
+        if total == 0:
+            offsets = np.zeros(per + 1, dtype=np.int32)
+            values = np.empty(0, dtype=np.int64)
+        else:
+            counts = rng.integers(1, 4, per)
+            offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+            recent = rng.random(offsets[-1]) < 0.7
+            lo = np.where(recent, max(0, total - 5 * per), 0)
+            values = (lo + rng.random(offsets[-1]) * (total - lo)).astype(np.int64)
+        table = pa.table(
+            {
+                "prompt": pa.array([f"task {i}" for i in ids]),
+                "reward": pa.array(rng.random(per)),
+                "_dynstate_source": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
+            }
+        )
+        store.append(table, meta={"step": k, "generator": "proposer"})
+        total += per
+        if (k + 1) % 100 == 0:
+            print(f"  {total} rows", flush=True)
+    _copy_out(url, target)
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=600) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+    except OSError:
+        return 0, b""
+
+
+def startup(path: Path, repeats: int) -> None:
+    base_cmd = [sys.executable, "-c", f"import dynstate; dynstate.Store.open({str(path)!r})"]
+    bare = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        subprocess.run(base_cmd, check=True)
+        bare.append(time.perf_counter() - t0)
+    first, full, page = [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dynstate.serve", str(path), "--port", "0"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            line = proc.stdout.readline()
+            base = line.split(" at ")[1].split()[0].rstrip("/")
+            while _get(base + "/api/versions?limit=50")[0] != 200:
+                time.sleep(0.005)
+            first.append(time.perf_counter() - t0)
+            status, body = _get(base + "/api/store")
+            assert status == 200, body[:300]
+            full.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            assert _get(base + "/")[0] == 200
+            page.append(time.perf_counter() - t1)
+            info = json.loads(body)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    med = statistics.median
+    print(f"store: {info['versions']} versions, {info['rows']} rows, head {info['head']}, "
+          f"{len(info['growth']['markers'])} marks on the chart")  # fmt: skip
+    print(
+        f"  bare `import dynstate; Store.open`:           {med(bare):6.2f} s (median of {repeats})"
+    )
+    print(
+        f"  serve: first page of versions answered after {med(first):6.2f} s "
+        f"({med(first) / med(bare):.2f}x the bare open; target < 2 s)"
+    )
+    print(f"  serve: /api/store with the growth chart after {med(full):6.2f} s")
+    print(f"  then the store page (HTML + SVG) in           {med(page):6.2f} s")
+
+
+def descendants(path: Path, lookups: int) -> None:
+    from dynstate.serve.api import StoreView
+    from dynstate.serve.lineage import source_edges
+
+    store = Store.open(str(path))
+    snap = store.snapshot()
+    print(f"store: {snap.num_rows} rows in {len(snap.shards)} shards, head {store.head}")
+    rng = random.Random(1)
+    targets = [rng.randrange(snap.num_rows // 2) for _ in range(lookups)]
+
+    # Baseline: one row's children without an index: scan the version's source column.
+    t0 = time.perf_counter()
+    found = []
+    for i in range(len(snap.shards)):
+        src, child = source_edges(snap.read_shard(i), snap.offsets[i])
+        found.append(child[src == targets[0]])
+    scan_children = sorted(set(np.concatenate(found).tolist()))
+    scan = time.perf_counter() - t0
+
+    view = StoreView(store)
+    t0 = time.perf_counter()
+    index = view.lineage.index(store.head)
+    build = time.perf_counter() - t0
+    assert index.children_of(targets[0]) == scan_children
+    t0 = time.perf_counter()
+    for t in targets:
+        index.children_of(t)
+    per_lookup = (time.perf_counter() - t0) / len(targets)
+
+    import threading
+
+    import uvicorn
+
+    from dynstate.serve.app import create_app
+    from dynstate.serve.command import address, bind
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(view, warm=False), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    base = address(sock)
+    pages = []
+    for t in targets:
+        t0 = time.perf_counter()
+        status, body = _get(f"{base}/api/versions/head/rows/{t}")
+        pages.append(time.perf_counter() - t0)
+        assert status == 200, body[:300]
+    server.should_exit = True
+    thread.join()
+    pages.sort()
+    print(f"  baseline: one row's children by scanning the source column: {scan:.2f} s")
+    print(f"  index build (first lookup of this version):  {build:.2f} s "
+          f"({index.edges} edges; {build / scan:.2f}x one scan)")  # fmt: skip
+    print(f"  lookup in the built index:                   {per_lookup * 1e6:.0f} us "
+          f"({scan / per_lookup:,.0f}x faster than a scan)")  # fmt: skip
+    print(
+        f"  row page over HTTP (content, ancestors, descendants, previews), {len(pages)} random "
+        f"rows: median {statistics.median(pages):.3f} s, p95 {pages[int(0.95 * len(pages))]:.3f}"
+        f" s, max {pages[-1]:.3f} s (target < 1 s)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default="/tmp/dynstate-serve-bench")
+    parser.add_argument("--versions", type=int, default=10_000)
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--rounds", type=int, default=1_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lookups", type=int, default=50)
+    args = parser.parse_args()
+    root = Path(args.dir)
+    many = root / f"versions-{args.versions}"
+    big = root / f"rows-{args.rows}-{args.rounds}"
+    if not (many / "_dynstate").exists():
+        print(f"building a store of {args.versions} versions in {many} ...")
+        build_versions(many, args.versions)
+    if not (big / "_dynstate").exists():
+        print(f"building a store of {args.rows} rows in {big} ...")
+        build_rows(big, args.rows, args.rounds)
+    print(f"\n== start-up ({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}) ==")
+    startup(many, args.repeats)
+    print(f"\n== descendants (load {os.getloadavg()[0]:.1f}) ==")
+    descendants(big, args.lookups)
+
+
+if __name__ == "__main__":
+    main()
