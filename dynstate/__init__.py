@@ -23,16 +23,21 @@ from .errors import (
     VersionCollectedError,
     VersionNotFoundError,
 )
-from .manifest import Commit, ShardRef
-from .resume import lineage, rollback, version_at_step
-from .snapshot import Snapshot, Staged
-from .store import Store
 
-# The loader classes import torch (~2 s): they load on first use, so that `import dynstate`
-# and the `dynstate` command stay fast.
+# Everything but the errors loads on first use: pyarrow and fsspec take ~0.2 s to import and
+# the loader classes import torch (~2 s), and `import dynstate` (the `dynstate --help` path)
+# should cost none of it. Name -> module that defines it.
 _LAZY = {
+    "Commit": "manifest",
+    "ShardRef": "manifest",
+    "Snapshot": "snapshot",
+    "Staged": "snapshot",
+    "Store": "store",
     "VersionedDataset": "dataset",
     "VersionedSampler": "sampler",
+    "lineage": "resume",
+    "rollback": "resume",
+    "version_at_step": "resume",
     "decode_index": "dataset",
     "encode_index": "dataset",
     "find_sampler_state": "sampler",
