@@ -321,9 +321,6 @@ class StandInActorGroup:
     """The actor/rollout worker group: no model. ``update_actor`` checks the batch it gets is
     verl's scored batch; checkpoints are small files."""
 
-    def __init__(self, trainer: Any):
-        self.trainer = trainer
-
     def update_actor(self, batch_td: Any) -> Any:
         from verl.utils import tensordict_utils as tu
 
@@ -369,9 +366,9 @@ class StandInResourcePools:
         return 1
 
 
-def cpu_trainer_class() -> type:
-    """``dynstate_trainer_class()`` with only ``init_workers`` replaced by stand-ins, plus the
-    kill instants and the batch log (wrappers that call the real methods)."""
+def cpu_trainer_class(record: Any) -> type:
+    """``dynstate_trainer_class()`` with only ``init_workers`` replaced by stand-ins, plus
+    instrumentation around verl's own methods (kill instants, the batch log)."""
     from verl.experimental.agent_loop import AgentLoopManager, AgentLoopWorker
     from verl.experimental.reward_loop import RewardLoopWorker
 
@@ -390,13 +387,15 @@ def cpu_trainer_class() -> type:
                 for _ in range(self.rollout_config.agent.num_workers)
             ]
 
-    base = dynstate_trainer_class()
-
-    class CPUTrainer(base):  # type: ignore[misc, valid-type]
+    class CPUTrainer(dynstate_trainer_class()):  # type: ignore[misc]
         def init_workers(self) -> None:
-            self.actor_rollout_wg = StandInActorGroup(self)
+            # RayPPOTrainer.init_workers, with stand-ins for what needs GPUs. Rule-based reward,
+            # no reward model: verl hands the reward-loop workers to the agent loop, which
+            # scores every trajectory as it finishes (reward_loop_worker_handles set).
+            self.actor_rollout_wg = StandInActorGroup()
             self.resource_pool_manager = StandInResourcePools()
-            self.reward_loop_workers = [
+            self.reward_loop_manager = None
+            reward_workers = [
                 InProcessActor(RewardLoopWorker, self.config, None)
                 for _ in range(self.config.reward.num_workers)
             ]
@@ -405,17 +404,33 @@ def cpu_trainer_class() -> type:
             )
             self.teacher_model_manager = None
             self.distillation_config = None
+            self.async_rollout_mode = True
             self.async_rollout_manager = InProcessAgentLoopManager.create(
                 config=self.config,
                 llm_client=self.llm_server_manager.get_client(),
                 teacher_client=None,
-                reward_loop_worker_handles=self.reward_loop_workers,
+                reward_loop_worker_handles=reward_workers,
             )
             self.checkpoint_manager = StandInCheckpointEngine()
-            self.async_rollout_mode = True
-            self.reward_loop_manager = None
 
-        # instrumentation around verl's own methods
+        def _load_checkpoint(self) -> Any:
+            result = super()._load_checkpoint()
+            record({"event": "start", "resumed_from": self.global_steps})
+            return result
+
+        def _update_actor(self, batch: Any) -> Any:
+            record(
+                {
+                    "event": "batch",
+                    "step": self.global_steps,
+                    "rows": [int(r) for r in batch.non_tensor_batch["dynstate_row"]],
+                    "prompts": [m[-1]["content"] for m in batch.non_tensor_batch["raw_prompt"]],
+                    "scores": batch.batch["token_level_scores"].sum(-1).tolist(),
+                    "keys": sorted(batch.non_tensor_batch.keys()),
+                }
+            )
+            return super()._update_actor(batch)
+
         def _validate(self, merged: bool = False) -> Any:
             DIE(self.global_steps, "validation")
             return super()._validate(merged)
@@ -431,58 +446,82 @@ def cpu_trainer_class() -> type:
 # -- the driver --------------------------------------------------------------------------------
 
 
-def run(spec: dict) -> None:
-    global DIE
-    DIE = _Instant(spec.get("kill"))
-    from verl.experimental.agent_loop import AgentLoopWorker
-    from verl.trainer.ppo.utils import create_rl_dataset, need_critic, need_reference_policy
-    from verl.utils.config import validate_config
-    from verl.utils.dataset.rl_dataset import collate_fn
-
-    from dynstate.verl import DynstateRLDataset
-
-    log_file = open(spec["log"], "a")  # noqa: SIM115 - one line per batch, fsynced, whole run
+def _recorder(path: str) -> Any:
+    log_file = open(path, "a")  # noqa: SIM115 - one fsynced line per event, whole run
 
     def record(entry: dict) -> None:
         log_file.write(json.dumps(entry) + "\n")
         log_file.flush()
         os.fsync(log_file.fileno())
 
+    return record
+
+
+def _datasets(config: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """As verl's TaskRunner (main_ppo_v0) builds them: train, then validation, same config."""
+    from verl.trainer.ppo.utils import create_rl_dataset
+
+    data = config.data
+    train = create_rl_dataset(
+        data.train_files,
+        data,
+        tokenizer,
+        None,
+        is_train=True,
+        max_samples=data.get("train_max_samples", -1),
+    )
+    val = create_rl_dataset(
+        data.val_files,
+        data,
+        tokenizer,
+        None,
+        is_train=False,
+        max_samples=data.get("val_max_samples", -1),
+    )
+    return train, val
+
+
+def run(spec: dict) -> None:
+    global DIE
+    DIE = _Instant(spec.get("kill"))
+    from transformers import AutoTokenizer
+    from verl.experimental.agent_loop import AgentLoopWorker
+    from verl.trainer.ppo.ray_trainer import Role
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.dataset.rl_dataset import collate_fn
+
+    from dynstate.verl import DynstateRLDataset
+
+    record = _recorder(spec["log"])
     config = compose_config(spec)
     validate_config(
         config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config)
     )
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    # As verl's TaskRunner (main_ppo_v0) builds them: train, then validation, same config.
-    train = create_rl_dataset(config.data.train_files, config.data, tokenizer, None, is_train=True)
-    val = create_rl_dataset(config.data.val_files, config.data, tokenizer, None, is_train=False)
-    assert isinstance(train, DynstateRLDataset)
+    train, val = _datasets(config, tokenizer)
+    assert isinstance(train, DynstateRLDataset) and not train.fixed
+    assert not (isinstance(val, DynstateRLDataset) and not val.fixed)
 
     commit_round = train.commit_round
 
-    def logged_commit(batch: Any, step: int) -> Any:
+    def commit_then_maybe_die(batch: Any, step: int) -> Any:
         version = commit_round(batch, step)
         DIE(step, "committed")
         return version
 
-    train.commit_round = logged_commit  # type: ignore[method-assign]
+    train.commit_round = commit_then_maybe_die  # type: ignore[method-assign]
 
     generate = AgentLoopWorker.generate_sequences
 
     async def rollout(self: Any, batch: Any) -> Any:
-        step = batch.meta_info.get("global_steps", -1)
         if not batch.meta_info.get("validate", False):
-            DIE(step, "rollout")
+            DIE(batch.meta_info.get("global_steps", -1), "rollout")
         return await generate(self, batch)
 
     AgentLoopWorker.generate_sequences = rollout  # type: ignore[method-assign]
 
-    trainer_cls = cpu_trainer_class()
-    from verl.trainer.ppo.ray_trainer import Role
-
-    trainer = trainer_cls(
+    trainer = cpu_trainer_class(record)(
         config=config,
         tokenizer=tokenizer,
         processor=None,
@@ -491,41 +530,114 @@ def run(spec: dict) -> None:
         train_dataset=train,
         val_dataset=val,
         collate_fn=collate_fn,
-        train_sampler=None,
+        train_sampler=None,  # verl's TaskRunner passes create_rl_sampler's; the mixin replaces it
     )
-    update_actor = (
-        trainer.actor_rollout_wg.update_actor if hasattr(trainer, "actor_rollout_wg") else None
-    )
-    del update_actor
     trainer.init_workers()
-    real_update = trainer._update_actor
-
-    def update(batch: Any) -> Any:
-        from dynstate.dataset import decode_index  # noqa: F401
-
-        keys = sorted(batch.non_tensor_batch.keys())
-        record(
-            {
-                "event": "batch",
-                "step": trainer.global_steps,
-                "rows": [int(r) for r in batch.non_tensor_batch["dynstate_row"]],
-                "prompts": [m[-1]["content"] for m in batch.non_tensor_batch["raw_prompt"]],
-                "scores": batch.batch["token_level_scores"].sum(-1).tolist(),
-                "keys": keys,
-            }
-        )
-        return real_update(batch)
-
-    trainer._update_actor = update  # type: ignore[method-assign]
-    record({"event": "start"})
     trainer.fit()
+    import ray
+
+    assert not ray.is_initialized(), "the CPU driver must not start a Ray cluster"
     record({"event": "done", "global_steps": trainer.global_steps})
 
 
+def items(spec: dict) -> None:
+    """Items of DynstateRLDataset vs verl's RLHFDataset on the same files and config."""
+    import torch
+    from transformers import AutoTokenizer
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    config = compose_config(spec)
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    ours, _ = _datasets(config, tokenizer)
+    theirs = RLHFDataset(config.data.train_files, tokenizer, config.data, None)
+    problems = []
+    for i in range(len(theirs)):
+        a, b = dict(ours[i]), dict(theirs[i])
+        if a.pop("dynstate_row") != i:
+            problems.append(f"row {i}: wrong dynstate_row")
+        ta, tb = a.pop("dummy_tensor"), b.pop("dummy_tensor")
+        if not torch.equal(ta, tb) or ta.dtype != tb.dtype:
+            problems.append(f"row {i}: dummy_tensor differs")
+        if a != b:
+            problems.append(f"row {i}: {a!r} != {b!r}")
+    with open(spec["result"], "w") as f:
+        json.dump({"ours": len(ours), "theirs": len(theirs), "problems": problems}, f)
+
+
+def refuse(spec: dict) -> None:
+    """Resume from ``spec["checkpoint"]`` (step ``spec["step"]``): must be refused with
+    StateMismatchError and the store left as it was."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from transformers import AutoTokenizer
+    from verl.utils.dataset.rl_dataset import collate_fn
+
+    import dynstate
+
+    config = compose_config(spec)
+    train, _ = _datasets(config, AutoTokenizer.from_pretrained(spec["model"]))
+    loader = StatefulDataLoader(
+        train, batch_size=4, drop_last=True, collate_fn=collate_fn, sampler=train.make_sampler()
+    )
+    head = train.store.refresh()
+    result: dict[str, Any] = {"error": None}
+    try:
+        train.resume(spec["checkpoint"], loader, spec["step"])
+    except dynstate.StateMismatchError as exc:
+        result = {"error": type(exc).__name__, "message": str(exc), "head_before": head}
+    result["head_after"] = train.store.refresh()
+    with open(spec["result"], "w") as f:
+        json.dump(result, f)
+
+
+def data(spec: dict) -> None:
+    make_model_dir(spec["model"])
+    write_data(spec["folder"], spec.get("n_train", 24), spec.get("n_val", 4))
+
+
+COMMANDS = {"run": run, "items": items, "refuse": refuse, "data": data}
+
+
+def child(spec: dict) -> int:
+    import traceback
+
+    out = os.open(spec["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    try:
+        COMMANDS[spec.get("cmd", "run")](spec)
+        return 0
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def serve() -> None:
+    """A zygote: import verl and its dependencies once, then fork a fresh child per request
+    (a JSON line on stdin) and answer with its exit status (-9: SIGKILLed)."""
+    import transformers  # noqa: F401
+    import verl.trainer.ppo.ray_trainer  # noqa: F401
+    from verl.experimental.agent_loop import AgentLoopManager  # noqa: F401
+    from verl.experimental.reward_loop import RewardLoopWorker  # noqa: F401
+
+    import dynstate.verl  # noqa: F401
+
+    reply = os.fdopen(os.dup(1), "w")
+    print(json.dumps({"ready": True}), file=reply, flush=True)
+    for line in sys.stdin:
+        spec = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(child(spec))
+        _, status = os.waitpid(pid, 0)
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        print(json.dumps({"pid": pid, "status": code}), file=reply, flush=True)
+
+
 if __name__ == "__main__":
-    spec = json.loads(sys.argv[1])
-    if spec.get("cmd") == "data":
-        make_model_dir(spec["model"])
-        write_data(spec["folder"], spec.get("n_train", 24), spec.get("n_val", 4))
+    if sys.argv[1:] == ["serve"]:
+        serve()
     else:
-        run(spec)
+        sys.exit(child(json.loads(sys.argv[1])))
