@@ -33,6 +33,9 @@ BATCH_FORMATS = ("rows", "columns", "arrow")
 # Up to this many rows of one column of one shard are read cell by cell: an Arrow take()
 # costs ~3 µs per call whatever its size, one cell ~0.5 µs.
 _CELL_ROWS = 6
+# Decoded Arrow bytes per Parquet byte assumed when planning blocks (text compresses ~2-4x);
+# an underestimate only makes a block that the cache then declines to form.
+_DECODED_PER_PARQUET_BYTE = 3
 _TAKE = pc.get_function("take")
 _TAKE_OPTIONS = pc.TakeOptions()
 
@@ -159,10 +162,48 @@ class ShardCache:
             if key not in self._shards:
                 self._shards[key] = entry
                 self._bytes += entry.nbytes
-                while self._bytes > self.max_bytes and len(self._shards) > 1:
-                    _, old = self._shards.popitem(last=False)
-                    self._bytes -= old.nbytes
+                self._evict()
         return entry
+
+    def block(self, view: _View, block: int) -> _Shard | None:
+        """Consecutive shards of a version as one contiguous table, so that a batch spread
+        over them costs one take per column instead of one per shard. Formed only from
+        shards already decoded (a concatenation, no decode: a cache too small to hold them
+        never forms blocks, and random reads keep per-shard granularity); the parts leave
+        the cache when their block enters it."""
+        key = view.block_keys[block]
+        with self._lock:
+            entry = self._shards.get(key)
+            if entry is not None:
+                self._shards.move_to_end(key)
+                self.hits += 1
+                return entry
+            parts = view.parts(block)
+            found = [self._shards.get(part) for part in parts]
+            if any(p is None for p in found):
+                return None
+            if sum(p.nbytes for p in found) > self.max_bytes // 2:
+                return None
+        tables = [p.table for p in found]
+        try:
+            entry = _Shard(pa.concat_tables(tables))
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            return None  # parts that do not line up (never for one version's shards)
+        with self._lock:
+            if key not in self._shards:
+                self._shards[key] = entry
+                self._bytes += entry.nbytes
+                for part in parts:
+                    old = self._shards.pop(part, None)
+                    if old is not None:
+                        self._bytes -= old.nbytes
+                self._evict()
+        return entry
+
+    def _evict(self) -> None:
+        while self._bytes > self.max_bytes and len(self._shards) > 1:
+            _, old = self._shards.popitem(last=False)
+            self._bytes -= old.nbytes
 
     def _load(self, store: Store, shard: m.ShardRef, version: int) -> pa.Table:
         if store.storage.local or self.disk_dir is None:
@@ -229,6 +270,10 @@ class _View:
     one row, numpy for a batch), the schema and which of its columns to return."""
 
     __slots__ = (
+        "block_keys",
+        "block_offsets",
+        "block_starts",
+        "blocks",
         "fingerprint",
         "names",
         "np_offsets",
@@ -239,7 +284,7 @@ class _View:
         "snap",
     )
 
-    def __init__(self, snap: Snapshot, columns: list[str] | None, url: str):
+    def __init__(self, snap: Snapshot, columns: list[str] | None, url: str, block_bytes: int):
         self.snap = snap
         self.shards = snap.shards
         self.offsets = list(snap.offsets)
@@ -258,6 +303,38 @@ class _View:
             self.positions = [names.index(c) for c in columns]
             names = tuple(columns)
         self.names = names
+        self._plan_blocks(block_bytes)
+
+    def _plan_blocks(self, block_bytes: int) -> None:
+        """Split the shards into aligned power-of-two runs ([0, 8), [8, 10), ...) of at most
+        ``block_bytes`` (estimated decoded size): the runs depend only on the shards, so a
+        version and the next one (one shard appended) share all their full blocks, and a
+        growing store re-forms each block only when its run completes."""
+        sizes = [s.bytes * _DECODED_PER_PARQUET_BYTE for s in self.shards]
+        blocks, i, n = [], 0, len(self.shards)
+        while i < n:
+            width = 1
+            while (
+                i % (width * 2) == 0
+                and i + width * 2 <= n
+                and sum(sizes[i : i + width * 2]) <= block_bytes
+            ):
+                width *= 2
+            blocks.append((i, i + width))
+            i += width
+        self.blocks = blocks
+        self.block_starts = [self.offsets[lo] for lo, _ in blocks]
+        self.block_offsets = np.asarray([*self.block_starts, self.num_rows])
+        fp = self.fingerprint if self.snap.schema is not None else None
+        self.block_keys = [
+            ("block", fp, *(s.sha256 for s in self.shards[lo:hi])) if hi - lo > 1 else None
+            for lo, hi in blocks
+        ]
+
+    def parts(self, block: int) -> list[tuple[str, str | None]]:
+        lo, hi = self.blocks[block]
+        fp = self.fingerprint if self.snap.schema is not None else None
+        return [(s.sha256, fp) for s in self.shards[lo:hi]]
 
 
 class VersionedDataset(Dataset):
@@ -366,7 +443,9 @@ class VersionedDataset(Dataset):
         store = self.store  # first: a new process starts with no views
         view = self._views.get(version)
         if view is None:
-            view = _View(store.snapshot(version), self.columns, store.display_url)
+            view = _View(
+                store.snapshot(version), self.columns, store.display_url, self.cache_bytes // 4
+            )
             if len(self._views) >= 16:
                 self._views.pop(next(iter(self._views)))
             self._views[version] = view
@@ -418,9 +497,17 @@ class VersionedDataset(Dataset):
         view = self._plain_view(row) if version is None else self._view(version)
         if row >= view.num_rows:
             raise self._out_of_range(view, row)
-        shard = bisect.bisect_right(view.offsets, row) - 1
-        local = row - view.offsets[shard]
-        data = self._shard(view, shard)
+        data = None
+        if len(view.shards) > 1:
+            block = bisect.bisect_right(view.block_starts, row) - 1
+            lo, hi = view.blocks[block]
+            if hi - lo > 1:
+                data = self.cache.block(view, block)
+                local = row - view.offsets[lo]
+        if data is None:
+            shard = bisect.bisect_right(view.offsets, row) - 1
+            local = row - view.offsets[shard]
+            data = self._shard(view, shard)
         positions = view.positions if view.positions is not None else range(len(view.names))
         values = []
         for c in positions:
@@ -492,32 +579,44 @@ class VersionedDataset(Dataset):
             groups.append((positions, view, rows))
         return groups
 
+    def _pieces(self, view: _View, rows: np.ndarray) -> list[_Piece]:
+        """Where ``rows`` (in range, at least one) lie: per block of shards the cache holds
+        as one table, else per shard, the decoded data, the positions in ``rows`` it serves
+        and the rows within it."""
+        if len(view.blocks) == 1:
+            by_block = [(0, None)]
+        else:
+            by_block = _split(np.searchsorted(view.block_offsets, rows, side="right") - 1)
+        pieces = []
+        for block, where in by_block:
+            lo, hi = view.blocks[block]
+            block_rows = rows if where is None else rows[where]
+            if hi - lo > 1:
+                entry = self.cache.block(view, block)
+                if entry is not None:
+                    pieces.append((entry, where, block_rows - view.offsets[lo]))
+                    continue
+                by_shard = _split(np.searchsorted(view.np_offsets, block_rows, side="right") - 1)
+            else:
+                by_shard = [(lo, None)]
+            for shard, sub in by_shard:
+                shard_rows = block_rows if sub is None else block_rows[sub]
+                here = sub if where is None else (where if sub is None else where[sub])
+                pieces.append((self._shard(view, shard), here, shard_rows - view.offsets[shard]))
+        return pieces
+
     def _columns(self, view: _View, rows: np.ndarray) -> list[list[Any]]:
         """The values of ``view.names`` at ``rows`` (in range), one list per column, in the
-        order of ``rows``: one take per column per shard touched, numeric columns through
-        numpy, the shards' pieces put back in order with one inverse permutation."""
+        order of ``rows``: one take per column per block or shard touched, numeric columns
+        through numpy, the pieces put back in order with one inverse permutation."""
         n = len(rows)
-        width = len(view.names)
-        cols = view.positions if view.positions is not None else range(width)
+        cols = view.positions if view.positions is not None else range(len(view.names))
         if n == 0:
-            return [[] for _ in range(width)]
-        if len(view.shards) == 1:
-            shard_ids = np.zeros(n, dtype=np.int64)
-        else:
-            shard_ids = np.searchsorted(view.np_offsets, rows, side="right") - 1
-        first = int(shard_ids[0])
-        if n == 1 or (shard_ids == first).all():  # one shard: no reordering
-            data = self._shard(view, first)
-            local = rows - view.offsets[first]
+            return [[] for _ in cols]
+        pieces = self._pieces(view, rows)
+        if len(pieces) == 1:  # one block or shard: already in order
+            data, _, local = pieces[0]
             return [_take(data, c, local) for c in cols]
-        order = np.argsort(shard_ids, kind="stable")
-        sorted_ids = shard_ids[order]
-        cuts = (np.flatnonzero(sorted_ids[1:] != sorted_ids[:-1]) + 1).tolist()
-        pieces = []  # (shard data, positions in rows, rows within the shard)
-        for a, b in zip([0, *cuts], [*cuts, n], strict=True):
-            shard = int(sorted_ids[a])
-            where = order[a:b]
-            pieces.append((self._shard(view, shard), where, rows[where] - view.offsets[shard]))
         inverse: list[int] | None = None
         out = []
         for c in cols:
@@ -528,32 +627,30 @@ class VersionedDataset(Dataset):
                     gathered[where] = v[local]
                 out.append(gathered.tolist())
                 continue
-            in_shard_order: list[Any] = []
+            in_piece_order: list[Any] = []
             for data, _, local in pieces:
-                in_shard_order += _take(data, c, local)
+                in_piece_order += _take(data, c, local)
             if inverse is None:
+                order = np.concatenate([where for _, where, _ in pieces])
                 inv = np.empty(n, dtype=np.int64)
                 inv[order] = np.arange(n)
                 inverse = inv.tolist()
-            out.append(list(map(in_shard_order.__getitem__, inverse)))
+            out.append(list(map(in_piece_order.__getitem__, inverse)))
         return out
 
     def _arrow_batch(
         self, groups: list[tuple[np.ndarray, _View, np.ndarray]], n: int
     ) -> pa.RecordBatch:
         tables, positions = [], []
-        for where, view, rows in groups:
+        for batch_positions, view, rows in groups:
             if len(rows) == 0:
                 continue
-            shard_ids = np.searchsorted(view.np_offsets, rows, side="right") - 1
-            for shard in np.unique(shard_ids).tolist():
-                mask = shard_ids == shard
-                data = self._shard(view, shard)
+            for data, where, local in self._pieces(view, rows):
                 table = data.table
                 if view.positions is not None:
                     table = table.select(view.positions)
-                tables.append(table.take(rows[mask] - view.offsets[shard]))
-                positions.append(where[mask])
+                tables.append(table.take(local))
+                positions.append(batch_positions if where is None else batch_positions[where])
         if not tables:
             view = groups[0][1] if groups else self._view(self.version)
             schema = view.snap.schema if view.snap.schema is not None else pa.schema([])
@@ -570,6 +667,24 @@ class VersionedDataset(Dataset):
 
     def __repr__(self) -> str:
         return f"VersionedDataset({self.store.display_url!r}, version={self.version})"
+
+
+# (decoded data, positions in the rows asked for or None for all of them, rows within it)
+_Piece = tuple["_Shard", "np.ndarray | None", np.ndarray]
+
+
+def _split(ids: np.ndarray) -> list[tuple[int, np.ndarray | None]]:
+    """(id, positions holding it) for each distinct id, in id order; positions None when all
+    ids are the same (the common case: no gather needed)."""
+    first = int(ids[0])
+    if (ids == first).all():
+        return [(first, None)]
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    cuts = (np.flatnonzero(sorted_ids[1:] != sorted_ids[:-1]) + 1).tolist()
+    return [
+        (int(sorted_ids[a]), order[a:b]) for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True)
+    ]
 
 
 def _take(data: _Shard, column: int, local: np.ndarray) -> list[Any]:

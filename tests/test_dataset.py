@@ -252,6 +252,46 @@ def test_cache_stays_bounded_and_reads_stay_right(store_path, expected):
     assert largest <= 20_000 + shard_bytes
 
 
+def test_blocks_of_cached_shards_read_the_same_rows(store_path, expected):
+    """Once a run of shards is decoded, the cache joins it into one block (one take per
+    column for the whole run) and drops the shards; reads through blocks, single rows and
+    batches, stay exactly Arrow's rows."""
+    ds = VersionedDataset(store_path)
+    assert ds.__getitems__(list(range(1500))) == expected  # decodes every shard
+    rng = random.Random(9)
+    indices = [rng.randrange(1500) for _ in range(300)]
+    assert ds.__getitems__(indices) == [expected[i] for i in indices]
+    keys = list(ds.cache._shards)
+    blocks = [k for k in keys if k[0] == "block"]
+    assert blocks, keys
+    in_blocks = {sha for k in blocks for sha in k[2:]}
+    assert not any(k[0] in in_blocks for k in keys if k[0] != "block")  # parts were dropped
+    assert [ds[i] for i in indices[:50]] == [expected[i] for i in indices[:50]]
+    assert ds.read_batch(indices, "arrow").to_pylist() == [expected[i] for i in indices]
+    assert ds.cache.nbytes == sum(e.nbytes for e in ds.cache._shards.values())
+
+
+def test_growing_store_reads_each_version_through_blocks(tmp_path):
+    """Versions that share their first shards share their blocks; rows of every version,
+    read in one batch as the sampler's indices name them, stay right while rounds land."""
+    store = Store.open(str(tmp_path / "s"), create=True)
+    ds = VersionedDataset(store)
+    rng = random.Random(4)
+    versions = []
+    for k in range(9):
+        versions.append(store.append(_round(k * 40, 40), shard_bytes=2048))
+        truth = {v: store.snapshot(v).to_arrow().to_pylist() for v in versions}
+        indices = []
+        for _ in range(200):
+            v = rng.choice(versions)
+            indices.append(encode_index(v, rng.randrange(len(truth[v]))))
+        want = [truth[decode_index(i)[0]][decode_index(i)[1]] for i in indices]
+        assert ds.__getitems__(indices) == want
+        assert ds.__getitems__(indices) == want  # second pass: through blocks
+        assert [ds[i] for i in indices[:20]] == want[:20]
+    assert any(k[0] == "block" for k in ds.cache._shards)
+
+
 def test_pickles_without_rows(store_path, expected):
     ds = VersionedDataset(store_path, batch_format="columns")
     ds.__getitems__(list(range(0, 1500, 7)))  # warm: the cache must not travel

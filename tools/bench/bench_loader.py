@@ -1,0 +1,246 @@
+"""Loading speed at the floor (issue 15): ``VersionedDataset`` against Arrow's own
+``take(indices).to_pylist()`` and against ``datasets.Dataset``, side by side in one process on
+the same rows and the same indices, reported as ratios; never part of the tests.
+
+1. batch: ``VersionedDataset.__getitems__`` of 256 random rows vs Arrow's
+   ``table.take(indices).to_pylist()`` on the same rows held as one contiguous in-memory table
+   (the floor), vs ``datasets.Dataset``'s ``ds[list]`` (in memory) — targets: <= 2x Arrow
+   (moonshot 1.3x), <= 0.5x datasets;
+2. one row: ``VersionedDataset[i]`` vs ``datasets.Dataset[i]`` — target <= 0.3x;
+3. ``StatefulDataLoader`` batches/s, ``num_workers`` 0 and 2, batch 64, list-of-dicts batches:
+   ``VersionedDataset`` + ``VersionedSampler`` vs an in-memory ``datasets.Dataset`` fed the
+   same row indices (the sampler's order, replayed from a list) — target >= 1.2x (moonshot
+   1.5x). Also shown, not a target: ours with ``batch_format="columns"``.
+
+    python tools/bench/bench_loader.py                   # store built once under --dir
+    python tools/bench/bench_loader.py --sections batch,row --repeats 11
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pyarrow as pa
+from bench_resume import build_store, rows_table
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from dynstate import VersionedDataset, VersionedSampler, decode_index, encode_index
+
+
+def as_list(batch: Any) -> Any:
+    return batch
+
+
+def _median_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    """Median of the per-round ratios: each round times both back to back, so a load swing
+    between rounds cancels out."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
+
+
+def _interleaved(cases: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for case in cases.values():
+        case()  # warm: shards decoded, pages touched
+    for r in range(repeats):
+        # Alternate the order too, so neither side always runs right after the other.
+        names = list(cases) if r % 2 == 0 else list(cases)[::-1]
+        for name in names:
+            start = time.perf_counter()
+            cases[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+# -- 1. batches --------------------------------------------------------------------------------
+
+
+def bench_batch(url: str, table: pa.Table, batch: int, batches: int, repeats: int) -> dict:
+    ours = VersionedDataset(url)
+    floor = table.combine_chunks()  # one contiguous table: Arrow at its fastest
+    theirs = datasets.Dataset(datasets.table.InMemoryTable(table))
+    rng = random.Random(1)
+    plain = [[rng.randrange(table.num_rows) for _ in range(batch)] for _ in range(batches)]
+    # The indices a VersionedSampler hands the loader (the version in the high bits).
+    tagged = [[encode_index(ours.version, i) for i in b] for b in plain]
+    for b, t in zip(plain[:5], tagged[:5], strict=True):
+        want = floor.take(b).to_pylist()
+        if ours.__getitems__(t) != want or theirs.__getitems__(b) != want:
+            raise SystemExit("a batch differs between VersionedDataset, Arrow and datasets")
+        if theirs[b] != ours.read_batch(t, "columns"):
+            raise SystemExit("datasets' ds[list] differs from read_batch(..., 'columns')")
+    cases = {
+        "ours": lambda: [ours.__getitems__(t) for t in tagged],
+        "arrow": lambda: [floor.take(b).to_pylist() for b in plain],
+        "datasets": lambda: [theirs[b] for b in plain],
+        "datasets_rows": lambda: [theirs.__getitems__(b) for b in plain],
+        "ours_columns": lambda: [ours.read_batch(t, "columns") for t in tagged],
+    }
+    times = _interleaved(cases, repeats)
+    rows = batch * batches
+    out = {f"{k}_us": statistics.median(v) / rows * 1e6 for k, v in times.items()}
+    out["vs_arrow"] = _median_ratio(times, "ours", "arrow")
+    out["vs_datasets"] = _median_ratio(times, "ours", "datasets")
+    out["vs_datasets_rows"] = _median_ratio(times, "ours", "datasets_rows")
+    out["columns_vs_datasets"] = _median_ratio(times, "ours_columns", "datasets")
+    return out
+
+
+# -- 2. one row --------------------------------------------------------------------------------
+
+
+def bench_row(url: str, table: pa.Table, reads: int, repeats: int) -> dict:
+    ours = VersionedDataset(url)
+    theirs = datasets.Dataset(datasets.table.InMemoryTable(table))
+    rng = random.Random(2)
+    plain = [rng.randrange(table.num_rows) for _ in range(reads)]
+    tagged = [encode_index(ours.version, i) for i in plain]
+    for i, t in zip(plain[:200], tagged[:200], strict=True):
+        if ours[t] != theirs[i] or ours[i] != theirs[i]:
+            raise SystemExit(f"row {i} differs: {ours[t]} vs {theirs[i]}")
+    cases = {
+        "ours": lambda: [ours[t] for t in tagged],
+        "datasets": lambda: [theirs[i] for i in plain],
+    }
+    times = _interleaved(cases, repeats)
+    out = {f"{k}_us": statistics.median(v) / reads * 1e6 for k, v in times.items()}
+    out["vs_datasets"] = _median_ratio(times, "ours", "datasets")
+    return out
+
+
+# -- 3. loader ---------------------------------------------------------------------------------
+
+
+class ListSampler:
+    """Yields a fixed list of indices: datasets gets exactly the rows our sampler chose."""
+
+    def __init__(self, indices: list[int]):
+        self.indices = indices
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def _rate(loader: StatefulDataLoader, batches: int) -> float:
+    """Batches per second from the second batch on (worker start-up excluded)."""
+    it = iter(loader)
+    next(it)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+    return batches / (time.perf_counter() - start)
+
+
+def bench_loader(url: str, table: pa.Table, batch: int, batches: int, repeats: int, workers: int):
+    probe = VersionedDataset(url)
+    it = iter(VersionedSampler(probe, seed=3))
+    order = [decode_index(next(it))[1] for _ in range((batches + 2) * batch)]
+    kw: dict[str, Any] = {"batch_size": batch, "num_workers": workers, "collate_fn": as_list}
+    if workers:
+        kw["prefetch_factor"] = 2
+
+    def ours(fmt: str = "rows") -> float:
+        ds = VersionedDataset(url, batch_format=fmt)
+        return _rate(StatefulDataLoader(ds, sampler=VersionedSampler(ds, seed=3), **kw), batches)
+
+    def theirs() -> float:
+        hf = datasets.Dataset(datasets.table.InMemoryTable(table))
+        return _rate(StatefulDataLoader(hf, sampler=ListSampler(order), **kw), batches)
+
+    rates: dict[str, list[float]] = {"ours": [], "datasets": [], "ours_columns": []}
+    for r in range(repeats):
+        pair = [("ours", ours), ("datasets", theirs)]
+        for name, run in pair if r % 2 == 0 else pair[::-1]:
+            rates[name].append(run())
+        rates["ours_columns"].append(ours("columns"))
+    out = {f"{k}_batches_s": statistics.median(v) for k, v in rates.items()}
+    out["ratio"] = statistics.median(
+        o / t for o, t in zip(rates["ours"], rates["datasets"], strict=True)
+    )
+    out["columns_ratio"] = statistics.median(
+        o / t for o, t in zip(rates["ours_columns"], rates["datasets"], strict=True)
+    )
+    return out
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default="/tmp/dynstate-bench-loader", help="where the store lives")
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--sections", default="batch,row,loader")
+    parser.add_argument("--repeats", type=int, default=9, help="interleaved rounds (odd: median)")
+    parser.add_argument("--loader-repeats", type=int, default=5)
+    parser.add_argument("--loader-batches", type=int, default=1000)
+    parser.add_argument("--workers", default="0,2")
+    args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    table = rows_table(args.rows)
+    path = Path(args.dir) / f"rows-{args.rows}-{args.rounds}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    build_store(path, table, rounds=args.rounds)
+    url = str(path)
+    print(
+        f"{args.rows:,} rows in {args.rounds} rounds; load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; {os.cpu_count()} CPUs",
+        flush=True,
+    )
+
+    if "batch" in sections:
+        r = bench_batch(url, table, batch=256, batches=200, repeats=args.repeats)
+        print("\n__getitems__, 200 batches of 256 random rows, µs per row (median)")
+        print(f"  {'VersionedDataset.__getitems__':<40}{r['ours_us']:>8.3f}")
+        print(f"  {'Arrow take(indices).to_pylist()':<40}{r['arrow_us']:>8.3f}")
+        print(f"  {'datasets ds[list] (dict of lists)':<40}{r['datasets_us']:>8.3f}")
+        print(f"  {'datasets __getitems__ (list of dicts)':<40}{r['datasets_rows_us']:>8.3f}")
+        label = 'ours, read_batch(..., "columns")'
+        print(f"  {label:<40}{r['ours_columns_us']:>8.3f}")
+        print(f"  ours / Arrow     {r['vs_arrow']:.2f}x (target <= 2x, moonshot 1.3x)")
+        print(f"  ours / ds[list]  {r['vs_datasets']:.2f}x (target <= 0.5x)")
+        print(f"  ours / datasets __getitems__ {r['vs_datasets_rows']:.2f}x")
+        print(f"  ours columns / ds[list] {r['columns_vs_datasets']:.2f}x", flush=True)
+
+    if "row" in sections:
+        r = bench_row(url, table, reads=20_000, repeats=args.repeats)
+        print("\nds[i], 20,000 random rows, µs per row (median)")
+        print(f"  {'VersionedDataset[i]':<40}{r['ours_us']:>8.2f}")
+        print(f"  {'datasets.Dataset[i]':<40}{r['datasets_us']:>8.2f}")
+        print(f"  ours / datasets  {r['vs_datasets']:.2f}x (target <= 0.3x)", flush=True)
+
+    if "loader" in sections:
+        for workers in [int(w) for w in args.workers.split(",")]:
+            r = bench_loader(
+                url, table, 64, args.loader_batches, args.loader_repeats, workers=workers
+            )
+            print(
+                f"\nStatefulDataLoader, num_workers={workers}, batch 64, "
+                f"{args.loader_batches:,} batches, batches/s (median of {args.loader_repeats})"
+            )
+            print(f"  {'VersionedDataset + VersionedSampler':<40}{r['ours_batches_s']:>10,.0f}")
+            print(f"  {'datasets.Dataset, same indices':<40}{r['datasets_batches_s']:>10,.0f}")
+            label = 'ours, batch_format="columns"'
+            print(f"  {label:<40}{r['ours_columns_batches_s']:>10,.0f}")
+            print(f"  ours / datasets {r['ratio']:.2f}x (target >= 1.2x, moonshot 1.5x)")
+            print(f"  ours columns / datasets {r['columns_ratio']:.2f}x", flush=True)
+    print(
+        f"\nload average at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    main()
