@@ -151,6 +151,7 @@ class VersionedSampler(Sampler[int]):
         self._perm_start = 0
         self._perm_rows: list[int] = []
         self._prefetched = -1
+        self._open = False  # an epoch is under way: it started and not all its indices left
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -178,7 +179,7 @@ class VersionedSampler(Sampler[int]):
     def __len__(self) -> int:
         """Indices this rank gets in the current epoch (the next one's, from the head, if none
         is under way): what ``len(loader)`` needs, in both modes."""
-        if self.version is not None and self._step_shape() is not None:
+        if self.version is not None and self._open:
             return self._share(self.base_rows)
         return self._share(self.dataset.store.snapshot().num_rows)
 
@@ -245,6 +246,7 @@ class VersionedSampler(Sampler[int]):
             yield from self._iter_epoch()
         else:
             yield from self._iter_mix()
+        self._open = False
 
     def _start_epoch(self) -> None:
         first = self.version is None
@@ -256,6 +258,7 @@ class VersionedSampler(Sampler[int]):
         self.position = self.base_next = 0
         self.fresh_next = snap.num_rows
         self.fresh_version = snap.version
+        self._open = True
         log.debug(
             "epoch %d pins version %d (%d rows) at step %d",
             self.epoch,
@@ -484,6 +487,7 @@ class VersionedSampler(Sampler[int]):
             setattr(self, key, state[key])
         self.fresh_next = state["fresh_next"]
         self.fresh_version = state["fresh_version"]
+        self._open = self.version is not None and self._step_shape() is not None
 
 
 def _round_version(store: Any, head: int, floor: int, step: int) -> int | None:

@@ -31,8 +31,14 @@ class Config:
     num_workers: int = 0
     initial_rows: int = 10
     growth: int = 3  # rows per round vary in 0..growth
+    round_size: int | None = None  # rows per round, fixed (instead of growth)
     ckpt_every: int = 2
     fresh_share: float = 0.5
+    drop_last: bool = False  # the loader's, passed to the sampler too
+    prefetch_factor: int = 2  # with workers
+    snapshot_every: int = 1  # StatefulDataLoader's snapshot_every_n_steps
+    lag: int | None = None  # mix mode; None: the smallest the loader allows
+    num_replicas: int = 1  # ranks, simulated in one process by rank_batches()
     # rounds of steps after this one get other rows, as a non-deterministic generator would:
     # a crashed run's abandoned rounds then differ from the resumed run's
     salt_after: int | None = None
@@ -40,7 +46,7 @@ class Config:
 
 def round_rows(step: int, cfg: Config) -> list[dict]:
     # deterministic generator: the rows of a round depend only on the step
-    n = (step * 7 + cfg.seed) % (cfg.growth + 1)
+    n = (step * 7 + cfg.seed) % (cfg.growth + 1) if cfg.round_size is None else cfg.round_size
     salt = 50_000 if cfg.salt_after is not None and step > cfg.salt_after else 0
     return [{"id": 100_000 * (step + 1) + salt + k, "text": f"task {step}-{k}"} for k in range(n)]
 
@@ -56,20 +62,24 @@ def _collate(rows: list[dict]) -> list[int]:
     return [row["id"] for row in rows]
 
 
-def make_loader(cfg: Config) -> tuple[VersionedSampler, StatefulDataLoader]:
+def make_loader(cfg: Config, rank: int = 0) -> tuple[VersionedSampler, StatefulDataLoader]:
     dataset = VersionedDataset(cfg.url)
-    extra = {}
-    lag = 1
+    extra: dict = {"snapshot_every_n_steps": cfg.snapshot_every}
+    depth = 0
     if cfg.num_workers:
-        extra = {"prefetch_factor": 2, "persistent_workers": True}
-        lag = cfg.num_workers * 2 + 1
+        extra.update(prefetch_factor=cfg.prefetch_factor, persistent_workers=True)
+        depth = cfg.num_workers * cfg.prefetch_factor
     sampler = VersionedSampler(
         dataset,
         seed=cfg.seed,
         mode=cfg.mode,
         batch_size=cfg.batch_size,
         fresh_share=cfg.fresh_share,
-        lag=lag,
+        lag=cfg.lag if cfg.lag is not None else depth + 1,
+        drop_last=cfg.drop_last,
+        num_replicas=cfg.num_replicas,
+        rank=rank,
+        wait_timeout=60.0,
     )
     loader = StatefulDataLoader(
         dataset,
@@ -77,9 +87,10 @@ def make_loader(cfg: Config) -> tuple[VersionedSampler, StatefulDataLoader]:
         sampler=sampler,
         num_workers=cfg.num_workers,
         collate_fn=_collate,
+        drop_last=cfg.drop_last,
         **extra,
     )
-    return sampler, loader
+    return sampler, sampler.check_loader(loader)
 
 
 def _save(path: str, obj: dict) -> None:
@@ -104,11 +115,13 @@ def train(
     stop_after: int | None = None,
     resume: bool = False,
     log=None,
+    epochs: list[tuple[int, int, int, int]] | None = None,
 ) -> dict[int, list[int]]:
     """Run steps until cfg.steps; returns {step: row ids}. ``stop_after`` returns right after
-    that step's checkpoint/commit (an orderly stop, for in-process tests)."""
+    that step's checkpoint/commit (an orderly stop, for in-process tests). ``epochs`` collects
+    (len(loader), len(sampler), batches, indices) of every complete pass over the loader."""
     store = init_store(cfg)
-    _sampler, loader = make_loader(cfg)
+    sampler, loader = make_loader(cfg)
     step = 0
     if resume and ckpt_dir:
         ckpt = latest_checkpoint(ckpt_dir)
@@ -121,7 +134,10 @@ def train(
             step = ckpt["step"] + 1
     batches: dict[int, list[int]] = {}
     while step < cfg.steps:
+        lengths, seen = (len(loader), len(sampler)), [0, 0]
         for ids in loader:
+            seen[0] += 1
+            seen[1] += len(ids)
             batches[step] = ids
             if log is not None:
                 log.write(json.dumps({"step": step, "ids": ids}) + "\n")
@@ -135,6 +151,9 @@ def train(
             step += 1
             if step >= cfg.steps:
                 break
+        else:
+            if epochs is not None:
+                epochs.append((*lengths, *seen))
     return batches
 
 

@@ -1,0 +1,174 @@
+"""The sampler under torchdata's real StatefulDataLoader: its step stays the loader's step and
+its length the loader's length, whatever drop_last, batch size, epoch length, num_workers,
+prefetch_factor and snapshot interval; mix mode cannot hang on a partial last batch; and a
+resume in the middle of any of these runs continues exactly as the uninterrupted run."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from dynstate import InvalidDataError, Store, VersionedDataset, VersionedSampler
+
+sys.path.insert(0, str(Path(__file__).parent))
+import resume_harness as h
+
+
+def _check_run(cfg: h.Config, stop: int, ckpt_every: int, tmp: Path) -> dict[int, list[int]]:
+    """Uninterrupted run vs. a run stopped after ``stop`` (last checkpoint possibly older, its
+    later rounds salted so that a leak shows) and resumed in a fresh loader."""
+    epochs: list[tuple[int, int, int, int]] = []
+    ref_cfg = dataclasses.replace(cfg, url=str(tmp / f"ref-{uuid.uuid4().hex}"))
+    reference = h.train(ref_cfg, epochs=epochs)
+    assert len(reference) == cfg.steps
+    assert len(epochs) >= 2, "the run must cross epoch boundaries"
+    for n_loader, n_sampler, batches, indices in epochs:
+        assert (n_loader, n_sampler) == (batches, indices), (cfg, epochs)
+    ckpt = tmp / uuid.uuid4().hex
+    ckpt.mkdir()
+    run = dataclasses.replace(cfg, ckpt_every=ckpt_every, url=str(tmp / f"run-{uuid.uuid4().hex}"))
+    last = stop - stop % ckpt_every
+    first = h.train(dataclasses.replace(run, salt_after=last), ckpt_dir=str(ckpt), stop_after=stop)
+    second = h.train(run, ckpt_dir=str(ckpt), resume=True)
+    assert {s: first[s] for s in range(last + 1)} == {s: reference[s] for s in range(last + 1)}
+    assert {**{s: first[s] for s in range(last + 1)}, **second} == reference
+    assert h.head_ids(run.url) == h.head_ids(ref_cfg.url)
+    return reference
+
+
+def _round_of(row_id: int) -> int | None:
+    return row_id // 100_000 - 1 if row_id >= 100_000 else None
+
+
+# mode, loader drop_last, batch size, num_workers, prefetch_factor, snapshot_every_n_steps:
+# every listed value of each setting, in epoch and mix mode, both with and without drop_last.
+SWEEP = [
+    ("epoch", False, 3, 0, 1, 1),
+    ("epoch", True, 4, 0, 1, 3),
+    ("epoch", False, 4, 1, 4, 3),
+    ("epoch", True, 3, 1, 1, 1),
+    ("epoch", False, 3, 3, 1, 3),
+    ("epoch", True, 4, 3, 4, 1),
+    ("mix", False, 4, 0, 1, 3),
+    ("mix", True, 3, 0, 1, 1),
+    ("mix", False, 3, 1, 1, 3),
+    ("mix", True, 4, 1, 4, 1),
+    ("mix", False, 4, 3, 1, 1),
+    ("mix", True, 3, 3, 1, 3),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on 2 cores
+@pytest.mark.parametrize("case", range(len(SWEEP)))
+def test_loader_sweep_resumes_exactly(tmp_path, case):
+    mode, drop_last, batch, workers, prefetch, snap = SWEEP[case]
+    lag = workers * prefetch + 1
+    steps = max(14, lag + 9)
+    cfg = h.Config(
+        url="",
+        steps=steps,
+        batch_size=batch,
+        seed=case,
+        mode=mode,
+        num_workers=workers,
+        prefetch_factor=prefetch,
+        snapshot_every=snap,
+        drop_last=drop_last,
+        initial_rows=12 if batch == 4 else 10,  # an epoch the batch divides, and one it doesn't
+        fresh_share=0.5,
+    )
+    stop = lag + 2 + case % 3 if mode == "mix" else 4 + case % 5
+    reference = _check_run(cfg, stop, 2 + case % 2, tmp_path)
+    if mode == "mix":
+        # fresh rows really were drawn after the resume point, within a few steps of their round
+        fresh = [
+            (t, r)
+            for t in range(stop, steps)
+            for r in map(_round_of, reference[t])
+            if r is not None and t - r <= lag + 2
+        ]
+        assert fresh, reference
+
+
+@pytest.mark.parametrize("prefetch", [1, 4])
+def test_epoch_mode_resume_from_a_snapshot_before_the_epoch_began(tmp_path, prefetch):
+    """Issue 12's case: 37 rows, +2 per step, batch 8, one worker, snapshot every 3 steps,
+    resumed after step 7 from the checkpoint of step 6, whose loader snapshot predates the
+    epoch: the resumed epoch must pin the version the uninterrupted one pinned."""
+    cfg = h.Config(
+        url="",
+        steps=12,
+        batch_size=8,
+        num_workers=1,
+        prefetch_factor=prefetch,
+        snapshot_every=3,
+        initial_rows=37,
+        round_size=2,
+    )
+    _check_run(cfg, 7, 2, tmp_path)
+
+
+def test_mix_mode_with_drop_last_crosses_epochs_without_waiting(tmp_path):
+    """Issue 12: 37 rows, batch 8, lag 1, no workers, drop_last=True used to wait at the
+    second epoch for the round of a step the loader had dropped."""
+    cfg = h.Config(
+        url=str(tmp_path / "s"),
+        steps=14,
+        batch_size=8,
+        mode="mix",
+        drop_last=True,
+        initial_rows=37,
+        round_size=2,
+        lag=1,
+    )
+    epochs: list[tuple[int, int, int, int]] = []
+    batches = h.train(cfg, epochs=epochs)
+    assert len(batches) == 14 and all(len(ids) == 8 for ids in batches.values())
+    assert epochs[0][:3] == (4, 32, 4)  # 37 rows: 4 whole batches, the partial one dropped
+    assert all((n_loader, n_sampler) == (b, i) for n_loader, n_sampler, b, i in epochs)
+
+
+def test_mix_mode_len_counts_what_it_yields(tmp_path):
+    """len(sampler) used to report the base rows only (16) while 28 indices came."""
+    store = Store.open(str(tmp_path / "s"), create=True)
+    store.append([{"id": i} for i in range(16)])
+    ds = VersionedDataset(store)
+    sampler = VersionedSampler(ds, mode="mix", batch_size=4, fresh_share=0.5, lag=1)
+    got, step, lengths = [], 0, set()
+    for index in sampler:
+        got.append(index)
+        if len(got) < 16:  # after the last index the epoch is over: len() tells the next one's
+            lengths.add(len(sampler))
+        if len(got) % 4 == 0:
+            store.append([{"id": 100 + 10 * step + k} for k in range(3)], meta={"step": step})
+            step += 1
+    assert len(got) == 16 and lengths == {16}
+    assert sum(1 for i in got if ds[i]["id"] >= 100) > 0
+
+
+def _loader(sampler: VersionedSampler, **kwargs) -> StatefulDataLoader:
+    return StatefulDataLoader(sampler.dataset, sampler=sampler, **kwargs)
+
+
+def test_check_loader_refuses_a_lag_within_the_prefetch_depth(tmp_path):
+    store = Store.open(str(tmp_path / "s"), create=True)
+    store.append([{"id": i} for i in range(8)])
+    ds = VersionedDataset(store)
+    sampler = VersionedSampler(ds, mode="mix", batch_size=2, lag=4)
+    with pytest.raises(InvalidDataError, match="num_workers=2 and prefetch_factor=2"):
+        sampler.check_loader(_loader(sampler, batch_size=2, num_workers=2, prefetch_factor=2))
+    ok = _loader(sampler, batch_size=2, num_workers=1, prefetch_factor=3)
+    assert sampler.check_loader(ok) is ok
+    with pytest.raises(InvalidDataError, match="drop_last=True"):
+        sampler.check_loader(_loader(sampler, batch_size=2, drop_last=True))
+    with pytest.raises(InvalidDataError, match="batch_size is 3"):
+        sampler.check_loader(_loader(sampler, batch_size=3))
+    other = VersionedSampler(ds, mode="mix", batch_size=2)
+    with pytest.raises(InvalidDataError, match="does not draw"):
+        sampler.check_loader(_loader(other, batch_size=2))
