@@ -405,12 +405,14 @@ def test_old_interface_generator_runs_unchanged(world, old_generators, s3_endpoi
 
 
 def test_generated_rounds_get_verls_overlong_filter(world, old_generators):
-    spec = new_run(
-        world, "filter", steps=2, datagen={"path": old_generators, "name": "LongAndShort"}
-    )
+    """Also: without checkpoints (save_freq -1) the last step's round is committed too."""
+    datagen = {"path": old_generators, "name": "LongAndShort"}
+    spec = new_run(world, "filter", steps=2, save_freq=-1, datagen=datagen)
     assert call(world, spec) == 0, output(spec)
     assert len(content(spec)) == IMPORTED + 2  # one short row per round; long ones dropped
-    assert all(m["rows"] == 1 for m in rounds(spec).values())
+    got = rounds(spec)
+    assert sorted(got) == [1, 2] and all(m["rows"] == 1 for m in got.values())
+    assert not os.path.exists(spec["ckpt"])
 
 
 def test_failing_generator_raises_or_skips_when_configured(world, old_generators):

@@ -1,13 +1,14 @@
 """verl's real ``RayPPOTrainer.fit()`` on CPU: stand-ins only where verl talks to GPU workers.
 
-What is verl's own code here: the composed ``ppo_trainer`` Hydra config, ``validate_config``,
+What is verl's own code here: the ``ppo_trainer`` Hydra config (composed through
+examples/verl/arith.yaml, so the example's config is the one tested), ``validate_config``,
 the trainer (``dynstate_trainer_class()``: dynstate's mixin over ``RayPPOTrainer``) and its whole
 ``fit()`` loop, dataset factory, collate_fn, StatefulDataLoader, ``_get_gen_batch``, GRPO
 advantages, ``_save_checkpoint`` / ``_load_checkpoint``, validation, verl's
 ``AgentLoopManager`` / ``AgentLoopWorker`` / ``SingleTurnAgentLoop`` (chat template,
 tokenisation, padding, postprocess) and verl's ``RewardLoopWorker`` with the ``naive`` reward
-manager calling a rule-based ``custom_reward_function`` (verl's default reward path: no reward
-model, rewards streamed from the agent loop).
+manager calling the example's rule-based ``custom_reward_function`` (examples/verl/arith_reward.py;
+verl's default reward path: no reward model, rewards streamed from the agent loop).
 
 What stands in:
 
@@ -114,25 +115,17 @@ def write_data(folder: str, n_train: int, n_val: int) -> tuple[str, str]:
     return train_path, val_path
 
 
-# -- the reward: verl's custom_reward_function signature ---------------------------------------
-
-
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **_):
-    """Rule-based reward, as verl's ``custom_reward_function`` calls it."""
-    words = solution_str.split()
-    return 1.0 if words and words[-1] == str(ground_truth) else 0.0
-
-
 # -- config ------------------------------------------------------------------------------------
 
 
 def compose_config(spec: dict) -> Any:
-    """verl's own ``ppo_trainer`` config, composed by Hydra, with the run's overrides."""
-    import verl
+    """examples/verl/arith.yaml (verl's own ``ppo_trainer`` config plus the example's settings:
+    dynstate dataset, example generator and reward), composed by Hydra, with the run's
+    overrides."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf, open_dict
 
-    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    config_dir = os.path.join(ROOT, "examples", "verl")
     model = spec["model"]
     overrides = [
         "trainer.use_v1=false",
@@ -166,7 +159,7 @@ def compose_config(spec: dict) -> Any:
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
         "reward.num_workers=1",
-        f"reward.custom_reward_function.path={os.path.abspath(__file__)}",
+        f"reward.custom_reward_function.path={config_dir}/arith_reward.py",
         "reward.custom_reward_function.name=compute_score",
         f"data.train_files={spec['train']}",
         f"data.val_files={spec.get('val_files', spec['val'])}",
@@ -178,11 +171,9 @@ def compose_config(spec: dict) -> Any:
         "data.shuffle=true",
         "data.seed=7",
         f"data.dataloader_num_workers={spec.get('num_workers', 0)}",
-        "data.custom_cls.path=pkg://dynstate.verl",
-        "data.custom_cls.name=DynstateRLDataset",
     ]
     with initialize_config_dir(config_dir=config_dir, version_base=None):
-        config = compose(config_name="ppo_trainer", overrides=overrides)
+        config = compose(config_name="arith", overrides=overrides)
     datagen = spec.get(
         "datagen",
         {

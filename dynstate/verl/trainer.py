@@ -4,7 +4,7 @@ verl 0.9 builds the train sampler with ``create_rl_sampler`` (RandomSampler or
 SequentialSampler, no config hook) unless the trainer is given ``train_sampler``; its
 ``_get_gen_batch`` moves the dataset's columns out of the batch that is later scored; it writes
 ``global_step_N`` before it calls ``on_batch_end`` for step N, and never calls it after the
-last step. :class:`DynstateTrainerMixin` overrides five methods, everything else is verl's:
+last step. :class:`DynstateTrainerMixin` overrides these methods, everything else is verl's:
 
 * ``_create_dataloader``: the train loader gets :meth:`DynstateRLDataset.make_sampler`;
 * ``_get_gen_batch``: the input columns (``raw_prompt``, ``dynstate_row``, …) stay on the
@@ -15,7 +15,8 @@ last step. :class:`DynstateTrainerMixin` overrides five methods, everything else
   checkpoint never names a step whose round is missing (``on_batch_end`` then finds the round
   and commits nothing); then mirrors the folder if configured;
 * ``_load_checkpoint``: after verl's own, :meth:`DynstateRLDataset.resume` restores the store
-  version and the exact sampler position.
+  version and the exact sampler position;
+* ``fit``: after verl's loop, the last step's round (committed already if it was checkpointed).
 """
 
 from __future__ import annotations
@@ -123,6 +124,15 @@ class DynstateTrainerMixin:
         if dataset is not None and (url := dataset.settings.checkpoint_mirror):
             root = str(self.config.trainer.default_local_dir)
             mirror.push(root, self.global_steps, url, dataset.settings.storage_options)
+        return result
+
+    def fit(self):  # type: ignore[no-untyped-def]
+        result = super().fit()  # type: ignore[misc]
+        # verl calls on_batch_end after every step but the last; without checkpoints
+        # (save_freq <= 0) nothing else commits the last step's round. Idempotent otherwise.
+        if (dataset := growing(self.train_dataset)) is not None and self._dynstate_scored:
+            step, batch = self._dynstate_scored
+            dataset.commit_round(batch, step)
         return result
 
     def _load_checkpoint(self):  # type: ignore[no-untyped-def]
