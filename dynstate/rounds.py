@@ -104,8 +104,16 @@ def _convert(data: Any, url: str) -> pa.Table:
         if isinstance(data, list):
             if not all(isinstance(row, dict) for row in data):
                 raise InvalidDataError(f"a round for {url} given as a list must hold dicts")
+            first = data[0].keys() if data else None
+            ragged = False
             for i, row in enumerate(data):
                 _check_row_depth(row, url, i)
+                ragged = ragged or row.keys() != first
+            if ragged:
+                # from_pylist takes the columns from the first row only and silently drops
+                # keys that appear later; a key a row lacks is a null there.
+                names = list(dict.fromkeys(key for row in data for key in row))
+                return pa.Table.from_pydict({n: [row.get(n) for row in data] for n in names})
             return pa.Table.from_pylist(data)
         module = type(data).__module__.split(".")[0]
         if module == "pandas":
@@ -159,7 +167,8 @@ def _nesting_ok(value: Any, budget: int) -> bool:
 def _check_row_depth(row: dict[str, Any], url: str, index: int) -> None:
     # Checked before Arrow infers types: its inference of a 5,000-deep value needs gigabytes.
     for name, value in row.items():
-        if not _nesting_ok(value, MAX_NESTING):
+        t = type(value)  # inlined scalar test: this runs for every value of a round
+        if (t is dict or t is list or t is tuple) and not _nesting_ok(value, MAX_NESTING):
             raise InvalidDataError(
                 f"row {index} of this round for {url} nests column {name!r} deeper than "
                 f"{MAX_NESTING} levels; flatten it or store it as a JSON string"

@@ -457,6 +457,21 @@ def test_accepted_types_read_back(tmp_path) -> None:
         assert repr(dataset[1]) == repr(dataset[0]), name
 
 
+def test_keys_missing_from_the_first_row_are_kept(tmp_path) -> None:
+    """pyarrow's from_pylist takes the columns from the first row and drops later keys
+    silently; a round's columns are the keys of all its rows."""
+    store = Store.open(str(tmp_path / "store"), create=True)
+    store.append([{"id": 0}, {"id": 1, "text": "b"}])
+    assert store.snapshot().to_arrow().to_pylist() == [
+        {"id": 0, "text": None},
+        {"id": 1, "text": "b"},
+    ]
+    before = files(store.url)
+    with pytest.raises(SchemaMismatchError, match="unexpected columns: extra"):
+        store.append([{"id": 2, "text": "c"}, {"id": 3, "text": "d", "extra": 1.5}])
+    assert files(store.url) == before
+
+
 # -- meta -----------------------------------------------------------------------------------
 
 
