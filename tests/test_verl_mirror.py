@@ -8,9 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("verl")
-
+import verl  # noqa: F401 - no importorskip: a broken install must fail these tests
 from conftest import s3_url
 
 from dynstate import StorageError, Store
