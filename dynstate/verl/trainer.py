@@ -77,11 +77,17 @@ class DynstateTrainerMixin:
                 "first from the same data config (as verl's TaskRunner does), or pass a plain "
                 "RLHFDataset as val_dataset"
             )
-        if (dataset := growing(train_dataset)) is not None:
-            if train_sampler is not None:
-                log.info("replacing train_sampler %s with dynstate's", type(train_sampler).__name__)
+        dataset = growing(train_dataset)
+        if dataset is not None:
+            replaced = type(train_sampler).__name__ if train_sampler is not None else "none"
             train_sampler = dataset.make_sampler()
         super()._create_dataloader(train_dataset, val_dataset, collate_fn, train_sampler)  # type: ignore[misc]
+        if dataset is not None:
+            log.info(
+                "dynstate train sampler installed (mode %s, replacing %s; legacy trainer)",
+                train_sampler.mode,
+                replaced,
+            )
 
     # -- the scored batch carries the inputs -------------------------------------------------
 
