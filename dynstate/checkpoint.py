@@ -7,11 +7,14 @@ holds a StatefulDataLoader state with a :class:`~dynstate.VersionedSampler` insi
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from .dataset import VersionedDataset, decode_index
 from .errors import StateMismatchError, StoreNotFoundError
 from .sampler import VersionedSampler, check_state, find_sampler_state
+
+_GLOBAL_STEP = re.compile(r"global_step_(\d+)")
 
 
 def load_checkpoint_state(path: str) -> tuple[str, dict[str, Any]]:
@@ -44,6 +47,17 @@ def load_checkpoint_state(path: str) -> tuple[str, dict[str, Any]]:
             "dynstate.VersionedSampler?"
         )
     return file, state
+
+
+def training_step(file: str) -> int | None:
+    """The trainer's step of a checkpoint, from its verl folder name (``global_step_N``); None
+    when the file is not in such a folder. Not the sampler's own counters, which count what
+    the sampler handed out and can differ (a mix-mode sampler restarts them per version)."""
+    for part in reversed(os.path.abspath(file).split(os.sep)[:-1]):
+        match = _GLOBAL_STEP.fullmatch(part)
+        if match is not None:
+            return int(match.group(1))
+    return None
 
 
 def _why(exc: BaseException) -> str:
@@ -85,6 +99,7 @@ def describe_checkpoint(
         raise StateMismatchError(f"{file}: {exc}") from exc
     info: dict[str, Any] = {
         "checkpoint": file,
+        "training_step": training_step(file),
         "store_url": checked["store_url"],
         "store_id": checked["store_id"],
         **{k: checked[k] for k in ("mode", "epoch", "version", "position", "base_rows", "step")},

@@ -1,7 +1,10 @@
-"""Growth plot of a store: rows added per round and total rows, over training steps.
+"""Growth plot of a store: rows added per round and total rows over training steps, with the
+events that shape a run marked: resets and rollbacks (and the checkpoint a rollback resumed
+from), and compactions.
 
-matplotlib is an optional extra (``dynstate[plot]``), imported only when a plot is drawn.
-"""
+matplotlib is an optional extra (``dynstate[plot]``), imported only when a plot is drawn, and
+used through its object API (a ``Figure`` on the Agg canvas): no pyplot state, no global
+backend switch in the caller's process."""
 
 from __future__ import annotations
 
@@ -11,31 +14,34 @@ import os
 from typing import Any
 
 from .errors import MissingDependencyError, StorageError
-from .gc import gc_floor
 from .history import lineage
 from .store import Store
 
 log = logging.getLogger("dynstate")
 
 
-def _pyplot() -> Any:
+def _figure(**kwargs: Any) -> Any:
     try:
-        import matplotlib
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError as exc:
         raise MissingDependencyError(
             "plotting needs matplotlib, which is not installed; pip install 'dynstate[plot]'"
         ) from exc
-    matplotlib.use("Agg")  # files only: never needs a display
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig
 
 
 def growth_points(store: Store) -> tuple[str, list[dict[str, Any]]]:
     """The x-axis label and one point per version of the head's lineage, oldest first: ``x``
-    is ``meta["step"]`` where every version has one ("step"), else the version ("version")."""
-    versions = sorted(lineage(store, store.refresh(), gc_floor(store)))
+    is ``meta["step"]`` where every append has one ("step"), else the version ("version").
+    ``event`` is None, ``"reset"``, ``"rollback"`` (a reset that resumed a run from a
+    checkpoint) or ``"compact"``; ``label`` says what it was."""
+    head = store.refresh()
+    versions = sorted(lineage(store, head, store.log.floor))
     records = [store.commit_record(v) for v in versions]
+    by_version = {r.version: r for r in records}
     # Resets and compactions usually carry no step: they sit at the step of the round before.
     appends = [r for r in records if r.op == "append"]
     by_step = bool(appends) and all(_is_number(r.meta.get("step")) for r in appends)
@@ -46,12 +52,27 @@ def growth_points(store: Store) -> tuple[str, list[dict[str, Any]]]:
             continue  # the empty root version has nothing to plot
         step = record.meta.get("step")
         x = (step if _is_number(step) else x) if by_step else record.version
+        event, label = None, None
+        if record.op == "reset":
+            target = by_version.get(record.target) if record.target is not None else None
+            at = target.meta.get("step") if target is not None else None
+            if "rollback_from" in record.meta:
+                event = "rollback"
+                where = f"step {at}" if _is_number(at) else f"version {record.target}"
+                label = f"resumed from the checkpoint at {where}"
+            else:
+                event, label = "reset", f"reset to version {record.target}"
+        elif record.op == "compact":
+            event, label = "compact", "compaction"
         points.append(
             {
                 "version": record.version,
                 "x": x,
                 "rows_added": record.rows_added,
                 "total_rows": record.num_rows,
+                "op": record.op,
+                "event": event,
+                "label": label,
             }
         )
     return ("step" if by_step else "version"), points
@@ -61,28 +82,49 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+_STYLE = {
+    "rollback": {"color": "tab:red", "linestyle": "--"},
+    "reset": {"color": "tab:orange", "linestyle": "--"},
+    "compact": {"color": "tab:gray", "linestyle": ":"},
+}
+
+
 def plot_growth(store: Store, out: str | os.PathLike[str]) -> int:
-    """Draw rows added per round (bars) and total rows (line) over steps to ``out`` (PNG);
-    returns the number of versions plotted."""
-    plt = _pyplot()
+    """Draw rows added per round (bars) and total rows (line) over steps to ``out`` (PNG),
+    with resets, rollbacks and compactions marked; returns the number of versions plotted."""
+    fig = _figure(figsize=(9, 6))
     label, points = growth_points(store)
     xs = [p["x"] for p in points]
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    gaps = [b - a for a, b in itertools.pairwise(xs) if b > a]
+    width = 0.8 * min(gaps) if gaps else 0.8
+    top.bar(xs, [p["rows_added"] for p in points], width=width, color="tab:blue")
+    top.set_ylabel("rows added")
+    top.set_title(f"{store.display_url}: growth")
+    bottom.plot(xs, [p["total_rows"] for p in points], marker="o", color="tab:green")
+    bottom.set_ylabel("total rows")
+    bottom.set_xlabel(label)
+    seen: set[str] = set()
+    for p in points:
+        if p["event"] is None:
+            continue
+        style = _STYLE[p["event"]]
+        for ax in (top, bottom):
+            ax.axvline(p["x"], **style, linewidth=1.2)
+        # One legend entry per kind of event; the rollback's text names its checkpoint.
+        name = p["label"] if p["event"] == "rollback" else p["event"]
+        if p["event"] not in seen or p["event"] == "rollback":
+            bottom.plot([], [], **style, label=name)
+            seen.add(p["event"])
+        if p["event"] == "rollback":
+            bottom.plot([p["x"]], [p["total_rows"]], marker="*", markersize=14,
+                        color="tab:red", linestyle="none")  # fmt: skip
+    if seen:
+        bottom.legend(loc="upper left", fontsize="small")
+    fig.tight_layout()
     try:
-        gaps = [b - a for a, b in itertools.pairwise(xs) if b > a]
-        width = 0.8 * min(gaps) if gaps else 0.8
-        top.bar(xs, [p["rows_added"] for p in points], width=width, color="tab:blue")
-        top.set_ylabel("rows added")
-        top.set_title(f"{store.display_url}: growth")
-        bottom.plot(xs, [p["total_rows"] for p in points], marker="o", color="tab:green")
-        bottom.set_ylabel("total rows")
-        bottom.set_xlabel(label)
-        fig.tight_layout()
-        try:
-            fig.savefig(os.fspath(out), format="png")
-        except OSError as exc:
-            raise StorageError(f"cannot write the plot to {os.fspath(out)}: {exc}") from exc
-    finally:
-        plt.close(fig)
+        fig.savefig(os.fspath(out), format="png")
+    except OSError as exc:
+        raise StorageError(f"cannot write the plot to {os.fspath(out)}: {exc}") from exc
     log.info("plotted %d versions of %s to %s", len(points), store.display_url, out)
     return len(points)

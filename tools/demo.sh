@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 bash tools/setup-venv.sh
 # shellcheck disable=SC1091
 . "${DYNSTATE_VENV:-.venv}/bin/activate"
-exec dynstate demo "$@"
+exec python tools/demo.py "$@"

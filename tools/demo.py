@@ -1,4 +1,10 @@
-"""`dynstate demo`: a verl-style dynamic-datagen run that is killed with SIGKILL and resumed.
+"""The README's demo: a verl-style dynamic-datagen run that is killed with SIGKILL and resumed.
+
+    python tools/demo.py --dir demo-out [--s3] [--steps N] [--seed S] [--workers N]
+    bash tools/demo.sh                  # sets up .venv first, then runs this
+
+It runs from a checkout (it is not part of the installed package) and uses dynstate as a user
+would: the library for the training loop, the ``dynstate`` command for ``ls`` and ``plot``.
 
 Arithmetic tasks go into a store; a simulated policy fails the tasks whose answer is above a
 threshold that grows with the step; a rule-based generator commits variations of the failed
@@ -9,11 +15,13 @@ with :class:`VersionedDataset` and :class:`VersionedSampler` and saves
 The same loop runs in subprocesses: once uninterrupted on a reference store, once on the
 run's store until it is SIGKILLed at a seeded step, then resumed from its last checkpoint in a
 fresh process (``rollback`` + ``loader.load_state_dict``). The demo checks that the batches and
-the final head equal the reference's.
+the final head equal the reference's, and prints both runs' batches side by side for the steps
+after the checkpoint as evidence.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -21,24 +29,21 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import pyarrow as pa
 
-from .errors import InvalidDataError, MissingDependencyError, StoreExistsError
-from .resume import lineage, rollback
-from .store import Store
+from dynstate import DynstateError, InvalidDataError, Store, StoreExistsError, lineage, rollback
 
 log = logging.getLogger("dynstate")
 
 GENERATOR = "variations-v1"
 MARKER = ".dynstate-demo"
+HERE = os.path.dirname(os.path.abspath(__file__))
 S3_BUCKET = "dynstate-demo"
 SCHEMA = pa.schema(
     [
@@ -153,16 +158,22 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def train(url: str, workdir: str, cfg: DemoConfig, *, resume: bool = False) -> None:
+def train(
+    url: str,
+    workdir: str,
+    cfg: DemoConfig,
+    *,
+    resume: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
     """The training loop. Appends one line per step to ``stream.jsonl`` (or
     ``stream-resumed.jsonl``): the step and the rows of its batch."""
     import torch
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from .dataset import VersionedDataset
-    from .sampler import VersionedSampler
+    from dynstate import VersionedDataset, VersionedSampler
 
-    store = Store.open(url)
+    store = Store.open(url, storage_options=storage_options)
     ckpt_dir = os.path.join(workdir, "ckpt")
     start, state = 0, None
     if resume:
@@ -220,48 +231,14 @@ def prepare_dir(path: str) -> str:
     if os.path.isdir(path) and os.listdir(path):
         if not os.path.exists(os.path.join(path, MARKER)):
             raise StoreExistsError(
-                f"{path} is not empty and was not made by `dynstate demo`; pass --dir with a "
-                "new or empty directory"
+                f"{path} is not empty and was not made by the dynstate demo; pass --dir with "
+                "a new or empty directory"
             )
         shutil.rmtree(path)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, MARKER), "w") as fh:
-        fh.write("made by `dynstate demo`; the next demo run deletes this directory\n")
+        fh.write("made by the dynstate demo; the next demo run deletes this directory\n")
     return path
-
-
-@contextlib.contextmanager
-def loopback_s3(bucket: str = S3_BUCKET) -> Iterator[str]:
-    """A moto S3 server on loopback holding ``bucket``, for the --s3 demo and the test suite;
-    AWS_* variables point subprocesses to it (the variables are restored afterwards)."""
-    try:
-        import boto3
-        from moto.server import ThreadedMotoServer
-    except ImportError as exc:
-        raise MissingDependencyError(
-            "the --s3 demo starts a local S3 server with moto, which is not installed; "
-            "pip install 'dynstate[test]'"
-        ) from exc
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {"AWS_ACCESS_KEY_ID": "demo", "AWS_SECRET_ACCESS_KEY": "demo",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}  # fmt: skip
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
-        yield endpoint
-    finally:
-        server.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def read_stream(path: str) -> list[dict[str, Any]]:
@@ -275,20 +252,23 @@ def read_stream(path: str) -> list[dict[str, Any]]:
 
 
 class _Child:
-    """One training process (``python -m dynstate.demo _train``) in its own process group, so
+    """One training process (``python tools/demo.py _train``) in its own process group, so
     the crash kills it together with its DataLoader workers, as a lost node would."""
 
-    def __init__(self, url: str, workdir: str, cfg: DemoConfig, resume: bool = False):
+    def __init__(
+        self, url: str, workdir: str, cfg: DemoConfig, s3: Any = None, resume: bool = False
+    ):
         os.makedirs(workdir, exist_ok=True)
         self.stream = os.path.join(workdir, "stream-resumed.jsonl" if resume else "stream.jsonl")
         self.log_path = os.path.join(workdir, "resumed.log" if resume else "train.log")
         args = {"url": url, "workdir": workdir, "cfg": asdict(cfg), "resume": resume}
         with open(self.log_path, "wb") as log_file:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dynstate.demo", "_train", json.dumps(args)],
+                [sys.executable, os.path.abspath(__file__), "_train", json.dumps(args)],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env=_child_env(s3),
             )
 
     def steps(self) -> int:
@@ -343,19 +323,20 @@ def compare(
 def run_demo(
     out_dir: str = "demo-out", *, s3: bool = False, cfg: DemoConfig | None = None, console=None
 ) -> bool:
-    """Run the demo; prints progress, the verdict and ``dynstate ls``, writes growth.png and
-    summary.json. Returns True when the resumed run equals the reference exactly."""
+    """Run the demo; prints progress, the evidence, the verdict and ``dynstate ls``, writes
+    growth.png and summary.json. Returns True when the resumed run equals the reference."""
     from rich.console import Console
 
     cfg = cfg or DemoConfig()
     cfg.check()
     console = console or Console(highlight=False, soft_wrap=True)
     out = prepare_dir(out_dir)
-    with loopback_s3() if s3 else contextlib.nullcontext():
+    with _s3_server() if s3 else contextlib.nullcontext() as server:
+        options = _storage_options(server)
         base = f"s3://{S3_BUCKET}" if s3 else out
         urls = {"run": f"{base}/store", "reference": f"{base}/reference-store"}
         for url in urls.values():
-            Store.open(url, create=True).append(
+            Store.open(url, create=True, storage_options=options).append(
                 initial_tasks(cfg), meta={"step": -1, "generator": "initial"}
             )
         crash = pick_crash_step(cfg)
@@ -366,13 +347,24 @@ def run_demo(
             f"  reference: {urls['reference']}\n  the training run will be SIGKILLed "
             f"after step {crash}"
         )
-        ckpt_step, lost = _crash_and_resume(urls, out, cfg, crash, console)
+        ckpt_step, lost = _crash_and_resume(urls, out, cfg, crash, console, server)
         dirs = [os.path.join(out, name) for name in ("reference", "run")]
-        problem = compare(*dirs, ckpt_step, cfg, Store.open(urls["run"]))
-        head, ref_head = (Store.open(url).snapshot() for url in (urls["run"], urls["reference"]))
+        run_store = Store.open(urls["run"], storage_options=options)
+        problem = compare(*dirs, ckpt_step, cfg, run_store)
+        head = run_store.snapshot()
+        ref_head = Store.open(urls["reference"], storage_options=options).snapshot()
         if problem is None and not head.to_arrow().equals(ref_head.to_arrow()):
             problem = f"head {head.num_rows} rows differs from the reference's {ref_head.num_rows}"
-        _show_store(urls["run"], os.path.join(out, "growth.png"), console)
+        _show_evidence(dirs, ckpt_step, crash, cfg, console)
+        _show_store(urls["run"], os.path.join(out, "growth.png"), console, server)
+        s3_note = None
+        if server is not None:
+            # The server dies with the demo: keep byte-for-byte local copies that stay valid.
+            s3_note = {"urls": dict(urls), "endpoint": server.endpoint,
+                       "note": "the demo's loopback S3 server stopped when the demo ended; "
+                               "urls are local copies of these stores"}  # fmt: skip
+            urls = {name: _copy_local(url, os.path.join(out, "s3-copy", name), options)
+                    for name, url in urls.items()}  # fmt: skip
     summary = {
         "ok": problem is None,
         "problem": problem,
@@ -380,6 +372,7 @@ def run_demo(
         "checkpoint_step": ckpt_step,
         "rolled_back_steps": lost,
         "urls": urls,
+        "s3": s3_note,
         "head_version": head.version,
         "head_rows": head.num_rows,
         "config": asdict(cfg),
@@ -396,8 +389,69 @@ def run_demo(
     return True
 
 
+def _s3_server() -> Any:
+    from loopback_s3 import loopback_s3  # tools/loopback_s3.py, next to this file
+
+    return loopback_s3(S3_BUCKET, set_env=False)
+
+
+def _storage_options(server: Any) -> dict[str, Any] | None:
+    """Explicit options for the loopback server: nothing in this process's environment
+    changes (a user's own AWS settings stay as they were)."""
+    if server is None:
+        return None
+    env = server.env()
+    return {"key": env["AWS_ACCESS_KEY_ID"], "secret": env["AWS_SECRET_ACCESS_KEY"],
+            "endpoint_url": server.endpoint,
+            "client_kwargs": {"region_name": env["AWS_DEFAULT_REGION"]}}  # fmt: skip
+
+
+def _child_env(server: Any) -> dict[str, str]:
+    """A child's environment: the parent's, pointed at the loopback server for --s3."""
+    return {**os.environ, **(server.env() if server is not None else {})}
+
+
+def _copy_local(url: str, dest: str, options: dict[str, Any] | None) -> str:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **(options or {}))
+    fs.get(root.rstrip("/") + "/", dest, recursive=True)
+    return dest
+
+
+def _ids(rows: list[dict[str, Any]], most: int = 4) -> str:
+    ids = [row["id"] for row in rows]
+    return " ".join(ids[:most]) + (f" +{len(ids) - most}" if len(ids) > most else "")
+
+
+def _show_evidence(dirs: list[str], ckpt_step: int, crash: int, cfg: DemoConfig, console) -> None:
+    """Both runs' batches for the steps after the checkpoint, side by side: the steps the
+    crashed run had done (and lost) and the first ones after them."""
+    reference = {s["step"]: s["rows"] for s in read_stream(os.path.join(dirs[0], "stream.jsonl"))}
+    resumed = {s["step"]: s["rows"]
+               for s in read_stream(os.path.join(dirs[1], "stream-resumed.jsonl"))}  # fmt: skip
+    last = min(cfg.steps - 1, crash + 3)
+    console.print(
+        f"\nbatches after the checkpoint (step {ckpt_step}): the uninterrupted reference run "
+        "and the run resumed after the SIGKILL",
+        markup=False,
+    )
+    console.print(f"{'step':>4}  {'reference run':<38}  {'resumed run':<38}  same", markup=False)
+    for step in range(ckpt_step + 1, last + 1):
+        ours, theirs = resumed.get(step, []), reference.get(step, [])
+        note = "yes" if ours == theirs else "NO"
+        console.print(f"{step:>4}  {_ids(theirs):<38}  {_ids(ours):<38}  {note}", markup=False)
+    if last < cfg.steps - 1:
+        same = all(resumed.get(s) == reference.get(s) for s in range(ckpt_step + 1, cfg.steps))
+        console.print(
+            f"  ... steps {last + 1}-{cfg.steps - 1}: "
+            + ("all batches equal" if same else "batches DIFFER"),
+            markup=False,
+        )
+
+
 def _crash_and_resume(
-    urls: dict[str, str], out: str, cfg: DemoConfig, crash: int, console: Any
+    urls: dict[str, str], out: str, cfg: DemoConfig, crash: int, console: Any, server: Any
 ) -> tuple[int, list[int]]:
     """Run the reference and the training run side by side, SIGKILL the training run after
     step ``crash``, resume it; returns the checkpoint step and the rounds rolled back."""
@@ -414,8 +468,8 @@ def _crash_and_resume(
                 bars.update(bar, completed=offset + done)
                 return done
 
-            ref = _Child(urls["reference"], ref_dir, cfg)
-            run = _Child(urls["run"], run_dir, cfg)
+            ref = _Child(urls["reference"], ref_dir, cfg, server)
+            run = _Child(urls["run"], run_dir, cfg, server)
             children += [ref, run]
             ref_bar = bars.add_task("reference run (uninterrupted)", total=cfg.steps)
             run_bar = bars.add_task("training run (will crash)", total=cfg.steps)
@@ -433,7 +487,7 @@ def _crash_and_resume(
             if found is None:  # cannot happen: the crash step lies after the first checkpoint
                 raise RuntimeError(run.failure("the training run (no checkpoint)"))
             ckpt_step = found[0]
-            versions = Store.open(urls["run"]).versions()
+            versions = Store.open(urls["run"], storage_options=_storage_options(server)).versions()
             lost = [c.meta["step"] for c in versions if c.meta.get("step", -1) > ckpt_step]
             bars.update(run_bar, description=f"training run (killed after {run.steps()})")
             console.print(
@@ -441,7 +495,7 @@ def _crash_and_resume(
                 f"step {ckpt_step},\n  and it had committed rounds of steps {lost} after it "
                 "(the resume rolls them back)"
             )
-            resumed = _Child(urls["run"], run_dir, cfg, resume=True)
+            resumed = _Child(urls["run"], run_dir, cfg, server, resume=True)
             children.append(resumed)
             res_bar = bars.add_task(f"resumed from step {ckpt_step}", total=cfg.steps)
             while resumed.proc.poll() is None or ref.proc.poll() is None:
@@ -461,18 +515,16 @@ def _crash_and_resume(
     return ckpt_step, lost
 
 
-def _show_store(url: str, png: str, console: Any) -> None:
-    from .cli import cli
-
-    console.print(f"\n$ dynstate ls {url} --all")
-    cli.main(["ls", url, "--all"], prog_name="dynstate", standalone_mode=False)
-    try:
-        from .plot import plot_growth
-
-        plot_growth(Store.open(url), png)
-        console.print(f"growth plot: {png}")
-    except MissingDependencyError as exc:
-        console.print(f"growth plot skipped: {exc}")
+def _show_store(url: str, png: str, console: Any, server: Any) -> None:
+    """``dynstate ls --all`` and ``dynstate plot``, run as a user would run them."""
+    exe = os.path.join(os.path.dirname(sys.executable), "dynstate")
+    command = [exe] if os.path.exists(exe) else [sys.executable, "-m", "dynstate.cli"]
+    env = {**_child_env(server), "COLUMNS": os.environ.get("COLUMNS", "100")}
+    for args in (["ls", url, "--all", "--limit", "0"], ["plot", url, png]):
+        console.print(f"\n$ dynstate {' '.join(args)}", markup=False)
+        sys.stdout.flush()
+        proc = subprocess.run([*command, *args], env=env, capture_output=True, text=True)
+        console.print((proc.stdout + proc.stderr).rstrip("\n"), markup=False)
 
 
 def _train_main(arg: str) -> None:
@@ -481,10 +533,32 @@ def _train_main(arg: str) -> None:
     train(args["url"], args["workdir"], DemoConfig(**args["cfg"]), resume=args["resume"])
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tools/demo.py",
+        description="A dynamic-datagen training run, SIGKILLed mid-run, resumed from its last "
+        "checkpoint and compared with an uninterrupted run; then `dynstate ls` and a growth plot.",
+    )
+    parser.add_argument("--dir", default="demo-out", help="output directory (default demo-out)")
+    parser.add_argument("--s3", action="store_true", help="stores on a loopback S3 server (moto)")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--mode", choices=["epoch", "mix"], default="epoch")
+    parser.add_argument("--step-time", type=float, default=0.4, help="simulated seconds per step")
+    args = parser.parse_args(argv)
+    cfg = DemoConfig(steps=args.steps, seed=args.seed, workers=args.workers, mode=args.mode,
+                     step_time=args.step_time)  # fmt: skip
+    try:
+        ok = run_demo(args.dir, s3=args.s3, cfg=cfg)
+    except (DynstateError, RuntimeError) as exc:  # a training process failed: its log tail
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0 if ok else 1
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["_train"]:
         _train_main(sys.argv[2])
     else:
-        from .cli import cli
-
-        cli(["demo", *sys.argv[1:]], prog_name="dynstate")
+        sys.exit(main())

@@ -1,0 +1,86 @@
+"""`dynstate`: inspect and maintain stores offline.
+
+Each command opens the store, calls one or two library functions and hands plain data to
+:mod:`.render` — human tables by default, ``--json`` for scripts. Failures are reported here,
+in one place, as one ``error: <message>`` line. Exit codes: 0 success, 1 a failure or a
+problem found, 2 a usage error.
+
+Only click is imported at start; every library module (pyarrow, fsspec, torch...) is imported
+inside the command that needs it, so ``dynstate --help`` costs a few tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from typing import Any
+
+import click
+
+from . import commands_output, commands_read, commands_upkeep
+from .errors import one_line
+
+log = logging.getLogger("dynstate")
+
+
+class _Group(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)  # in the order they were added: reading first, then upkeep
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from ..errors import DynstateError
+
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            click.echo("error: interrupted", err=True)
+            ctx.exit(130)
+        except Exception as exc:
+            # DynstateError is the expected case; anything else (a client library's error the
+            # store did not translate) is still one line, and a traceback only with -vv.
+            if not isinstance(exc, DynstateError) or log.isEnabledFor(logging.DEBUG):
+                log.debug("command failed", exc_info=True)
+            click.echo(f"error: {one_line(exc, ctx.meta.get('dynstate.url'))}", err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="Log more to stderr (repeat for debug).")
+@click.version_option(package_name="dynstate")
+def cli(verbose: int) -> None:
+    """Inspect and maintain dynstate stores: versioned Parquet shards on local disk or S3.
+
+    Commands that delete (gc) show their plan and act only with --yes or after a yes on a
+    terminal. Every command has --json.
+
+    Exit codes: 0 success, 1 a failed command or a problem found (error on stderr),
+    2 a usage error.
+
+    \b
+    Example:
+      dynstate ls s3://bucket/runs/run1
+    """
+    level = logging.WARNING - 10 * min(verbose, 2)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("dynstate")
+    logger.addHandler(handler)
+    logger.setLevel(level)
+
+
+for _module in (commands_read, commands_upkeep, commands_output):
+    for _command in _module.COMMANDS:
+        cli.add_command(_command)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        cli(prog_name="dynstate")
+    finally:
+        # Free Arrow objects (a store and its snapshots refer to each other) while Arrow's
+        # runtime is alive: left to the interpreter's teardown, a native thread pool can be
+        # destroyed mid-flight and abort the process (exit 134) after correct output.
+        gc.collect()

@@ -1,0 +1,192 @@
+"""Commands that write or look outside the store: export, plot, inspect, and serve (the web
+viewer, an optional extra)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import click
+
+from . import render as r
+from .options import (
+    cli_storage_options,
+    json_option,
+    open_store,
+    store_command,
+    version_arg,
+)
+
+
+@click.command("export")
+@click.argument("url")
+@click.argument("args", nargs=-1, required=True, metavar="[VERSION] OUT")
+@click.option("--format", "fmt", type=click.Choice(["parquet", "datasets"]), default="parquet")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@json_option
+@store_command
+def export_cmd(
+    url: str, args: tuple[str, ...], fmt: str, overwrite: bool, as_json, storage_options
+):
+    """Write a version's rows (default: the head), in order, to one Parquet file or to a
+    Hugging Face `datasets` directory (load it with datasets.load_from_disk). OUT is a path or
+    any fsspec URL (s3://bucket/rows.parquet); --storage-option applies to it too. OUT appears
+    only when complete.
+
+    \b
+    Example:
+      dynstate export s3://bucket/runs/run1 42 s3://bucket/exports/rows.parquet
+    """
+    from ..export import export
+
+    if len(args) > 2:
+        raise click.UsageError("expected URL [VERSION] OUT")
+    version, out = (None, args[0]) if len(args) == 1 else args
+    store = open_store(url, storage_options)
+    snap = store.snapshot(version_arg(version))
+    with r.progress("exporting", "shards") as update:
+        export(
+            snap,
+            out,
+            fmt=fmt,
+            overwrite=overwrite,
+            progress=update,
+            storage_options=cli_storage_options(out, storage_options),
+        )
+    info = {"url": store.display_url, "version": snap.version, "rows": snap.num_rows,
+            "shards": len(snap.shards), "out": out, "format": fmt}  # fmt: skip
+    if as_json:
+        r.print_json(info)
+    else:
+        r.echo(
+            f"exported version {snap.version} of {store.display_url} "
+            f"({r.count(snap.num_rows, 'row')}) to {out}"
+        )
+
+
+@click.command("plot")
+@click.argument("url")
+@click.argument("out", type=click.Path(dir_okay=False))
+@json_option
+@store_command
+def plot_cmd(url: str, out: str, as_json: bool, storage_options) -> None:
+    """Plot rows added per round and total rows over training steps (the head's lineage) to a
+    PNG, marking resets, rollbacks (with the checkpoint the run resumed from) and compactions.
+    Needs matplotlib (pip install 'dynstate[plot]').
+
+    \b
+    Example:
+      dynstate plot ./runs/run1 growth.png
+    """
+    from ..plot import growth_points, plot_growth
+
+    store = open_store(url, storage_options)
+    count = plot_growth(store, out)
+    if as_json:
+        label, points = growth_points(store)
+        r.print_json({"url": store.display_url, "out": out, "x": label, "points": points})
+    else:
+        events = [p for p in growth_points(store)[1] if p["event"]]
+        marked = f"; marked: {', '.join(p['label'] for p in events)}" if events else ""
+        r.echo(f"wrote {out} ({r.count(count, 'version')} of {store.display_url}{marked})")
+
+
+@click.command("inspect")
+@click.argument("path")
+@click.option("--store", "store_url", help="Store URL, if not the one recorded in the state.")
+@click.option("-n", "rows", type=click.IntRange(min=1), help="Rows of the next batch to show.")
+@json_option
+@store_command
+def inspect_cmd(path: str, store_url, rows: int | None, as_json: bool, storage_options) -> None:
+    """Show what a checkpoint refers to: its training step, the store and its head, the
+    sampler's own counters (epoch, position, pinned version) and the rows the next step sees.
+    PATH is a verl global_step_N directory or a data.pt file. Nothing is written.
+
+    \b
+    Example:
+      dynstate inspect checkpoints/global_step_40
+    """
+    from ..checkpoint import describe_checkpoint
+
+    url = store_url
+    options = storage_options if url is None else cli_storage_options(url, storage_options)
+    info = describe_checkpoint(path, store_url=url, storage_options=options, rows=rows)
+    if as_json:
+        r.print_json(info)
+        return
+    step = info.get("training_step")
+    folder = os.path.basename(os.path.dirname(info["checkpoint"]))
+    pairs = [
+        ("checkpoint", info["checkpoint"]),
+        (
+            "training step",
+            f"{step} (folder {folder})"
+            if step is not None
+            else "unknown (not in a global_step_N folder)",
+        ),
+        ("store", f"{info['store_url']} (id {info['store_id']})"),
+        ("store head", f"version {info['head']}"),
+        (
+            "sampler",
+            f"mode {info['mode']}, seed {info['seed']}, pinned version {info['version']}, "
+            f"base rows {info['base_rows']:,}",
+        ),
+        (
+            "sampler counters",
+            f"epoch {info['epoch']}, position {info['position']:,}, "
+            f"batches handed out {info['step']:,}",
+        ),
+        (
+            "next batch",
+            f"epoch {info['next_epoch']}, version {info['next_version']}, "
+            f"rows {info['next_indices']}",
+        ),
+    ]
+    for line in r.fields(pairs):
+        r.echo(line)
+    if "next_error" in info:
+        r.echo(f"note: {info['next_error']}")
+    if info["next_rows"]:
+        columns = list(info["next_rows"][0])
+        cols = [r.Column("row", right=True), *(r.Column(c, flexible=True) for c in columns)]
+        cells = [
+            [str(index), *(r.cell(row[c]) for c in columns)]
+            for index, row in zip(info["next_indices"], info["next_rows"], strict=True)
+        ]
+        r.echo()
+        for line in r.table(cols, cells, r.width()):
+            r.echo(line)
+
+
+class _Serve(click.Command):
+    """``dynstate serve``: the web viewer lives in ``dynstate.serve.command`` (the ``serve``
+    extra). Loaded when run or asked for help, so that the CLI's start-up never pays for it."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "serve",
+            help="Browse a store in a web browser (needs pip install 'dynstate[serve]').",
+            context_settings={"ignore_unknown_options": True, "help_option_names": []},
+            params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+            add_help_option=False,
+        )
+
+    def invoke(self, ctx: click.Context) -> Any:
+        real = _real_serve()
+        args = list(ctx.params["args"])
+        return real.main(args, prog_name=ctx.command_path, standalone_mode=False)
+
+
+def _real_serve() -> click.Command:
+    from ..errors import MissingDependencyError
+
+    try:
+        from ..serve.command import serve
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"dynstate serve is not available ({exc}); pip install 'dynstate[serve]'"
+        ) from exc
+    return serve
+
+
+COMMANDS = [export_cmd, plot_cmd, inspect_cmd, _Serve()]

@@ -1,0 +1,353 @@
+"""Reading commands: ls, show, head, diff, tags. Each opens the store, calls one or two
+library functions and renders the result."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from . import render as r
+from .options import json_option, open_store, store_command, version_arg
+
+DEFAULT_TERMINAL_LIMIT = 20
+
+
+def _op(row: dict[str, Any]) -> str:
+    return f"{row['op']}→{row['target']}" if row.get("target") is not None else row["op"]
+
+
+def _tag_list(names: list[str], most: int = 4) -> str:
+    more = len(names) - most
+    return ", ".join(names[:most]) + (f" (+{more} more)" if more > 0 else "")
+
+
+@click.command("ls")
+@click.argument("url")
+@click.option("--all", "show_all", is_flag=True, help="Also list abandoned versions.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    help=f"Show the newest N versions (default on a terminal: {DEFAULT_TERMINAL_LIMIT}; "
+    "piped: all). 0 shows all.",
+)
+@click.option("--reverse", is_flag=True, help="Oldest first.")
+@json_option
+@store_command
+def ls_cmd(url, show_all: bool, limit: int | None, reverse: bool, as_json: bool, storage_options):
+    """List a store's versions, newest first, under a summary of the store. Status is "head"
+    for the head; with --all, versions a reset left behind are listed as "abandoned". Only
+    the records shown are read, so a long history costs nothing extra.
+
+    \b
+    Example:
+      dynstate ls ./runs/run1 --all --limit 50
+    """
+    from ..history import summary, version_rows
+
+    if limit is None and sys.stdout.isatty():
+        limit = DEFAULT_TERMINAL_LIMIT
+    limit = limit or None
+    store = open_store(url, storage_options)
+    info = summary(store)
+    rows = version_rows(store, include_abandoned=show_all, limit=limit, newest_first=not reverse)
+    oldest_shown = min((row["version"] for row in rows), default=info["head"])
+    older = oldest_shown - info["oldest"]  # kept versions below the ones shown
+    hidden = 0 if show_all else (info["head"] - oldest_shown + 1) - len(rows)
+    if as_json:
+        r.print_json({"summary": info, "versions": rows, "more": older > 0})
+        return
+    tags = list(info["tags"])
+    for line in r.fields(
+        [
+            ("store", info["url"]),
+            (
+                "head",
+                f"version {info['head']}: {r.count(info['rows'], 'row')}, "
+                f"{r.count(info['shards'], 'shard')}, {r.human_size(info['bytes'])}",
+            ),
+            (
+                "versions",
+                f"{info['versions']:,} kept ({info['oldest']}-{info['head']})"
+                + (f", tags: {_tag_list(tags)}" if tags else ", no tags"),
+            ),
+            (
+                "commits",
+                f"first {r.utc(info['first_commit'])} UTC, last {r.utc(info['last_commit'])} UTC",
+            ),
+        ]
+    ):
+        r.echo(line)
+    r.echo()
+    columns = [
+        r.Column("version", right=True),
+        r.Column("op"),
+        r.Column("added", right=True),
+        r.Column("rows", right=True),
+        r.Column("shards", right=True),
+        r.Column("size", right=True),
+        r.Column("step", right=True, optional=True),
+        r.Column("generator", flexible=True, optional=True),
+        r.Column("created (UTC)"),
+        r.Column("tags", flexible=True, optional=True),
+        r.Column("status", optional=True),
+    ]
+    cells = [
+        [
+            str(row["version"]),
+            _op(row),
+            f"{row['rows_added']:,}",
+            f"{row['total_rows']:,}",
+            f"{row['shards']:,}",
+            r.human_size(row["bytes"]),
+            r.cell(row["step"]),
+            r.cell(row["generator"]),
+            r.utc(row["created"]),
+            ", ".join(row["tags"]),
+            row["status"] or "",
+        ]
+        for row in rows
+    ]
+    for line in r.table(columns, cells, r.width()):
+        r.echo(line)
+    notes = []
+    if older > 0:
+        notes.append(
+            f"{r.count(older, 'older version')} not shown: --limit N shows more, --limit 0 all"
+        )
+    if hidden > 0:
+        notes.append(f"{r.count(hidden, 'abandoned version')} hidden: --all shows them")
+    for note in notes:
+        r.echo(f"({note})")
+
+
+@click.command("show")
+@click.argument("url")
+@click.argument("version", required=False)
+@click.option("--max-shards", default=20, show_default=True, type=click.IntRange(min=0))
+@json_option
+@store_command
+def show_cmd(url, version, max_shards: int, as_json: bool, storage_options) -> None:
+    """Show one version (default: the head): op, parent, reset target, created, status, rows,
+    shards, size, tags, lineage, meta, schema and shard list.
+
+    \b
+    Example:
+      dynstate show ./runs/run1 ckpt --json
+    """
+    from ..history import describe
+
+    store = open_store(url, storage_options)
+    info = describe(store, version_arg(version))
+    if as_json:
+        r.print_json(info)
+        return
+    pairs = [
+        ("version", str(info["version"])),
+        ("op", _op({"op": info["op"], "target": info["target"]})),
+        ("parent", r.cell(info["parent"])),
+        ("created", f"{r.utc(info['created'])} UTC"),
+        ("status", info["status"] or ""),
+        ("rows", f"{info['rows']:,} ({info['rows_added']:+,} in this version)"),
+        ("shards", f"{info['shards']:,}"),
+        ("size", f"{r.human_size(info['bytes'])} ({info['bytes']:,} bytes)"),
+        ("tags", ", ".join(info["tags"])),
+        ("lineage", info["lineage"]),
+        ("meta", json.dumps(info["meta"], sort_keys=True, ensure_ascii=False)),
+    ]
+    for line in r.fields(pairs):
+        r.echo(line.rstrip())
+    r.echo()
+    r.echo("schema:")
+    schema_cells = [
+        [c["name"], c["type"], "yes" if c["nullable"] else "no"] for c in info["schema"]
+    ]
+    schema_cols = [r.Column("column", flexible=True), r.Column("type", flexible=True)]
+    for line in r.table([*schema_cols, r.Column("nullable")], schema_cells, r.width()):
+        r.echo(f"  {line}")
+    r.echo()
+    r.echo("shards:")
+    shard_list = info["shard_list"]
+    shard_cells = [
+        [str(i), s["path"], f"{s['rows']:,}", r.human_size(s["bytes"]), s["sha256"][:12]]
+        for i, s in enumerate(shard_list[:max_shards])
+    ]
+    shard_cols = [
+        r.Column("#", right=True),
+        r.Column("path", flexible=True),
+        r.Column("rows", right=True),
+        r.Column("size", right=True),
+        r.Column("sha256"),
+    ]
+    for line in r.table(shard_cols, shard_cells, r.width()):
+        r.echo(f"  {line}")
+    if len(shard_list) > max_shards:
+        r.echo(
+            f"  ({len(shard_list) - max_shards:,} more shards: --max-shards N, --json lists all)"
+        )
+
+
+@click.command("head")
+@click.argument("url")
+@click.argument("version", required=False)
+@click.option("-n", "rows", default=10, show_default=True, type=click.IntRange(min=0))
+@click.option("--columns", help="Comma-separated columns to show.")
+@click.option("--jsonl", is_flag=True, help="One JSON object per row.")
+@json_option
+@store_command
+def head_cmd(url, version, rows: int, columns, jsonl: bool, as_json: bool, storage_options):
+    """Print the first N rows of a version (default: the head), reading only the shards
+    needed.
+
+    \b
+    Example:
+      dynstate head ./runs/run1 7 -n 5 --columns prompt,answer --jsonl
+    """
+    store = open_store(url, storage_options)
+    snap = store.snapshot(version_arg(version))
+    names = [f.name for f in snap.schema or []]
+    wanted = [c.strip() for c in columns.split(",") if c.strip()] if columns else names
+    unknown = [c for c in wanted if c not in names]
+    if unknown:
+        raise click.BadParameter(
+            f"no column {', '.join(unknown)} in version {snap.version} of {store.display_url}; "
+            f"columns: {', '.join(names)}",
+            param_hint="--columns",
+        )
+    out: list[dict[str, Any]] = []
+    for i in range(len(snap.shards)):
+        if len(out) >= rows:
+            break
+        table = snap.read_shard(i).select(wanted)
+        out.extend(table.slice(0, rows - len(out)).to_pylist())
+        del table
+    if jsonl:
+        for row in out:
+            click.echo(json.dumps(row, default=str, ensure_ascii=False))
+        return
+    if as_json:
+        r.print_json(out)
+        return
+    cols = [r.Column(name, flexible=True) for name in wanted]
+    for line in r.table(cols, [[r.cell(row[c]) for c in wanted] for row in out], r.width()):
+        r.echo(line)
+
+
+@click.command("diff")
+@click.argument("url")
+@click.argument("v1")
+@click.argument("v2")
+@click.option("--shards", "with_shards", is_flag=True, help="Also list shard files added/removed.")
+@json_option
+@store_command
+def diff_cmd(url: str, v1: str, v2: str, with_shards: bool, as_json: bool, storage_options):
+    """Compare two versions by rows and lineage: rows V2 adds and removes against V1, the rows
+    both start with, and schema changes. A compaction or a reset to the same content changes
+    no row.
+
+    \b
+    Example:
+      dynstate diff ./runs/run1 ckpt head
+    """
+    from ..history import diff, ranges
+
+    store = open_store(url, storage_options)
+    info = diff(store, version_arg(v1), version_arg(v2), shards=with_shards)
+    if as_json:
+        r.print_json(info)
+        return
+    a, b = info["from"], info["to"]
+    (rows_a, rows_b), (shards_a, shards_b) = info["rows"], info["shards"]
+    if info["same_rows"]:
+        verdict = "same rows"
+    elif info["extends"]:
+        verdict = f"version {b} extends version {a}"
+    else:
+        verdict = f"version {b} does not contain all rows of version {a}"
+    added_from = f" (versions {ranges(info['added_versions'])})" if info["added_versions"] else ""
+    removed_from = (
+        f" (versions {ranges(info['removed_versions'])})" if info["removed_versions"] else ""
+    )
+    common = info["common_version"]
+    pairs = [
+        ("rows", f"{rows_a:,} -> {rows_b:,}: {verdict}"),
+        ("added", f"{r.count(info['added_rows'], 'row')}{added_from}"),
+        ("removed", f"{r.count(info['removed_rows'], 'row')}{removed_from}"),
+        (
+            "shared",
+            f"the first {r.count(info['shared_rows'], 'row')} (both lineages meet at "
+            f"version {common})"
+            if common is not None
+            else "unknown: the lineages meet only below the gc floor",
+        ),
+        ("schema", info["schema_change"] or "unchanged"),
+        ("shards", f"{shards_a:,} -> {shards_b:,}"),
+    ]
+    r.echo(f"{store.display_url}: version {a} -> {b}")
+    for line in r.fields(pairs):
+        r.echo(line)
+    if with_shards:
+        for s in info["shards_added"]:
+            r.echo(f"+ {s['path']} ({r.count(s['rows'], 'row')})")
+        for s in info["shards_removed"]:
+            r.echo(f"- {s['path']} ({r.count(s['rows'], 'row')})")
+
+
+@click.command("tags")
+@click.argument("url")
+@json_option
+@store_command
+def tags_cmd(url: str, as_json: bool, storage_options) -> None:
+    """List the tags of a store and the versions they name (gc keeps tagged versions).
+
+    \b
+    Example:
+      dynstate tags ./runs/run1
+    """
+    store = open_store(url, storage_options)
+    tags = sorted(store.tags().items(), key=lambda kv: (kv[1], kv[0]))
+    out = []
+    for name, version in tags:
+        record = store.commit_record(version)
+        out.append(
+            {
+                "name": name,
+                "version": version,
+                "op": record.op,
+                "rows": record.num_rows,
+                "step": record.meta.get("step"),
+                "created": record.created,
+            }
+        )
+    if as_json:
+        r.print_json(out)
+        return
+    if not out:
+        r.echo(f"{store.display_url}: no tags (dynstate tag URL NAME VERSION adds one)")
+        return
+    cols = [
+        r.Column("tag", flexible=True),
+        r.Column("version", right=True),
+        r.Column("op"),
+        r.Column("rows", right=True),
+        r.Column("step", right=True),
+        r.Column("created (UTC)"),
+    ]
+    cells = [
+        [
+            t["name"],
+            str(t["version"]),
+            t["op"],
+            f"{t['rows']:,}",
+            r.cell(t["step"]),
+            r.utc(t["created"]),
+        ]
+        for t in out
+    ]
+    for line in r.table(cols, cells, r.width()):
+        r.echo(line)
+
+
+COMMANDS = [ls_cmd, show_cmd, head_cmd, diff_cmd, tags_cmd]

@@ -1,0 +1,273 @@
+"""Checking and upkeep: verify, gc, tag, reset, compact. Destructive work is planned first and
+done only with --yes (or a yes typed on a terminal)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from . import render as r
+from .options import (
+    Duration,
+    Size,
+    confirm,
+    json_option,
+    open_store,
+    store_command,
+    version_arg,
+    yes_option,
+)
+
+PLAN_LINES = 20
+
+
+@click.command("verify")
+@click.argument("url")
+@click.option("--all", "all_versions", is_flag=True, help="Check the shards of every kept version.")
+@json_option
+@store_command
+def verify_cmd(url: str, all_versions: bool, as_json: bool, storage_options) -> None:
+    """Check every commit record, schema, checkpoint and chunk, and the size and checksum of
+    every shard of the head (of every kept version with --all). Names every problem found and
+    exits 1 if there is any.
+
+    \b
+    Example:
+      dynstate verify s3://bucket/runs/run1 --all
+    """
+    from ..verify import verify_store
+
+    store = open_store(url, storage_options)
+    with r.progress("verifying shards") as update:
+        report = verify_store(store, all_versions=all_versions, progress=update)
+    if as_json:
+        r.print_json(report.to_json())
+    else:
+        for problem in report.problems:
+            r.echo(f"problem: {problem}")
+        if report.ok:
+            r.echo(
+                f"ok: {store.display_url}: {r.count(len(report.versions_checked), 'version')}, "
+                f"{r.count(report.shards_checked, 'shard')}, "
+                f"{r.human_size(report.bytes_checked)} verified"
+            )
+    if not report.ok:
+        raise click.ClickException(f"{len(report.problems)} problem(s) in {store.display_url}")
+
+
+def _gc_lines(result: Any, verb: str) -> list[str]:
+    lines = [
+        f"{verb} {removal.path} ({removal.reason}, {r.human_size(removal.bytes)})"
+        for removal in result.removed[:PLAN_LINES]
+    ]
+    if len(result.removed) > PLAN_LINES:
+        lines.append(f"... and {len(result.removed) - PLAN_LINES:,} more files (--json lists all)")
+    collected = result.versions_collected
+    span = (
+        f"versions {collected[0]}-{collected[-1]}"
+        if len(collected) > 1
+        else f"version {collected[0]}"
+        if collected
+        else "no versions"
+    )
+    lines.append(
+        f"{result.url}: {verb} {r.count(len(result.removed), 'file')} "
+        f"({r.human_size(result.bytes_freed)}), {span} collected; "
+        f"{r.count(result.kept_young, 'orphan')} younger than the grace period kept"
+    )
+    return lines
+
+
+@click.command("gc")
+@click.argument("url")
+@click.option("--keep", type=click.IntRange(min=1), help="Keep the newest N versions.")
+@click.option("--older-than", type=Duration(), help="Collect versions older than this (7d, 12h).")
+@click.option(
+    "--grace", type=Duration(), default="1h", show_default=True,
+    help="Leave unreferenced files younger than this.",
+)  # fmt: skip
+@click.option("--dry-run", is_flag=True, help="Only show the plan, never ask.")
+@yes_option
+@json_option
+@store_command
+def gc_cmd(url, keep, older_than, grace: float, dry_run: bool, yes: bool, as_json, storage_options):
+    """Remove files no kept version needs (left by killed writers) once older than the grace
+    period and, with --keep or --older-than, the versions beyond that rule. The head, tagged
+    versions and every file a kept version needs are never removed.
+
+    Shows the plan first and removes only with --yes, or after a yes typed on a terminal.
+
+    \b
+    Example:
+      dynstate gc s3://bucket/runs/run1 --keep 50
+      dynstate gc s3://bucket/runs/run1 --keep 50 --yes
+    """
+    from ..gc import collect_garbage
+
+    if keep is not None and older_than is not None:
+        raise click.UsageError("give either --keep or --older-than, not both")
+    store = open_store(url, storage_options)
+    rule = {"keep": keep, "older_than_s": older_than, "grace_s": grace}
+    with r.progress("planning gc") as update:
+        update(0, None)
+        plan = collect_garbage(store, dry_run=True, **rule)
+    nothing = not plan.removed and not plan.versions_collected
+    go = not (dry_run or nothing) and (yes or (not as_json and _ask(plan)))
+    if not go:
+        if as_json:
+            r.print_json({**plan.to_json(), "deleted": False})
+        else:
+            for line in [] if nothing else _gc_lines(plan, "would remove"):
+                r.echo(line)
+            if nothing:
+                r.echo(f"{store.display_url}: nothing to remove")
+            elif not dry_run:
+                click.echo("nothing removed: pass --yes to remove these files", err=True)
+        return
+    with r.progress("removing files", "files") as update:
+        result = collect_garbage(store, dry_run=False, progress=update, **rule)
+    if as_json:
+        r.print_json({**result.to_json(), "deleted": True})
+        return
+    for line in _gc_lines(result, "removed"):
+        r.echo(line)
+
+
+def _ask(plan: Any) -> bool:
+    import sys
+
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return False
+    for line in _gc_lines(plan, "would remove"):
+        r.echo(line)
+    return confirm(f"remove these {r.count(len(plan.removed), 'file')}?", yes=False)
+
+
+@click.command("tag")
+@click.argument("url")
+@click.argument("name")
+@click.argument("version", required=False)
+@click.option("--force", is_flag=True, help="Move the tag if it names another version.")
+@click.option("--delete", is_flag=True, help="Remove the tag NAME (the version stays).")
+@json_option
+@store_command
+def tag_cmd(url, name: str, version, force: bool, delete: bool, as_json: bool, storage_options):
+    """Name a version (default: the head), or remove a name with --delete. Tagged versions are
+    never garbage-collected; `dynstate tags URL` lists the tags.
+
+    \b
+    Example:
+      dynstate tag ./runs/run1 step-1000 42
+      dynstate tag ./runs/run1 step-1000 --delete
+    """
+    if delete and (version is not None or force):
+        raise click.UsageError("--delete takes only the tag NAME")
+    store = open_store(url, storage_options)
+    if delete:
+        target = store.resolve(name)  # a missing tag fails here, naming the store
+        store.untag(name)
+        out = {"url": store.display_url, "tag": name, "version": target, "deleted": True}
+        text = f"removed tag {name} (version {target}) from {store.display_url}"
+    else:
+        before = store.tags().get(name)
+        store.tag(name, version_arg(version), force=force)
+        target = store.resolve(name)
+        out = {"url": store.display_url, "tag": name, "version": target, "deleted": False,
+               "previous": before}  # fmt: skip
+        if before == target:
+            text = f"tag {name} already names version {target} of {store.display_url}"
+        elif before is not None:
+            text = f"moved tag {name} of {store.display_url} from version {before} to {target}"
+        else:
+            text = f"tagged version {target} of {store.display_url} as {name}"
+    if as_json:
+        r.print_json(out)
+    else:
+        r.echo(text)
+
+
+@click.command("reset")
+@click.argument("url")
+@click.argument("version")
+@json_option
+@store_command
+def reset_cmd(url: str, version: str, as_json: bool, storage_options) -> None:
+    """Make a past version's rows the head again, as a new version. The versions after it stay
+    readable, listed as abandoned by `ls --all`, until gc collects them. If the head already
+    has exactly those rows, nothing is committed.
+
+    \b
+    Example:
+      dynstate reset ./runs/run1 40
+    """
+    from ..history import diff
+
+    store = open_store(url, storage_options)
+    head = store.refresh()
+    target = store.resolve(version_arg(version))
+    same = diff(store, head, target)
+    if same["same_rows"] and same["schema_change"] is None:
+        out = {"url": store.display_url, "target": target, "head": head, "committed": None}
+        text = (
+            f"{store.display_url}: nothing to do, the head (version {head}) already has the "
+            f"rows of version {target}; nothing committed"
+        )
+    else:
+        new = store.reset(target)
+        out = {"url": store.display_url, "target": target, "head": new, "committed": new}
+        text = (
+            f"reset {store.display_url} to version {target}: new head is version {new} "
+            f"({r.count(store.commit_record(new).num_rows, 'row')}); versions "
+            f"{target + 1}-{new - 1} are abandoned until gc"
+            if new - 1 > target
+            else f"reset {store.display_url} to version {target}: new head is version {new}"
+        )
+    if as_json:
+        r.print_json(out)
+    else:
+        r.echo(text)
+
+
+@click.command("compact")
+@click.argument("url")
+@click.option("--target-size", type=Size(), help="Target shard size, e.g. 128MiB (default).")
+@json_option
+@store_command
+def compact_cmd(url: str, target_size: int | None, as_json: bool, storage_options) -> None:
+    """Merge small shards of the head into shards of about the target size, as a new version
+    with the same rows in the same order. Old shards stay until gc.
+
+    \b
+    Example:
+      dynstate compact s3://bucket/runs/run1 --target-size 256MiB
+    """
+    from ..compact import compact
+
+    store = open_store(url, storage_options)
+    before = store.snapshot()
+    kwargs: dict[str, Any] = {} if target_size is None else {"target_bytes": target_size}
+    with r.progress("compacting shards", "shards read") as update:
+        new = compact(store, progress=update, **kwargs)
+    after = store.snapshot(new)
+    out = {
+        "url": store.display_url,
+        "from": before.version,
+        "version": new,
+        "committed": new != before.version,
+        "shards": [len(before.shards), len(after.shards)],
+        "rows": after.num_rows,
+    }
+    if as_json:
+        r.print_json(out)
+    elif new == before.version:
+        r.echo(f"{store.display_url}: nothing to compact at version {new}; nothing committed")
+    else:
+        r.echo(
+            f"compacted {store.display_url}: version {new} has "
+            f"{r.count(len(after.shards), 'shard')} (version {before.version} had "
+            f"{len(before.shards):,}), same {r.count(after.num_rows, 'row')}"
+        )
+
+
+COMMANDS = [verify_cmd, gc_cmd, tag_cmd, reset_cmd, compact_cmd]

@@ -1,0 +1,181 @@
+"""What every command shares: the store URL and ``--storage-option``, ``--json``, parameter
+types that turn bad input into usage errors (exit 2), opening a store with timeouts fit for an
+interactive command, and the confirmation of destructive commands."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import socket
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import click
+
+if TYPE_CHECKING:
+    from ..store import Store
+
+# Interactive commands must fail fast on an unreachable endpoint: a few seconds per connect,
+# few botocore attempts (the store's own retries come on top).
+CLI_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2}}
+PREFLIGHT_TIMEOUT_S = 5.0
+
+json_option = click.option(
+    "--json", "as_json", is_flag=True, help="Print JSON (stable keys, see docs/cli.md)."
+)
+yes_option = click.option(
+    "--yes", "-y", "yes", is_flag=True, help="Do it without asking (needed when not on a terminal)."
+)
+
+
+def store_command(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Adds ``--storage-option`` (repeatable); the command receives ``storage_options``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, storage_option: tuple[str, ...], **kwargs: Any) -> Any:
+        return fn(*args, storage_options=parse_storage_options(storage_option), **kwargs)
+
+    return click.option(
+        "--storage-option",
+        "storage_option",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="fsspec storage option (repeatable); VALUE is parsed as JSON where it can be. "
+        "Endpoint and credentials otherwise come from the standard AWS environment.",
+    )(wrapper)
+
+
+def parse_storage_options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(
+                f"expected KEY=VALUE, got {pair!r}", param_hint="--storage-option"
+            )
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def version_arg(value: str | None) -> int | str | None:
+    """A VERSION argument: a number, a tag name, or ``head``/absent for the head."""
+    return None if value in (None, "head") else value
+
+
+class Duration(click.ParamType):
+    """``90``, ``30s``, ``15m``, ``2h``, ``7d``, ``1w`` -> seconds; anything else is a usage
+    error (exit 2)."""
+
+    name = "DURATION"
+    _re = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+    _units = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        match = self._re.match(str(value))
+        if match is None:
+            self.fail(f"cannot read {value!r}; write e.g. 90, 30s, 15m, 2h, 7d or 1w", param, ctx)
+        return float(match.group(1)) * self._units[match.group(2)]
+
+
+class Size(click.ParamType):
+    """``1000``, ``64MB`` (10^6), ``64MiB`` (2^20) -> bytes; anything else is a usage error."""
+
+    name = "SIZE"
+    _re = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        if isinstance(value, int):
+            return value
+        match = self._re.match(str(value))
+        if match is None or float(match.group(1)) <= 0:
+            self.fail(f"cannot read {value!r}; write e.g. 128MiB, 100MB or 1048576", param, ctx)
+        power = " kmgt".index(match.group(2).lower() or " ")
+        return int(float(match.group(1)) * (1024 if match.group(3) else 1000) ** power)
+
+
+def cli_storage_options(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The user's options, with short connect timeouts and few botocore retries for s3://
+    where the user set none (a library user keeps the store's patient defaults)."""
+    if url.split("://", 1)[0].lower() not in ("s3", "s3a"):
+        return options
+    out = dict(options)
+    config = dict(out.get("config_kwargs") or {})
+    for key, value in CLI_S3_CONFIG.items():
+        config.setdefault(key, value)
+    out["config_kwargs"] = config
+    return out
+
+
+def s3_endpoint(options: dict[str, Any]) -> str | None:
+    """The S3 endpoint a store will use, where it is set explicitly (options or environment)."""
+    client = options.get("client_kwargs") or {}
+    for value in (
+        options.get("endpoint_url"),
+        client.get("endpoint_url") if isinstance(client, dict) else None,
+        os.environ.get("AWS_ENDPOINT_URL_S3"),
+        os.environ.get("AWS_ENDPOINT_URL"),
+    ):
+        if value:
+            return str(value)
+    return None
+
+
+def check_endpoint(url: str, options: dict[str, Any]) -> None:
+    """Fail within seconds, in one line, when an explicitly set S3 endpoint is malformed or
+    does not accept connections, instead of after minutes of retries."""
+    from ..errors import InvalidDataError, StorageError
+
+    if url.split("://", 1)[0].lower() not in ("s3", "s3a"):
+        return
+    endpoint = s3_endpoint(options)
+    if endpoint is None:
+        return
+    try:
+        parts = urlsplit(endpoint)
+        host, port = parts.hostname, parts.port
+    except ValueError as exc:
+        raise InvalidDataError(
+            f"the S3 endpoint {endpoint!r} is not a valid URL ({exc}); fix AWS_ENDPOINT_URL or "
+            "--storage-option endpoint_url=http://host:port"
+        ) from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise InvalidDataError(
+            f"the S3 endpoint {endpoint!r} is not an http(s) URL; fix AWS_ENDPOINT_URL or "
+            "--storage-option endpoint_url=http://host:port"
+        )
+    port = port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=PREFLIGHT_TIMEOUT_S).close()
+    except OSError as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise StorageError(
+            f"cannot reach the S3 endpoint {parts.scheme}://{host}:{port} ({reason}); check "
+            "that it is up, and AWS_ENDPOINT_URL or --storage-option endpoint_url"
+        ) from None
+
+
+def open_store(url: str, storage_options: dict[str, Any]) -> Store:
+    from ..store import Store
+
+    options = cli_storage_options(url, storage_options)
+    check_endpoint(url, options)
+    return Store.open(url, storage_options=options)
+
+
+def confirm(question: str, yes: bool) -> bool:
+    """True with ``--yes``; on a terminal, ask; otherwise False (the caller says to pass
+    --yes). Never deletes on a script's behalf by default."""
+    if yes:
+        return True
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return False
+    return click.confirm(question, default=False)

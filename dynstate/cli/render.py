@@ -1,0 +1,150 @@
+"""All terminal output of the `dynstate` command: plain-text tables that fit the terminal,
+human sizes and UTC times, JSON, and progress bars on stderr. Commands compute plain data and
+hand it here; nothing in this module reads a store.
+
+Kept free of heavy imports: rich is loaded only when a progress bar is actually shown."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import click
+
+GAP = "  "
+
+
+def echo(line: str = "") -> None:
+    click.echo(line)
+
+
+def print_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str, ensure_ascii=False))
+
+
+def human_size(n: int | None) -> str:
+    """``1536`` as ``"1.5 KiB"``: powers of 1024, one decimal from KiB on."""
+    if n is None:
+        return ""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024
+        if value < 1024 or unit == "PiB":
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def utc(timestamp: str | None) -> str:
+    """An ISO 8601 record time (``2026-11-30T00:23:28.123Z``) as ``2026-11-30 00:23:28``; the
+    caller says "UTC" once, in a column title or after the time."""
+    if not timestamp:
+        return ""
+    return f"{timestamp[:10]} {timestamp[11:19]}"
+
+
+def count(n: int, noun: str) -> str:
+    """``count(1, "version")`` is ``"1 version"``, ``count(1201, ...)`` ``"1,201 versions"``."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def cell(value: Any) -> str:
+    """A value as one table cell: one line, None as empty."""
+    if value is None:
+        return ""
+    if isinstance(value, (dict, list)):
+        text = json.dumps(value, default=str, ensure_ascii=False)
+    else:
+        text = str(value)
+    return text.replace("\n", "\\n")
+
+
+def width() -> int | None:
+    """Columns available: ``COLUMNS`` if set, the terminal's width on a terminal, else None
+    (piped output is not cut; scripts should prefer --json)."""
+    env = os.environ.get("COLUMNS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    if sys.stdout.isatty():
+        return shutil.get_terminal_size().columns
+    return None
+
+
+@dataclass(frozen=True)
+class Column:
+    title: str
+    right: bool = False  # numbers align right
+    flexible: bool = False  # may be shortened with "…" to fit; numbers and times never are
+    optional: bool = False  # left out when every cell is empty
+
+
+def table(columns: Sequence[Column], rows: Sequence[Sequence[str]], limit: int | None) -> list[str]:
+    """Lines of a table whose columns are as wide as their widest cell. When the table is wider
+    than ``limit``, flexible columns (free text) give up width, widest first, down to 6.
+    Optional columns with nothing in them are left out."""
+    keep = [i for i, c in enumerate(columns) if not c.optional or any(row[i] for row in rows)]
+    columns = [columns[i] for i in keep]
+    rows = [[row[i] for i in keep] for row in rows]
+    widths = [max([len(c.title), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]
+    if limit is not None:
+        excess = sum(widths) + len(GAP) * (len(widths) - 1) - limit
+        while excess > 0:
+            candidates = [i for i, c in enumerate(columns) if c.flexible and widths[i] > 6]
+            if not candidates:
+                break
+            i = max(candidates, key=lambda k: widths[k])
+            widths[i] -= 1
+            excess -= 1
+
+    def line(cells: Sequence[str]) -> str:
+        parts = []
+        for value, col, w in zip(cells, columns, widths, strict=True):
+            if len(value) > w:
+                value = value[: w - 1] + "…"
+            parts.append(value.rjust(w) if col.right else value.ljust(w))
+        return GAP.join(parts).rstrip()
+
+    return [line([c.title for c in columns]), *(line(r) for r in rows)]
+
+
+def fields(pairs: Sequence[tuple[str, str]]) -> list[str]:
+    """``key: value`` lines with the values aligned."""
+    pad = max((len(k) for k, _ in pairs), default=0) + 2
+    return [f"{k + ':':<{pad}}{v}" for k, v in pairs]
+
+
+@contextmanager
+def progress(description: str, unit: str = "") -> Iterator[Callable[[int, int | None], None]]:
+    """A progress bar on stderr, only on a terminal (stdout stays clean for --json);
+    yields ``update(done, total)``. The bar counts whatever the library reports: files,
+    shards or bytes, as ``unit`` says."""
+    if not sys.stderr.isatty():
+        yield lambda done, total: None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    console = Console(stderr=True)
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
+    if unit:
+        columns.append(TextColumn(unit))
+    with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int | None) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
