@@ -232,6 +232,14 @@ def test_reference_run_feeds_the_generator_on_verls_default_reward_path(referenc
     for row in final[IMPORTED:]:
         (source,) = row["_dynstate_source"]  # lineage: the failed task it varies
         assert int(final[source]["reward_model"]["ground_truth"]) % 3 == 0
+    # Round N is made from step N's scored batch: its rows vary tasks of that batch that
+    # scored 0 (also on checkpoint steps, where on_batch_end must not commit again).
+    for step, meta in got.items():
+        before = store.snapshot(meta["version"] - 1).num_rows
+        added = final[before : before + meta["rows"]]
+        b = ref_batches[step]
+        failed = {r for r, score in zip(b["rows"], b["scores"], strict=True) if score == 0.0}
+        assert added and all(row["_dynstate_source"][0] in failed for row in added), step
     # Generated rows reach training once a new epoch starts (epoch mode).
     assert any(r >= IMPORTED for b in ref_batches.values() for r in b["rows"])
     # Every checkpoint's round is in the store before the checkpoint names it.
