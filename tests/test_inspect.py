@@ -41,7 +41,7 @@ def test_inspect_names_version_position_and_next_batch(tmp_path, mode):
     assert [row["id"] for row in info["next_rows"]] == resumed[4]
 
     table = CliRunner().invoke(cli, ["inspect", str(ckpt)])
-    assert table.exit_code == 0 and f"version:    {state['version']}" in table.output
+    assert table.exit_code == 0 and f"pinned version {state['version']}," in table.output
 
 
 def test_inspect_refuses_a_file_without_sampler_state(tmp_path):

@@ -49,7 +49,8 @@ class _Group(click.Group):
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", count=True, help="Log more to stderr (repeat for debug).")
 @click.version_option(package_name="dynstate")
-def cli(verbose: int) -> None:
+@click.pass_context
+def cli(ctx: click.Context, verbose: int) -> None:
     """Inspect and maintain dynstate stores: versioned Parquet shards on local disk or S3.
 
     Commands that delete (gc) show their plan and act only with --yes or after a yes on a
@@ -62,12 +63,21 @@ def cli(verbose: int) -> None:
     Example:
       dynstate ls s3://bucket/runs/run1
     """
-    level = logging.WARNING - 10 * min(verbose, 2)
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    logger = logging.getLogger("dynstate")
-    logger.addHandler(handler)
-    logger.setLevel(level)
+    if verbose:
+        # For this command only: the logger is as it was afterwards (commands run in-process
+        # from tests and from other programs too).
+        logger = logging.getLogger("dynstate")
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        previous = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING - 10 * min(verbose, 2))
+
+        def restore() -> None:
+            logger.removeHandler(handler)
+            logger.setLevel(previous)
+
+        ctx.call_on_close(restore)
 
 
 for _module in (commands_read, commands_upkeep, commands_output):

@@ -51,34 +51,15 @@ def ls_cmd(url, show_all: bool, limit: int | None, reverse: bool, as_json: bool,
         limit = DEFAULT_TERMINAL_LIMIT
     limit = limit or None
     store = open_store(url, storage_options)
-    info = summary(store)
     rows = version_rows(store, include_abandoned=show_all, limit=limit, newest_first=not reverse)
+    if as_json:
+        r.print_json(rows)
+        return
+    info = summary(store)
     oldest_shown = min((row["version"] for row in rows), default=info["head"])
     older = oldest_shown - info["oldest"]  # kept versions below the ones shown
     hidden = 0 if show_all else (info["head"] - oldest_shown + 1) - len(rows)
-    if as_json:
-        r.print_json({"summary": info, "versions": rows, "more": older > 0})
-        return
-    tags = list(info["tags"])
-    for line in r.fields(
-        [
-            ("store", info["url"]),
-            (
-                "head",
-                f"version {info['head']}: {r.count(info['rows'], 'row')}, "
-                f"{r.count(info['shards'], 'shard')}, {r.human_size(info['bytes'])}",
-            ),
-            (
-                "versions",
-                f"{info['versions']:,} kept ({info['oldest']}-{info['head']})"
-                + (f", tags: {_tag_list(tags)}" if tags else ", no tags"),
-            ),
-            (
-                "commits",
-                f"first {r.utc(info['first_commit'])} UTC, last {r.utc(info['last_commit'])} UTC",
-            ),
-        ]
-    ):
+    for line in _summary_lines(info):
         r.echo(line)
     r.echo()
     columns = [
@@ -121,6 +102,52 @@ def ls_cmd(url, show_all: bool, limit: int | None, reverse: bool, as_json: bool,
         notes.append(f"{r.count(hidden, 'abandoned version')} hidden: --all shows them")
     for note in notes:
         r.echo(f"({note})")
+
+
+def _summary_lines(info: dict[str, Any]) -> list[str]:
+    tags = list(info["tags"])
+    return r.fields(
+        [
+            ("store", info["url"]),
+            (
+                "head",
+                f"version {info['head']}: {r.count(info['rows'], 'row')}, "
+                f"{r.count(info['shards'], 'shard')}, {r.human_size(info['bytes'])}",
+            ),
+            (
+                "versions",
+                f"{info['versions']:,} kept ({info['oldest']}-{info['head']})"
+                + (f", tags: {_tag_list(tags)}" if tags else ", no tags"),
+            ),
+            (
+                "commits",
+                f"first {r.utc(info['first_commit'])} UTC, last {r.utc(info['last_commit'])} UTC",
+            ),
+        ]
+    )
+
+
+@click.command("info")
+@click.argument("url")
+@json_option
+@store_command
+def info_cmd(url: str, as_json: bool, storage_options) -> None:
+    """Summarize a store: head, kept versions, rows, shards, size, tags, first and last
+    commit. Reads a handful of objects, however long the history (the header of `ls`).
+
+    \b
+    Example:
+      dynstate info s3://bucket/runs/run1 --json
+    """
+    from ..history import summary
+
+    store = open_store(url, storage_options)
+    info = summary(store)
+    if as_json:
+        r.print_json(info)
+        return
+    for line in _summary_lines(info):
+        r.echo(line)
 
 
 @click.command("show")
@@ -350,4 +377,4 @@ def tags_cmd(url: str, as_json: bool, storage_options) -> None:
         r.echo(line)
 
 
-COMMANDS = [ls_cmd, show_cmd, head_cmd, diff_cmd, tags_cmd]
+COMMANDS = [ls_cmd, info_cmd, show_cmd, head_cmd, diff_cmd, tags_cmd]

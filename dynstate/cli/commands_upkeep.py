@@ -39,8 +39,14 @@ def verify_cmd(url: str, all_versions: bool, as_json: bool, storage_options) -> 
     from ..verify import verify_store
 
     store = open_store(url, storage_options)
-    with r.progress("verifying shards") as update:
-        report = verify_store(store, all_versions=all_versions, progress=update)
+    with r.bars() as add:
+        records = add("checking records", "records")
+        report = verify_store(
+            store,
+            all_versions=all_versions,
+            records_progress=records,
+            progress=add("verifying shards", "shards"),
+        )
     if as_json:
         r.print_json(report.to_json())
     else:
@@ -109,21 +115,27 @@ def gc_cmd(url, keep, older_than, grace: float, dry_run: bool, yes: bool, as_jso
         raise click.UsageError("give either --keep or --older-than, not both")
     store = open_store(url, storage_options)
     rule = {"keep": keep, "older_than_s": older_than, "grace_s": grace}
-    with r.progress("planning gc") as update:
+    with r.progress("planning gc: reading the store") as update:
         update(0, None)
         plan = collect_garbage(store, dry_run=True, **rule)
     nothing = not plan.removed and not plan.versions_collected
-    go = not (dry_run or nothing) and (yes or (not as_json and _ask(plan)))
+    # Ask only a person at a terminal; scripts (and --json) need --yes.
+    ask = not (yes or dry_run or nothing or as_json) and _interactive()
+    if ask:
+        for line in _gc_lines(plan, "would remove"):
+            r.echo(line)
+    go = not dry_run and (yes or (ask and confirm(f"remove {_files(plan)}?", yes=False)))
     if not go:
         if as_json:
             r.print_json({**plan.to_json(), "deleted": False})
-        else:
-            for line in [] if nothing else _gc_lines(plan, "would remove"):
+            return
+        if nothing:
+            r.echo(f"{store.display_url}: nothing to remove")
+        elif not ask:
+            for line in _gc_lines(plan, "would remove"):
                 r.echo(line)
-            if nothing:
-                r.echo(f"{store.display_url}: nothing to remove")
-            elif not dry_run:
-                click.echo("nothing removed: pass --yes to remove these files", err=True)
+        if not (nothing or dry_run):
+            click.echo("nothing removed: pass --yes to remove these files", err=True)
         return
     with r.progress("removing files", "files") as update:
         result = collect_garbage(store, dry_run=False, progress=update, **rule)
@@ -134,14 +146,14 @@ def gc_cmd(url, keep, older_than, grace: float, dry_run: bool, yes: bool, as_jso
         r.echo(line)
 
 
-def _ask(plan: Any) -> bool:
+def _interactive() -> bool:
     import sys
 
-    if not (sys.stdin.isatty() and sys.stdout.isatty()):
-        return False
-    for line in _gc_lines(plan, "would remove"):
-        r.echo(line)
-    return confirm(f"remove these {r.count(len(plan.removed), 'file')}?", yes=False)
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
+def _files(plan: Any) -> str:
+    return f"{r.count(len(plan.removed), 'file')} ({r.human_size(plan.bytes_freed)})"
 
 
 @click.command("tag")

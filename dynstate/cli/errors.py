@@ -84,9 +84,7 @@ def one_line(exc: BaseException, url: str | None = None) -> str:
     """The message printed after ``error: ``."""
     from ..errors import DynstateError
 
-    known = _client_error(exc, url or "the store") if url else None
-    if known is None and not isinstance(exc, DynstateError):
-        known = _client_error(exc, "the store")
+    known = _client_error(exc, url or "the store")
     text = known or str(exc) or type(exc).__name__
     if not isinstance(exc, DynstateError) and known is None:
         text = f"{type(exc).__name__}: {text}"

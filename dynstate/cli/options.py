@@ -82,7 +82,9 @@ class Duration(click.ParamType):
             return float(value)
         match = self._re.match(str(value))
         if match is None:
-            self.fail(f"cannot read {value!r}; write e.g. 90, 30s, 15m, 2h, 7d or 1w", param, ctx)
+            self.fail(
+                f"cannot read duration {value!r}; write e.g. 90, 30s, 15m, 2h, 7d or 1w", param, ctx
+            )
         return float(match.group(1)) * self._units[match.group(2)]
 
 
@@ -97,7 +99,9 @@ class Size(click.ParamType):
             return value
         match = self._re.match(str(value))
         if match is None or float(match.group(1)) <= 0:
-            self.fail(f"cannot read {value!r}; write e.g. 128MiB, 100MB or 1048576", param, ctx)
+            self.fail(
+                f"cannot read size {value!r}; write e.g. 128MiB, 100MB or 1048576", param, ctx
+            )
         power = " kmgt".index(match.group(2).lower() or " ")
         return int(float(match.group(1)) * (1024 if match.group(3) else 1000) ** power)
 
@@ -164,11 +168,44 @@ def check_endpoint(url: str, options: dict[str, Any]) -> None:
 
 
 def open_store(url: str, storage_options: dict[str, Any]) -> Store:
+    """``Store.open`` with the CLI's timeouts, after a quick reachability check of an explicit
+    S3 endpoint; a missing bucket is told apart from a prefix that holds no store."""
+    from ..errors import StoreNotFoundError
+    from ..storage import redact
     from ..store import Store
 
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.meta["dynstate.url"] = redact(url)  # for errors raised below the store
     options = cli_storage_options(url, storage_options)
     check_endpoint(url, options)
-    return Store.open(url, storage_options=options)
+    try:
+        return Store.open(url, storage_options=options)
+    except StoreNotFoundError:
+        bucket = _missing_bucket(url, options)
+        if bucket is not None:
+            where = s3_endpoint(options) or "AWS S3"
+            raise StoreNotFoundError(
+                f"bucket {bucket!r} does not exist at {where} ({redact(url)}); check the bucket "
+                "name and the endpoint (AWS_ENDPOINT_URL or --storage-option endpoint_url)"
+            ) from None
+        raise
+
+
+def _missing_bucket(url: str, options: dict[str, Any]) -> str | None:
+    """The bucket of an object-store URL if it does not exist (one HEAD request)."""
+    from ..errors import DynstateError
+    from ..storage import open_storage
+
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in ("s3", "s3a", "gs", "gcs"):
+        return None
+    bucket = rest.split("/", 1)[0].rsplit("@", 1)[-1]
+    try:
+        exists = open_storage(f"{scheme}://{bucket}", options).exists("")
+    except (DynstateError, OSError):
+        return None  # cannot tell: keep the original error
+    return None if exists else bucket
 
 
 def confirm(question: str, yes: bool) -> bool:

@@ -120,13 +120,16 @@ def fields(pairs: Sequence[tuple[str, str]]) -> list[str]:
     return [f"{k + ':':<{pad}}{v}" for k, v in pairs]
 
 
+Update = Callable[[int, "int | None"], None]
+
+
 @contextmanager
-def progress(description: str, unit: str = "") -> Iterator[Callable[[int, int | None], None]]:
-    """A progress bar on stderr, only on a terminal (stdout stays clean for --json);
-    yields ``update(done, total)``. The bar counts whatever the library reports: files,
-    shards or bytes, as ``unit`` says."""
+def bars() -> Iterator[Callable[[str, str], Update]]:
+    """Progress bars on stderr, only on a terminal (stdout stays clean for --json); yields
+    ``add(description, unit)``, which starts a bar and returns its ``update(done, total)``.
+    Each bar counts whatever the library reports (records, shards, files), as ``unit`` says."""
     if not sys.stderr.isatty():
-        yield lambda done, total: None
+        yield lambda description, unit="": lambda done, total: None
         return
     from rich.console import Console
     from rich.progress import (
@@ -137,14 +140,26 @@ def progress(description: str, unit: str = "") -> Iterator[Callable[[int, int | 
         TimeElapsedColumn,
     )
 
-    console = Console(stderr=True)
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
-    if unit:
-        columns.append(TextColumn(unit))
-    with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task(description, total=None)
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[unit]}"), TimeElapsedColumn()]  # fmt: skip
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
 
-        def update(done: int, total: int | None) -> None:
-            bar.update(task, completed=done, total=total)
+        def add(description: str, unit: str = "") -> Update:
+            task = None  # shown from its first update, so a later stage's bar waits its turn
 
-        yield update
+            def update(done: int, total: int | None) -> None:
+                nonlocal task
+                if task is None:
+                    task = progress.add_task(description, total=total, unit=unit)
+                progress.update(task, completed=done, total=total)
+
+            return update
+
+        yield add
+
+
+@contextmanager
+def progress(description: str, unit: str = "") -> Iterator[Update]:
+    """One progress bar (see :func:`bars`); yields its ``update(done, total)``."""
+    with bars() as add:
+        yield add(description, unit)
