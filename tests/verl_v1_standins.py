@@ -369,6 +369,11 @@ def register_standin_trainer(spec: dict) -> type:
     log_path = spec.get("log")
 
     class CPUTrainer(DynstatePPOTrainer):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            # verl polls the queue every 2 s; a stand-in rollout answers at once
+            self.replay_buffer.poll_interval = 0.05
+
         def _setup(self) -> None:
             # verl's _setup up to the worker groups, then stand-ins for what needs GPUs
             self._init_tokenizer()
@@ -426,6 +431,37 @@ def register_standin_trainer(spec: dict) -> type:
 
     register_trainer(STANDIN_MODE)(CPUTrainer)
     return CPUTrainer
+
+
+# -- what a test compares ---------------------------------------------------------------------
+
+
+def read_log(path: str) -> dict[int, dict]:
+    """The batch each step trained, the last one logged for a step (a killed run's steps
+    that were trained again after the resume are superseded)."""
+    out: dict[int, dict] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    entry = json.loads(line)
+                    entry.pop("version", None)  # resets renumber versions, not content
+                    out[entry["step"]] = entry
+    return out
+
+
+def store_summary(url: str, storage_options: dict | None = None) -> dict:
+    """The head's rows and the rounds on its lineage (step, rows, generator), oldest first."""
+    from dynstate.resume import lineage
+    from dynstate.store import Store
+
+    store = Store.open(url, storage_options=storage_options or {})
+    rounds = []
+    for v in reversed(lineage(store)):
+        meta = store.commit_record(v).meta
+        if "step" in meta and "rollback_from" not in meta:
+            rounds.append((meta["step"], meta.get("rows"), meta.get("generator")))
+    return {"rows": store.snapshot().to_arrow().to_pylist(), "rounds": rounds}
 
 
 # -- the driver --------------------------------------------------------------------------------

@@ -1,0 +1,312 @@
+"""dynstate on verl's V1 trainer (``trainer.use_v1=true``, verl 0.9's default): verl's real
+``TaskRunnerV1.run`` → ``fit()`` → ``step()`` in ``sync`` mode with the dynstate trainer
+(``trainer.v1.trainer_mode=dynstate``), TransferQueue on a local Ray cluster, verl's agent loop
+and reward workers on verl's default rule-based reward; stand-ins only for the GPU worker
+group, the LLM server and weight sync (tests/verl_v1_standins.py).
+
+Drivers are SIGKILLed at the four instants of issue 12 — in rollout, right after a checkpoint,
+in validation, right after a commit — and every resume must train exactly the uninterrupted
+run's batches and end with its store. Also: the ``python -m dynstate.verl.main_ppo`` entry
+point for both trainers up to where verl starts GPU workers, and the settings V1 refuses.
+
+These tests fail (never skip) when verl or TransferQueue is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import transfer_queue  # noqa: F401  - V1's queue: a missing install must fail here
+import verl  # noqa: F401  - a missing verl must fail, not skip
+
+from dynstate.errors import InvalidDataError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import verl_v1_standins as standins  # noqa: E402
+
+DRIVER_TIMEOUT = 900
+NO_GPU = "Total available GPUs 0 is less than total desired GPUs 1"
+
+# verl's optional training engines (megatron, torchtitan, ...) warn when absent on import
+pytestmark = pytest.mark.filterwarnings("ignore:.* engine is not available:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("verl_v1")
+    model = standins.make_model_dir(str(folder / "model"))
+    train, val = standins.write_data(str(folder), n_train=30, n_val=4)
+    return {"model": model, "train": train, "val": val}
+
+
+def _spec(files: dict, tmp_path, store: str, **extra) -> dict:
+    spec = {
+        **files,
+        "store": store,
+        "ckpt": str(tmp_path / f"ckpt-{uuid.uuid4().hex[:6]}"),
+        "log": str(tmp_path / f"log-{uuid.uuid4().hex[:6]}.jsonl"),
+        "pids": str(tmp_path / f"pids-{uuid.uuid4().hex[:6]}.json"),
+    }
+    spec.update(extra)
+    return spec
+
+
+def _end_leftovers(proc: subprocess.Popen, pids_file: str) -> None:
+    """A SIGKILLed driver leaves its Ray cluster (GCS, raylet, workers) behind: end the
+    processes it recorded, and its process group, by id."""
+    pids: list[int] = []
+    if os.path.exists(pids_file):
+        with open(pids_file) as f:
+            pids = [p for p in json.load(f) if p != proc.pid]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver's own session: loader workers, actors
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_driver(spec: dict, kill: tuple[int, str] | None = None) -> int:
+    """One driver process; returns its exit status (-SIGKILL when it killed itself)."""
+    spec = {**spec, "kill": list(kill) if kill else None}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "verl_v1_standins.py"), json.dumps(spec)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=DRIVER_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _end_leftovers(proc, spec["pids"])
+    if proc.returncode not in (0, -signal.SIGKILL) or (kill and proc.returncode == 0):
+        text = out.decode(errors="replace") if out else ""
+        raise AssertionError(f"driver {kill} exited with {proc.returncode}:\n{text[-6000:]}")
+    return proc.returncode
+
+
+def _assert_same_run(reference: dict, spec: dict, steps: int, storage_options=None) -> None:
+    got = standins.read_log(spec["log"])
+    assert sorted(got) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
+        assert got[step] == reference["log"][step], f"step {step} trained another batch"
+    summary = standins.store_summary(spec["store"], storage_options)
+    assert summary["rounds"] == reference["store"]["rounds"]
+    assert summary["rows"] == reference["store"]["rows"]
+
+
+def _reference(files: dict, tmp_path, store: str, **extra) -> dict:
+    spec = _spec(files, tmp_path, store, **extra)
+    assert run_driver(spec) == 0
+    log = standins.read_log(spec["log"])
+    summary = standins.store_summary(store, extra.get("storage_options"))
+    return {"log": log, "store": summary}
+
+
+# -- kill and resume on verl's real V1 loop -----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_v1_sync_kill_at_every_instant_resumes_exactly(files, tmp_path):
+    """Epoch mode, local store, dataloader_num_workers=2. One driver is killed at each of the
+    four instants in turn, each one resuming the previous; the run ends like the
+    uninterrupted one, batch for batch and row for row."""
+    steps = 6
+    common = {"steps": steps, "save_freq": 2, "test_freq": 3, "num_workers": 2}
+    ref = _reference(files, tmp_path, str(tmp_path / "ref-store"), **common)
+    # rounds of every step, and generated rows joined the data of the second epoch
+    assert [r[0] for r in ref["store"]["rounds"]] == list(range(1, steps + 1))
+    assert sum(r[1] for r in ref["store"]["rounds"]) > 0
+
+    spec = _spec(files, tmp_path, str(tmp_path / "store"), **common)
+    kills = [
+        (3, "rollout"),  # prompts of step 3 in flight; checkpoint 2 is the latest
+        (3, "validation"),  # round 3 committed, no checkpoint 3: rolled back on resume
+        (4, "committed"),  # round 4 durable, checkpoint 4 not yet written
+        (4, "saved"),  # checkpoint 4 just written
+    ]
+    for kill in kills:
+        assert run_driver(spec, kill) == -signal.SIGKILL
+    assert run_driver(spec) == 0
+    _assert_same_run(ref, spec, steps)
+
+
+@pytest.mark.slow
+def test_v1_mix_mode_on_s3_resumes_exactly(files, tmp_path, s3_endpoint):
+    """Mix mode (fresh rows drawn from the step after their round), a store on the loopback
+    S3 server, no loader workers, verl's old generator interface; killed right after the
+    commit of a round whose checkpoint is not written yet."""
+    from conftest import s3_url
+
+    steps = 5
+    common = {
+        "steps": steps,
+        "save_freq": 2,
+        "test_freq": 0,
+        "num_workers": 0,
+        "dynstate": {"mode": "mix", "fresh_share": 0.5, "lag": 1},
+        "datagen": {"path": os.path.join(HERE, "verl_v1_standins.py"), "name": "OldInterface"},
+    }
+    ref = _reference(files, tmp_path, s3_url(), **common)
+    prompts = [p for step in ref["log"].values() for p in step["prompts"]]
+    assert any(p.endswith("+ 7 ?") for p in prompts), "no generated row was drawn in mix mode"
+
+    spec = _spec(files, tmp_path, s3_url(), **common)
+    assert run_driver(spec, (4, "committed")) == -signal.SIGKILL
+    assert run_driver(spec) == 0
+    _assert_same_run(ref, spec, steps)
+
+
+# -- what V1 refuses, before anything starts ----------------------------------------------------
+
+
+def _config(files: dict, tmp_path, overrides: list[str], mode: str = "sync"):
+    spec = _spec(files, tmp_path, str(tmp_path / "store"), trainer_mode=mode, overrides=overrides)
+    return standins.compose_config(spec)
+
+
+@pytest.mark.parametrize(
+    ("mode", "overrides", "names"),
+    [
+        ("colocate_async", [], ["colocate_async", "supported: sync"]),
+        ("separate_async", [], ["separate_async", "supported: sync"]),
+        ("sync", ["algorithm.filter_groups.enable=true"], ["filter_groups", "DAPO"]),
+        ("sync", ["trainer.v1.sampler.sync_refill_failed_groups=true"], ["sync_refill"]),
+    ],
+)
+def test_v1_refuses_modes_without_exact_resume(files, tmp_path, mode, overrides, names):
+    from dynstate.verl.main_ppo import select_v1_trainer
+
+    config = _config(files, tmp_path, overrides, mode)
+    with pytest.raises(InvalidDataError) as err:
+        select_v1_trainer(config)
+    for name in names:
+        assert name in str(err.value)
+    assert not os.path.exists(tmp_path / "store")  # refused before the store was touched
+
+
+def test_v1_sync_is_run_as_dynstate(files, tmp_path):
+    from dynstate.verl import v1
+    from dynstate.verl.main_ppo import select_v1_trainer
+
+    config = _config(files, tmp_path, [])
+    select_v1_trainer(config)
+    assert config.trainer.v1.trainer_mode == v1.TRAINER_MODE == "dynstate"
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    assert get_trainer_cls("dynstate") is v1.DynstatePPOTrainer
+
+
+# -- the entry point ------------------------------------------------------------------------------
+
+
+def _entry_point(files: dict, tmp_path, use_v1: bool) -> tuple[str, str]:
+    store = str(tmp_path / "store")
+    args = [
+        f"trainer.use_v1={str(use_v1).lower()}",
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        "trainer.logger=[console]",
+        "trainer.val_before_train=false",
+        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+        "trainer.total_training_steps=3",
+        "algorithm.adv_estimator=grpo",
+        f"actor_rollout_ref.model.path={files['model']}",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "reward.num_workers=1",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        f"data.train_files={files['train']}",
+        f"data.val_files={files['val']}",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=24",
+        "data.max_response_length=8",
+        "data.filter_overlong_prompts=true",
+        "data.filter_overlong_prompts_workers=1",
+        "data.dataloader_num_workers=0",
+        "data.custom_cls.path=pkg://dynstate.verl",
+        "data.custom_cls.name=DynstateRLDataset",
+        f"+data.dynstate.url={store}",
+        f"+data.datagen.path={os.path.join(HERE, 'verl_v1_standins.py')}",
+        "+data.datagen.name=FailedVariations",
+        "+ray_kwargs.ray_init.num_cpus=2",
+        "+ray_kwargs.ray_init.include_dashboard=false",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "RAY_DEDUP_LOGS": "0",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dynstate.verl.main_ppo", *args],
+        cwd=str(tmp_path),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=DRIVER_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        time.sleep(0.5)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # Ray processes the run left in its session
+        except (ProcessLookupError, PermissionError):
+            pass
+    assert proc.returncode != 0, "verl started GPU workers on a machine without GPUs?"
+    return out.decode(errors="replace"), store
+
+
+@pytest.mark.slow
+def test_main_ppo_v1_runs_dynstate_trainer_up_to_gpu_workers(files, tmp_path):
+    """``use_v1=true``: the dynstate trainer is registered inside verl's TaskRunnerV1 actor and
+    selected; it builds the dataset (importing the train files), installs dynstate's sampler
+    and stops where verl asks Ray for GPUs."""
+    out, store = _entry_point(files, tmp_path, use_v1=True)
+    assert "DynstateTaskRunnerV1" in out
+    assert "'trainer_mode': 'dynstate'" in out
+    assert "Unknown trainer" not in out
+    assert "dynstate train sampler installed" in out
+    assert NO_GPU in out  # verl's resource pool: the first thing that needs a GPU
+    summary = standins.store_summary(store)
+    assert summary["rows"] and summary["rounds"] == []  # imported, no step trained
+
+
+@pytest.mark.slow
+def test_main_ppo_legacy_runs_mixin_trainer_up_to_gpu_workers(files, tmp_path):
+    """``use_v1=false``: verl's legacy TaskRunner with the dynstate mixin trainer."""
+    out, store = _entry_point(files, tmp_path, use_v1=False)
+    assert "DynstateTaskRunner " in out or "DynstateTaskRunner object" in out
+    assert "TaskRunnerV1" not in out
+    assert NO_GPU in out
+    summary = standins.store_summary(store)
+    assert summary["rows"] and summary["rounds"] == []
