@@ -35,6 +35,7 @@ class Zygote:
     """One process that has imported verl; every driver is a fresh child forked from it."""
 
     def __init__(self, workdir: str):
+        self.workdir = os.path.realpath(workdir)
         env = dict(os.environ, HF_DATASETS_CACHE=os.path.join(workdir, "hf"), PYTHONUNBUFFERED="1")
         self.err = os.path.join(workdir, "zygote.err")
         with open(self.err, "w") as err:
@@ -58,7 +59,7 @@ class Zygote:
         self.proc.stdin.flush()
         reply = json.loads(self.proc.stdout.readline())
         if reply["status"] == -9:
-            assert_no_leftovers(reply["pid"], spec)
+            assert_no_leftovers(self.proc, self.workdir)
         return reply["status"]
 
     def close(self) -> None:
@@ -66,22 +67,27 @@ class Zygote:
         self.proc.wait(timeout=60)
 
 
-def assert_no_leftovers(pid: int, spec: dict) -> None:
-    """A killed driver leaves no process behind: its DataLoader workers exit on their own, and
-    it starts no Ray cluster (the driver asserts that at the end of every run)."""
-    deadline = time.monotonic() + 30
+def assert_no_leftovers(zygote: subprocess.Popen, workdir: str) -> None:
+    """A killed driver leaves no process behind: its DataLoader workers (forked, so they run
+    ``verl_cpu.py serve`` in the zygote's folder, reparented once the driver dies) exit on their
+    own, and it starts no Ray cluster (the driver asserts that at the end of every run)."""
+    deadline = time.monotonic() + 60
     while True:
         left = []
-        for p in psutil.process_iter(["pid", "ppid", "cmdline"]):
+        for p in psutil.process_iter(["pid", "cmdline", "cwd"]):
             try:
-                if p.info["ppid"] == pid:
+                if (
+                    p.info["pid"] != zygote.pid
+                    and DRIVER in (p.info["cmdline"] or [])
+                    and p.info["cwd"] == workdir
+                ):
                     left.append(p.info)
             except psutil.Error:
                 continue
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert not left, f"killed driver {pid} left {left}"
+    assert not left, f"a killed driver left {left}"
 
 
 @pytest.fixture(scope="module")
