@@ -113,18 +113,29 @@ def _convert(data: Any, url: str) -> pa.Table:
                 # from_pylist takes the columns from the first row only and silently drops
                 # keys that appear later; a key a row lacks is a null there.
                 names = list(dict.fromkeys(key for row in data for key in row))
-                return pa.Table.from_pydict({n: [row.get(n) for row in data] for n in names})
-            return pa.Table.from_pylist(data)
+                table = pa.Table.from_pydict({n: [row.get(n) for row in data] for n in names})
+            else:
+                table = pa.Table.from_pylist(data)
+            _check_has_columns(len(data), table, url)
+            return table
         module = type(data).__module__.split(".")[0]
-        if module == "pandas":
+        kind = type(data).__name__
+        if module == "pandas" and kind == "DataFrame":
+            named = [str(name) for name in data.index.names if name is not None]
+            if named:
+                # A named index (set_index("id")) is data; preserve_index=False would drop it.
+                _check_names(named + [str(name) for name in data.columns], url)
+                data = data.reset_index()
             _check_names([str(name) for name in data.columns], url)
             for pos, name in enumerate(data.columns):
                 column = data.iloc[:, pos]
                 if column.dtype == object:
                     for i, value in enumerate(column):
                         _check_row_depth({name: value}, url, i)
-            return pa.Table.from_pandas(data, preserve_index=False)
-        if module == "datasets":
+            table = pa.Table.from_pandas(data, preserve_index=False)
+            _check_has_columns(len(data), table, url)
+            return table
+        if module == "datasets" and kind == "Dataset":
             if getattr(data, "_indices", None) is not None:
                 data = data.flatten_indices()
             return pa.table(data.data.table)
@@ -146,6 +157,15 @@ def _convert(data: Any, url: str) -> pa.Table:
         f"cannot append a {type(data).__name__} to {url}; pass a pyarrow Table, a list of "
         "dicts, a pandas DataFrame or a datasets.Dataset"
     )
+
+
+def _check_has_columns(rows: int, table: pa.Table, url: str) -> None:
+    # Arrow counts no rows in a table without columns: the rows would vanish in silence.
+    if rows and table.num_columns == 0:
+        raise InvalidDataError(
+            f"the {rows} rows of this round for {url} have no columns (empty dicts, or a frame "
+            "without columns); give the rows their values, or append an empty round"
+        )
 
 
 def _nesting_ok(value: Any, budget: int) -> bool:

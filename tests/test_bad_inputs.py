@@ -361,6 +361,31 @@ ROUND_CASES = [
         ("must hold dicts",),
     ),
     RoundCase(
+        "rows-without-columns",
+        lambda: [{}, {}],
+        InvalidDataError,
+        ("the 2 rows", "no columns"),
+        first=True,
+    ),
+    RoundCase(
+        "frame-without-columns",
+        lambda: pd.DataFrame(index=[1, 2, 3]),
+        InvalidDataError,
+        ("the 3 rows", "no columns"),
+    ),
+    RoundCase(
+        "index-name-clashes-with-a-column",
+        lambda: pd.DataFrame({"id": [3], "text": ["d"]}).set_index("id").assign(id=4),
+        InvalidDataError,
+        ("duplicate column names: 'id'",),
+    ),
+    RoundCase(
+        "pandas-series",
+        lambda: pd.Series([3]),
+        InvalidDataError,
+        ("cannot append a Series",),
+    ),
+    RoundCase(
         "column-type-changed",
         lambda: [{"id": "three", "text": "d"}],
         SchemaMismatchError,
@@ -455,6 +480,16 @@ def test_accepted_types_read_back(tmp_path) -> None:
         assert len(rows) == 2 and repr(rows[0]) == repr(rows[1]), name  # repr: nan != nan
         dataset = VersionedDataset(url)
         assert repr(dataset[1]) == repr(dataset[0]), name
+
+
+def test_named_pandas_index_is_kept(tmp_path) -> None:
+    """``preserve_index=False`` dropped a named index (``set_index("id")``) in silence."""
+    store = filled(str(tmp_path / "store"))
+    store.append(pd.DataFrame({"id": [3], "text": ["d"]}).set_index("id"))
+    assert store.snapshot().to_arrow().to_pylist()[-1] == {"id": 3, "text": "d"}
+    # an unnamed index (a filtered frame's) is only row labels
+    store.append(pd.DataFrame({"id": [4, 5], "text": ["e", "f"]}).iloc[1:])
+    assert store.snapshot().to_arrow().to_pylist()[-1] == {"id": 5, "text": "f"}
 
 
 def test_keys_missing_from_the_first_row_are_kept(tmp_path) -> None:
