@@ -182,7 +182,7 @@ class ShardCache:
             found = [self._shards.get(part) for part in parts]
             if any(p is None for p in found):
                 return None
-            if sum(p.nbytes for p in found) > self.max_bytes // 2:
+            if sum(p.nbytes for p in found) > self.max_bytes // 4:
                 return None
         tables = [p.table for p in found]
         try:
