@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from . import manifest as m
 from .errors import CommitConflictError, DynstateError, InvalidDataError
+from .log import shard_path
 from .manifest import Commit, ShardRef
 from .rounds import check_meta
 from .snapshot import Snapshot
@@ -75,12 +76,13 @@ def compact(
     target_bytes: int = DEFAULT_TARGET_BYTES,
     version: int | str | None = None,
     meta: dict[str, Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> int:
     """Rewrite the small shards of ``version`` (default: the head) as shards of about
     ``target_bytes`` and commit the result as a new version (``op="compact"``) with the same
     rows in the same order; returns its number. Rounds appended by other writers meanwhile are
     kept after the compacted rows. If there is nothing to merge, nothing is committed and
-    ``version``'s number is returned.
+    ``version``'s number is returned. ``progress(done, total)`` counts source shards read.
 
     >>> store = Store.open("memory://doc/compact", create=True)
     >>> for step in range(3):
@@ -104,25 +106,30 @@ def compact(
     if all(isinstance(step, ShardRef) for step in steps):
         log.info("nothing to compact in version %d of %s", base, store.display_url)
         return base
-    store._require_writable()
+    store.log.require_writable()
     written: list[ShardRef] = []
     attempts: list[Commit] = []
+    # The new shards are staged files like any round's: a lease keeps gc away from them.
+    lease = store.log.leases.acquire()
     try:
-        compacted = _rewrite(store, snap, steps, written)
+        compacted = _rewrite(store, snap, steps, written, lease, progress)
         if snap.schema is not None:
-            store._put_schema(snap.schema)
-
-        def make(parent: Commit) -> Commit:
-            record = _compact_record(store, parent, base, compacted, meta)
-            attempts.append(record)
-            return record
-
-        new_version = store._commit_loop(make)
+            store.log.put_schema(snap.schema)
+        store.log.leases.claim({lease}, uuid.uuid4().hex)
+        new_version = store.log.commit(
+            lambda parent: _compact_record(store, parent, base, compacted, meta),
+            sources=[base],
+            attempts=attempts,
+        )
     except BaseException:
-        if not _any_committed(store, attempts):
+        if _any_committed(store, attempts):
+            store.log.leases.end({lease}, committed=True)
+        else:
             for shard in written:
-                store._delete_quietly(shard.path)
+                _delete_quietly(store, shard.path)
+            store.log.leases.end({lease}, committed=False)
         raise
+    store.log.leases.end({lease}, committed=True)
     log.info(
         "compacted version %d of %s: %d shards -> %d (version %d)",
         base,
@@ -135,25 +142,49 @@ def compact(
 
 
 def _rewrite(
-    store: Store, snap: Snapshot, steps: list[Step], written: list[ShardRef]
+    store: Store,
+    snap: Snapshot,
+    steps: list[Step],
+    written: list[ShardRef],
+    lease: str,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[ShardRef]:
-    """The compacted shard list of ``snap``; new shards are added to ``written`` before they
-    are written, so that a failure part-way can remove them."""
+    """The compacted shard list of ``snap``; new shards are added to ``written`` as they are
+    written, so that a failure part-way can remove them."""
     out: list[ShardRef] = []
+    total = sum(len(step) for step in steps if not isinstance(step, ShardRef))
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    if progress is not None:
+        progress(0, total)
     for step in steps:
-        out.append(step if isinstance(step, ShardRef) else _write_group(store, snap, step, written))
+        if isinstance(step, ShardRef):
+            out.append(step)
+        else:
+            out.append(_write_group(store, snap, step, written, lease, tick))
     store.storage.sync_dir(m.DATA_DIR)
     return out
 
 
 def _write_group(
-    store: Store, snap: Snapshot, group: list[ShardRef], written: list[ShardRef]
+    store: Store,
+    snap: Snapshot,
+    group: list[ShardRef],
+    written: list[ShardRef],
+    lease: str,
+    tick: Callable[[], None] | None = None,
 ) -> ShardRef:
     """Write the rows of a run of shards, in order, as one shard. Source shards are read one
     at a time (verified, shaped like the snapshot's schema so older shards gain later nullable
     columns) and written as row groups of about ``_ROW_GROUP_BYTES``, so memory stays near
     the output's size rather than several times the decoded group."""
-    path = f"{m.DATA_DIR}/{uuid.uuid4().hex}.parquet"
+    path = shard_path(lease)
     rows = 0
     with store.storage.new_shard(path) as sink:
         writer: pq.ParquetWriter | None = None
@@ -167,6 +198,8 @@ def _write_group(
                 pending.append(table)
                 pending_bytes += table.nbytes
                 rows += table.num_rows
+                if tick is not None:
+                    tick()
                 if pending_bytes >= _ROW_GROUP_BYTES:
                     writer.write_table(pa.concat_tables(pending))
                     pending, pending_bytes = [], 0
@@ -199,7 +232,7 @@ def _compact_record(
     store: Store, parent: Commit, base: int, compacted: list[ShardRef], meta: dict[str, Any]
 ) -> Commit:
     shards = compacted + _appended_since(store, base, parent.version)
-    shard_list = store._put_shard_list(shards)
+    shard_list = store.log.put_shard_list(shards)
     if parent.num_rows != sum(s.rows for s in shards):  # pragma: no cover - invariant
         raise CommitConflictError(
             f"compaction of {store.display_url} does not match version {parent.version} "
@@ -227,19 +260,17 @@ def _any_committed(store: Store, attempts: list[Commit]) -> bool:
     """Whether one of our records may have been committed even though an error was raised
     (an object store can apply a PUT and then fail the response). When unsure, say yes:
     leaving orphan shards for gc is safe, deleting committed ones is not."""
-    for record in attempts:
-        try:
-            raw = store.storage.try_read(m.log_path(record.version))
-        except DynstateError:
-            return True
-        if raw is None:
-            continue
-        try:
-            if m.decode(raw, m.log_path(record.version)) == record.to_json():
-                return True
-        except DynstateError:
-            return True
-    return False
+    try:
+        return store.log.landed(attempts) is not None
+    except BaseException:
+        return True
+
+
+def _delete_quietly(store: Store, rel: str) -> None:
+    try:
+        store.storage.delete(rel)
+    except DynstateError as exc:
+        log.warning("could not remove %s of %s: %s (gc will)", rel, store.display_url, exc)
 
 
 def compact_if_needed(

@@ -2,19 +2,19 @@
 
 Two kinds of garbage:
 
-* **Orphans** — files that no commit record refers to: shards of rounds whose writer died
-  before committing (or staged parts never committed), temporary files of interrupted local
-  writes, chunks of checkpoints never finished. A live writer's files look exactly like these
-  until it commits, so an orphan goes only once it is older than a grace period.
+* **Orphans** — files no commit record refers to: shards of rounds whose writer died before
+  committing (or staged parts never committed), temporary files of interrupted local writes,
+  metadata of commits that never happened. A live writer's staged shards look like orphans
+  until it commits; they are protected by the writer's *lease* (see
+  :mod:`dynstate.log.leases`), which gc honours and ends only when the writer stopped renewing
+  it — at any grace period, 0 included. The grace period is a minimum age on top of that.
 * **Collected versions** — with a retention rule, the versions below a new *floor* ``f``. The
-  floor never passes the head or a tagged version (tags pin checkpoint versions), and every
-  shard a kept version lists stays, whichever record first added it.
+  floor never passes the head or a tagged version, and every file a kept version lists stays.
 
-Collection is ordered so that a crash at any point leaves a readable store: first a
-checkpoint of version ``f`` (so ``f`` can be materialized without older records), then
-``_dynstate/gc.json`` naming the floor (readers refuse older versions from then on), then the
-shards only collected versions used, then the collected records and checkpoints. A rerun
-finishes whatever an interrupted one left.
+gc only ever deletes names dynstate writes (``data/<hex>.parquet``, ``_dynstate/log/<n>.json``
+...), never follows a symlink out of the store root, and orders its steps so that a crash at
+any point leaves a readable store: the floor's checkpoint, then ``gc.json``, then data, then
+metadata. A rerun finishes whatever an interrupted one left.
 """
 
 from __future__ import annotations
@@ -24,18 +24,34 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 
 from . import manifest as m
 from .errors import CorruptStoreError, InvalidDataError
+from .log import LEASE_DIR, LeaseState, lease_of, survey
 from .store import Store
 
 log = logging.getLogger("dynstate")
 
 DEFAULT_GRACE_S = 3600.0
+# Unreferenced files a live writer touches just before it commits (temporary files, probes,
+# schemas and chunks it (re)wrote) are left alone for at least this long, whatever the grace.
+BUSY_S = 3600.0
+# A commit claim whose writer stopped renewing its lease is honoured this long (unless the
+# writer is known to be gone): a writer paused between its claim and its record.
+STALE_CLAIM_S = 3600.0
+# Ended leases leave their outcome file as a tombstone, so that a writer that wakes up after
+# gc removed its files cannot claim the lease again.
+TOMBSTONE_S = 7 * 86400.0
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _VERSION_FILE = re.compile(r"^(\d{20})\.json$")
+_HASH_FILE = re.compile(r"^([0-9a-f]{64})\.json$")
+_SHARD_FILE = re.compile(r"^[0-9a-f]{32}(-[0-9a-f]{32})?\.parquet$")
+_TMP_FILE = re.compile(r"^\.tmp-[0-9a-f]{32}$")
+_PROBE_FILE = re.compile(r"^[0-9a-f]{32}$")
+_META_SUBDIRS = ("log", "checkpoints", "chunks", "schemas", "tags", "probe", "leases")
 
 
 def parse_duration(text: str) -> float:
@@ -67,6 +83,8 @@ class GcResult:
     floor_after: int
     removed: list[Removal] = field(default_factory=list)
     kept_young: int = 0  # orphans left alone because they are younger than the grace period
+    kept_leased: int = 0  # staged files of live writers
+    foreign: list[str] = field(default_factory=list)  # names dynstate never writes: untouched
 
     @property
     def versions_collected(self) -> list[int]:
@@ -87,6 +105,8 @@ class GcResult:
             "files_removed": len(self.removed),
             "bytes_freed": self.bytes_freed,
             "kept_young": self.kept_young,
+            "kept_leased": self.kept_leased,
+            "foreign": self.foreign,
             "removed": [
                 {"path": r.path, "bytes": r.bytes, "reason": r.reason} for r in self.removed
             ],
@@ -95,10 +115,7 @@ class GcResult:
 
 def gc_floor(store: Store) -> int:
     """The oldest version not yet collected (0 if gc never collected any)."""
-    raw = store.storage.try_read(m.GC_FILE)
-    if raw is None:
-        return 0
-    return int(m.decode(raw, f"{store.display_url}/{m.GC_FILE}")["floor"])
+    return store.log.read_floor()
 
 
 def retention_floor(
@@ -106,7 +123,7 @@ def retention_floor(
 ) -> int:
     """The floor a retention rule asks for: never above the head or a tagged version."""
     head = store.refresh()
-    floor = gc_floor(store)
+    floor = store.log.floor
     if keep is None and older_than_s is None:
         return floor
     if keep is not None and older_than_s is not None:
@@ -115,19 +132,28 @@ def retention_floor(
         )
     candidate = head
     if keep is not None:
-        if keep < 1:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise InvalidDataError(
-                f"gc of {store.display_url}: keep must be at least 1 (the head), not {keep}"
+                f"gc of {store.display_url}: keep must be at least 1 (the head), not {keep!r}"
             )
         candidate = head - keep + 1
     else:
-        cutoff = datetime.now(timezone.utc).timestamp() - float(older_than_s or 0)
+        cutoff = time.time() - float(older_than_s or 0)
         # Walk down from the head while versions are recent; only that run is loaded.
         while candidate - 1 >= floor and _created(store, candidate - 1) >= cutoff:
             candidate -= 1
-    for version in store.tags().values():
-        candidate = min(candidate, version)
-    return max(floor, candidate)
+    return max(floor, min([candidate, *_tagged(store, floor)]))
+
+
+def _tagged(store: Store, floor: int) -> list[int]:
+    """Versions tags name, from ``floor`` on (a tag below it names a collected version)."""
+    out = []
+    for name, version in store.tags().items():
+        if version < floor:
+            log.warning("tag %r of %s names collected version %d", name, store.display_url, version)
+        else:
+            out.append(version)
+    return out
 
 
 def _created(store: Store, version: int) -> float:
@@ -144,97 +170,115 @@ def collect_garbage(
     dry_run: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> GcResult:
-    """Remove orphans older than ``grace_s`` and, with ``keep`` (newest versions to keep) or
-    ``older_than_s``, the versions the rule lets go. ``dry_run`` only reports.
-    ``progress(done, total)`` is called as files are removed."""
-    if grace_s < 0:
-        raise InvalidDataError(f"gc of {store.display_url}: the grace period cannot be negative")
-    floor_before = gc_floor(store)
+    """Remove orphans older than ``grace_s`` that no live writer's lease protects and, with
+    ``keep`` (newest versions to keep) or ``older_than_s``, the versions the rule lets go.
+    ``dry_run`` only reports. ``progress(done, total)`` is called as files are removed."""
+    if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or grace_s < 0:
+        raise InvalidDataError(
+            f"gc of {store.display_url}: the grace period must be a number of seconds >= 0"
+        )
+    floor_before = store.log.read_floor()
     floor = retention_floor(store, keep=keep, older_than_s=older_than_s)
-    # List before computing references: a file committed in between is then seen as
-    # referenced, and one written after the listing is not considered at all.
-    files = _list_files(store)
-    head = store.refresh()
-    if floor > floor_before and not dry_run:
-        _pin_floor(store, floor)
-    keep_shards, keep_chunks, keep_schemas = _references(store, floor, head)
-    collected = _references_below(store, floor_before, floor)
+    # Order matters. Files are listed first; a lease existed before any of its shards was
+    # written, so the survey that follows sees every listed shard's lease (or its end); and
+    # records are read after that, so a commit that ended its lease before the survey is seen.
+    files, foreign = _list_files(store)
     now = time.time()
-    result = GcResult(store.display_url, dry_run, head, floor_before, floor)
+    leases = survey(store.storage, claim=not dry_run, now=now, stale_claim_s=STALE_CLAIM_S)
+    if floor > floor_before and not dry_run:
+        floor = _publish_floor(store, floor, floor_before)
+    head = store.refresh()
+    refs = _References(store, floor)
+    refs.add_versions(floor, head)
+    collected = _references_below(store, floor_before, floor)
+    result = GcResult(store.display_url, dry_run, head, floor_before, floor, foreign=foreign)
     for rel in files:
-        reason = _classify(rel, floor, keep_shards, keep_chunks, keep_schemas)
+        reason = _classify(rel, floor, refs, collected, leases, result)
         if reason is None:
             continue
-        if reason == "orphan" and rel in collected:
-            reason = "collected"
-        if reason == "orphan" and not _old_enough(store, rel, now, grace_s):
+        if reason == "orphan" and not _old_enough(store, rel, now, _min_age(rel, grace_s)):
             result.kept_young += 1
             continue
         result.removed.append(Removal(rel, _size(store, rel), reason))
-    if not dry_run:
-        # Data before metadata: an interrupted run leaves records the floor already hides.
-        result.removed.sort(key=lambda r: (r.path.startswith(m.META_DIR), r.path))
-        for done, removal in enumerate(result.removed, 1):
-            store.storage.delete(removal.path)
-            if progress is not None:
-                progress(done, len(result.removed))
-        log.info(
-            "gc of %s: removed %d files (%d bytes), floor %d -> %d",
-            store.display_url,
-            len(result.removed),
-            result.bytes_freed,
-            floor_before,
-            floor,
-        )
+    result.removed += _lease_files(store, leases, now)
+    if dry_run:
+        return result
+    # Commits that landed since the references were read may name a kept version's files.
+    latest = store.refresh()
+    if latest > head:
+        refs.add_versions(head + 1, latest)
+        result.removed = [r for r in result.removed if not refs.needs(r.path)]
+    # Data before metadata: an interrupted run leaves records the floor already hides.
+    result.removed.sort(key=lambda r: (r.path.startswith(m.META_DIR), r.path.startswith(LEASE_DIR)))
+    for done, removal in enumerate(result.removed, 1):
+        store.storage.delete(removal.path)
+        if progress is not None:
+            progress(done, len(result.removed))
+    log.info(
+        "gc of %s: removed %d files (%d bytes), floor %d -> %d",
+        store.display_url,
+        len(result.removed),
+        result.bytes_freed,
+        floor_before,
+        floor,
+    )
     return result
 
 
-def _pin_floor(store: Store, floor: int) -> None:
-    """Make ``floor`` readable on its own, then publish it."""
-    shards = store.snapshot(floor).shards
-    record = store.commit_record(floor)
-    files, shard_list = m.split_chunks(list(shards))
-    for digest, data in files:
-        store.storage.create_if_absent(m.chunk_path(digest), data)
-    checkpoint = {
-        "format": m.FORMAT,
-        "store_id": record.store_id,
-        "version": floor,
-        "schema": record.schema,
-        "num_rows": record.num_rows,
-        "shards": shard_list.to_json(),
-    }
-    store.storage.create_if_absent(m.checkpoint_path(floor), m.encode(checkpoint))
-    store.storage.put(m.GC_FILE, m.encode({"format": m.FORMAT, "floor": floor}))
-    store.refresh()
+def _publish_floor(store: Store, floor: int, floor_before: int) -> int:
+    """Publish ``floor``, then read the tags again: a tag created meanwhile (whose tagger did
+    not see the new floor yet) lowers it again, before anything is deleted."""
+    while True:
+        store.log.publish_floor(floor)
+        lowest = min([floor, *_tagged(store, floor_before)])
+        if lowest >= floor:
+            return floor
+        log.info("gc of %s: a new tag pins version %d; floor lowered", store.display_url, lowest)
+        floor = lowest
 
 
-def _references(store: Store, floor: int, head: int) -> tuple[set[str], set[str], set[str]]:
-    """Shards, chunks and schemas that versions ``floor..head`` need. The shard set equals
-    the union of every kept version's materialized list: a version's list is the floor's,
-    or the latest base record's, followed by the rounds appended since."""
-    shards = {s.path for s in store.snapshot(floor).shards}
-    chunks: set[str] = set()
-    schemas: set[str] = set()
-    for version in range(floor, head + 1):
-        record = store.commit_record(version)
-        if record.schema is not None:
-            schemas.add(record.schema)
-        shards.update(s.path for s in record.add)
-        if record.base is not None:
-            chunks.update(record.base.chunks)
-            if version > floor:
-                shards.update(s.path for s in store.snapshot(version).shards)
-    for name in store.storage.list(f"{m.META_DIR}/checkpoints"):
-        match = _VERSION_FILE.match(name)
-        if match is None or int(match.group(1)) < floor:
-            continue
-        rel = f"{m.META_DIR}/checkpoints/{name}"
-        raw = store.storage.try_read(rel)
-        if raw is not None:
-            obj = m.decode(raw, f"{store.display_url}/{rel}")
-            chunks.update(m.ShardList.from_json(obj["shards"], rel).chunks)
-    return shards, chunks, schemas
+class _References:
+    """Shards, chunks and schemas that kept versions need. The shard set equals the union of
+    every kept version's materialized list: a version's list is the floor's, or the latest
+    base record's, followed by the rounds appended since."""
+
+    def __init__(self, store: Store, floor: int) -> None:
+        self.store = store
+        self.floor = floor
+        self.shards = {s.path for s in store.log.materialize(floor)}
+        self.chunks: set[str] = set()
+        self.schemas: set[str] = set()
+        for name in store.storage.list(f"{m.META_DIR}/checkpoints"):
+            match = _VERSION_FILE.match(name)
+            if match is None or int(match.group(1)) < floor:
+                continue
+            rel = f"{m.META_DIR}/checkpoints/{name}"
+            raw = store.storage.try_read(rel)
+            if raw is not None:
+                obj = m.decode(raw, f"{store.display_url}/{rel}")
+                self.chunks.update(m.ShardList.from_json(obj.get("shards"), rel).chunks)
+
+    def add_versions(self, start: int, end: int) -> None:
+        for version in range(start, end + 1):
+            record = self.store.commit_record(version)
+            if record.schema is not None:
+                self.schemas.add(record.schema)
+            self.shards.update(s.path for s in record.add)
+            if record.base is not None:
+                self.chunks.update(record.base.chunks)
+                if version > self.floor:
+                    self.shards.update(s.path for s in self.store.log.materialize(version))
+
+    def needs(self, rel: str) -> bool:
+        directory, name = rel.rsplit("/", 1)
+        if directory == m.DATA_DIR:
+            return rel in self.shards
+        match = _HASH_FILE.match(name)
+        if match and directory == f"{m.META_DIR}/chunks":
+            return match.group(1) in self.chunks
+        if match and directory == f"{m.META_DIR}/schemas":
+            return match.group(1) in self.schemas
+        return False
 
 
 def _references_below(store: Store, start: int, floor: int) -> set[str]:
@@ -259,8 +303,8 @@ def _references_below(store: Store, start: int, floor: int) -> set[str]:
                     if commit.base is not None:
                         lists.append(commit.base)
                 else:
-                    lists.append(m.ShardList.from_json(obj["shards"], rel))
-            except (CorruptStoreError, KeyError) as exc:
+                    lists.append(m.ShardList.from_json(obj.get("shards"), rel))
+            except CorruptStoreError as exc:
                 log.warning("gc: reading collected %s of %s: %s", rel, store.display_url, exc)
     for shard_list in lists:
         shards.update(s.path for s in shard_list.tail)
@@ -275,39 +319,88 @@ def _references_below(store: Store, start: int, floor: int) -> set[str]:
     return shards | {m.chunk_path(c) for c in chunks} | {m.schema_path(s) for s in schemas}
 
 
-def _list_files(store: Store) -> list[str]:
-    out = [f"{m.DATA_DIR}/{n}" for n in store.storage.list(m.DATA_DIR)]
-    for sub in ("log", "checkpoints", "chunks", "schemas", "probe", "tags"):
-        out.extend(f"{m.META_DIR}/{sub}/{n}" for n in store.storage.list(f"{m.META_DIR}/{sub}"))
-    out.extend(f"{m.META_DIR}/{n}" for n in store.storage.list(m.META_DIR) if _is_tmp(n))
-    return out
+def _ours(directory: str, name: str) -> bool:
+    """Whether dynstate writes files of this name in this folder (nothing else is touched)."""
+    if directory == m.DATA_DIR:
+        return bool(_SHARD_FILE.match(name))
+    if _TMP_FILE.match(name):
+        return True
+    sub = directory[len(m.META_DIR) + 1 :] if directory.startswith(m.META_DIR + "/") else None
+    if sub in ("log", "checkpoints"):
+        return bool(_VERSION_FILE.match(name))
+    if sub in ("chunks", "schemas"):
+        return bool(_HASH_FILE.match(name))
+    if sub == "probe":
+        return bool(_PROBE_FILE.match(name))
+    return False  # tags, leases (handled apart), the store file, anything not ours
 
 
-def _is_tmp(name: str) -> bool:
-    return name.startswith(".tmp-")
+def _list_files(store: Store) -> tuple[list[str], list[str]]:
+    """(dynstate's own files gc may consider, names it leaves alone) — never through a
+    symlink that leads out of the store root."""
+    dirs = [m.DATA_DIR, m.META_DIR, *(f"{m.META_DIR}/{sub}" for sub in _META_SUBDIRS)]
+    ours, foreign = [], []
+    for directory in dirs:
+        for name in store.storage.list(directory):
+            rel = f"{directory}/{name}"
+            if directory == m.META_DIR and not _TMP_FILE.match(name):
+                continue  # store.json, gc.json, the hint and the subfolders
+            if directory == LEASE_DIR and not _TMP_FILE.match(name):
+                continue  # lease files are decided by the lease survey
+            if _ours(directory, name) and store.storage.contained(rel):
+                ours.append(rel)
+            elif directory != f"{m.META_DIR}/tags":
+                foreign.append(rel)  # not a name we write, or behind a link out of the root
+    return ours, foreign
 
 
 def _classify(
-    rel: str, floor: int, shards: set[str], chunks: set[str], schemas: set[str]
+    rel: str,
+    floor: int,
+    refs: _References,
+    collected: set[str],
+    leases: dict[str, LeaseState],
+    result: GcResult,
 ) -> str | None:
     """Why ``rel`` may go ("orphan" / "collected"), or None if it stays."""
     directory, name = rel.rsplit("/", 1)
-    if _is_tmp(name) or directory == f"{m.META_DIR}/probe":
-        return "orphan"  # an interrupted local write or an abandoned capability probe
-    if directory == m.DATA_DIR:
-        return None if rel in shards else "orphan"
     if directory in (f"{m.META_DIR}/log", f"{m.META_DIR}/checkpoints"):
         match = _VERSION_FILE.match(name)
         return "collected" if match and int(match.group(1)) < floor else None
-    if directory == f"{m.META_DIR}/chunks" and name.endswith(".json"):
-        return None if name[:-5] in chunks else "orphan"
-    if directory == f"{m.META_DIR}/schemas" and name.endswith(".json"):
-        return None if name[:-5] in schemas else "orphan"
-    return None  # tags, the store file and anything not ours stay
+    if refs.needs(rel):
+        return None
+    lease = lease_of(rel) if directory == m.DATA_DIR else None
+    if lease is not None and lease in leases and leases[lease].protected:
+        result.kept_leased += 1
+        return None
+    return "collected" if rel in collected else "orphan"
 
 
-def _old_enough(store: Store, rel: str, now: float, grace_s: float) -> bool:
-    if grace_s <= 0:
+def _min_age(rel: str, grace_s: float) -> float:
+    """Staged shards are protected by leases; everything else a live writer may be about to
+    use (temporary files, probes, schemas and chunks it just wrote) gets at least BUSY_S."""
+    if rel.startswith(m.DATA_DIR + "/"):
+        return grace_s
+    return max(grace_s, BUSY_S)
+
+
+def _lease_files(store: Store, leases: dict[str, LeaseState], now: float) -> list[Removal]:
+    """Lease files of ended leases (removed after their shards). An ``expired`` or
+    ``discarded`` outcome stays as a tombstone for TOMBSTONE_S."""
+    out = []
+    for state in leases.values():
+        if state.protected:
+            continue
+        for rel in state.files:
+            tombstone = rel.endswith(".outcome.json") and state.outcome in ("expired", "discarded")
+            if tombstone and not _old_enough(store, rel, now, TOMBSTONE_S):
+                continue
+            out.append(Removal(rel, _size(store, rel), "orphan"))
+    return out
+
+
+def _old_enough(store: Store, rel: str, now: float, min_age_s: float) -> bool:
+    if min_age_s <= 0:
         return True
     try:
         modified = store.storage.modified(rel)
@@ -315,7 +408,7 @@ def _old_enough(store: Store, rel: str, now: float, grace_s: float) -> bool:
         return False
     if modified is None:
         return False  # no timestamp: it could be a live writer's, so leave it
-    return now - modified >= grace_s
+    return now - modified >= min_age_s
 
 
 def _size(store: Store, rel: str) -> int:

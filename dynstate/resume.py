@@ -11,39 +11,52 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from .errors import InvalidDataError
+from .errors import InvalidDataError, VersionCollectedError
 from .store import Store
 
 log = logging.getLogger("dynstate")
 
 
 def walk_lineage(store: Store, version: int) -> Iterator[int]:
-    """Versions whose content makes up ``version``, newest first: appends and compactions lead
-    to their parent, a reset to its target. Abandoned versions are never on the way."""
-    v: int | None = version
-    while v is not None and v >= 0:
-        yield v
-        record = store.commit_record(v)
-        v = record.target if record.op == "reset" else record.parent
+    """Versions whose content makes up ``version``, newest first, down to the gc floor:
+    appends and compactions lead to their parent, a reset to its target. Abandoned versions
+    are never on the way (:meth:`dynstate.log.Log.lineage`)."""
+    return store.log.lineage(version)
 
 
-def lineage(store: Store, version: int | None = None) -> list[int]:
-    """:func:`walk_lineage` of ``version`` (default: the head) as a list."""
+def lineage(store: Store, version: int | str | None = None) -> list[int]:
+    """:func:`walk_lineage` of ``version`` (default: the head) as a list, newest first."""
     return list(walk_lineage(store, store.resolve(version)))
 
 
 def version_at_step(store: Store, step: int) -> int:
     """The newest version in the head's lineage made by a round of ``step`` or earlier.
-    Versions without a step (the initial import, resets) belong to the step before them."""
+    Versions without a step (the initial import, resets) belong to the step before them.
+    When gc collected the versions that ``step`` needs, :class:`VersionCollectedError` names
+    the oldest kept version."""
     chain = lineage(store)[::-1]  # oldest first
+    cut = store.log.lineage_cut(chain[0])
     effective: int | None = None
-    best = chain[0]
+    best: int | None = None if cut else chain[0]
     for v in chain:
         record_step = store.commit_record(v).meta.get("step")
         if record_step is not None:
             effective = record_step
-        if effective is None or effective <= step:
+        # Below the floor's cut the step of versions without one is unknown: they count
+        # only once a version with a step was seen.
+        known = effective is not None or not cut
+        if known and (effective is None or effective <= step):
             best = v
+    if best is None:
+        oldest = next(
+            (v for v in chain if store.commit_record(v).meta.get("step") is not None), chain[-1]
+        )
+        raise VersionCollectedError(
+            f"step {step} of {store.display_url} is older than what gc kept: the oldest kept "
+            f"version of the head's lineage is {chain[0]} (its first step is "
+            f"{store.commit_record(oldest).meta.get('step')}); resume from a later checkpoint, "
+            "or tag the versions checkpoints need before collecting"
+        )
     return best
 
 

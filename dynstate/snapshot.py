@@ -7,7 +7,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import pyarrow as pa
 
@@ -15,17 +15,27 @@ from . import manifest as m
 from .errors import ChecksumMismatchError
 from .manifest import Commit, ShardRef
 
-if TYPE_CHECKING:
-    from .store import Store
+
+class ShardReader(Protocol):
+    """What a snapshot reads through (a :class:`dynstate.Store`)."""
+
+    @property
+    def display_url(self) -> str: ...
+
+    def read_shard(
+        self, shard: ShardRef, schema: pa.Schema | None = None, *, version: int | None = None
+    ) -> pa.Table: ...
 
 
 @dataclass(frozen=True)
 class Staged:
-    """Shards written but not committed, with the schema they were validated against."""
+    """Shards written but not committed, with the schema they were validated against and
+    the lease that protects them from gc until they are committed."""
 
     shards: tuple[ShardRef, ...]
     schema: pa.Schema | None
     validated: str | None  # schema fingerprint of the head they were checked against
+    lease: str | None = None
 
     @property
     def num_rows(self) -> int:
@@ -36,7 +46,11 @@ class Snapshot:
     """An immutable view of one version: its shards in order, row offsets and schema."""
 
     def __init__(
-        self, store: Store, commit: Commit, shards: Sequence[ShardRef], schema: pa.Schema | None
+        self,
+        store: ShardReader,
+        commit: Commit,
+        shards: Sequence[ShardRef],
+        schema: pa.Schema | None,
     ):
         self.store = store
         self.commit = commit

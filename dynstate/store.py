@@ -1,14 +1,13 @@
-"""Store: an append-only, versioned collection of Parquet shards. Orchestration only — the
-record formats live in :mod:`dynstate.manifest`, the filesystem in :mod:`dynstate.storage`.
+"""Store: an append-only, versioned collection of Parquet shards — the facade users call.
+
+Record formats live in :mod:`dynstate.manifest`, the commit log (head, commits, floor,
+lineage, leases) in :mod:`dynstate.log`, the filesystem in :mod:`dynstate.storage`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import random
-import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -18,28 +17,25 @@ import pyarrow.parquet as pq
 
 from . import manifest as m
 from .errors import (
-    ChecksumMismatchError,
     CommitConflictError,
-    CorruptStoreError,
     DynstateError,
     InvalidDataError,
+    LeaseExpiredError,
     MissingShardError,
     SchemaMismatchError,
-    StorageError,
     StoreExistsError,
     StoreNotFoundError,
-    VersionCollectedError,
     VersionNotFoundError,
 )
+from .log import DEFAULT_TTL_S, Log, Tags, checkpoint_bytes, shard_path
 from .manifest import Commit, ShardRef
 from .rounds import check_meta, conform, conform_round, to_table
 from .snapshot import Snapshot, Staged, verify_shard_bytes
-from .storage import Storage, is_safe_name
+from .storage import Storage, is_safe_name, open_storage
 
 log = logging.getLogger("dynstate")
 
 DEFAULT_SHARD_BYTES = 64 * 2**20
-_MAX_COMMIT_ATTEMPTS = 200
 
 
 class Store:
@@ -52,19 +48,20 @@ class Store:
     1
     """
 
-    def __init__(self, storage: Storage, store_id: str, *, single_writer: bool = False):
+    def __init__(
+        self,
+        storage: Storage,
+        store_id: str,
+        *,
+        single_writer: bool = False,
+        lease_ttl_s: float = DEFAULT_TTL_S,
+    ):
         self.storage = storage
         self.store_id = store_id
         self.single_writer = single_writer
-        self._records: dict[int, Commit] = {}
-        self._schemas: dict[str, pa.Schema] = {}
-        self._chunks: dict[str, list[ShardRef]] = {}
+        self.log = Log(storage, store_id, single_writer=single_writer, lease_ttl_s=lease_ttl_s)
+        self._tags = Tags(self.log)
         self._snapshots: dict[int, Snapshot] = {}
-        self._head = 0
-        self._gc_floor = 0
-        self._write_checked = False
-
-    # -- opening -----------------------------------------------------------------------------
 
     @classmethod
     def open(
@@ -74,12 +71,21 @@ class Store:
         create: bool = False,
         storage_options: dict[str, Any] | None = None,
         single_writer: bool = False,
+        lease_ttl_s: float = DEFAULT_TTL_S,
     ) -> Store:
         """Open the store at ``url`` (a local path, ``file://``, ``s3://bucket/prefix``,
         ``memory://``). With ``create=True`` an empty store is made if none exists there.
         ``single_writer=True`` allows writing to backends without conditional writes, on the
-        promise that only one process ever writes."""
-        storage = Storage(url, storage_options)
+        promise that only one process ever writes. ``lease_ttl_s``: how long staged files stay
+        protected from gc after this process stops renewing their lease (it renews every
+        quarter of that while it lives)."""
+        if (
+            isinstance(lease_ttl_s, bool)
+            or not isinstance(lease_ttl_s, (int, float))
+            or not (lease_ttl_s > 0)
+        ):
+            raise InvalidDataError(f"lease_ttl_s must be a positive number, not {lease_ttl_s!r}")
+        storage = open_storage(url, storage_options)
         raw = storage.try_read(m.STORE_FILE)
         if raw is None:
             if not create:
@@ -89,7 +95,9 @@ class Store:
                 )
             raw = cls._create(storage, single_writer)
         ident = m.decode(raw, f"{storage.display_url}/{m.STORE_FILE}")
-        store = cls(storage, str(ident["store_id"]), single_writer=single_writer)
+        store = cls(
+            storage, str(ident["store_id"]), single_writer=single_writer, lease_ttl_s=lease_ttl_s
+        )
         store.refresh()
         return store
 
@@ -112,7 +120,7 @@ class Store:
             store_id, 0, None, "create", m.utc_now(), None, 0, 0, 0, base=m.ShardList((), ())
         )
         storage.create_if_absent(m.log_path(0), m.encode(root.to_json()))
-        storage.create_if_absent(m.checkpoint_path(0), _checkpoint_bytes(root, root.base))
+        storage.create_if_absent(m.checkpoint_path(0), checkpoint_bytes(root, root.base))
         log.info("created store %s (id %s)", storage.display_url, store_id)
         return raw
 
@@ -129,105 +137,23 @@ class Store:
     @property
     def head(self) -> int:
         """The latest committed version number (as of the last refresh or own commit)."""
-        return self._head
+        return self.log.head
 
     def __repr__(self) -> str:
-        return f"Store({self.display_url!r}, head={self._head})"
+        return f"Store({self.display_url!r}, head={self.head})"
 
     def refresh(self) -> int:
-        """Look for versions committed by other processes; returns the head."""
-        gc = self.storage.try_read(m.GC_FILE)
-        if gc is not None:
-            self._gc_floor = int(m.decode(gc, self._where(m.GC_FILE))["floor"])
-        hint = self.storage.try_read(m.HEAD_HINT)
-        start = max(self._head, self._gc_floor)
-        if hint is not None:
-            try:
-                start = max(start, int(json.loads(hint)["version"]))
-            except (ValueError, KeyError, TypeError):
-                log.warning("ignoring unreadable head hint in %s", self.display_url)
-        if self._load_record(start) is None:
-            # Hints are advisory; fall back to the last version known to exist.
-            start = max(self._head, self._gc_floor)
-            if self._load_record(start) is None:
-                raise CorruptStoreError(
-                    f"{self.display_url} has no commit record for version {start}; run "
-                    "`dynstate verify` to see what is damaged"
-                )
-        self._head = self._probe_forward(start)
-        return self._head
-
-    def _probe_forward(self, known: int) -> int:
-        """Largest version with a record, starting from one that exists. Records are gap-free,
-        so gallop forward and then bisect: O(log n) reads, no LIST."""
-        step = 1
-        lo = known
-        while self._load_record(lo + step) is not None:
-            lo += step
-            step *= 2
-        hi = lo + step  # missing
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self._load_record(mid) is not None:
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
-    def _where(self, rel: str) -> str:
-        return f"{self.display_url}/{rel}"
-
-    def _load_record(self, version: int) -> Commit | None:
-        cached = self._records.get(version)
-        if cached is not None:
-            return cached
-        rel = m.log_path(version)
-        raw = self.storage.try_read(rel)
-        if raw is None:
-            return None
-        commit = Commit.from_json(m.decode(raw, self._where(rel)), self._where(rel))
-        if commit.version != version or commit.store_id != self.store_id:
-            raise CorruptStoreError(
-                f"{self._where(rel)} claims version {commit.version} of store "
-                f"{commit.store_id}; it was copied from elsewhere — remove it"
-            )
-        self._records[version] = commit
-        return commit
+        """Look for versions committed by other processes (and a new gc floor); the head."""
+        return self.log.refresh()
 
     def commit_record(self, version: int) -> Commit:
         """The commit record of ``version``."""
-        self._check_version(version)
-        record = self._load_record(version)
-        if record is None:
-            if version < self._head:
-                raise VersionCollectedError(
-                    f"version {version} of {self.display_url} was removed by garbage "
-                    f"collection (oldest kept is {self._gc_floor}); use a later version"
-                )
-            raise VersionNotFoundError(self._not_found(version))
-        return record
-
-    def _not_found(self, version: Any) -> str:
-        return (
-            f"version {version} not found in {self.display_url} (latest is {self._head}); "
-            "pass version=None for the latest"
-        )
-
-    def _check_version(self, version: int) -> None:
-        if version > self._head:
-            self.refresh()
-        if version < 0 or version > self._head:
-            raise VersionNotFoundError(self._not_found(version))
-        if version < self._gc_floor:
-            raise VersionCollectedError(
-                f"version {version} of {self.display_url} was removed by garbage collection "
-                f"(oldest kept is {self._gc_floor}); use a later version"
-            )
+        return self.log.commit_record(version)
 
     def versions(self, *, start: int = 0) -> list[Commit]:
         """Commit records of every kept version from ``start`` on, oldest first."""
-        self.refresh()
-        return [self.commit_record(v) for v in range(max(start, self._gc_floor), self._head + 1)]
+        head = self.refresh()
+        return [self.commit_record(v) for v in range(max(start, self.log.floor), head + 1)]
 
     def resolve(self, version: int | str | None = None) -> int:
         """A version number from a number, a tag name or None (the head)."""
@@ -238,149 +164,51 @@ class Store:
                 f"version must be an int, a tag name or None, not {version!r} ({self.display_url})"
             )
         if isinstance(version, str):
-            if version.isdigit():
-                version = int(version)
-            else:
-                return self._tag_version(version)
-        self._check_version(version)
+            if not version.isdigit():
+                return self._tags.version(version)
+            version = int(version)
+        self.log.check_version(version)
         return version
 
     # -- tags --------------------------------------------------------------------------------
 
     def tags(self) -> dict[str, int]:
         """All tags and the versions they name."""
-        out = {}
-        for name in self.storage.list(f"{m.META_DIR}/tags"):
-            if name.endswith(".json") and not name.startswith("."):
-                out[name[:-5]] = self._tag_version(name[:-5])
-        return out
-
-    def _tag_version(self, name: str) -> int:
-        raw = self.storage.try_read(m.tag_path(name)) if is_safe_name(name) else None
-        if raw is None:
-            raise VersionNotFoundError(
-                f"no tag {name!r} in {self.display_url}; `dynstate ls` lists versions and tags"
-            )
-        version = int(m.decode(raw, self._where(m.tag_path(name)))["version"])
-        self._check_version(version)
-        return version
+        return self._tags.all()
 
     def tag(self, name: str, version: int | str | None = None, *, force: bool = False) -> None:
-        """Name a version. Tags are never moved unless ``force=True``; tagged versions are
-        kept by garbage collection."""
+        """Name a version. Tags are never moved unless ``force=True``; gc never collects a
+        tagged version. Tagging a version gc collected (seen from any handle, however old)
+        raises :class:`VersionCollectedError`."""
         if not is_safe_name(name) or name.isdigit():
             raise InvalidDataError(
                 f"invalid tag name {name!r} for {self.display_url}: use letters, digits, '.', "
                 "'_' and '-', starting with a letter or digit, and not only digits"
             )
+        self.refresh()  # a stale handle must see the current gc floor
         target = self.resolve(version)
-        raw = m.encode({"format": m.FORMAT, "version": target, "created": m.utc_now()})
-        self._require_writable()
-        try:
-            self.storage.create(m.tag_path(name), raw)
-        except FileExistsError:
-            current = self._tag_version(name)
-            if current == target:
-                return
-            if not force:
-                raise StoreExistsError(
-                    f"tag {name!r} in {self.display_url} already names version {current}; "
-                    "pass force=True to move it"
-                ) from None
-            self.storage.put(m.tag_path(name), raw)
+        self.log.require_writable()
+        self._tags.create(name, target, force=force)
 
     def untag(self, name: str) -> None:
-        self._tag_version(name)
-        self.storage.delete(m.tag_path(name))
+        self._tags.remove(name)
 
-    # -- snapshots ---------------------------------------------------------------------------
+    # -- reading -----------------------------------------------------------------------------
 
     def snapshot(self, version: int | str | None = None) -> Snapshot:
         """An immutable view of ``version`` (a number, a tag, or None for the head)."""
         number = self.resolve(version)
         snap = self._snapshots.get(number)
-        if snap is None:
+        if snap is None or number < self.log.floor:
             record = self.commit_record(number)
-            snap = Snapshot(self, record, self._materialize(number), self.schema_of(record))
+            snap = Snapshot(self, record, self.log.materialize(number), self.schema_of(record))
             if len(self._snapshots) > 64:
                 self._snapshots.pop(next(iter(self._snapshots)))
             self._snapshots[number] = snap
         return snap
 
     def schema_of(self, record: Commit) -> pa.Schema | None:
-        fp = record.schema
-        if fp is None:
-            return None
-        schema = self._schemas.get(fp)
-        if schema is None:
-            rel = m.schema_path(fp)
-            try:
-                raw = self.storage.read(rel)
-            except FileNotFoundError:
-                raise CorruptStoreError(
-                    f"schema {fp[:12]} of version {record.version} is missing from "
-                    f"{self.display_url}; run `dynstate verify`"
-                ) from None
-            schema = m.schema_from_json(m.decode(raw, self._where(rel)), self._where(rel))
-            if m.schema_fingerprint(schema) != fp:
-                raise ChecksumMismatchError(f"{self._where(rel)} does not match its name")
-            self._schemas[fp] = schema
-        return schema
-
-    def _materialize(self, version: int) -> list[ShardRef]:
-        """The ordered shard list of ``version``: from the nearest base (checkpoint, reset or
-        compaction record) at or below it, plus the appends since — at most K records."""
-        tails: list[tuple[ShardRef, ...]] = []
-        v = version
-        while True:
-            if v < self._gc_floor:
-                raise VersionCollectedError(
-                    f"version {version} of {self.display_url} depends on collected metadata; "
-                    f"the oldest kept version is {self._gc_floor}"
-                )
-            record = self.commit_record(v)
-            if record.base is not None:
-                shards = self._expand(record.base, self._where(m.log_path(v)))
-                break
-            # At the gc floor the checkpoint is the only way back, even for the floor itself.
-            if v == self._gc_floor or v % m.CHECKPOINT_INTERVAL == 0:
-                shards = self._load_checkpoint(v)
-                if shards is not None:
-                    break
-            tails.append(record.add)
-            v -= 1
-        for add in reversed(tails):
-            shards.extend(add)
-        return shards
-
-    def _load_checkpoint(self, version: int) -> list[ShardRef] | None:
-        rel = m.checkpoint_path(version)
-        raw = self.storage.try_read(rel)
-        if raw is None:
-            return None  # its writer died before writing it; replay further back instead
-        obj = m.decode(raw, self._where(rel))
-        return self._expand(
-            m.ShardList.from_json(obj["shards"], self._where(rel)), self._where(rel)
-        )
-
-    def _expand(self, shard_list: m.ShardList, where: str) -> list[ShardRef]:
-        out: list[ShardRef] = []
-        for digest in shard_list.chunks:
-            chunk = self._chunks.get(digest)
-            if chunk is None:
-                rel = m.chunk_path(digest)
-                try:
-                    raw = self.storage.read(rel)
-                except FileNotFoundError:
-                    raise CorruptStoreError(
-                        f"{where} refers to chunk {digest[:12]}, which is missing from "
-                        f"{self.display_url}; run `dynstate verify`"
-                    ) from None
-                chunk = m.decode_chunk(digest, raw, self._where(rel))
-                self._chunks[digest] = chunk
-            out.extend(chunk)
-        out.extend(shard_list.tail)
-        return out
+        return self.log.schema(record.schema, record.version)
 
     def read_shard(
         self, shard: ShardRef, schema: pa.Schema | None = None, *, version: int | None = None
@@ -395,7 +223,7 @@ class Store:
         where = f"{self.display_url}{at}"
         try:
             # Verified inside the read, so a body cut short in transit is fetched again.
-            data = self.storage.read(
+            return self.storage.read(
                 shard.path, check=lambda d: verify_shard_bytes(d, shard, where)
             )
         except FileNotFoundError:
@@ -403,14 +231,8 @@ class Store:
                 f"shard {shard.path} of {self.display_url}{at} is missing; restore it, or reset "
                 "the store to a version that does not use it"
             ) from None
-        return data
 
     # -- writing -----------------------------------------------------------------------------
-
-    def _require_writable(self) -> None:
-        if not self._write_checked:
-            self.storage.require_exclusive_create(self.single_writer)
-            self._write_checked = True
 
     def append(
         self,
@@ -436,20 +258,32 @@ class Store:
     ) -> Staged:
         """Validate ``data`` against the head's schema and write its shards, without
         committing. Several staged parts (from other processes too: a :class:`Staged` pickles)
-        become one version with :meth:`commit_staged`; uncommitted shards stay invisible and
-        are removed by gc."""
+        become one version with :meth:`commit_staged`. The shards are protected from gc by a
+        lease this process renews while it lives; uncommitted ones are removed by gc after."""
         table = to_table(data, self.display_url)
-        self._require_writable()
-        head = self._load_record(self.refresh())
+        self.log.require_writable()
+        head = self.log.record(self.refresh())
         assert head is not None
         table, schema = self._conform_round(table, head, allow_new_columns)
-        shards = self._write_shards(table, shard_bytes)
-        return Staged(tuple(shards), schema, head.schema)
+        if table.num_rows == 0:
+            return Staged((), schema, head.schema)
+        lease = self.log.leases.acquire()
+        try:
+            shards = self._write_shards(table, shard_bytes, lease)
+        except BaseException:
+            self.log.leases.end({lease}, committed=False)
+            raise
+        return Staged(tuple(shards), schema, head.schema, lease)
 
     def commit_staged(self, parts: Sequence[Staged], *, meta: dict[str, Any] | None = None) -> int:
         """Commit staged parts, in the given order, as one new version; returns its number.
-        On failure the parts' shards are removed and nothing is committed."""
+        Staged files gc collected (their writer died or stalled past the lease) make this
+        raise :class:`LeaseExpiredError`. A commit whose outcome is unknown (a lost reply, an
+        interrupt during the write) is resolved by reading the record back; when nothing was
+        committed the parts' shards are removed."""
         shards = [s for part in parts for s in part.shards]
+        leases = {p.lease for p in parts if p.lease}
+        attempts: list[Commit] = []
         try:
             meta = check_meta(meta, self.display_url)
             schemas = {m.schema_fingerprint(p.schema) for p in parts if p.schema is not None}
@@ -460,24 +294,67 @@ class Store:
                 )
             schema = next((p.schema for p in parts if p.schema is not None), None)
             validated = next((p.validated for p in parts if p.schema is not None), None)
-            self._require_writable()
+            self.log.require_writable()
+            self.log.leases.adopt(leases)
+            self.log.leases.claim(leases, uuid.uuid4().hex)
+            self._check_unleased(parts)
             if schema is not None:
-                self._put_schema(schema)
-            return self._commit_loop(
-                lambda parent: self._append_record(parent, shards, schema, validated, meta)
+                self.log.put_schema(schema)
+            version = self.log.commit(
+                lambda parent: self._append_record(parent, shards, schema, validated, meta),
+                attempts=attempts,
             )
         except BaseException as exc:
-            # A rejected or failed round must leave nothing behind but what gc would remove.
-            # After a StorageError the commit may have landed unseen: keep its shards for gc.
-            if not isinstance(exc, StorageError):
-                self.discard(parts)
+            landed = self._resolve_failed_commit(parts, leases, attempts, exc)
+            if landed is not None and isinstance(exc, Exception):
+                return landed  # the reply was lost, the commit was not
             raise
+        self.log.leases.end(leases, committed=True)
+        return version
+
+    def _resolve_failed_commit(
+        self, parts: Sequence[Staged], leases: set[str], attempts: list[Commit], exc: BaseException
+    ) -> int | None:
+        """Find out, by reading back, whether a failed commit landed anyway; returns its
+        version if so. Otherwise the parts' shards are removed — unless the store cannot be
+        read (then gc removes them if no record names them) or another call owns them."""
+        if isinstance(exc, (LeaseExpiredError, CommitConflictError)) and not attempts:
+            self.log.leases.forget(leases)  # gc or another commit decides about these files
+            return None
+        try:
+            landed = self.log.landed(attempts)
+        except BaseException:
+            self.log.leases.forget(leases)
+            return None
+        if landed is not None:
+            self.log.leases.end(leases, committed=True)
+            log.info("version %d of %s was committed before %r", landed, self.display_url, exc)
+            return landed
+        self.discard(parts)
+        return None
 
     def discard(self, parts: Sequence[Staged]) -> None:
         """Remove the shards of staged parts that will not be committed."""
         for part in parts:
             for shard in part.shards:
-                self._delete_quietly(shard.path)
+                try:
+                    self.storage.delete(shard.path)
+                except DynstateError as exc:
+                    log.warning("could not remove %s: %s (gc will)", shard.path, exc)
+        self.log.leases.end({p.lease for p in parts if p.lease}, committed=False)
+
+    def _check_unleased(self, parts: Sequence[Staged]) -> None:
+        """Staged parts without a lease (pickled by an older dynstate) are checked one by one;
+        leased parts need no check: winning the lease proves gc left them alone."""
+        for part in parts:
+            if part.lease:
+                continue
+            for shard in part.shards:
+                if not self.storage.exists(shard.path):
+                    raise MissingShardError(
+                        f"staged shard {shard.path} of {self.display_url} is gone; nothing was "
+                        "committed — stage the round again"
+                    )
 
     def _conform_round(
         self, table: pa.Table, head: Commit, allow_new_columns: bool
@@ -524,87 +401,25 @@ class Store:
             meta=meta,
         )
 
-    def _commit_loop(self, make: Any) -> int:
-        """Create the next version's record exclusively; on a lost race, rebase and retry."""
-        for attempt in range(_MAX_COMMIT_ATTEMPTS):
-            parent = self._load_record(self._head)
-            assert parent is not None
-            record = make(parent)
-            try:
-                self._publish(record)
-            except FileExistsError:
-                self.refresh()
-                time.sleep(random.uniform(0, min(0.05, 0.001 * 2 ** min(attempt, 6))))
-                continue
-            return record.version
-        raise CommitConflictError(
-            f"gave up committing to {self.display_url} after {_MAX_COMMIT_ATTEMPTS} lost races; "
-            "too many concurrent writers — retry, or write rounds from fewer processes"
-        )
-
-    def _publish(self, record: Commit) -> None:
-        self.storage.create(m.log_path(record.version), m.encode(record.to_json()))
-        self._records[record.version] = record
-        self._head = max(self._head, record.version)
-        log.debug("committed version %d to %s", record.version, self.display_url)
-        # Everything below is an optimization; a crash here loses nothing.
-        try:
-            if record.version % m.CHECKPOINT_INTERVAL == 0:
-                self._write_checkpoint(record)
-            # No fsync: the hint only ever names a version already durable, and a hint lost
-            # or torn by a power cut is ignored by refresh(), which then probes.
-            hint = json.dumps({"version": record.version}).encode()
-            self.storage.put(m.HEAD_HINT, hint, durable=False)
-        except DynstateError as exc:
-            log.warning("post-commit upkeep of %s failed: %s", self.display_url, exc)
-
-    def _write_checkpoint(self, record: Commit) -> None:
-        shard_list = self._put_shard_list(self._materialize(record.version))
-        self.storage.create_if_absent(
-            m.checkpoint_path(record.version), _checkpoint_bytes(record, shard_list)
-        )
-
-    def _put_shard_list(self, shards: list[ShardRef]) -> m.ShardList:
-        files, shard_list = m.split_chunks(shards)
-        for digest, data in files:
-            if digest in self._chunks:
-                continue
-            self.storage.create_if_absent(m.chunk_path(digest), data)
-            self._chunks[digest] = m.decode_chunk(digest, data, digest)
-        return shard_list
-
-    def _put_schema(self, schema: pa.Schema) -> None:
-        fp = m.schema_fingerprint(schema)
-        if fp in self._schemas:
-            return
-        self.storage.create_if_absent(m.schema_path(fp), m.encode(m.schema_to_json(schema)))
-        self._schemas[fp] = schema
-
-    def _write_shards(self, table: pa.Table, shard_bytes: int) -> list[ShardRef]:
-        if table.num_rows == 0:
-            return []
+    def _write_shards(self, table: pa.Table, shard_bytes: int, lease: str) -> list[ShardRef]:
         per_shard = max(1, math.ceil(table.num_rows * shard_bytes / max(table.nbytes, 1)))
         written: list[ShardRef] = []
         try:
             for start in range(0, table.num_rows, per_shard):
                 part = table.slice(start, per_shard)
-                path = f"{m.DATA_DIR}/{uuid.uuid4().hex}.parquet"
+                path = shard_path(lease)
                 with self.storage.new_shard(path) as sink:
                     pq.write_table(part, sink)
-                ref = ShardRef(path, part.num_rows, sink.size, sink.sha256)
-                written.append(ref)
+                written.append(ShardRef(path, part.num_rows, sink.size, sink.sha256))
             self.storage.sync_dir(m.DATA_DIR)
         except BaseException:
             for shard in written:
-                self._delete_quietly(shard.path)
+                try:
+                    self.storage.delete(shard.path)
+                except DynstateError as exc:
+                    log.warning("could not remove %s: %s (gc will)", shard.path, exc)
             raise
         return written
-
-    def _delete_quietly(self, rel: str) -> None:
-        try:
-            self.storage.delete(rel)
-        except DynstateError as exc:
-            log.warning("could not remove %s: %s (gc will)", self._where(rel), exc)
 
     def commit_base(
         self,
@@ -616,13 +431,14 @@ class Store:
         target: int | None = None,
         expected_parent: int | None = None,
     ) -> int:
-        """Commit a version whose complete shard list is ``shards`` (reset, compaction).
+        """Commit a version whose complete shard list is ``shards`` (a reset). ``target``,
+        the version the shards come from, must not be collected when the record is created.
         With ``expected_parent``, fail instead of rebasing if someone committed meanwhile."""
-        self._require_writable()
+        self.log.require_writable()
         meta = check_meta(meta, self.display_url)
-        shard_list = self._put_shard_list(list(shards))
+        shard_list = self.log.put_shard_list(list(shards))
         if schema is not None:
-            self._put_schema(schema)
+            self.log.put_schema(schema)
         fp = m.schema_fingerprint(schema) if schema is not None else None
 
         def make(parent: Commit) -> Commit:
@@ -647,25 +463,15 @@ class Store:
             )
 
         self.refresh()
-        return self._commit_loop(make)
+        sources = [target] if target is not None else []
+        return self.log.commit(make, sources=sources)
 
     def reset(self, version: int | str, *, meta: dict[str, Any] | None = None) -> int:
         """Make ``version``'s content the new head, as a new version. Versions committed
-        after it stay listed and readable (as abandoned) until garbage collection."""
+        after it stay listed and readable (as abandoned) until garbage collection. A version
+        gc collected — as seen from any handle — raises :class:`VersionCollectedError`."""
+        self.refresh()  # a stale handle must see the current gc floor
         snap = self.snapshot(version)
         return self.commit_base(
             list(snap.shards), op="reset", schema=snap.schema, meta=meta, target=snap.version
         )
-
-
-def _checkpoint_bytes(record: Commit, shard_list: m.ShardList) -> bytes:
-    return m.encode(
-        {
-            "format": m.FORMAT,
-            "store_id": record.store_id,
-            "version": record.version,
-            "schema": record.schema,
-            "num_rows": record.num_rows,
-            "shards": shard_list.to_json(),
-        }
-    )

@@ -14,7 +14,6 @@ import pyarrow.parquet as pq
 
 from . import manifest as m
 from .errors import DynstateError, VersionCollectedError
-from .gc import gc_floor
 from .manifest import Commit, ShardRef
 from .store import Store
 
@@ -55,12 +54,14 @@ def verify_store(
     *,
     all_versions: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    records_progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
-    """Check ``store``; ``progress(done, total)`` is called per shard read."""
+    """Check ``store``; ``progress(done, total)`` is called per shard read, and
+    ``records_progress(done, total)`` per commit record read before that."""
     head = store.refresh()
-    floor = gc_floor(store)
+    floor = store.log.floor
     report = VerifyReport(store.display_url, head, floor)
-    records = _check_records(store, floor, head, report)
+    records = _check_records(store, floor, head, report, records_progress)
     _check_schemas(store, records, report)
     _check_checkpoints(store, floor, report)
     shards: dict[str, tuple[ShardRef, int]] = {}
@@ -99,9 +100,17 @@ def _collect(
         shards.setdefault(shard.path, (shard, version))
 
 
-def _check_records(store: Store, floor: int, head: int, report: VerifyReport) -> dict[int, Commit]:
+def _check_records(
+    store: Store,
+    floor: int,
+    head: int,
+    report: VerifyReport,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[int, Commit]:
     records: dict[int, Commit] = {}
     for version in range(floor, head + 1):
+        if progress is not None:
+            progress(version - floor, head - floor + 1)
         try:
             records[version] = store.commit_record(version)
         except VersionCollectedError:

@@ -20,7 +20,7 @@ from conftest import s3_url
 from s3_faults import KINDS, FaultProxy
 
 from dynstate import ConcurrencyUnsupportedError, StorageError, Store
-from dynstate.storage import Storage, is_transient
+from dynstate.storage import Storage, is_transient, open_storage
 
 pytestmark = pytest.mark.s3
 
@@ -108,7 +108,7 @@ def test_create_with_lost_reply_is_our_success(proxy, lower_retries):
     options = _options(proxy)
     if not lower_retries:
         options["config_kwargs"] = {"retries": {"max_attempts": 1}}
-    storage = Storage(s3_url(), options)
+    storage = open_storage(s3_url(), options)
     storage.retry_base_s = 0.01
     proxy.force("drop_response", method="PUT", path_contains="commit-1")
     storage.create("commit-1", b"our record")  # applied, reply lost, retry meets 412
@@ -118,7 +118,7 @@ def test_create_with_lost_reply_is_our_success(proxy, lower_retries):
 
 
 def test_create_against_other_bytes_is_a_lost_race(proxy):
-    storage = Storage(s3_url(), _options(proxy))
+    storage = open_storage(s3_url(), _options(proxy))
     storage.create("commit-1", b"their record")
     proxy.force("drop_response", method="PUT", path_contains="commit-1")
     with pytest.raises(FileExistsError):
@@ -136,9 +136,9 @@ def test_commit_with_lost_reply_lands_once(proxy, s3_endpoint):
     assert _check_store(url, s3_endpoint) == [(0, 1), (0, 2), (0, 3)]
 
 
-def test_commit_of_unknown_outcome_keeps_its_shards(proxy, s3_endpoint):
-    """The record lands, its reply is lost, and every retry fails: append must raise, and must
-    not delete the shards of what may be (and here is) a committed version."""
+def test_commit_of_unknown_outcome_is_read_back(proxy, s3_endpoint):
+    """The record lands, its reply is lost, and every retried PUT fails: append reads the
+    record back, finds its own bytes and returns the version."""
     url = s3_url()
     options = _options(proxy, config_kwargs={"retries": {"max_attempts": 1}})
     store = Store.open(url, create=True, storage_options=options)
@@ -149,6 +149,26 @@ def test_commit_of_unknown_outcome_keeps_its_shards(proxy, s3_endpoint):
         proxy.rate, proxy.kinds, proxy.methods = 1.0, ("500",), {"PUT"}
 
     proxy.on_fault = then_fail_every_put
+    proxy.force("drop_response", method="PUT", path_contains="_dynstate/log/")
+    assert store.append(_round(0, 2)) == 2
+    proxy.rate = 0.0
+    assert _check_store(url, s3_endpoint) == [(0, 1), (0, 2)]
+
+
+def test_commit_of_unknown_outcome_keeps_its_shards(proxy, s3_endpoint):
+    """The record lands, its reply is lost, and every request after fails, reads too: append
+    must raise, and must not delete the shards of what may be (and here is) a committed
+    version."""
+    url = s3_url()
+    options = _options(proxy, config_kwargs={"retries": {"max_attempts": 1}})
+    store = Store.open(url, create=True, storage_options=options)
+    store.append(_round(0, 1))
+    store.storage.retry_base_s = 0.001
+
+    def then_fail_everything(kind: str, method: str, path: str) -> None:
+        proxy.rate, proxy.kinds, proxy.methods = 1.0, ("500",), None
+
+    proxy.on_fault = then_fail_everything
     proxy.force("drop_response", method="PUT", path_contains="_dynstate/log/")
     with pytest.raises(StorageError, match="after 5 attempts"):
         store.append(_round(0, 2))
@@ -183,7 +203,9 @@ def test_backend_without_conditional_writes_is_refused(proxy):
 
 
 def test_probe_under_outage_is_a_storage_error_not_a_verdict(proxy):
-    storage = Storage(s3_url(), _options(proxy, config_kwargs={"retries": {"max_attempts": 1}}))
+    storage = open_storage(
+        s3_url(), _options(proxy, config_kwargs={"retries": {"max_attempts": 1}})
+    )
     storage.retry_base_s = 0.001
     proxy.rate, proxy.kinds = 1.0, ("500",)
     with pytest.raises(StorageError, match="after 5 attempts"):
@@ -193,7 +215,7 @@ def test_probe_under_outage_is_a_storage_error_not_a_verdict(proxy):
 
 
 def test_permanent_errors_are_not_retried(proxy):
-    storage = Storage(s3_url(), _options(proxy))
+    storage = open_storage(s3_url(), _options(proxy))
     with pytest.raises(FileNotFoundError):
         storage.read("missing.json")
     assert dict(proxy.counts) == {"GET": 1}
@@ -309,8 +331,9 @@ def test_request_counts_per_operation(proxy):
     proxy.reset_counts()
     store.append(_round(0, 2))
     append_counts = dict(proxy.counts)
-    # shard + commit record + head hint; the reads are the refresh before and the probe after.
-    assert append_counts["PUT"] == 3
+    # lease + shard + lease claim + commit record + head hint, and the lease's two files
+    # removed; the reads are the refresh before and the probe after.
+    assert append_counts["PUT"] == 5 and append_counts["DELETE"] == 2
     assert "LIST" not in append_counts and "HEAD" not in append_counts
 
     proxy.reset_counts()
@@ -344,7 +367,7 @@ def _read_in_child(storage: Storage, queue) -> None:
 
 
 def test_storage_survives_fork(proxy):
-    storage = Storage(s3_url(), _options(proxy))
+    storage = open_storage(s3_url(), _options(proxy))
     storage.create("blob", b"payload")
     assert storage.read("blob") == b"payload"  # starts s3fs's event loop in this process
     ctx = multiprocessing.get_context("fork")
@@ -358,7 +381,7 @@ def test_storage_survives_fork(proxy):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_fault_kind_alone_is_survived(proxy, kind):
-    storage = Storage(s3_url(), _options(proxy))
+    storage = open_storage(s3_url(), _options(proxy))
     storage.retry_base_s = 0.01
     proxy.force(kind, method="PUT")
     storage.create("a", b"x" * 100)

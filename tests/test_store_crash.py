@@ -36,7 +36,7 @@ def test_random_kills_local(tmp_path: Path, seed: int) -> None:
 
 @pytest.mark.s3
 def test_random_kills_s3(s3_endpoint: str, tmp_path: Path) -> None:
-    soak = soak_store.Soak(s3_url(), tmp_path, max_delay=0.6, rng=random.Random(7))
+    soak = soak_store.Soak(s3_url(), tmp_path, max_delay=1.0, rng=random.Random(7))
     outcomes = [soak.trial() for _ in range(4)]
     soak.final_check()
     assert outcomes[-1].head > 0

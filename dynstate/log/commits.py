@@ -1,0 +1,435 @@
+"""The commit log: the only code that writes or walks commit records.
+
+:class:`Log` owns the head probe, the commit loop (exclusive create, rebase on a lost race,
+read-back of an attempt whose outcome is unknown), the upkeep after a commit (checkpoints and
+the head hint), the gc floor and the one lineage walker, which stops at the floor. Store, gc,
+compaction, verify, history and resume use it through these methods only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import pyarrow as pa
+
+from .. import manifest as m
+from ..errors import (
+    ChecksumMismatchError,
+    CommitConflictError,
+    CorruptStoreError,
+    DynstateError,
+    VersionCollectedError,
+    VersionNotFoundError,
+)
+from ..manifest import Commit, ShardRef
+from ..storage import Storage
+from .leases import DEFAULT_TTL_S, Leases
+
+log = logging.getLogger("dynstate")
+
+MAX_COMMIT_ATTEMPTS = 200
+
+
+class Log:
+    """The commit log of one store, with caches of the immutable records it has read."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        store_id: str,
+        *,
+        single_writer: bool = False,
+        lease_ttl_s: float = DEFAULT_TTL_S,
+    ):
+        self.storage = storage
+        self.store_id = store_id
+        self.single_writer = single_writer
+        self._write_checked = False
+        self.leases = Leases(storage, lease_ttl_s)
+        self._records: dict[int, Commit] = {}
+        self._schemas: dict[str, pa.Schema] = {}
+        self._chunks: dict[str, list[ShardRef]] = {}
+        self._head = 0
+        self._floor = 0
+
+    @property
+    def display_url(self) -> str:
+        return self.storage.display_url
+
+    def where(self, rel: str) -> str:
+        return f"{self.display_url}/{rel}"
+
+    @property
+    def head(self) -> int:
+        """The head as of the last refresh or own commit."""
+        return self._head
+
+    @property
+    def floor(self) -> int:
+        """The gc floor as of the last refresh: versions below it are collected."""
+        return self._floor
+
+    # -- the gc floor ----------------------------------------------------------------------
+
+    def read_floor(self) -> int:
+        """The floor ``_dynstate/gc.json`` names now (0 before the first gc)."""
+        raw = self.storage.try_read(m.GC_FILE)
+        if raw is None:
+            self._floor = 0
+            return 0
+        obj = m.decode(raw, self.where(m.GC_FILE))
+        floor = obj.get("floor")
+        if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
+            raise CorruptStoreError(
+                f"{self.where(m.GC_FILE)} has no valid floor ({floor!r}); the file is damaged "
+                "— restore it, or remove it if no gc collected versions"
+            )
+        self._floor = floor
+        return floor
+
+    def collected(self, version: int) -> VersionCollectedError:
+        return VersionCollectedError(
+            f"version {version} of {self.display_url} was removed by garbage collection "
+            f"(oldest kept is {self._floor}); use a later version"
+        )
+
+    def publish_floor(self, floor: int) -> None:
+        """Make ``floor`` readable on its own (its checkpoint and chunks), then name it in
+        ``gc.json``: from then on readers refuse older versions and never replay below it."""
+        record = self.commit_record(floor)
+        shard_list = self.put_shard_list(self.materialize(floor))
+        self.storage.create_if_absent(
+            m.checkpoint_path(floor), checkpoint_bytes(record, shard_list)
+        )
+        self.storage.put(m.GC_FILE, m.encode({"format": m.FORMAT, "floor": floor}))
+        self._floor = floor
+
+    # -- the head --------------------------------------------------------------------------
+
+    def refresh(self) -> int:
+        """Read the floor and find the head: from the largest of the known head, the floor and
+        the hint, gallop and bisect over record names (records are gap-free). No LIST."""
+        self.read_floor()
+        hint = self.storage.try_read(m.HEAD_HINT)
+        start = max(self._head, self._floor)
+        if hint is not None:
+            try:
+                start = max(start, int(json.loads(hint)["version"]))
+            except (ValueError, KeyError, TypeError):
+                log.warning("ignoring unreadable head hint in %s", self.display_url)
+        if self.record(start) is None:
+            # Hints are advisory; fall back to the last version known to exist.
+            start = max(self._head, self._floor)
+            if self.record(start) is None:
+                raise CorruptStoreError(
+                    f"{self.display_url} has no commit record for version {start}; run "
+                    "`dynstate verify` to see what is damaged"
+                )
+        step = 1
+        lo = start
+        while self.record(lo + step) is not None:
+            lo += step
+            step *= 2
+        hi = lo + step  # missing
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.record(mid) is not None:
+                lo = mid
+            else:
+                hi = mid
+        self._head = lo
+        return lo
+
+    # -- records ---------------------------------------------------------------------------
+
+    def record(self, version: int) -> Commit | None:
+        """The record of ``version``, or None if there is no such file."""
+        cached = self._records.get(version)
+        if cached is not None:
+            return cached
+        rel = m.log_path(version)
+        raw = self.storage.try_read(rel)
+        if raw is None:
+            return None
+        commit = Commit.from_json(m.decode(raw, self.where(rel)), self.where(rel))
+        if commit.version != version or commit.store_id != self.store_id:
+            raise CorruptStoreError(
+                f"{self.where(rel)} claims version {commit.version} of store "
+                f"{commit.store_id}; it was copied from elsewhere — remove it"
+            )
+        self._records[version] = commit
+        return commit
+
+    def not_found(self, version: Any) -> str:
+        return (
+            f"version {version} not found in {self.display_url} (latest is {self._head}); "
+            "pass version=None for the latest"
+        )
+
+    def check_version(self, version: int) -> None:
+        if version > self._head:
+            self.refresh()
+        if version < 0 or version > self._head:
+            raise VersionNotFoundError(self.not_found(version))
+        if version < self._floor:
+            raise self.collected(version)
+
+    def commit_record(self, version: int) -> Commit:
+        """The record of a kept ``version``, or a typed error."""
+        self.check_version(version)
+        record = self.record(version)
+        if record is None:
+            if version < self._head:
+                raise self.collected(version)
+            raise VersionNotFoundError(self.not_found(version))
+        return record
+
+    # -- lineage ---------------------------------------------------------------------------
+
+    def predecessor(self, record: Commit) -> int | None:
+        """The version whose rows ``record``'s version carries on: a reset's target, else
+        the parent (appends, compactions)."""
+        return record.target if record.op == "reset" else record.parent
+
+    def lineage(self, version: int) -> Iterator[int]:
+        """Versions whose content makes up ``version``, newest first, down to the gc floor.
+        Abandoned versions are never on the way."""
+        v: int | None = version
+        while v is not None and v >= self._floor:
+            yield v
+            v = self.predecessor(self.commit_record(v))
+
+    def lineage_cut(self, oldest: int) -> bool:
+        """Whether a lineage ending at ``oldest`` was cut by the floor (its predecessor was
+        collected) rather than reaching the store's creation."""
+        return self.predecessor(self.commit_record(oldest)) is not None
+
+    # -- shard lists -----------------------------------------------------------------------
+
+    def materialize(self, version: int) -> list[ShardRef]:
+        """The ordered shard list of ``version``: from the nearest base (checkpoint, reset or
+        compaction record) at or below it, plus the appends since — at most K records."""
+        tails: list[tuple[ShardRef, ...]] = []
+        v = version
+        while True:
+            if v < self._floor:
+                raise VersionCollectedError(
+                    f"version {version} of {self.display_url} depends on collected metadata; "
+                    f"the oldest kept version is {self._floor}"
+                )
+            record = self.commit_record(v)
+            if record.base is not None:
+                shards = self.expand(record.base, self.where(m.log_path(v)))
+                break
+            # At the gc floor the checkpoint is the only way back, even for the floor itself.
+            if v == self._floor or v % m.CHECKPOINT_INTERVAL == 0:
+                found = self.checkpoint(v)
+                if found is not None:
+                    shards = found
+                    break
+            tails.append(record.add)
+            v -= 1
+        for add in reversed(tails):
+            shards.extend(add)
+        return shards
+
+    def checkpoint(self, version: int) -> list[ShardRef] | None:
+        rel = m.checkpoint_path(version)
+        raw = self.storage.try_read(rel)
+        if raw is None:
+            return None  # its writer died before writing it; replay further back instead
+        obj = m.decode(raw, self.where(rel))
+        return self.expand(
+            m.ShardList.from_json(obj.get("shards"), self.where(rel)), self.where(rel)
+        )
+
+    def expand(self, shard_list: m.ShardList, where: str) -> list[ShardRef]:
+        out: list[ShardRef] = []
+        for digest in shard_list.chunks:
+            chunk = self._chunks.get(digest)
+            if chunk is None:
+                rel = m.chunk_path(digest)
+                try:
+                    raw = self.storage.read(rel)
+                except FileNotFoundError:
+                    raise CorruptStoreError(
+                        f"{where} refers to chunk {digest[:12]}, which is missing from "
+                        f"{self.display_url}; run `dynstate verify`"
+                    ) from None
+                chunk = m.decode_chunk(digest, raw, self.where(rel))
+                self._chunks[digest] = chunk
+            out.extend(chunk)
+        out.extend(shard_list.tail)
+        return out
+
+    def put_shard_list(self, shards: list[ShardRef]) -> m.ShardList:
+        files, shard_list = m.split_chunks(shards)
+        for digest, data in files:
+            if digest not in self._chunks:
+                self._touch(m.chunk_path(digest), data)
+                self._chunks[digest] = m.decode_chunk(digest, data, digest)
+        return shard_list
+
+    # -- schemas ---------------------------------------------------------------------------
+
+    def schema(self, fp: str | None, version: int) -> pa.Schema | None:
+        if fp is None:
+            return None
+        schema = self._schemas.get(fp)
+        if schema is None:
+            rel = m.schema_path(fp)
+            try:
+                raw = self.storage.read(rel)
+            except FileNotFoundError:
+                raise CorruptStoreError(
+                    f"schema {fp[:12]} of version {version} is missing from "
+                    f"{self.display_url}; run `dynstate verify`"
+                ) from None
+            schema = m.schema_from_json(m.decode(raw, self.where(rel)), self.where(rel))
+            if m.schema_fingerprint(schema) != fp:
+                raise ChecksumMismatchError(f"{self.where(rel)} does not match its name")
+            self._schemas[fp] = schema
+        return schema
+
+    def put_schema(self, schema: pa.Schema) -> None:
+        fp = m.schema_fingerprint(schema)
+        if fp not in self._schemas:
+            self._touch(m.schema_path(fp), m.encode(m.schema_to_json(schema)))
+            self._schemas[fp] = schema
+
+    def _touch(self, rel: str, data: bytes) -> None:
+        """Write a content-addressed file, whether or not it exists (same name, same bytes):
+        its fresh time tells gc that a commit is about to name it — gc leaves unreferenced
+        metadata younger than an hour alone, and this one may be an old orphan."""
+        self.storage.put(rel, data)
+
+    # -- committing ------------------------------------------------------------------------
+
+    def require_writable(self) -> None:
+        """Refuse to write where concurrent commits could overwrite each other."""
+        if not self._write_checked:
+            self.storage.require_exclusive_create(self.single_writer)
+            self._write_checked = True
+
+    def commit(
+        self,
+        make: Callable[[Commit], Commit],
+        *,
+        sources: Iterable[int] = (),
+        attempts: list[Commit] | None = None,
+    ) -> int:
+        """Create the next version's record exclusively; on a lost race, rebase (``make`` is
+        called with the new parent) and retry. ``sources`` are versions whose shards the
+        record reuses (a reset's target, a compaction's base): each attempt re-reads the gc
+        floor and refuses sources below it. Every record tried is appended to ``attempts``."""
+        sources = list(sources)
+        for attempt in range(MAX_COMMIT_ATTEMPTS):
+            if sources:
+                self._check_sources(sources)
+            parent = self.record(self._head)
+            if parent is None:
+                self.refresh()
+                continue
+            record = make(parent)
+            if attempts is not None:
+                attempts.append(record)
+            try:
+                self._publish(record)
+            except FileExistsError:
+                self.refresh()
+                time.sleep(random.uniform(0, min(0.05, 0.001 * 2 ** min(attempt, 6))))
+                continue
+            if sources:
+                self._recheck_sources(record, sources)
+            self._upkeep(record)
+            return record.version
+        raise CommitConflictError(
+            f"gave up committing to {self.display_url} after {MAX_COMMIT_ATTEMPTS} lost races; "
+            "too many concurrent writers — retry, or write rounds from fewer processes"
+        )
+
+    def _check_sources(self, sources: list[int]) -> None:
+        floor = self.read_floor()
+        for source in sources:
+            if source < floor:
+                raise self.collected(source)
+
+    def _recheck_sources(self, record: Commit, sources: list[int]) -> None:
+        """A gc that published its floor while this record was being created may not have
+        seen the record; undo it (the parent is always kept) rather than leave a head whose
+        shards gc may remove."""
+        if min(sources) >= self.read_floor():
+            return
+        parent = self.commit_record(record.parent or 0)
+        shard_list = self.put_shard_list(self.materialize(parent.version))
+
+        def make(head: Commit) -> Commit:
+            return Commit(
+                self.store_id,
+                head.version + 1,
+                head.version,
+                "reset",
+                m.utc_now(),
+                parent.schema,
+                parent.num_rows,
+                parent.num_shards,
+                parent.num_bytes,
+                base=shard_list,
+                target=parent.version,
+                meta={"undo": record.version},
+            )
+
+        self.commit(make)
+        raise self.collected(min(sources))
+
+    def _publish(self, record: Commit) -> None:
+        self.storage.create(m.log_path(record.version), m.encode(record.to_json()))
+        self._records[record.version] = record
+        self._head = max(self._head, record.version)
+        log.debug("committed version %d to %s", record.version, self.display_url)
+
+    def _upkeep(self, record: Commit) -> None:
+        """Everything after the commit is an optimization; a crash here loses nothing."""
+        try:
+            if record.version % m.CHECKPOINT_INTERVAL == 0:
+                shard_list = self.put_shard_list(self.materialize(record.version))
+                self.storage.create_if_absent(
+                    m.checkpoint_path(record.version), checkpoint_bytes(record, shard_list)
+                )
+            # No fsync: the hint only ever names a version already durable, and a hint lost
+            # or torn by a power cut is ignored by refresh(), which then probes.
+            hint = json.dumps({"version": record.version}).encode()
+            self.storage.put(m.HEAD_HINT, hint, durable=False)
+        except DynstateError as exc:
+            log.warning("post-commit upkeep of %s failed: %s", self.display_url, exc)
+
+    def landed(self, attempts: list[Commit]) -> int | None:
+        """The version of whichever of ``attempts`` is committed, read back from the store
+        (the record holds exactly our bytes), or None. Raises if the store cannot be read:
+        then the caller must assume the commit may have landed."""
+        for record in attempts:
+            rel = m.log_path(record.version)
+            raw = self.storage.try_read(rel)
+            if raw is not None and m.decode(raw, self.where(rel)) == record.to_json():
+                self._records[record.version] = record
+                self._head = max(self._head, record.version)
+                return record.version
+        return None
+
+
+def checkpoint_bytes(record: Commit, shard_list: m.ShardList) -> bytes:
+    return m.encode(
+        {
+            "format": m.FORMAT,
+            "store_id": record.store_id,
+            "version": record.version,
+            "schema": record.schema,
+            "num_rows": record.num_rows,
+            "shards": shard_list.to_json(),
+        }
+    )

@@ -1,0 +1,339 @@
+"""Leases: how a writer protects the files it staged but has not committed yet.
+
+A writer creates ``_dynstate/leases/<id>.json`` before it writes a shard and names every
+shard of that lease ``data/<id>-<uuid>.parquet``. While the writer lives, a heartbeat thread
+rewrites the lease file every ``ttl_s / 4`` seconds. The lease ends in exactly one of two
+ways, decided by an exclusive create of ``_dynstate/leases/<id>.outcome.json``:
+
+* the committer creates it with outcome ``commit`` (and a nonce of its own) before it
+  publishes the record that names the shards;
+* gc creates it with outcome ``expired`` when the lease file was not rewritten for ``ttl_s``
+  (or names a process of this machine that no longer exists), and only then removes the
+  lease's shards.
+
+Exclusive create lets only one of them win, so gc never removes shards a commit is about to
+name, and a commit never names shards gc removes. See docs/format.md, "Leases".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass
+
+from .. import manifest as m
+from ..errors import CommitConflictError, DynstateError, LeaseExpiredError
+from ..storage import Storage
+
+log = logging.getLogger("dynstate")
+
+LEASE_DIR = f"{m.META_DIR}/leases"
+DEFAULT_TTL_S = 120.0
+# A heartbeat stops renewing a lease nobody committed or discarded after this long.
+MAX_LIFETIME_S = 7 * 86400.0
+
+
+def lease_path(lease: str) -> str:
+    return f"{LEASE_DIR}/{lease}.json"
+
+
+def outcome_path(lease: str) -> str:
+    return f"{LEASE_DIR}/{lease}.outcome.json"
+
+
+def shard_path(lease: str) -> str:
+    """A fresh name for a shard written under ``lease``."""
+    return f"{m.DATA_DIR}/{lease}-{uuid.uuid4().hex}.parquet"
+
+
+def lease_of(rel: str) -> str | None:
+    """The lease a shard path was written under, or None for an unleased name."""
+    name = rel.rsplit("/", 1)[-1]
+    if len(name) == 32 + 1 + 32 + 8 and name[32] == "-":
+        return name[:32]
+    return None
+
+
+def host_id() -> str:
+    """This machine (and pid namespace), to tell whether a lease's process can be checked."""
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        parts.append("?")
+    return ":".join(parts)
+
+
+def process_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs here (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class Leases:
+    """The leases one store handle holds, and the heartbeat that renews them."""
+
+    def __init__(self, storage: Storage, ttl_s: float = DEFAULT_TTL_S) -> None:
+        if not ttl_s > 0:
+            raise ValueError("lease ttl must be positive")
+        self.storage = storage
+        self.ttl_s = float(ttl_s)
+        self._active: dict[str, float] = {}  # lease id -> monotonic time acquired
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._host = host_id()
+
+    def __getstate__(self) -> dict[str, object]:
+        # A pickled handle (Ray task, spawned worker) holds no leases of its own.
+        return {"storage": self.storage, "ttl_s": self.ttl_s}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(state["storage"], state["ttl_s"])  # type: ignore[misc, arg-type]
+
+    def _body(self, lease: str) -> bytes:
+        return m.encode(
+            {
+                "format": m.FORMAT,
+                "lease": lease,
+                "ttl_s": self.ttl_s,
+                "host": self._host,
+                "pid": os.getpid(),
+                "renewed": m.utc_now(),
+            }
+        )
+
+    def acquire(self) -> str:
+        """A new lease, written before any file it protects."""
+        lease = uuid.uuid4().hex
+        self.storage.create(lease_path(lease), self._body(lease))
+        with self._lock:
+            self._active[lease] = time.monotonic()
+        self._ensure_heartbeat()
+        return lease
+
+    def adopt(self, leases: set[str]) -> None:
+        """Renew ``leases`` (staged by another handle or process) from now on."""
+        for lease in leases:
+            with self._lock:
+                if lease in self._active:
+                    continue  # ours, renewed by the heartbeat
+                self._active[lease] = time.monotonic()
+            self.renew(lease)
+        self._ensure_heartbeat()
+
+    def renew(self, lease: str) -> None:
+        self.storage.put(lease_path(lease), self._body(lease), durable=False)
+
+    def forget(self, leases: set[str]) -> None:
+        with self._lock:
+            for lease in leases:
+                self._active.pop(lease, None)
+
+    def claim(self, leases: set[str], nonce: str) -> None:
+        """Win every lease for a commit (outcome ``commit``), or raise: gc expired one of
+        them (:class:`LeaseExpiredError`), or another commit holds it."""
+        body = m.encode({"format": m.FORMAT, "outcome": "commit", "by": nonce})
+        for lease in sorted(leases):
+            try:
+                self.storage.create(outcome_path(lease), body)
+            except FileExistsError:
+                outcome = read_outcome(self.storage, lease)
+                if outcome is not None and outcome.get("by") == nonce:
+                    continue  # our own earlier attempt
+                if outcome is not None and outcome.get("outcome") == "commit":
+                    raise CommitConflictError(
+                        f"the staged parts of lease {lease} in {self.storage.display_url} were "
+                        "already committed (or are being committed) by another call; commit "
+                        "each staged part once"
+                    ) from None
+                raise LeaseExpiredError(
+                    f"the staged files of lease {lease} in {self.storage.display_url} were "
+                    "collected by gc (their writer stopped renewing the lease for "
+                    f"{self.ttl_s:g} s); nothing was committed — stage the round again"
+                ) from None
+
+    def end(self, leases: set[str], *, committed: bool) -> None:
+        """Finish leases after their commit landed (``committed``) or after their owner removed
+        their shards: the lease file goes first, so gc never sees a claim without a lease
+        and a live one. (Only gc's ``expired`` outcome stays behind, as a tombstone.)"""
+        self.forget(leases)
+        for lease in leases:
+            try:
+                self.storage.delete(lease_path(lease))
+                self.storage.delete(outcome_path(lease))
+            except DynstateError as exc:
+                log.warning("could not end lease %s: %s (gc will)", lease, exc)
+
+    # -- heartbeat -------------------------------------------------------------------------
+
+    def _ensure_heartbeat(self) -> None:
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            # The thread holds the handle weakly: dropping the store ends the renewals.
+            self._thread = threading.Thread(
+                target=_heartbeat,
+                args=(weakref.ref(self), self.ttl_s / 4),
+                name="dynstate-lease-heartbeat",
+                daemon=True,
+            )
+            self._thread.start()
+
+    def _tick(self) -> bool:
+        """Renew every active lease; False once none is left."""
+        with self._lock:
+            active = dict(self._active)
+        now = time.monotonic()
+        for lease, since in active.items():
+            try:
+                if now - since > MAX_LIFETIME_S or self.storage.exists(outcome_path(lease)):
+                    self.forget({lease})  # committed, discarded or expired elsewhere
+                    continue
+                self.renew(lease)
+            except DynstateError as exc:
+                log.warning("could not renew lease %s: %s", lease, exc)
+        with self._lock:
+            return bool(self._active)
+
+
+def _heartbeat(ref: weakref.ref[Leases], interval_s: float) -> None:
+    while True:
+        leases = ref()
+        if leases is None:
+            return
+        wake = leases._wake
+        del leases
+        wake.wait(interval_s)
+        leases = ref()
+        if leases is None or not leases._tick():
+            return
+        del leases
+
+
+def read_outcome(storage: Storage, lease: str) -> dict[str, object] | None:
+    raw = storage.try_read(outcome_path(lease))
+    if raw is None:
+        return None
+    try:
+        return m.decode(raw, f"{storage.display_url}/{outcome_path(lease)}")
+    except DynstateError:
+        return {"outcome": "unreadable"}
+
+
+@dataclass
+class LeaseState:
+    lease: str
+    protected: bool  # its shards must stay
+    outcome: str | None  # "commit", "expired", "discarded" or None (undecided)
+    files: list[str]  # the lease's own files, removable once its shards are dealt with
+
+
+def survey(
+    storage: Storage, *, claim: bool, now: float, stale_claim_s: float
+) -> dict[str, LeaseState]:
+    """Decide, for each lease in the store, whether its shards must stay. A lease neither
+    renewed within its ttl nor committed is ended as ``expired`` (when ``claim``; a dry run
+    only reports). A commit claim whose lease went stale is kept for ``stale_claim_s``
+    unless its process is known to be gone."""
+    here = host_id()
+    names = storage.list(LEASE_DIR)
+    ids = {n.split(".", 1)[0] for n in names if _LEASE_NAME(n)}
+    out: dict[str, LeaseState] = {}
+    for lease in sorted(ids):
+        files = [
+            f"{LEASE_DIR}/{n}" for n in names if n.split(".", 1)[0] == lease and _LEASE_NAME(n)
+        ]
+        protected, outcome = _protected(storage, lease, here, claim, now, stale_claim_s)
+        out[lease] = LeaseState(lease, protected, outcome, files)
+    return out
+
+
+def _LEASE_NAME(name: str) -> bool:
+    stem, _, rest = name.partition(".")
+    return (
+        len(stem) == 32
+        and all(c in "0123456789abcdef" for c in stem)
+        and rest
+        in (
+            "json",
+            "outcome.json",
+        )
+    )
+
+
+def _fresh(storage: Storage, lease: str, here: str, now: float) -> tuple[bool, bool]:
+    """(whether the lease's writer may still be alive, whether it is known to be gone: a
+    process of this machine that no longer exists)."""
+    raw = storage.try_read(lease_path(lease))
+    if raw is None:
+        return False, False
+    try:
+        modified = storage.modified(lease_path(lease))
+    except FileNotFoundError:
+        return False, False
+    try:
+        body = m.decode(raw, lease_path(lease))
+        ttl = float(body.get("ttl_s", DEFAULT_TTL_S))
+        if body.get("host") == here and process_gone(int(body.get("pid", -1))):
+            return False, True
+    except (DynstateError, TypeError, ValueError):
+        ttl = DEFAULT_TTL_S  # unreadable: judge by age alone
+    if modified is None:
+        return True, False  # no clock to judge by: keep
+    return now - modified < ttl, False
+
+
+def _protected(
+    storage: Storage, lease: str, here: str, claim: bool, now: float, stale_claim_s: float
+) -> tuple[bool, str | None]:
+    """(whether the lease's shards must stay, its outcome)."""
+    for _ in range(3):
+        outcome = read_outcome(storage, lease)
+        alive, gone = _fresh(storage, lease, here, now)
+        if outcome is None:
+            if alive:
+                return True, None
+            if not claim:
+                return False, None
+            body = m.encode({"format": m.FORMAT, "outcome": "expired", "by": "gc"})
+            try:
+                storage.create(outcome_path(lease), body)
+                log.info("gc: lease %s of %s expired", lease, storage.display_url)
+                return False, "expired"
+            except FileExistsError:
+                continue  # a commit claimed it just now: decide again
+        kind = outcome.get("outcome")
+        if kind in ("expired", "discarded"):
+            return False, str(kind)
+        if kind == "commit":
+            if alive:
+                return True, "commit"  # the commit is in flight
+            if gone or not storage.exists(lease_path(lease)):
+                # The committer is gone, or published and cleaned up (lease file first).
+                return False, "commit"
+            try:
+                claimed = storage.modified(outcome_path(lease))
+            except FileNotFoundError:
+                continue
+            # The committer stopped renewing after it claimed: keep its shards while it
+            # could still publish.
+            return claimed is None or now - claimed < stale_claim_s, "commit"
+        return True, None  # unreadable outcome: keep, verify reports it
+    return True, None

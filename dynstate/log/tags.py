@@ -1,0 +1,86 @@
+"""Tags: names for versions, which gc never collects.
+
+A tag is created exclusively and checked against the gc floor *after* it exists: a gc that
+publishes its floor reads the tags afterwards, so either gc sees the tag (and keeps the
+version) or the tagger sees the new floor (and removes its tag, refusing the collected
+version). There is no interleaving in which neither sees the other.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .. import manifest as m
+from ..errors import CorruptStoreError, DynstateError, StoreExistsError, VersionNotFoundError
+from ..storage import is_safe_name
+from .commits import Log
+
+log = logging.getLogger("dynstate")
+
+
+class Tags:
+    def __init__(self, commits: Log) -> None:
+        self.log = commits
+        self.storage = commits.storage
+
+    def _read(self, name: str) -> int:
+        raw = self.storage.try_read(m.tag_path(name)) if is_safe_name(name) else None
+        if raw is None:
+            raise VersionNotFoundError(
+                f"no tag {name!r} in {self.log.display_url}; `dynstate ls` lists versions and tags"
+            )
+        where = self.log.where(m.tag_path(name))
+        version = m.decode(raw, where).get("version")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise CorruptStoreError(f"{where} names no version; the file is damaged")
+        return version
+
+    def version(self, name: str) -> int:
+        """The kept version ``name`` names."""
+        version = self._read(name)
+        self.log.check_version(version)
+        return version
+
+    def all(self) -> dict[str, int]:
+        """Every tag and the version it names (kept or not: a listing never fails on one)."""
+        out = {}
+        for name in self.storage.list(f"{m.META_DIR}/tags"):
+            if name.endswith(".json") and is_safe_name(name[:-5]):
+                try:
+                    out[name[:-5]] = self._read(name[:-5])
+                except VersionNotFoundError:
+                    continue  # removed while we listed
+        return out
+
+    def create(self, name: str, target: int, *, force: bool) -> None:
+        raw = m.encode({"format": m.FORMAT, "version": target, "created": m.utc_now()})
+        rel = m.tag_path(name)
+        previous: bytes | None = None
+        try:
+            self.storage.create(rel, raw)
+        except FileExistsError:
+            current = self._read(name)
+            if current == target:
+                return
+            if not force:
+                raise StoreExistsError(
+                    f"tag {name!r} in {self.log.display_url} already names version {current}; "
+                    "pass force=True to move it"
+                ) from None
+            previous = self.storage.try_read(rel)
+            self.storage.put(rel, raw)
+        if target >= self.log.read_floor():
+            return
+        # gc moved its floor past the target while we tagged it: take the tag back.
+        try:
+            if previous is not None:
+                self.storage.put(rel, previous)
+            else:
+                self.storage.delete(rel)
+        except DynstateError as exc:
+            log.warning("could not take back tag %s of %s: %s", name, self.log.display_url, exc)
+        raise self.log.collected(target)
+
+    def remove(self, name: str) -> None:
+        self._read(name)
+        self.storage.delete(m.tag_path(name))

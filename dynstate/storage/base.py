@@ -1,0 +1,398 @@
+"""The storage interface every backend implements.
+
+:class:`Storage` is a store root on some filesystem; all paths given to its methods are
+relative to that root. Its public methods (read, exclusive create, overwrite, list, delete,
+stat) are the same on every backend: they run the backend's primitives (``_cat``,
+``_create``, ``_put``, ...) through :meth:`Storage._call`, the one place where failures are
+retried and translated into :mod:`dynstate.errors` types. Two built-in exceptions pass through
+on purpose because callers act on them: ``FileNotFoundError`` (object missing) and
+``FileExistsError`` (an exclusive create lost the race).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar, TypeVar
+
+import fsspec
+
+from ..errors import (
+    ConcurrencyUnsupportedError,
+    CorruptStoreError,
+    InvalidDataError,
+    MissingDependencyError,
+    StorageError,
+)
+from .credentials import Scrubber, redact, secrets_of
+from .retry import backoff, is_client_library_error, is_transient
+
+log = logging.getLogger("dynstate")
+T = TypeVar("T")
+
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
+# Options every fsspec filesystem takes (AbstractFileSystem's own), whatever its signature.
+_COMMON_OPTIONS = frozenset(
+    {"use_listings_cache", "listings_expiry_time", "max_paths", "skip_instance_cache", "loop"}
+)
+
+
+class Storage:
+    """A store root on one backend. Create one with :func:`dynstate.storage.open_storage`."""
+
+    #: capability flags other layers read (never branch on the backend's type)
+    local: ClassVar[bool] = False
+    memory: ClassVar[bool] = False
+    retry_attempts = 1  # our own attempts per operation (remote backends retry)
+    retry_base_s = 0.1
+    retry_cap_s = 5.0
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url
+        self.display_url = redact(url)
+        self.storage_options = self._with_defaults(dict(storage_options or {}))
+        self._scrubber = Scrubber()
+        self._scrubber.add(secrets_of(url, self.storage_options))
+        self._check_options()
+        self._pid = os.getpid()
+        self._fs, root = self._connect()
+        self.root = root.rstrip("/") if root not in ("/", "") else root
+        self._exclusive_ok: bool | None = True
+
+    # -- connecting ------------------------------------------------------------------------
+
+    def _with_defaults(self, options: dict[str, Any]) -> dict[str, Any]:
+        return options
+
+    def _check_options(self) -> None:
+        """Refuse option names the filesystem does not take, before it is built: fsspec
+        filesystems accept any keyword and fail much later (s3fs: a raw ``TypeError`` from
+        aiobotocore on the first request)."""
+        if not self.storage_options:
+            return
+        protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
+        try:
+            cls = fsspec.get_filesystem_class(protocol)
+        except (ImportError, ValueError):
+            return  # _connect reports it
+        known = set(_COMMON_OPTIONS)
+        for klass in cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is None:
+                continue
+            params = inspect.signature(init).parameters.values()
+            known |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        known.discard("self")
+        unknown = sorted(set(self.storage_options) - known)
+        if unknown:
+            raise InvalidDataError(
+                f"unknown storage option {', '.join(map(repr, unknown))} for "
+                f"{self.display_url}; {protocol}:// takes {', '.join(sorted(known))}"
+            )
+
+    def _connect(self) -> tuple[fsspec.AbstractFileSystem, str]:
+        try:
+            return fsspec.core.url_to_fs(self.url, **self.storage_options)
+        except ImportError:
+            scheme = self.url.split("://", 1)[0]
+            extra = _EXTRAS.get(scheme, scheme)
+            raise MissingDependencyError(
+                f"cannot open {self.display_url}: the {scheme}:// filesystem is not installed; "
+                f"pip install 'dynstate[{extra}]'"
+            ) from None
+        except (ValueError, TypeError) as exc:
+            raise StorageError(
+                f"cannot open {self.display_url}: {self.scrub(str(exc))}; check the URL and "
+                "storage options"
+            ) from None
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        """The filesystem, rebuilt after a fork: async fsspec filesystems (s3fs) hold an event
+        loop thread and sockets that do not survive into a forked DataLoader worker."""
+        if self._pid != os.getpid():
+            self._fs = self._connect()[0]
+            self._pid = os.getpid()
+        return self._fs
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled for spawned workers and Ray tasks: they reconnect from the URL and options.
+        state = dict(self.__dict__)
+        state["_fs"] = None
+        state["_pid"] = -1
+        return state
+
+    def path(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if self.root else rel
+
+    def scrub(self, text: str) -> str:
+        """``text`` with any credential of this location replaced by ``***``."""
+        return self._scrubber.scrub(text)
+
+    # -- the one boundary ------------------------------------------------------------------
+
+    def _call(self, what: str, rel: str, fn: Callable[[], T], *, retry_corrupt: bool = False) -> T:
+        """Run one filesystem operation with retries, translating its failures at this single
+        boundary. ``fn`` must be safe to repeat: every caller's operation is idempotent or, for
+        exclusive creates, resolved by :meth:`create` reading back."""
+        attempts = max(1, self.retry_attempts)
+        for attempt in range(attempts):
+            try:
+                return fn()
+            except Exception as exc:
+                again = is_transient(exc) or (retry_corrupt and isinstance(exc, CorruptStoreError))
+                if attempt + 1 < attempts and again:
+                    delay = backoff(attempt, self.retry_base_s, self.retry_cap_s)
+                    log.debug(
+                        "transient failure to %s %s/%s (attempt %d of %d), retrying in %.2fs: %s",
+                        what,
+                        self.display_url,
+                        rel,
+                        attempt + 1,
+                        attempts,
+                        delay,
+                        self.scrub(repr(exc)),
+                    )
+                    time.sleep(delay)
+                    continue
+                err = self._translate(what, rel, exc, attempt + 1)
+                if err is exc:
+                    raise
+                raise err from None if self._is_secret_bearing(exc) else exc
+        raise AssertionError("unreachable")  # the loop always returns or raises
+
+    def _is_secret_bearing(self, exc: BaseException) -> bool:
+        return self.scrub(str(exc)) != str(exc)
+
+    def _translate(self, what: str, rel: str, exc: Exception, attempts: int) -> Exception:
+        if isinstance(exc, (FileNotFoundError, FileExistsError, CorruptStoreError, StorageError)):
+            return exc
+        where = f"{self.display_url}/{rel}"
+        tries = f" after {attempts} attempts" if attempts > 1 else ""
+        text = self.scrub(str(exc))  # botocore's messages may quote a credential
+        if isinstance(exc, PermissionError):
+            return StorageError(
+                f"permission denied to {what} {where}; check the credentials and permissions "
+                "for this location"
+            )
+        if isinstance(exc, (OSError, RuntimeError, ValueError, TypeError)):
+            return StorageError(
+                f"could not {what} {where}{tries}: {text}; check that the location is reachable "
+                "and retry"
+            )
+        if is_client_library_error(exc):  # botocore / aiohttp errors s3fs did not translate
+            return StorageError(f"could not {what} {where}{tries}: {text}; retry later")
+        return exc
+
+    # -- backend primitives (overridden per backend) ---------------------------------------
+
+    def _cat(self, rel: str) -> bytes:
+        return self.fs.cat_file(self.path(rel))
+
+    def _create(self, rel: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _put(self, rel: str, data: bytes, durable: bool) -> None:
+        self.fs.pipe_file(self.path(rel), data)
+
+    def _landed(self, rel: str, data: bytes) -> bool:
+        """After a create met an existing object: was it an earlier attempt of ours whose
+        reply was lost? Only backends that retry can tell (and need to)."""
+        return False
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def read(self, rel: str, *, check: Callable[[bytes], None] | None = None) -> bytes:
+        """The object's bytes; ``FileNotFoundError`` if it does not exist. ``check`` verifies
+        them (raising :class:`CorruptStoreError`); a remote read that fails it is fetched again
+        in case the body was cut short in transit, and the error stands only if it persists."""
+
+        def fetch() -> bytes:
+            data = self._cat(rel)
+            if check is not None:
+                check(data)
+            return data
+
+        return self._call("read", rel, fetch, retry_corrupt=check is not None)
+
+    def try_read(self, rel: str) -> bytes | None:
+        try:
+            return self.read(rel)
+        except FileNotFoundError:
+            return None
+
+    def exists(self, rel: str) -> bool:
+        return self._call("check", rel, lambda: self.fs.exists(self.path(rel)))
+
+    def size(self, rel: str) -> int:
+        return int(self._call("stat", rel, lambda: self.fs.size(self.path(rel))))
+
+    def list(self, rel_dir: str) -> list[str]:
+        """Names (not paths) of the objects directly under ``rel_dir``; [] if none."""
+        try:
+            entries = self._call(
+                "list",
+                rel_dir,
+                # refresh: other processes write here, a cached listing would hide their files
+                lambda: self.fs.ls(self.path(rel_dir), detail=False, refresh=True),
+            )
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def modified(self, rel: str) -> float | None:
+        """Last-modified time as a POSIX timestamp, or None where the backend has none."""
+        info = self._call("stat", rel, lambda: self.fs.info(self.path(rel)))
+        for key in ("mtime", "LastModified", "created"):
+            value = info.get(key)
+            if value is None:
+                continue
+            return value.timestamp() if hasattr(value, "timestamp") else float(value)
+        return None
+
+    def contained(self, rel: str) -> bool:
+        """Whether ``rel`` really is a file inside the root (no symlink leads it elsewhere);
+        gc deletes nothing else. Object stores have no links."""
+        return True
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def create(self, rel: str, data: bytes) -> None:
+        """Create ``rel`` holding ``data`` only if it does not exist yet, atomically: readers
+        see the whole object or nothing. Raises ``FileExistsError`` when it exists."""
+        try:
+            self._call("create", rel, lambda: self._create(rel, data))
+        except FileExistsError:
+            if not self._landed(rel, data):
+                raise
+            log.info(
+                "create of %s/%s: an earlier attempt landed though its reply was lost",
+                self.display_url,
+                rel,
+            )
+
+    def create_if_absent(self, rel: str, data: bytes) -> bool:
+        """Exclusive create for content-addressed or deterministic files: an existing object
+        already holds the same content, so losing the race is success. True if we wrote."""
+        try:
+            self.create(rel, data)
+        except FileExistsError:
+            return False
+        return True
+
+    def put(self, rel: str, data: bytes, *, durable: bool = True) -> None:
+        """Write ``rel``, replacing any previous content (hints, leases, tags moved with
+        force; never data). ``durable=False`` skips the fsync where a lost write is harmless."""
+        self._call("write", rel, lambda: self._put(rel, data, durable))
+
+    def delete(self, rel: str) -> None:
+        try:
+            self._call("delete", rel, lambda: self.fs.rm_file(self.path(rel)))
+        except FileNotFoundError:
+            pass
+
+    @contextmanager
+    def new_shard(self, rel: str) -> Iterator[ShardSink]:
+        """A sink for a new immutable data file under a fresh unique name (never overwrites);
+        it hashes what passes through. This default buffers and uploads in one exclusive
+        create when the block ends; local disks stream instead."""
+        sink = ShardSink(None)
+        yield sink
+        self.create(rel, sink.getvalue())
+
+    def sync_dir(self, rel_dir: str) -> None:
+        """Make the names created under ``rel_dir`` durable (local disks); a no-op elsewhere."""
+
+    # -- conditional writes ----------------------------------------------------------------
+
+    def check_exclusive_create(self) -> bool:
+        """Whether the backend really refuses a second exclusive create of the same key.
+        Some S3-compatible stores ignore ``If-None-Match``; find out once, by trying."""
+        if self._exclusive_ok is None:
+            probe = f"_dynstate/probe/{uuid.uuid4().hex}"
+            try:
+                self.create(probe, b"1")
+                try:
+                    self.create(probe, b"2")
+                    ok = False  # the header was ignored: the second create replaced the first
+                except FileExistsError:
+                    ok = True
+            except StorageError as exc:
+                if is_transient(exc):
+                    raise  # unreachable or overloaded, which says nothing about the header
+                log.info("%s rejects conditional writes: %s", self.display_url, exc)
+                ok = False
+            finally:
+                try:
+                    self.delete(probe)
+                except StorageError as exc:
+                    log.warning("could not remove probe %s/%s: %s", self.display_url, probe, exc)
+            self._exclusive_ok = ok
+            log.debug("exclusive create on %s: %s", self.display_url, ok)
+        return self._exclusive_ok
+
+    def require_exclusive_create(self, single_writer: bool) -> None:
+        if single_writer or self.check_exclusive_create():
+            return
+        raise ConcurrencyUnsupportedError(
+            f"{self.display_url} does not support conditional writes (If-None-Match), so "
+            "concurrent writers could overwrite each other's commits; use a backend that "
+            "supports them, or open with single_writer=True if only one process ever writes"
+        )
+
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def is_safe_name(name: str) -> bool:
+    return bool(_SAFE_NAME.match(name)) and ".." not in name
+
+
+class ShardSink:
+    """A write-only file object for pyarrow that hashes (SHA-256) and counts what it is
+    given, writing it to ``fd`` — or keeping it in memory when ``fd`` is None."""
+
+    def __init__(self, fd: int | None):
+        self._fd = fd
+        self._hash = hashlib.sha256()
+        self._buffer: list[bytes] | None = [] if fd is None else None
+        self.size = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self._hash.update(view)
+        if self._buffer is not None:
+            self._buffer.append(bytes(view))
+        else:
+            assert self._fd is not None
+            write_all(self._fd, view)
+        self.size += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        pass
+
+    @property
+    def sha256(self) -> str:
+        return self._hash.hexdigest()
+
+    def getvalue(self) -> bytes:
+        return b"".join(self._buffer or [])
+
+
+def write_all(fd: int, data: Any) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]

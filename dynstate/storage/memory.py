@@ -1,0 +1,25 @@
+"""``memory://``: fsspec's in-process filesystem, for tests and examples."""
+
+from __future__ import annotations
+
+import threading
+
+from .base import Storage
+
+# fsspec's memory filesystem is one dict per process, so its exclusive create needs one lock
+# per process too.
+_LOCK = threading.Lock()
+
+
+class MemoryStorage(Storage):
+    """A store root in fsspec's process-wide memory filesystem. Exclusive create is a
+    check-and-write under a lock; nothing survives the process."""
+
+    memory = True
+
+    def _create(self, rel: str, data: bytes) -> None:
+        path = self.path(rel)
+        with _LOCK:
+            if self.fs.exists(path):
+                raise FileExistsError(path)
+            self.fs.pipe_file(path, data)

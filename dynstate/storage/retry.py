@@ -1,0 +1,66 @@
+"""Which failures of a remote operation are worth repeating, and how long to wait.
+
+Retries happen in one place, :meth:`dynstate.storage.base.Storage._call`, on top of the
+retries botocore and s3fs do themselves. Permanent failures (missing object, lost exclusive
+create, denied, bad parameters) are never repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import random
+
+from ..errors import CorruptStoreError
+
+_THROTTLE_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded"}
+)
+_TRANSIENT_ERRNOS = frozenset(
+    {errno.EIO, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE}
+    | ({errno.EREMOTEIO} if hasattr(errno, "EREMOTEIO") else set())
+)
+CLIENT_LIBRARIES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "s3fs")
+
+
+def backoff(attempt: int, base_s: float, cap_s: float) -> float:
+    """Exponential backoff with full jitter: a uniform draw below ``base * 2**attempt``."""
+    return random.uniform(0, min(cap_s, base_s * 2**attempt))
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in seen and len(seen) < 8:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def is_client_library_error(exc: BaseException) -> bool:
+    return type(exc).__module__.split(".")[0] in CLIENT_LIBRARIES
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failed remote operation may succeed if repeated: 5xx and throttling replies,
+    dropped or reset connections, timeouts, bodies cut short. Never a missing object, a lost
+    exclusive create, a denied request or any other 4xx."""
+    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, CorruptStoreError)):
+        return False
+    for link in _chain(exc):
+        response = getattr(link, "response", None)
+        if isinstance(response, dict) and "Error" in response:
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            code = response["Error"].get("Code", "")
+            # 501: the backend does not implement the request (e.g. a conditional header).
+            return (status >= 500 and status != 501) or status == 429 or code in _THROTTLE_CODES
+    for link in _chain(exc):
+        if isinstance(link, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+            return True
+        if is_client_library_error(link):
+            # What is left of botocore/aiohttp/urllib3 errors without a reply is transport:
+            # closed connections, short bodies, unparsable (cut) replies, timeouts. Credential
+            # and parameter errors are the exceptions.
+            name = type(link).__name__
+            return not any(s in name for s in ("Credential", "ParamValidation", "Unknown"))
+    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
