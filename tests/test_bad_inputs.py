@@ -386,6 +386,14 @@ ROUND_CASES = [
         ("cannot append a Series",),
     ),
     RoundCase(
+        "datasets-dict",
+        lambda: __import__("datasets").DatasetDict(
+            {"train": __import__("datasets").Dataset.from_list(ROWS)}
+        ),
+        InvalidDataError,
+        ("cannot append a DatasetDict",),
+    ),
+    RoundCase(
         "column-type-changed",
         lambda: [{"id": "three", "text": "d"}],
         SchemaMismatchError,
@@ -429,6 +437,23 @@ def test_bad_round(case: RoundCase, backend: str, via: str, tmp_path, request) -
     assert type(info.value) is case.error
     check_message(info.value, store.display_url, *case.fragments)
     check_unchanged(url, before, head)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="found while testing issue 13: Store.append/stage do not check shard_bytes "
+    "(store.py, owned by the storage refactor): a str or None is a raw TypeError, and 0 or a "
+    "negative number writes one shard per row",
+)
+@pytest.mark.parametrize("shard_bytes", ["64MB", None, 0, -5])
+def test_bad_shard_bytes(shard_bytes: Any, tmp_path) -> None:
+    url = str(tmp_path / "store")
+    store = filled(url)
+    before = files(url)
+    with pytest.raises(InvalidDataError) as info:
+        store.append([{"id": 3, "text": "d"}, {"id": 4, "text": "e"}], shard_bytes=shard_bytes)
+    check_message(info.value, store.display_url, "shard_bytes")
+    check_unchanged(url, before, 2)
 
 
 def test_non_nullable_store_column_refuses_nulls(tmp_path) -> None:
