@@ -179,6 +179,18 @@ def site(request, tmp_path_factory) -> Iterator[tuple[Run, Client]]:
         assert SECRET not in body
 
 
+def _cli_json(run: Run, command: str, *args: str) -> Any:
+    """What `dynstate COMMAND URL ARGS --json` prints for the same store."""
+    from dynstate.cli import cli
+
+    argv = [command, run.url, *args, "--json"]
+    for key, value in run.options.items():
+        argv += ["--storage-option", f"{key}={value}"]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
 def _head_rows(run: Run) -> list[int]:
     return [r for _, _, rows in sorted(run.rounds.values(), key=lambda r: r[2].start) for r in rows]
 
@@ -190,6 +202,8 @@ def test_store_summary_and_growth_marks(site):
     assert (info["head"], info["oldest"], info["versions"]) == (14, 2, 13)
     assert info["rows"] == len(_head_rows(run)) == 27
     assert info["tags"] == {"ckpt": 7}
+    for key, value in _cli_json(run, "info").items():
+        assert info[key] == value, key
     growth = info["growth"]
     assert growth["axis"] == "step"
     assert [p["version"] for p in growth["points"]] == [2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14]
@@ -223,20 +237,13 @@ def test_versions_paged_newest_first_with_the_cli_keys(site):
     last = client.json("/api/versions?limit=5&before=5")
     assert [v["version"] for v in last["versions"]] == [4, 3, 2] and last["next_before"] is None
 
-    from dynstate.cli import cli
-
-    args = ["ls", run.url, "--all", "--json"]
-    for key, value in run.options.items():
-        args += ["--storage-option", f"{key}={value}"]
-    listed = CliRunner().invoke(cli, args)
-    assert listed.exit_code == 0, listed.output
-    by_version = {row["version"]: row for row in json.loads(listed.output)}
+    by_version = {row["version"]: row for row in _cli_json(run, "ls", "--all")}
     for row in [*first["versions"], *second["versions"], *last["versions"]]:
         assert row == by_version[row["version"]]
 
 
 def test_version_record_schema_shards_and_rounds(site):
-    _run, client = site
+    run, client = site
     info = client.json("/api/versions/ckpt")
     assert info["version"] == 7 and info["op"] == "append" and info["tags"] == ["ckpt"]
     assert info["rows"] == 21 and info["meta"] == {"step": 4, "generator": "mutator"}
@@ -251,6 +258,8 @@ def test_version_record_schema_shards_and_rounds(site):
         "rows": [0, 6],
     }
     assert [r["version"] for r in info["rounds"][1:]] == [2, 3, 4, 5, 7]
+    for key, value in _cli_json(run, "show", "ckpt").items():
+        assert info[key] == value, key
     head = client.json("/api/versions/head")
     assert head["version"] == 14 and head["status"] == "head"
 
@@ -321,17 +330,19 @@ def test_row_lineage_both_ways(site):
 
 
 def test_diff_by_rows_and_rounds(site):
-    _run, client = site
+    run, client = site
     d = client.json("/api/diff/8/head")
     assert (d["from"], d["to"], d["rows"]) == (8, 14, [24, 27])
     assert d["common_version"] == 7 and d["shared_rows"] == 21
-    assert d["rows_added"] == {"start": 21, "stop": 27, "count": 6}
-    assert d["rows_removed"] == {"start": 21, "stop": 24, "count": 3}
-    assert [r["version"] for r in d["rounds_added"]] == [12, 14]
-    assert [r["version"] for r in d["rounds_removed"]] == [8]
-    assert {"shared_prefix_rows", "extends", "added", "removed", "schema_change"} <= set(d)
+    assert (d["added_rows"], d["removed_rows"]) == (6, 3)
+    assert (d["added_range"], d["removed_range"]) == ([21, 27], [21, 24])
+    assert [r["version"] for r in d["added_rounds"]] == [12, 14]
+    assert [r["version"] for r in d["removed_rounds"]] == [8]
+    assert d["removed_rounds"][0]["rows"] == [21, 24] and d["removed_rounds"][0]["step"] == 5
+    for key, value in _cli_json(run, "diff", "8", "head").items():
+        assert d[key] == value, key
     same = client.json("/api/diff/ckpt/7")
-    assert same["rows_added"]["count"] == 0 and same["rounds_added"] == []
+    assert same["added_rows"] == 0 and same["added_rounds"] == [] and same["removed_rounds"] == []
 
 
 @pytest.mark.parametrize(
@@ -351,7 +362,7 @@ def test_diff_by_rows_and_rounds(site):
     ],
 )
 def test_unknown_versions_and_rows_are_404_with_a_message(site, path, message):
-    _, client = site
+    _run, client = site
     body = client.json(path, status=404)
     assert message in body["error"] and body["status"] == 404
 

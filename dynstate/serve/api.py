@@ -26,8 +26,9 @@ import pyarrow.compute as pc
 
 from ..errors import DynstateError, InvalidDataError, VersionNotFoundError
 from ..gc import gc_floor
+from ..history import _row as _version_row  # one row of `dynstate ls --json`: same keys
 from ..history import describe, diff, lineage
-from ..manifest import Commit, ShardRef
+from ..manifest import ShardRef
 from ..snapshot import Snapshot
 from ..store import Store
 from .chart import growth
@@ -105,26 +106,6 @@ class ShardTables:
         return table
 
 
-def _version_row(record: Commit, head: int, line: set[int], tags: list[str]) -> dict[str, Any]:
-    """One version as ``dynstate ls --json`` lists it."""
-    status = "head" if record.version == head else None
-    if record.version not in line:
-        status = "abandoned"
-    return {
-        "version": record.version,
-        "op": record.op,
-        "rows_added": record.rows_added,
-        "total_rows": record.num_rows,
-        "shards": record.num_shards,
-        "bytes": record.num_bytes,
-        "step": record.meta.get("step"),
-        "generator": record.meta.get("generator"),
-        "created": record.created,
-        "tags": tags,
-        "status": status,
-    }
-
-
 def _int_param(value: str | None, name: str, default: int, lo: int, hi: int | None) -> int:
     if value is None or value == "":
         return default
@@ -198,8 +179,8 @@ class StoreView:
 
     def store_info(self, *, with_growth: bool = True) -> dict[str, Any]:
         head = self.store.refresh()
-        record = self.store.commit_record(head)
         floor = gc_floor(self.store)
+        record, first = self.store.commit_record(head), self.store.commit_record(floor)
         info: dict[str, Any] = {
             "url": self.store.display_url,
             "store_id": self.store.store_id,
@@ -207,10 +188,11 @@ class StoreView:
             "oldest": floor,
             "versions": head - floor + 1,
             "rows": record.num_rows,
-            "shards": record.num_shards,
             "bytes": record.num_bytes,
-            "created": record.created,
+            "shards": record.num_shards,
             "tags": dict(sorted(self.store.tags().items())),
+            "first_commit": first.created,
+            "last_commit": record.created,
             "checkpoints": [{"id": k, "path": path} for k, path in enumerate(self.checkpoints)],
         }
         if with_growth:
@@ -534,35 +516,30 @@ class StoreView:
     # -- diff --------------------------------------------------------------------------------
 
     def diff(self, a: int | str | None, b: int | str | None) -> dict[str, Any]:
-        """``dynstate diff --json`` of two versions, plus rows and rounds added and removed:
-        rows up to the newest version both lineages share are shared (row identity)."""
+        """``dynstate diff --json`` of two versions, plus the row ranges and rounds added and
+        removed: rows up to the newest version both lineages hold are shared (row
+        identity)."""
         va, vb = self.resolve(a), self.resolve(b)
         info = diff(self.store, va, vb)
         floor = gc_floor(self.store)
         line_a, line_b = lineage(self.store, va, floor), lineage(self.store, vb, floor)
         common = set(line_a) & set(line_b)
         ra, rb = self.store.commit_record(va), self.store.commit_record(vb)
-        if common:
-            base = max(common)
-            shared = self.store.commit_record(base).num_rows
-        else:
-            base, shared = None, info["shared_prefix_rows"]
+        base = max(common) if common else None
+        # The CLI's own figures where it has them; the same computation where it has not.
+        info.setdefault("common_version", base)
+        info.setdefault(
+            "shared_rows", self.store.commit_record(base).num_rows if base is not None else 0
+        )
+        shared = info["shared_rows"]
+        info.setdefault("added_rows", rb.num_rows - shared)
+        info.setdefault("removed_rows", ra.num_rows - shared)
         rounds_a, rounds_b = self.lineage.rounds(va), self.lineage.rounds(vb)
         only_b, only_a = set(line_b) - common, set(line_a) - common
-        info.update(
-            {
-                "common_version": base,
-                "shared_rows": shared,
-                "rows_added": {"start": shared, "stop": rb.num_rows, "count": rb.num_rows - shared},
-                "rows_removed": {
-                    "start": shared,
-                    "stop": ra.num_rows,
-                    "count": ra.num_rows - shared,
-                },
-                "rounds_added": [s.to_json() for s in rounds_b.segments if s.version in only_b],
-                "rounds_removed": [s.to_json() for s in rounds_a.segments if s.version in only_a],
-            }
-        )
+        info["added_range"] = [shared, rb.num_rows]
+        info["removed_range"] = [shared, ra.num_rows]
+        info["added_rounds"] = [s.to_json() for s in rounds_b.segments if s.version in only_b]
+        info["removed_rounds"] = [s.to_json() for s in rounds_a.segments if s.version in only_a]
         return info
 
     # -- checkpoints -------------------------------------------------------------------------
