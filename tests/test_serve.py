@@ -475,10 +475,21 @@ def test_serve_without_the_extra_says_how_to_install_it(monkeypatch):
     assert "pip install 'dynstate[serve]'" in str(result.exception)
 
 
-def test_serve_command_binds_loopback_and_answers(tmp_path):
+def test_serve_through_the_cli_says_how_to_install_the_extra(monkeypatch):
+    from dynstate.cli import cli
+
+    monkeypatch.setitem(sys.modules, "jinja2", None)
+    result = CliRunner().invoke(cli, ["serve", "memory://nothing"])
+    assert result.exit_code == 1
+    assert "dynstate serve needs jinja2" in result.output
+    assert "pip install 'dynstate[serve]'" in result.output
+
+
+def test_installed_dynstate_serve_binds_loopback_and_answers(tmp_path):
     run = build_run(str(tmp_path / "store"), {})
+    dynstate = os.path.join(os.path.dirname(sys.executable), "dynstate")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dynstate.serve", run.url, "--port", "0"],
+        [dynstate, "serve", run.url, "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
