@@ -29,8 +29,9 @@ from ..errors import (
     StoreNotFoundError,
     VersionNotFoundError,
 )
-from .api import RESERVED, RowNotFoundError, StoreView, scrub
+from .api import RowNotFoundError, StoreView, scrub
 from .chart import COLORS, graph_svg, growth_svg
+from .rows import RESERVED
 
 log = logging.getLogger("dynstate")
 
