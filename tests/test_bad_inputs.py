@@ -593,17 +593,11 @@ def test_meta_within_limits_round_trips(tmp_path) -> None:
 
 # -- storage: options, URLs, damaged files ---------------------------------------------------
 
-STORAGE_PENDING = pytest.mark.xfail(
-    strict=True,
-    reason="issue 13: lands with the storage helper's refactor (dynstate/storage/, dynstate/log/)",
-)
-
 
 @pytest.mark.parametrize(
     "backend",
     ["memory", "local", pytest.param("s3", marks=pytest.mark.s3)],
 )
-@STORAGE_PENDING
 def test_unknown_storage_option(backend: str, tmp_path, request) -> None:
     if backend == "s3":
         request.getfixturevalue("s3_endpoint")
@@ -626,7 +620,6 @@ SECRET_URLS = [
 
 @pytest.mark.s3
 @pytest.mark.parametrize(("template", "secrets"), SECRET_URLS)
-@STORAGE_PENDING
 def test_credentials_in_url(
     template: str, secrets: tuple[str, ...], s3_endpoint: str, caplog
 ) -> None:
@@ -661,7 +654,6 @@ def write_gc_file(url: str, obj: dict[str, Any]) -> None:
     ],
 )
 @pytest.mark.parametrize("backend", ["memory", "local", pytest.param("s3", marks=pytest.mark.s3)])
-@STORAGE_PENDING
 def test_gc_file_without_floor(gc_obj: dict[str, Any], backend: str, tmp_path, request) -> None:
     if backend == "s3":
         request.getfixturevalue("s3_endpoint")
