@@ -371,3 +371,47 @@ def test_failed_shard_write_leaves_nothing(test_protocols: None) -> None:
     assert listing(url) == before
     assert store.append([{"id": 10}]) == 2
     assert Store.open(url).snapshot().num_rows == 11
+
+
+# -- interrupted commits and storage-level bad input -------------------------------------------
+
+
+@pytest.mark.parametrize("landed", [True, False])
+def test_interrupt_during_the_commit_write_is_resolved_by_reading_back(
+    store: Store, monkeypatch: pytest.MonkeyPatch, landed: bool
+) -> None:
+    """Ctrl-C while the record is being written: if it landed, the version stands (the
+    interrupt still goes through); if not, the round's shards are removed, as for any
+    failed commit. Nothing is guessed."""
+    before = listing(store)
+    real = type(store.storage)._create
+
+    def interrupted(self, rel: str, data: bytes) -> None:
+        if rel.startswith(f"{m.META_DIR}/log/"):
+            if landed:
+                real(self, rel, data)
+            raise KeyboardInterrupt
+        real(self, rel, data)
+
+    monkeypatch.setattr(type(store.storage), "_create", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.append([{"id": 3, "text": "d"}], meta={"step": 2})
+    monkeypatch.undo()
+    again = fresh(store)
+    if landed:
+        assert again.head == 3
+        assert again.snapshot().to_arrow().column("id").to_pylist() == [0, 1, 2, 3]
+        assert not again.storage.list(f"{m.META_DIR}/leases")
+    else:
+        assert again.head == 2
+        assert listing(store) == before
+
+
+def test_gc_file_without_floor_is_a_typed_error(store: Store) -> None:
+    rewrite(store, m.GC_FILE, m.encode({"format": m.FORMAT}))
+    before = listing(store)
+    with pytest.raises(CorruptStoreError, match="gc.json has no valid floor"):
+        Store.open(store.url)
+    with pytest.raises(CorruptStoreError, match="gc.json"):
+        store.refresh()
+    assert listing(store) == before

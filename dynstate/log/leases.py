@@ -129,11 +129,19 @@ class Leases:
         return lease
 
     def adopt(self, leases: set[str]) -> None:
-        """Renew ``leases`` (staged by another handle or process) from now on."""
+        """Renew ``leases`` (staged by another handle or process) from now on. A lease that
+        has ended — its files committed, discarded or collected — cannot be taken over."""
         for lease in leases:
             with self._lock:
                 if lease in self._active:
                     continue  # ours, renewed by the heartbeat
+            if not self.storage.exists(lease_path(lease)):
+                raise LeaseExpiredError(
+                    f"the lease {lease} of these staged files in {self.storage.display_url} "
+                    "has ended: they were committed already, discarded, or collected by gc; "
+                    "nothing was committed — stage the round again"
+                )
+            with self._lock:
                 self._active[lease] = time.monotonic()
             self.renew(lease)
         self._ensure_heartbeat()
@@ -203,7 +211,12 @@ class Leases:
         now = time.monotonic()
         for lease, since in active.items():
             try:
-                if now - since > MAX_LIFETIME_S or self.storage.exists(outcome_path(lease)):
+                ended = not self.storage.exists(lease_path(lease))
+                if (
+                    ended
+                    or now - since > MAX_LIFETIME_S
+                    or self.storage.exists(outcome_path(lease))
+                ):
                     self.forget({lease})  # committed, discarded or expired elsewhere
                     continue
                 self.renew(lease)

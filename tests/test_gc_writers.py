@@ -1,0 +1,258 @@
+"""gc against live writers (issue 13): appender processes and stage/commit_staged rounds much
+slower than the grace period, against gc in a tight loop at grace 0. Every acknowledged
+version reads back, verify passes, nothing foreign is deleted — on a local disk and on S3.
+A writer paused past its lease finds its commit refused, never committed broken; a stale
+handle cannot reset or tag a collected version."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from dynstate import LeaseExpiredError, Store, VersionCollectedError
+from dynstate import manifest as m
+from dynstate.gc import collect_garbage
+from dynstate.verify import verify_store
+
+WRITER = textwrap.dedent(
+    """
+    import json, sys, time
+    from dynstate import Store
+    url, mode, writer, rounds, pause = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+    store = Store.open(url, lease_ttl_s=1.0)
+    for i in range(rounds):
+        rows = [{"writer": writer, "round": i, "row": j, "text": "x" * 100} for j in range(40)]
+        meta = {"writer": writer, "round": i}
+        if mode == "append":
+            version = store.append(rows, meta=meta, shard_bytes=1500)
+        else:
+            part = store.stage(rows, shard_bytes=1500)
+            time.sleep(pause)  # a slow round: generation, a Ray gather...
+            version = store.commit_staged([part], meta=meta)
+        print(json.dumps({"version": version, "writer": writer, "round": i}), flush=True)
+    """
+)
+
+FOREIGN = {
+    "precious.txt": b"do not touch",
+    "data/precious.txt": b"mine",
+    "data/notes.parquet": b"x",
+}
+
+
+def _put_foreign(url: str) -> None:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    for rel, data in FOREIGN.items():
+        fs.makedirs(f"{root}/{rel}".rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(f"{root}/{rel}", data)
+
+
+def _foreign_intact(url: str) -> bool:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.invalidate_cache()
+    return all(fs.cat_file(f"{root}/{rel}") == data for rel, data in FOREIGN.items())
+
+
+def _gc_loop(url: str, stop: threading.Event, errors: list[BaseException], runs: list[int]) -> None:
+    store = Store.open(url)
+    while not stop.is_set():
+        try:
+            collect_garbage(store, grace_s=0)
+            runs[0] += 1
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+            return
+
+
+def _run_writers(url: str, specs: list[tuple[str, int, float]]) -> list[dict]:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, url, mode, str(w), str(rounds), str(pause)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w, (mode, rounds, pause) in enumerate(specs)
+    ]
+    acked = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        acked += [json.loads(line) for line in out.splitlines()]
+    return acked
+
+
+def _check(url: str, acked: list[dict]) -> None:
+    store = Store.open(url)
+    for ack in acked:
+        version = ack["version"]
+        record = store.commit_record(version)
+        assert record.meta == {"writer": ack["writer"], "round": ack["round"]}
+        rows = store.snapshot(version).to_arrow().to_pylist()
+        added = rows[len(rows) - record.rows_added :]
+        assert [(r["writer"], r["round"]) for r in added] == [(ack["writer"], ack["round"])] * 40
+    assert sorted(a["version"] for a in acked) == list(range(1, store.refresh() + 1))
+    report = verify_store(store, all_versions=True)
+    assert report.ok, report.problems
+
+
+@pytest.mark.slow
+def test_gc_at_grace_0_never_loses_a_live_writers_round(durable_url: str) -> None:
+    store = Store.open(durable_url, create=True)
+    _put_foreign(durable_url)
+    stop, errors, runs = threading.Event(), [], [0]
+    gc = threading.Thread(target=_gc_loop, args=(durable_url, stop, errors, runs))
+    gc.start()
+    try:
+        # Three appenders, and two writers whose rounds stay staged 2.5 s: longer than their
+        # 1 s lease (renewed by the heartbeat) and than any grace period gc is given here.
+        acked = _run_writers(
+            durable_url, [("append", 6, 0), ("append", 6, 0), ("append", 6, 0),
+                          ("stage", 3, 2.5), ("stage", 3, 2.5)]
+        )  # fmt: skip
+    finally:
+        stop.set()
+        gc.join()
+    assert not errors, errors
+    assert runs[0] >= 3, "gc should have run while the writers wrote"
+    _check(durable_url, acked)
+    assert _foreign_intact(durable_url)
+    # Once the writers are gone, gc leaves exactly what the versions need (and foreign files).
+    result = collect_garbage(store, grace_s=0)
+    assert set(result.foreign) >= {"data/precious.txt", "data/notes.parquet"}
+    live = {s.path for r in store.versions() for s in store.snapshot(r.version).shards}
+    data = {f"data/{n}" for n in store.storage.list("data")} - {
+        "data/precious.txt",
+        "data/notes.parquet",
+    }
+    assert data == live
+    _check(durable_url, acked)
+    assert _foreign_intact(durable_url)
+
+
+def test_gc_never_follows_a_symlinked_data_folder(tmp_path) -> None:
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    store.append([{"id": 1}])
+    elsewhere = tmp_path / "other-disk"
+    os.rename(tmp_path / "store" / "data", elsewhere)
+    os.symlink(elsewhere, tmp_path / "store" / "data")
+    # Files with dynstate's own shard names, but on the other side of the link.
+    lookalike = elsewhere / f"{'a' * 32}.parquet"
+    lookalike.write_bytes(b"someone else's shard")
+    (elsewhere / "precious.txt").write_bytes(b"keep")
+    result = collect_garbage(Store.open(url), grace_s=0)
+    assert result.removed == []
+    assert lookalike.exists() and (elsewhere / "precious.txt").exists()
+    assert Store.open(url).snapshot().to_arrow().to_pylist() == [{"id": 1}]
+    # A file that is itself a symlink is not followed either.
+    os.unlink(tmp_path / "store" / "data")
+    os.rename(elsewhere, tmp_path / "store" / "data")
+    target = tmp_path / "target.parquet"
+    target.write_bytes(b"outside")
+    os.symlink(target, tmp_path / "store" / "data" / f"{'b' * 32}.parquet")
+    collect_garbage(Store.open(url), grace_s=0)
+    assert target.exists() and os.path.islink(tmp_path / "store" / "data" / f"{'b' * 32}.parquet")
+
+
+PAUSED = textwrap.dedent(
+    """
+    import sys
+    from dynstate import LeaseExpiredError, Store
+    store = Store.open(sys.argv[1], lease_ttl_s=0.5)
+    part = store.stage([{"id": i} for i in range(10)])
+    print("staged", flush=True)
+    sys.stdin.readline()
+    try:
+        print("committed", store.commit_staged([part], meta={"step": 1}), flush=True)
+    except LeaseExpiredError as exc:
+        print("expired", exc, flush=True)
+    """
+)
+
+
+def test_a_writer_paused_past_its_lease_is_refused_not_committed_broken(tmp_path) -> None:
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    store.append([{"id": -1}])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PAUSED, url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "staged"
+        os.kill(proc.pid, signal.SIGSTOP)  # alive, but its heartbeat stops
+        time.sleep(1.5)
+        result = collect_garbage(store, grace_s=0)
+        removed = {r.path for r in result.removed}
+        assert any(p.startswith("data/") for p in removed) and result.kept_leased == 0
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate("go\n", timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert out.startswith("expired"), out
+    assert "stage the round again" in out
+    assert Store.open(url).head == 1  # nothing committed
+    assert verify_store(Store.open(url), all_versions=True).ok
+
+
+def test_a_live_writers_lease_outlasts_gc(tmp_path) -> None:
+    """The same round, not paused: its heartbeat keeps the lease, gc keeps the shards."""
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    writer = Store.open(url, lease_ttl_s=0.5)
+    part = writer.stage([{"id": i} for i in range(10)])
+    for _ in range(4):
+        time.sleep(0.4)
+        result = collect_garbage(store, grace_s=0)
+        assert result.kept_leased == len(part.shards) and result.removed == []
+    assert writer.commit_staged([part]) == 1
+    assert writer.snapshot().num_rows == 10
+    assert not writer.storage.list(f"{m.META_DIR}/leases")  # the lease ended with the commit
+
+
+def test_a_stale_handle_cannot_reset_or_tag_a_collected_version(durable_url: str) -> None:
+    store = Store.open(durable_url, create=True)
+    for step in range(5):
+        store.append([{"step": step}], meta={"step": step})
+    stale = Store.open(durable_url)
+    stale.snapshot(2)  # cached, from before the gc
+    collect_garbage(Store.open(durable_url), keep=2, grace_s=0)
+    with pytest.raises(VersionCollectedError, match="oldest kept is 4"):
+        stale.reset(2)
+    with pytest.raises(VersionCollectedError, match="oldest kept is 4"):
+        stale.tag("best", 2)
+    fresh = Store.open(durable_url)
+    assert fresh.head == 5 and fresh.tags() == {}
+    assert collect_garbage(fresh, grace_s=0).floor_after == 4  # gc and ls still work
+    assert verify_store(fresh, all_versions=True).ok
+    assert stale.reset(4) == 6  # a kept version still can be
+    assert stale.snapshot().to_arrow().column("step").to_pylist() == [0, 1, 2, 3]
+
+
+def test_commit_of_staged_parts_twice_is_refused(tmp_path) -> None:
+    store = Store.open(str(tmp_path / "store"), create=True)
+    part = store.stage([{"id": 1}])
+    assert store.commit_staged([part]) == 1
+    other = Store.open(str(tmp_path / "store"))
+    # The lease ended with the first commit: a second commit of the same files, from this
+    # handle or another, is refused rather than committed twice.
+    for handle in (store, other):
+        with pytest.raises(LeaseExpiredError, match="committed already"):
+            handle.commit_staged([part])
+    assert Store.open(str(tmp_path / "store")).head == 1
