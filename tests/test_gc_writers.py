@@ -26,7 +26,8 @@ WRITER = textwrap.dedent(
     """
     import json, sys, time
     from dynstate import Store
-    url, mode, writer, rounds, pause = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+    url, mode = sys.argv[1], sys.argv[2]
+    writer, rounds, pause = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
     store = Store.open(url, lease_ttl_s=1.0)
     for i in range(rounds):
         rows = [{"writer": writer, "round": i, "row": j, "text": "x" * 100} for j in range(40)]

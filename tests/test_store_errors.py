@@ -410,8 +410,8 @@ def test_interrupt_during_the_commit_write_is_resolved_by_reading_back(
 def test_gc_file_without_floor_is_a_typed_error(store: Store) -> None:
     rewrite(store, m.GC_FILE, m.encode({"format": m.FORMAT}))
     before = listing(store)
-    with pytest.raises(CorruptStoreError, match="gc.json has no valid floor"):
+    with pytest.raises(CorruptStoreError, match=r"gc\.json has no valid floor"):
         Store.open(store.url)
-    with pytest.raises(CorruptStoreError, match="gc.json"):
+    with pytest.raises(CorruptStoreError, match=r"gc\.json"):
         store.refresh()
     assert listing(store) == before
