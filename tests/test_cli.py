@@ -1,34 +1,39 @@
-"""The `dynstate` command line, through click's runner (most tests) and through the installed
-console script in a subprocess, on a local store and on s3:// on the loopback S3 server."""
+"""The `dynstate` command line: exact output of every command (table and --json) through the
+real click group, on a local store and on s3:// on the loopback S3 server; exit codes and
+one-line errors; and, through the installed console script, start-up imports and exit."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 
 import datasets
 import fsspec
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from conftest import s3_url
+from conftest import S3_BUCKET, s3_url
 
 from dynstate import Store
 from dynstate import manifest as m
 from dynstate.cli import cli
+from dynstate.cli.render import human_size
+from dynstate.compact import compact
 from dynstate.plot import growth_points
 
-COMMANDS = ["ls", "show", "head", "verify", "gc", "diff", "tag", "reset", "compact", "export"]
+COMMANDS = ["ls", "info", "show", "head", "diff", "tags", "verify", "gc", "tag", "reset",
+            "compact", "export", "plot", "inspect"]  # fmt: skip
 TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(\.\d{3}Z)?")
+HEAVY = ("torch", "datasets", "verl", "ray", "matplotlib", "pandas")
 
 
 def run(*args: str, code: int = 0, env: dict[str, str] | None = None):
+    env = {"COLUMNS": "100", **(env or {})}
     result = CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
     assert result.exit_code == code, (result.stdout, result.stderr)
     return result
@@ -56,15 +61,62 @@ def built(durable_url: str) -> tuple[str, Store]:
 
 
 def normalized(text: str, url: str) -> str:
-    """Layout-preserving normalization: timestamps and random ids keep their widths."""
+    """Timestamps and random ids keep their widths, so the layout is compared too."""
+    text = text.replace(url, "URL")
     text = TIMESTAMP.sub(lambda mt: re.sub(r"\d", "0", mt.group()), text)
     text = re.sub(r"\b[0-9a-f]{32}\b", "x" * 32, text)
     text = re.sub(r"\b[0-9a-f]{12}\b", "h" * 12, text)
-    text = text.replace(url, "URL")
     return "\n".join(line.rstrip() for line in text.splitlines())
 
 
-# -- ls ----------------------------------------------------------------------------------------
+def sizes(store: Store) -> list[str]:
+    return [human_size(store.commit_record(v).num_bytes) for v in range(store.refresh() + 1)]
+
+
+def files_of(url: str) -> dict[str, int]:
+    fs, root = fsspec.core.url_to_fs(url)
+    return {p: fs.size(p) for p in fs.find(root)}
+
+
+# -- ls and info -------------------------------------------------------------------------------
+
+
+def test_ls_table_exact(tmp_path) -> None:
+    url = str(tmp_path / "store")
+    store = build(url)
+    s = sizes(store)
+    header = f"""\
+store:    URL
+head:     version 6: 8 rows, 3 shards, {s[6]}
+versions: 7 kept (0-6), tags: ckpt
+commits:  first 0000-00-00 00:00:00 UTC, last 0000-00-00 00:00:00 UTC
+"""
+    out = normalized(run("ls", url, "--all").stdout, url)
+    w = max(len(x) for x in s)
+    expected = (
+        header
+        + f"""
+version  op       added  rows  shards  {"size":>{w}}  step  generator  created (UTC)        status
+      6  append       2     8       3  {s[6]:>{w}}     4  gen-b      0000-00-00 00:00:00  head
+      5  reset→2      0     6       2  {s[5]:>{w}}                   0000-00-00 00:00:00
+      4  append       3    12       4  {s[4]:>{w}}     3  gen-a      0000-00-00 00:00:00  abandoned
+      3  append       3     9       3  {s[3]:>{w}}     2  gen-a      0000-00-00 00:00:00  abandoned
+      2  append       3     6       2  {s[2]:>{w}}     1  gen-a      0000-00-00 00:00:00  tag ckpt
+      1  append       3     3       1  {s[1]:>{w}}     0  gen-a      0000-00-00 00:00:00
+      0  create       0     0       0  {s[0]:>{w}}                   0000-00-00 00:00:00"""
+    )
+    assert out == expected
+    assert all(len(line) <= 100 for line in out.splitlines())
+    # Without --all the abandoned versions are hidden, and the footer says so; --limit keeps
+    # the newest and says how many are older; --reverse lists oldest first.
+    plain = normalized(run("ls", url, "--limit", "3").stdout, url).splitlines()[6:]
+    assert [line.split()[0] for line in plain[:3]] == ["6", "5", "2"]
+    assert plain[3:] == [
+        "(2 older versions not shown: --limit N shows more, --limit 0 all)",
+        "(2 abandoned versions hidden: --all shows them)",
+    ]
+    rev = normalized(run("ls", url, "--reverse").stdout, url).splitlines()[6:]
+    assert [line.split()[0] for line in rev] == ["0", "1", "2", "5", "6", "(2"]
 
 
 def test_ls_json_exact(built) -> None:
@@ -73,101 +125,125 @@ def test_ls_json_exact(built) -> None:
     nbytes = [store.commit_record(v).num_bytes for v in range(7)]
     for row in out:
         assert TIMESTAMP.fullmatch(row.pop("created"))
-    common = {"tags": []}
     expected = [
-        dict(version=0, op="create", rows_added=0, total_rows=0, shards=0, step=None,
-             generator=None, status=None),
-        dict(version=1, op="append", rows_added=3, total_rows=3, shards=1, step=0,
-             generator="gen-a", status=None),
-        dict(version=2, op="append", rows_added=3, total_rows=6, shards=2, step=1,
-             generator="gen-a", status=None, tags=["ckpt"]),
-        dict(version=3, op="append", rows_added=3, total_rows=9, shards=3, step=2,
-             generator="gen-a", status="abandoned"),
-        dict(version=4, op="append", rows_added=3, total_rows=12, shards=4, step=3,
-             generator="gen-a", status="abandoned"),
-        dict(version=5, op="reset", rows_added=0, total_rows=6, shards=2, step=None,
-             generator=None, status=None),
-        dict(version=6, op="append", rows_added=2, total_rows=8, shards=3, step=4,
-             generator="gen-b", status="head"),
+        dict(version=6, op="append", target=None, rows_added=2, total_rows=8, shards=3, step=4,
+             generator="gen-b", tags=[], status="head"),
+        dict(version=5, op="reset", target=2, rows_added=0, total_rows=6, shards=2, step=None,
+             generator=None, tags=[], status=None),
+        dict(version=4, op="append", target=None, rows_added=3, total_rows=12, shards=4, step=3,
+             generator="gen-a", tags=[], status="abandoned"),
+        dict(version=3, op="append", target=None, rows_added=3, total_rows=9, shards=3, step=2,
+             generator="gen-a", tags=[], status="abandoned"),
+        dict(version=2, op="append", target=None, rows_added=3, total_rows=6, shards=2, step=1,
+             generator="gen-a", tags=["ckpt"], status=None),
+        dict(version=1, op="append", target=None, rows_added=3, total_rows=3, shards=1, step=0,
+             generator="gen-a", tags=[], status=None),
+        dict(version=0, op="create", target=None, rows_added=0, total_rows=0, shards=0,
+             step=None, generator=None, tags=[], status=None),
     ]  # fmt: skip
-    expected = [{**common, **row, "bytes": nbytes[row["version"]]} for row in expected]
-    assert out == expected
-    # Without --all the abandoned versions are hidden; --limit keeps the newest.
-    plain = json.loads(run("ls", url, "--json").stdout)
-    assert [r["version"] for r in plain] == [0, 1, 2, 5, 6]
-    limited = json.loads(run("ls", url, "--json", "--limit", "2").stdout)
-    assert [r["version"] for r in limited] == [5, 6]
-    limited_all = json.loads(run("ls", url, "--json", "--all", "--limit", "3").stdout)
-    assert [(r["version"], r["status"]) for r in limited_all] == [
-        (4, "abandoned"),
-        (5, None),
-        (6, "head"),
+    assert out == [{**row, "bytes": nbytes[row["version"]]} for row in expected]
+    assert list(out[0]) == ["version", "op", "target", "rows_added", "total_rows", "shards",
+                            "bytes", "step", "generator", "tags", "status"]  # fmt: skip
+
+    def versions(*args: str) -> list[int]:
+        return [r["version"] for r in json.loads(run("ls", url, "--json", *args).stdout)]
+
+    assert versions() == [6, 5, 2, 1, 0]
+    assert versions("--reverse") == [0, 1, 2, 5, 6]
+    assert versions("--limit", "2") == [6, 5]
+    assert versions("--all", "--limit", "3") == [6, 5, 4]
+    assert versions("--all", "--limit", "3", "--reverse") == [4, 5, 6]
+    assert versions("--limit", "0") == [6, 5, 2, 1, 0]
+
+
+def test_info_exact(built) -> None:
+    url, store = built
+    info = json.loads(run("info", url, "--json").stdout)
+    assert TIMESTAMP.fullmatch(info.pop("first_commit"))
+    assert TIMESTAMP.fullmatch(info.pop("last_commit"))
+    head = store.commit_record(6)
+    assert info == {
+        "url": url, "store_id": store.store_id, "head": 6, "oldest": 0, "versions": 7, "rows": 8,
+        "bytes": head.num_bytes, "shards": 3, "tags": {"ckpt": 2},
+    }  # fmt: skip
+    text = normalized(run("info", url).stdout, url)
+    assert text.splitlines() == [
+        "store:    URL",
+        f"head:     version 6: 8 rows, 3 shards, {human_size(head.num_bytes)}",
+        "versions: 7 kept (0-6), tags: ckpt",
+        "commits:  first 0000-00-00 00:00:00 UTC, last 0000-00-00 00:00:00 UTC",
     ]
 
 
-def test_ls_table_exact(tmp_path) -> None:
-    url = str(tmp_path / "store")
-    store = build(url)
-    b = [store.commit_record(v).num_bytes for v in range(7)]
-    assert all(n < 100_000 for n in b)  # the layout below has room for five digits
-    out = normalized(run("ls", url, "--all", env={"COLUMNS": "160"}).stdout, url)
-    expected = f"""\
-URL  head 6  (7 versions shown)
+@pytest.mark.s3
+def test_ls_limit_reads_a_bounded_number_of_objects_on_s3(s3_server, tmp_path) -> None:
+    """`ls --limit 20` of a 1,000-version store on S3 sends about as many requests as of a
+    30-version one: only the records shown (and a handful of others) are read."""
+    local = str(tmp_path / "big")
+    store = Store.open(local, create=True)
+    for step in range(1000):  # empty rounds: one record each, built fast on local disk
+        store.append([], meta={"step": step})
+    store.reset(990)
+    small = str(tmp_path / "small")
+    store = Store.open(small, create=True)
+    for step in range(30):
+        store.append([], meta={"step": step})
+    fs = fsspec.filesystem("s3")
+    counts = {}
+    for name, path in (("big", local), ("small", small)):
+        url = s3_url()
+        fs.put(path + "/", url[len("s3://") :] + "/", recursive=True)
+        mark = s3_server.count()
+        listed = json.loads(run("ls", url, "--limit", "20", "--json").stdout)
+        counts[name] = s3_server.since(mark)
+        assert len(listed) == 20
+    assert [r["version"] for r in listed] == list(range(30, 10, -1))
+    gets = [p for method, p, _ in counts["big"] if method == "GET"]
+    records = [p for p in gets if "/_dynstate/log/" in p]
+    assert len(records) <= 22, records  # the 20 shown, the head hint's and one probe
+    assert len(counts["big"]) <= len(counts["small"]) + 2
+    assert len(counts["big"]) < 40, counts["big"]
 
-  version   op       rows added   total rows   shards   bytes   step   generator   created               tags   status
- ─────────────────────────────────────────────────────────────────────────────────────────────────────────────────────────
-        0   create            0            0        0   {b[0]:>5}                      0000-00-00 00:00:00
-        1   append            3            3        1   {b[1]:>5}   0      gen-a       0000-00-00 00:00:00
-        2   append            3            6        2   {b[2]:>5}   1      gen-a       0000-00-00 00:00:00   ckpt
-        3   append            3            9        3   {b[3]:>5}   2      gen-a       0000-00-00 00:00:00          abandoned
-        4   append            3           12        4   {b[4]:>5}   3      gen-a       0000-00-00 00:00:00          abandoned
-        5   reset             0            6        2   {b[5]:>5}                      0000-00-00 00:00:00
-        6   append            2            8        3   {b[6]:>5}   4      gen-b       0000-00-00 00:00:00          head
-"""  # noqa: E501
-    assert out.strip("\n") == expected.strip("\n")
 
-
-# -- show --------------------------------------------------------------------------------------
+# -- show, head --------------------------------------------------------------------------------
 
 
 def test_show_exact(tmp_path) -> None:
     url = str(tmp_path / "store")
     store = build(url)
     rec = store.commit_record(3)
-    s = store.snapshot(3).shards
-    out = normalized(run("show", url, "3", env={"COLUMNS": "120"}).stdout, url)
+    shard_sizes = [human_size(s.bytes) for s in store.snapshot(3).shards]
+    out = normalized(run("show", url, "3").stdout, url)
+    w = max(len("size"), *(len(x) for x in shard_sizes))
     expected = f"""\
-version:    3
-op:         append
-parent:     2
-created:    0000-00-00T00:00:00.000Z
-status:     abandoned
-rows:       9
-rows_added: 3
-shards:     3
-bytes:      {rec.num_bytes}
-lineage:    0-3 (4 versions)
-meta:       {{"generator": "gen-a", "step": 2}}
-            schema
+version: 3
+op:      append
+parent:  2
+created: 0000-00-00 00:00:00 UTC
+status:  abandoned
+rows:    9 (+3 in this version)
+shards:  3
+size:    {human_size(rec.num_bytes)} ({rec.num_bytes:,} bytes)
+tags:    none
+lineage: 0-3 (4 versions)
+meta:    {{"generator": "gen-a", "step": 2}}
 
-  column   type     nullable
- ────────────────────────────
-  id       int64    yes
-  text     string   yes
+schema:
+  column  type    nullable
+  id      int64   yes
+  text    string  yes
 
-                                      shards
-
-  #   path                                            rows   bytes   sha256
- ─────────────────────────────────────────────────────────────────────────────────
-  0   data/{"x" * 32}.parquet   3      {s[0].bytes:<5}   {"h" * 12}
-  1   data/{"x" * 32}.parquet   3      {s[1].bytes:<5}   {"h" * 12}
-  2   data/{"x" * 32}.parquet   3      {s[2].bytes:<5}   {"h" * 12}
-"""
-    got = [line for line in out.splitlines() if line.strip()]
-    assert got == [line.rstrip() for line in expected.splitlines() if line.strip()]
+shards:
+  #  path                                                                            rows  {"size":>{w}}  sha256
+"""  # noqa: E501
+    expected += "\n".join(
+        f"  {i}  data/{'x' * 32}-{'x' * 32}.parquet     3  {shard_sizes[i]:>{w}}  {'h' * 12}"
+        for i in range(3)
+    )
+    assert out == expected
 
 
-def test_show_json_tag_and_lineage(built) -> None:
+def test_show_json(built) -> None:
     url, store = built
     info = json.loads(run("show", url, "ckpt", "--json").stdout)
     assert info["version"] == 2 and info["tags"] == ["ckpt"] and info["status"] is None
@@ -181,67 +257,187 @@ def test_show_json_tag_and_lineage(built) -> None:
     assert (reset["op"], reset["target"]) == ("reset", 2)
 
 
-# -- head, diff, tag, reset --------------------------------------------------------------------
-
-
-def test_head_rows_columns_jsonl(built) -> None:
+def test_head_table_json_jsonl(built) -> None:
     url, _ = built
-    lines = run("head", url, "-n", "4", "--jsonl").stdout.splitlines()
-    assert [json.loads(line) for line in lines] == rows(0, 3) + rows(10, 1)
+    assert run("head", url, "-n", "4").stdout.splitlines() == [
+        "id  text", "0   row 0", "1   row 1", "2   row 2", "10  row 10"
+    ]  # fmt: skip
+    assert json.loads(run("head", url, "-n", "4", "--json").stdout) == rows(0, 3) + rows(10, 1)
     lines = run("head", url, "4", "--columns", "text", "--jsonl", "-n", "20").stdout.splitlines()
     expected = [0, 1, 2, 10, 11, 12, 20, 21, 22, 30, 31, 32]
     assert [json.loads(line) for line in lines] == [{"text": f"row {i}"} for i in expected]
-    table = run("head", url, "-n", "2", env={"COLUMNS": "80"}).stdout
-    assert "row 0" in table and "row 1" in table and "row 2" not in table
     bad = run("head", url, "--columns", "nope", code=2)
     assert "nope" in bad.stderr and "id, text" in bad.stderr
 
 
-def test_diff(built) -> None:
+@pytest.mark.slow
+def test_head_never_crashes_at_exit(tmp_path) -> None:
+    """Arrow objects freed during interpreter teardown, with torch loaded, aborted the process
+    (exit 134, 'terminate called without an active exception') in about half the runs."""
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    for step in range(46):
+        store.append(rows(5 * step, 5), meta={"step": step})
+    code = "import torch, sys\nfrom dynstate.cli import main\nsys.argv[0] = 'dynstate'\nmain()"
+    for _ in range(8):
+        proc = subprocess.run([sys.executable, "-c", code, "head", url, "45", "-n", "3",
+                               "--jsonl"], capture_output=True, text=True)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert [json.loads(line)["id"] for line in proc.stdout.splitlines()] == [0, 1, 2]
+
+
+# -- diff --------------------------------------------------------------------------------------
+
+
+def test_diff_exact(built) -> None:
     url, store = built
     info = json.loads(run("diff", url, "4", "6", "--json").stdout)
-    assert info["rows"] == [12, 8] and info["shared_prefix_rows"] == 6
-    assert not info["extends"] and info["schema_change"] is None
-    assert [s["path"] for s in info["added"]] == [store.snapshot(6).shards[-1].path]
-    assert [s["path"] for s in info["removed"]] == [s.path for s in store.snapshot(4).shards[2:]]
-    text = run("diff", url, "ckpt", "head").stdout
-    assert "rows:   6 -> 8 (+2)" in text and "version 6 extends version 2" in text
+    assert info == {
+        "url": url, "from": 4, "to": 6, "rows": [12, 8], "added_rows": 2, "removed_rows": 6,
+        "shared_rows": 6, "common_version": 2, "added_versions": [6], "removed_versions": [3, 4],
+        "extends": False, "same_rows": False, "schema_change": None, "shards": [4, 3],
+    }  # fmt: skip
+    assert run("diff", url, "ckpt", "head").stdout.splitlines() == [
+        f"{url}: version 2 -> 6",
+        "rows:    6 -> 8: version 6 extends version 2",
+        "added:   2 rows (versions 6)",
+        "removed: 0 rows",
+        "shared:  the first 6 rows (both lineages meet at version 2)",
+        "schema:  unchanged",
+        "shards:  2 -> 3",
+    ]
+    with_shards = json.loads(run("diff", url, "4", "6", "--shards", "--json").stdout)
+    assert [s["path"] for s in with_shards["shards_added"]] == [store.snapshot(6).shards[-1].path]
+    assert [s["path"] for s in with_shards["shards_removed"]] == [
+        s.path for s in store.snapshot(4).shards[2:]
+    ]
+    text = run("diff", url, "4", "6", "--shards").stdout.splitlines()
+    assert text[1] == "rows:    12 -> 8: version 6 does not contain all rows of version 4"
+    assert [line[:2] for line in text[7:]] == ["+ ", "- ", "- "]
 
 
-def test_tag_and_reset(built) -> None:
-    url, _ = built
-    assert "tagged version 4" in run("tag", url, "late", "4").stdout
+def test_diff_after_compaction_and_noop_reset_reports_no_row_change(tmp_path) -> None:
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    for step in range(6):
+        store.append(rows(7 * step, 7), meta={"step": step})
+    before = store.refresh()
+    after = compact(store, target_bytes=2**20)
+    assert after == before + 1
+    info = json.loads(run("diff", url, str(before), str(after), "--json").stdout)
+    assert (info["added_rows"], info["removed_rows"], info["same_rows"]) == (0, 0, True)
+    assert info["shared_rows"] == 42 and "shards_added" not in info
+    assert "rows:    42 -> 42: same rows" in run("diff", url, str(before), str(after)).stdout
+    reset = Store.open(url).reset(after)
+    info = json.loads(run("diff", url, str(after), str(reset), "--json").stdout)
+    assert (info["added_rows"], info["removed_rows"], info["same_rows"]) == (0, 0, True)
+
+
+# -- tags, tag, reset --------------------------------------------------------------------------
+
+
+def test_tags_and_tag(built) -> None:
+    url, store = built
+    assert run("tag", url, "late", "4").stdout == f"tagged version 4 of {url} as late\n"
+    assert run("tag", url, "late", "4").stdout == f"tag late already names version 4 of {url}\n"
+    out = normalized(run("tags", url).stdout, url)
+    assert out.splitlines() == [
+        "tag   version  op      rows  step  created (UTC)",
+        "ckpt        2  append     6     1  0000-00-00 00:00:00",
+        "late        4  append    12     3  0000-00-00 00:00:00",
+    ]
+    listed = json.loads(run("tags", url, "--json").stdout)
+    for tag in listed:
+        assert TIMESTAMP.fullmatch(tag.pop("created"))
+    assert listed == [
+        {"name": "ckpt", "version": 2, "op": "append", "rows": 6, "step": 1},
+        {"name": "late", "version": 4, "op": "append", "rows": 12, "step": 3},
+    ]
     moved = run("tag", url, "ckpt", "3", code=1)
     assert moved.stderr.startswith("error: tag 'ckpt'") and "version 2" in moved.stderr
-    run("tag", url, "ckpt", "3", "--force")
-    assert Store.open(url).resolve("ckpt") == 3
-    assert "new head is version 7" in run("reset", url, "late").stdout
-    out = json.loads(run("ls", url, "--all", "--json").stdout)
-    status = {r["version"]: r["status"] for r in out}
-    assert status == {0: None, 1: None, 2: None, 3: None, 4: None, 5: "abandoned",
-                      6: "abandoned", 7: "head"}  # fmt: skip
+    assert "--force" in moved.stderr and "force=True" not in moved.stderr
+    assert json.loads(run("tag", url, "ckpt", "3", "--force", "--json").stdout) == {
+        "url": url, "tag": "ckpt", "version": 3, "deleted": False, "previous": 2
+    }  # fmt: skip
+    assert run("tag", url, "late", "--delete").stdout == (
+        f"removed tag late (version 4) from {url}\n"
+    )
+    assert json.loads(run("tag", url, "ckpt", "--delete", "--json").stdout) == {
+        "url": url, "tag": "ckpt", "version": 3, "deleted": True
+    }  # fmt: skip
+    assert store.tags() == {}
+    assert run("tags", url).stdout == f"{url}: no tags (dynstate tag URL NAME VERSION adds one)\n"
+    assert json.loads(run("tags", url, "--json").stdout) == []
+    assert "no tag 'gone'" in run("tag", url, "gone", "--delete", code=1).stderr
+    assert run("tag", url, "x", "3", "--delete", code=2).exit_code == 2
 
 
-def test_errors_are_one_line_and_redacted(s3_endpoint: str, tmp_path) -> None:
-    missing = run("ls", str(tmp_path / "nothing"), code=1)
-    assert missing.stderr.startswith("error: no dynstate store at ") and missing.stdout == ""
-    secret_url = s3_url().replace("s3://", "s3://AKIDKEY:s3cr3tvalue@")
-    for args in (["ls", secret_url], ["verify", secret_url], ["show", secret_url, "1"]):
-        result = run(*args, code=1)
-        assert "s3cr3tvalue" not in result.stdout + result.stderr
-        assert "***@" in result.stderr
+def test_reset_exact_and_noop(built) -> None:
+    url, store = built
+    assert run("reset", url, "4").stdout == (
+        f"reset {url} to version 4: new head is version 7 (12 rows); versions 5-6 are "
+        "abandoned until gc\n"
+    )
+    assert store.refresh() == 7
+    # Resetting to what the head already holds commits nothing, and says so.
+    for version in ("4", "7", "head"):
+        assert run("reset", url, version).stdout == (
+            f"{url}: nothing to do, the head (version 7) already has the rows of version "
+            f"{version.replace('head', '7')}; nothing committed\n"
+        )
+    assert json.loads(run("reset", url, "4", "--json").stdout) == {
+        "url": url, "target": 4, "head": 7, "committed": None
+    }  # fmt: skip
+    assert store.refresh() == 7
+    assert json.loads(run("reset", url, "ckpt", "--json").stdout) == {
+        "url": url, "target": 2, "head": 8, "committed": 8
+    }  # fmt: skip
+    status = {
+        r["version"]: r["status"] for r in json.loads(run("ls", url, "--all", "--json").stdout)
+    }
+    assert status == {0: None, 1: None, 2: None, 3: "abandoned", 4: "abandoned", 5: "abandoned",
+                      6: "abandoned", 7: "abandoned", 8: "head"}  # fmt: skip
+
+
+# -- gc: plan first, delete only with --yes ----------------------------------------------------
+
+
+def test_gc_shows_a_plan_and_deletes_only_with_yes(built) -> None:
+    url, _ = built
+    before = files_of(url)
+    plan = run("gc", url, "--keep", "2", "--grace", "0")
+    assert files_of(url) == before  # nothing deleted without --yes
+    assert plan.stderr == "nothing removed: pass --yes to remove these files\n"
+    lines = plan.stdout.splitlines()
+    assert all(line.startswith("would remove ") for line in lines[:-1])
+    # --keep 2 stops at the tagged version 2: versions 0 and 1 go, with version 1's records.
+    assert lines[-1].startswith(f"{url}: would remove {len(lines) - 1} files (")
+    assert lines[-1].endswith(
+        "versions 0-1 collected; 0 orphans younger than the grace period kept"
+    )
+    as_json = json.loads(run("gc", url, "--keep", "2", "--grace", "0", "--json").stdout)
+    assert (as_json["deleted"], as_json["dry_run"], as_json["floor_after"]) == (False, True, 2)
+    assert files_of(url) == before
+    dry = run("gc", url, "--keep", "2", "--grace", "0", "--dry-run", "--yes")
+    assert dry.stderr == "" and files_of(url) == before
+    done = json.loads(run("gc", url, "--keep", "2", "--grace", "0", "--yes", "--json").stdout)
+    assert done["deleted"] and not done["dry_run"] and done["floor_after"] == 2
+    assert {r["path"] for r in done["removed"]} == {r["path"] for r in as_json["removed"]}
+    assert run("verify", url, "--all").exit_code == 0
+    again = run("gc", url, "--keep", "2", "--grace", "0")
+    assert again.stdout == f"{url}: nothing to remove\n" and again.stderr == ""
+
+
+def test_gc_usage_errors_exit_2_and_change_nothing(tmp_path) -> None:
     url = str(tmp_path / "store")
     build(url)
-    assert "version 99 not found" in run("show", url, "99", code=1).stderr
-    assert "no tag 'nope'" in run("head", url, "nope", code=1).stderr
-    assert run("gc", url, "--keep", "1", "--older-than", "1d", code=2).exit_code == 2
-
-
-def test_every_command_has_help_with_example() -> None:
-    for name in [*COMMANDS, "plot"]:
-        text = run(name, "--help").stdout
-        assert "Example:" in text and f"dynstate {name} " in text, name
-        assert "--storage-option" in text, name
+    before = files_of(url)
+    for args in (["--older-than", "2x"], ["--keep", "5", "--older-than", "1d"],
+                 ["--grace", "soon"], ["--keep", "0"]):  # fmt: skip
+        result = run("gc", url, *args, "--yes", code=2)
+        assert "Traceback" not in result.stderr and result.stdout == ""
+    assert "cannot read duration '2x'" in run("gc", url, "--older-than", "2x", code=2).stderr
+    assert files_of(url) == before
 
 
 # -- verify ------------------------------------------------------------------------------------
@@ -269,12 +465,14 @@ def corrupt(url: str, store: Store, kind: str) -> str:
 
 
 def test_verify_passes_on_healthy_store(built) -> None:
-    url, _ = built
-    assert run("verify", url).stdout.startswith(f"ok: {url}")
-    report = json.loads(run("verify", url, "--all", "--json").stdout)
-    assert (
-        report["ok"] and report["problems"] == [] and report["versions_checked"] == list(range(7))
+    url, store = built
+    nbytes = sum(s.bytes for s in store.snapshot().shards)
+    assert run("verify", url).stdout == (
+        f"ok: {url}: 1 version, 3 shards, {human_size(nbytes)} verified\n"
     )
+    report = json.loads(run("verify", url, "--all", "--json").stdout)
+    assert report["ok"] and report["problems"] == []
+    assert report["versions_checked"] == list(range(7))
     assert report["shards_checked"] == 5  # every distinct shard of every version, once
 
 
@@ -286,7 +484,7 @@ def test_verify_catches_corruption(built, kind: str) -> None:
     rel = corrupt(url, store, kind)
     result = run("verify", url, code=1)
     assert rel in result.stdout, result.stdout
-    assert result.stderr.startswith("error: 1 problem(s) in ")
+    assert result.stderr == f"error: 1 problem(s) in {url}\n"
     expected = {
         "truncated shard": "truncated",
         "flipped byte": "does not match its checksum",
@@ -296,48 +494,96 @@ def test_verify_catches_corruption(built, kind: str) -> None:
     assert expected in result.stdout
 
 
-def test_verify_names_every_problem_and_checks_old_versions_with_all(tmp_path) -> None:
-    url = str(tmp_path / "store")
-    store = build(url)
-    abandoned_only = store.snapshot(4).shards[3].path  # not part of the head
-    fs, root = fsspec.core.url_to_fs(url)
-    fs.rm_file(f"{root}/{abandoned_only}")
-    run("verify", url)  # the head does not need it
-    corrupt(url, store, "tampered record")
-    shard = corrupt(url, store, "flipped byte")
-    report = json.loads(run("verify", url, "--all", "--json", code=1).stdout)
-    assert len(report["problems"]) == 3
-    text = "\n".join(report["problems"])
-    assert abandoned_only in text and shard in text and m.log_path(3) in text
+# -- compact, export, plot ---------------------------------------------------------------------
 
 
-# -- export, plot, compact ---------------------------------------------------------------------
+def test_compact_exact_and_progress(durable_url: str) -> None:
+    store = Store.open(durable_url, create=True)
+    for step in range(6):
+        store.append(rows(7 * step, 7), meta={"step": step})
+    before = store.snapshot()
+    out = run("compact", durable_url, "--target-size", "1MiB").stdout
+    after = Store.open(durable_url).snapshot()
+    assert out == (
+        f"compacted {durable_url}: version 7 has 1 shard (version 6 had 6), same 42 rows\n"
+    )
+    assert after.to_arrow().to_pylist() == before.to_arrow().to_pylist()
+    assert json.loads(run("compact", durable_url, "--json").stdout) == {
+        "url": durable_url, "from": 7, "version": 7, "committed": False, "shards": [1, 1],
+        "rows": 42,
+    }  # fmt: skip
+    assert run("compact", durable_url).stdout == (
+        f"{durable_url}: nothing to compact at version 7; nothing committed\n"
+    )
+    assert "--target-size" in run("compact", durable_url, "--target-size", "big", code=2).stderr
+    # The progress callback counts source shards read, up to the total.
+    store.append(rows(100, 1))
+    store.append(rows(101, 1))
+    seen: list[tuple[int, int]] = []
+    compact(Store.open(durable_url), target_bytes=2**20, progress=lambda d, t: seen.append((d, t)))
+    assert seen == [(0, 3), (1, 3), (2, 3), (3, 3)]
 
 
-def test_export_parquet_and_datasets(built, tmp_path) -> None:
+def test_export_parquet_datasets_and_s3(built, tmp_path, s3_endpoint) -> None:
     url, store = built
     out = tmp_path / "rows.parquet"
-    run("export", url, "4", str(out))
+    assert run("export", url, "4", str(out)).stdout == (
+        f"exported version 4 of {url} (12 rows) to {out}\n"
+    )
     assert pq.read_table(out).equals(store.snapshot(4).to_arrow())
-    assert run("export", url, str(out), code=1).stderr.startswith(f"error: {out} exists")
-    run("export", url, str(out), "--overwrite")
+    exists = run("export", url, str(out), code=1)
+    assert exists.stderr == (
+        f"error: {out} exists; choose another path or pass --overwrite to replace it\n"
+    )
+    info = json.loads(run("export", url, str(out), "--overwrite", "--json").stdout)
+    assert info == {"url": url, "version": 6, "rows": 8, "shards": 3, "out": str(out),
+                    "format": "parquet"}  # fmt: skip
     assert pq.read_table(out).to_pylist() == store.snapshot().to_arrow().to_pylist()
     ds_dir = tmp_path / "ds"
     run("export", url, "ckpt", str(ds_dir), "--format", "datasets")
     assert datasets.load_from_disk(str(ds_dir)).to_list() == rows(0, 3) + rows(10, 3)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temporary left
+    # Any fsspec URL: s3:// goes to the bucket, not to a local directory named "s3:".
+    target = f"{s3_url()}/exports/rows.parquet"
+    run("export", url, target)
+    with fsspec.open(target, "rb") as fh:
+        assert pq.read_table(fh).to_pylist() == store.snapshot().to_arrow().to_pylist()
+    assert not os.path.exists("s3:")
+    fs = fsspec.filesystem("s3")
+    assert [p.rsplit("/", 1)[-1] for p in fs.ls(target.rsplit("/", 1)[0][5:])] == ["rows.parquet"]
 
 
-def test_plot_writes_png(tmp_path) -> None:
+def test_plot_writes_png_and_marks_events(tmp_path) -> None:
     url = str(tmp_path / "store")
-    build(url)
+    store = build(url)
+    compact(store, target_bytes=2**20)
     out = tmp_path / "growth.png"
-    assert "4 versions" in run("plot", url, str(out)).stdout  # 1, 2, 5, 6: the head's lineage
+    assert run("plot", url, str(out)).stdout == (
+        f"wrote {out} (5 versions of {url}; marked: reset to version 2, compaction)\n"
+    )
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     label, points = growth_points(Store.open(url))
     assert label == "step"  # the reset (no step of its own) sits at the step before it
-    got = [(p["version"], p["x"], p["rows_added"], p["total_rows"]) for p in points]
-    assert got == [(1, 0, 3, 3), (2, 1, 3, 6), (5, 1, 0, 6), (6, 4, 2, 8)]
+    got = [(p["version"], p["x"], p["rows_added"], p["total_rows"], p["event"]) for p in points]
+    assert got == [(1, 0, 3, 3, None), (2, 1, 3, 6, None), (5, 1, 0, 6, "reset"),
+                   (6, 4, 2, 8, None), (7, 4, 0, 8, "compact")]  # fmt: skip
+    info = json.loads(run("plot", url, str(out), "--json").stdout)
+    assert info["x"] == "step" and [p["version"] for p in info["points"]] == [1, 2, 5, 6, 7]
+
+
+def test_plot_marks_the_checkpoint_a_rollback_resumed_from(tmp_path) -> None:
+    from dynstate import rollback
+
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    for step in range(5):
+        store.append(rows(step, 1), meta={"step": step})
+    rollback(store, step=2)
+    store.append(rows(50, 1), meta={"step": 3})
+    _, points = growth_points(store)
+    marked = [(p["x"], p["event"], p["label"]) for p in points if p["event"]]
+    assert marked == [(2, "rollback", "resumed from the checkpoint at step 2")]
+    run("plot", url, str(tmp_path / "g.png"))
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path) -> None:
@@ -351,28 +597,66 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 1
-    assert "pip install 'dynstate[plot]'" in proc.stderr and proc.stderr.startswith("error: ")
+    assert proc.stderr == (
+        "error: plotting needs matplotlib, which is not installed; pip install 'dynstate[plot]'\n"
+    )
     assert not (tmp_path / "x.png").exists()
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("dynstate.compact") is None,
-    reason="dynstate/compact.py (compaction, another issue) is not in this checkout",
-)
-def test_compact_keeps_rows_in_order_and_reduces_files(durable_url: str) -> None:
-    store = Store.open(durable_url, create=True)
-    for step in range(6):
-        store.append(rows(7 * step, 7), meta={"step": step})
-    before = store.snapshot()
-    out = run("compact", durable_url, "--target-size", "1MiB").stdout
-    after = Store.open(durable_url).snapshot()
-    assert f"version {after.version} has {len(after.shards)} shards" in out
-    assert len(after.shards) < len(before.shards)
-    old, new = before.to_arrow().to_pylist(), after.to_arrow().to_pylist()
-    assert len(old) == len(new)
-    for i, (a, b) in enumerate(zip(old, new, strict=True)):
-        assert a == b, f"row {i} differs"
-    assert "nothing to compact" in run("compact", durable_url, "--target-size", "1MiB").stdout
+# -- errors and exit codes ---------------------------------------------------------------------
+
+
+def test_errors_are_one_line_in_cli_terms(tmp_path) -> None:
+    missing = run("ls", str(tmp_path / "nothing"), code=1)
+    assert missing.stdout == ""
+    assert missing.stderr == (
+        f"error: no dynstate store at {tmp_path / 'nothing'}; check the URL, or create one with "
+        "dynstate.Store.open(url, create=True)\n"
+    )
+    url = str(tmp_path / "store")
+    build(url)
+    assert run("show", url, "99", code=1).stderr == (
+        f"error: version 99 not found in {url} (latest is 6); `dynstate ls URL` lists them\n"
+    )
+    assert "no tag 'nope'" in run("head", url, "nope", code=1).stderr
+    for args in (["ls", url, "--storage-option", "nokey"], ["ls", url, "--limit", "-1"],
+                 ["head", url, "-n", "x"], ["ls"], ["nosuchcommand"]):  # fmt: skip
+        result = run(*args, code=2)
+        assert "Traceback" not in result.stderr
+
+
+@pytest.mark.s3
+def test_s3_errors_say_what_to_do(s3_endpoint: str) -> None:
+    url = s3_url()
+    build(url)
+
+    def fails(args: list[str], env: dict[str, str | None], expected: str) -> None:
+        started = time.monotonic()
+        full = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+        proc = subprocess.run([console_script(), *args], capture_output=True, text=True,
+                              env=full, timeout=60)  # fmt: skip
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.startswith(f"error: {expected}"), proc.stderr
+        assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+        assert time.monotonic() - started < 15
+
+    no_creds = {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_PROFILE": None,
+                "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent",
+                "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
+    fails(["ls", url], no_creds, f"no S3 credentials found for {url}; set AWS_ACCESS_KEY_ID")
+    fails(["ls", "s3://no-such-bucket/run"], {}, "bucket 'no-such-bucket' does not exist at")
+    fails(["ls", f"s3://{S3_BUCKET}/empty-prefix"], {}, f"no dynstate store at s3://{S3_BUCKET}/")
+    fails(["ls", url], {"AWS_ENDPOINT_URL": "http://127.0.0.1:1"},
+          "cannot reach the S3 endpoint http://127.0.0.1:1")  # fmt: skip
+    fails(["ls", url], {"AWS_ENDPOINT_URL": "http://127.0.0.1:99999"},
+          "the S3 endpoint 'http://127.0.0.1:99999' is not a valid URL")  # fmt: skip
+
+
+def test_every_command_has_help_with_example() -> None:
+    for name in COMMANDS:
+        text = run(name, "--help").stdout
+        assert "Example:" in text and f"dynstate {name} " in text, name
+        assert "--storage-option" in text and "--json" in text, name
 
 
 # -- the installed console script --------------------------------------------------------------
@@ -384,42 +668,44 @@ def console_script() -> str:
     return path
 
 
-def test_console_script_ls_and_verify_on_s3(s3_endpoint: str) -> None:
+def test_console_script_help_and_ls_import_nothing_heavy(tmp_path) -> None:
+    url = str(tmp_path / "store")
+    build(url)
+    probe = (
+        "import sys\nfrom dynstate.cli import main\nsys.argv[0] = 'dynstate'\n"
+        "try:\n    main()\nfinally:\n"
+        f"    print(sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr)\n"
+    )
+    for args in (["--help"], ["ls", url], ["show", url], ["diff", url, "1", "6"]):
+        proc = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True,
+                              text=True)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr.strip() == "[]", (args, proc.stderr)
+    bare = (
+        "import sys\nimport dynstate.cli\n"
+        "print(sorted(set(sys.modules) & {'pyarrow', 'fsspec', 'rich'}))"
+    )
+    assert subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"  # fmt: skip
+    proc = subprocess.run([console_script(), "--help"], capture_output=True, text=True, check=True)
+    for name in COMMANDS:
+        assert f"  {name} " in proc.stdout
+    assert "Exit codes" in proc.stdout
+
+
+@pytest.mark.s3
+def test_console_script_ls_verify_and_storage_option_on_s3(s3_endpoint: str) -> None:
     url = s3_url()
     store = build(url)
     proc = subprocess.run(
         [console_script(), "ls", url, "--json"], capture_output=True, text=True, check=True
     )
-    assert [r["version"] for r in json.loads(proc.stdout)] == [0, 1, 2, 5, 6]
-    rel = corrupt(url, store, "missing file")
-    proc = subprocess.run([console_script(), "verify", url], capture_output=True, text=True)
-    assert proc.returncode == 1 and rel in proc.stdout and proc.stderr.startswith("error: ")
-
-
-def test_console_script_storage_option_sets_endpoint(s3_endpoint: str) -> None:
-    url = s3_url()
-    build(url)
+    assert [r["version"] for r in json.loads(proc.stdout)] == [6, 5, 2, 1, 0]
     env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
-    env["COLUMNS"] = "200"
     args = [console_script(), "ls", url, "--storage-option", f"endpoint_url={s3_endpoint}"]
     proc = subprocess.run(args, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "gen-b" in proc.stdout and "head" in proc.stdout
-    bad = subprocess.run([console_script(), "ls", url, "--storage-option", "nokey"],
-                         capture_output=True, text=True, env=env)  # fmt: skip
-    assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
-
-
-def test_console_script_help_lists_commands() -> None:
-    proc = subprocess.run([console_script(), "--help"], capture_output=True, text=True, check=True)
-    for name in COMMANDS:
-        assert name in proc.stdout
-    assert "Exit codes" in proc.stdout
-
-
-def test_cli_reads_what_the_library_wrote_arrow_types(tmp_path) -> None:
-    url = str(tmp_path / "store")
-    store = Store.open(url, create=True)
-    store.append(pa.table({"x": pa.array([[1, 2], None]), "b": pa.array([b"\x00", b"z"])}))
-    lines = run("head", url, "--jsonl").stdout.splitlines()
-    assert [json.loads(line)["x"] for line in lines] == [[1, 2], None]
+    rel = corrupt(url, store, "missing file")
+    proc = subprocess.run([console_script(), "verify", url], capture_output=True, text=True)
+    assert proc.returncode == 1 and rel in proc.stdout and proc.stderr.startswith("error: ")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import sys
 from typing import Any
 
 import click
@@ -34,6 +36,11 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit):
             raise
+        except BrokenPipeError:
+            # The reader went away (`dynstate ls | head`): nothing more to say to anyone.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            ctx.exit(1)
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
             ctx.exit(130)

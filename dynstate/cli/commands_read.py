@@ -19,6 +19,12 @@ def _op(row: dict[str, Any]) -> str:
     return f"{row['op']}→{row['target']}" if row.get("target") is not None else row["op"]
 
 
+def _status(row: dict[str, Any]) -> str:
+    """ "head", "abandoned" and the version's tags, in one column: ``head, tag best``."""
+    return ", ".join([*([row["status"]] if row["status"] else []),
+                      *(f"tag {t}" for t in row["tags"])])  # fmt: skip
+
+
 def _tag_list(names: list[str], most: int = 4) -> str:
     more = len(names) - most
     return ", ".join(names[:most]) + (f" (+{more} more)" if more > 0 else "")
@@ -72,8 +78,7 @@ def ls_cmd(url, show_all: bool, limit: int | None, reverse: bool, as_json: bool,
         r.Column("step", right=True, optional=True),
         r.Column("generator", flexible=True, optional=True),
         r.Column("created (UTC)"),
-        r.Column("tags", flexible=True, optional=True),
-        r.Column("status", optional=True),
+        r.Column("status", flexible=True, optional=True),
     ]
     cells = [
         [
@@ -86,8 +91,7 @@ def ls_cmd(url, show_all: bool, limit: int | None, reverse: bool, as_json: bool,
             r.cell(row["step"]),
             r.cell(row["generator"]),
             r.utc(row["created"]),
-            ", ".join(row["tags"]),
-            row["status"] or "",
+            _status(row),
         ]
         for row in rows
     ]
@@ -176,11 +180,11 @@ def show_cmd(url, version, max_shards: int, as_json: bool, storage_options) -> N
         ("op", _op({"op": info["op"], "target": info["target"]})),
         ("parent", r.cell(info["parent"])),
         ("created", f"{r.utc(info['created'])} UTC"),
-        ("status", info["status"] or ""),
+        ("status", info["status"] or "in the head's lineage"),
         ("rows", f"{info['rows']:,} ({info['rows_added']:+,} in this version)"),
         ("shards", f"{info['shards']:,}"),
         ("size", f"{r.human_size(info['bytes'])} ({info['bytes']:,} bytes)"),
-        ("tags", ", ".join(info["tags"])),
+        ("tags", ", ".join(info["tags"]) or "none"),
         ("lineage", info["lineage"]),
         ("meta", json.dumps(info["meta"], sort_keys=True, ensure_ascii=False)),
     ]
@@ -203,7 +207,7 @@ def show_cmd(url, version, max_shards: int, as_json: bool, storage_options) -> N
     ]
     shard_cols = [
         r.Column("#", right=True),
-        r.Column("path", flexible=True),
+        r.Column("path"),
         r.Column("rows", right=True),
         r.Column("size", right=True),
         r.Column("sha256"),

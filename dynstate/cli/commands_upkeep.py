@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from . import render as r
+from .errors import Failure
 from .options import (
     Duration,
     Size,
@@ -59,7 +60,7 @@ def verify_cmd(url: str, all_versions: bool, as_json: bool, storage_options) -> 
                 f"{r.human_size(report.bytes_checked)} verified"
             )
     if not report.ok:
-        raise click.ClickException(f"{len(report.problems)} problem(s) in {store.display_url}")
+        raise Failure(f"{len(report.problems)} problem(s) in {store.display_url}")
 
 
 def _gc_lines(result: Any, verb: str) -> list[str]:

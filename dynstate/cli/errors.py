@@ -5,6 +5,9 @@ force=True"); here they name flags. Errors that reach the CLI from a client libr
 from __future__ import annotations
 
 import re
+from typing import Any
+
+import click
 
 _USERINFO = re.compile(r"[^\s/@'\"]+:[^\s/@'\"]+@")
 
@@ -23,7 +26,12 @@ _PHRASES = (
 # (exception class name or S3 error code, message template); {url} is the redacted URL.
 _CLIENT_ERRORS = (
     (
-        ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"),
+        (
+            "NoCredentialsError",
+            "PartialCredentialsError",
+            "CredentialRetrievalError",
+            "ProfileNotFound",
+        ),
         "no S3 credentials found for {url}; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
         "(or AWS_PROFILE), or pass --storage-option key=... --storage-option secret=...",
     ),
@@ -48,6 +56,13 @@ _CLIENT_ERRORS = (
         "--storage-option endpoint_url",
     ),
 )
+
+
+class Failure(click.ClickException):
+    """A command that ran and found a problem (``verify``): ``error: <message>``, exit 1."""
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.message}", err=True)
 
 
 def scrub(message: str) -> str:

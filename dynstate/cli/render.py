@@ -87,8 +87,8 @@ class Column:
 
 def table(columns: Sequence[Column], rows: Sequence[Sequence[str]], limit: int | None) -> list[str]:
     """Lines of a table whose columns are as wide as their widest cell. When the table is wider
-    than ``limit``, flexible columns (free text) give up width, widest first, down to 6.
-    Optional columns with nothing in them are left out."""
+    than ``limit``, flexible columns (free text) give up width, widest first, down to their
+    title's width (at least 6). Optional columns with nothing in them are left out."""
     keep = [i for i, c in enumerate(columns) if not c.optional or any(row[i] for row in rows)]
     columns = [columns[i] for i in keep]
     rows = [[row[i] for i in keep] for row in rows]
@@ -96,7 +96,9 @@ def table(columns: Sequence[Column], rows: Sequence[Sequence[str]], limit: int |
     if limit is not None:
         excess = sum(widths) + len(GAP) * (len(widths) - 1) - limit
         while excess > 0:
-            candidates = [i for i, c in enumerate(columns) if c.flexible and widths[i] > 6]
+            candidates = [
+                i for i, c in enumerate(columns) if c.flexible and widths[i] > max(6, len(c.title))
+            ]
             if not candidates:
                 break
             i = max(candidates, key=lambda k: widths[k])
