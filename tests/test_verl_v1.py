@@ -14,7 +14,6 @@ These tests fail (never skip) when verl or TransferQueue is missing.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -61,46 +60,8 @@ def _spec(files: dict, tmp_path, store: str, **extra) -> dict:
     return spec
 
 
-def _end_leftovers(proc: subprocess.Popen, pids_file: str) -> None:
-    """A SIGKILLed driver leaves its Ray cluster (GCS, raylet, workers) behind: end the
-    processes it recorded, and its process group, by id."""
-    pids: list[int] = []
-    if os.path.exists(pids_file):
-        with open(pids_file) as f:
-            pids = [p for p in json.load(f) if p != proc.pid]
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver's own session: loader workers, actors
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def run_driver(spec: dict, kill: tuple[int, str] | None = None) -> int:
-    """One driver process; returns its exit status (-SIGKILL when it killed itself)."""
-    spec = {**spec, "kill": list(kill) if kill else None}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "verl_v1_standins.py"), json.dumps(spec)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=DRIVER_TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        _end_leftovers(proc, spec["pids"])
-    if proc.returncode not in (0, -signal.SIGKILL) or (kill and proc.returncode == 0):
-        text = out.decode(errors="replace") if out else ""
-        raise AssertionError(f"driver {kill} exited with {proc.returncode}:\n{text[-6000:]}")
-    return proc.returncode
+    return standins.run_driver(spec, kill, timeout=DRIVER_TIMEOUT)
 
 
 def _assert_same_run(reference: dict, spec: dict, steps: int, storage_options=None) -> None:

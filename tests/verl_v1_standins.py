@@ -464,6 +464,56 @@ def store_summary(url: str, storage_options: dict | None = None) -> dict:
     return {"rows": store.snapshot().to_arrow().to_pylist(), "rounds": rounds}
 
 
+# -- running drivers ---------------------------------------------------------------------------
+
+
+def end_leftovers(proc: Any, pids_file: str | None) -> None:
+    """A SIGKILLed driver leaves its Ray cluster (GCS, raylet, workers) behind: end the
+    processes it recorded, then its own session's process group, by id."""
+    pids: list[int] = []
+    if pids_file and os.path.exists(pids_file):
+        with open(pids_file) as f:
+            pids = [p for p in json.load(f) if p != proc.pid]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # started with start_new_session: its own group
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_driver(spec: dict, kill: tuple[int, str] | None = None, timeout: float = 900) -> int:
+    """One driver process (``python verl_v1_standins.py spec``); returns its exit status,
+    ``-SIGKILL`` when it killed itself at ``kill``. Raises with the driver's output on any
+    other ending."""
+    import subprocess
+
+    spec = {**spec, "kill": list(kill) if kill else None}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), json.dumps(spec)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        end_leftovers(proc, spec.get("pids"))
+    expected = -signal.SIGKILL if kill else 0
+    if proc.returncode != expected:
+        text = out.decode(errors="replace") if out else ""
+        raise AssertionError(f"driver (kill={kill}) exited with {proc.returncode}:\n{text[-6000:]}")
+    return proc.returncode
+
+
 # -- the driver --------------------------------------------------------------------------------
 
 
