@@ -9,14 +9,13 @@ from typing import Any
 from . import manifest as m
 from .gc import gc_floor
 from .manifest import Commit
-from .resume import walk_lineage
 from .store import Store
 
 
 def lineage(store: Store, version: int, floor: int = 0) -> list[int]:
-    """Versions whose rows ``version`` carries, newest first, down to ``floor``
-    (:func:`dynstate.resume.walk_lineage`, stopped at the gc floor)."""
-    return list(itertools.takewhile(lambda v: v >= floor, walk_lineage(store, version)))
+    """Versions whose rows ``version`` carries, newest first, down to ``floor`` (the log's
+    one lineage walker, which also stops at the gc floor)."""
+    return list(itertools.takewhile(lambda v: v >= floor, store.log.lineage(version)))
 
 
 def ranges(versions: list[int]) -> str:
@@ -31,22 +30,30 @@ def ranges(versions: list[int]) -> str:
 
 
 def version_rows(
-    store: Store, *, include_abandoned: bool = False, limit: int | None = None
+    store: Store,
+    *,
+    include_abandoned: bool = False,
+    limit: int | None = None,
+    newest_first: bool = True,
 ) -> list[dict[str, Any]]:
-    """One row per kept version, oldest first, as ``dynstate ls`` shows them. Status is
-    "head", "abandoned" (not in the head's lineage; listed only with ``include_abandoned``)
-    or None. ``limit`` keeps the newest rows; only the records shown are read."""
-    head, floor = store.refresh(), gc_floor(store)
+    """One row per kept version, as ``dynstate ls`` shows them, newest first (oldest first
+    with ``newest_first=False``). Status is "head", "abandoned" (not in the head's lineage;
+    listed only with ``include_abandoned``) or None. ``limit`` keeps the newest rows and only
+    their records are read, so the cost does not grow with the store's history."""
+    head = store.refresh()
+    floor = store.log.floor
     if include_abandoned:
-        versions = list(range(max(floor, head - limit + 1 if limit else floor), head + 1))
-        line = set(lineage(store, head, versions[0]))
+        oldest = max(floor, head - limit + 1) if limit else floor
+        versions = list(range(head, oldest - 1, -1))
+        line = set(itertools.takewhile(lambda v: v >= oldest, store.log.lineage(head)))
     else:
-        line = set(lineage(store, head, floor)[:limit])
-        versions = sorted(line)
+        versions = list(itertools.islice(store.log.lineage(head), limit))
+        line = set(versions)
     tags: dict[int, list[str]] = {}
     for name, v in sorted(store.tags().items()):
         tags.setdefault(v, []).append(name)
-    return [_row(store.commit_record(v), head, line, tags.get(v, [])) for v in versions]
+    rows = [_row(store.commit_record(v), head, line, tags.get(v, [])) for v in versions]
+    return rows if newest_first else rows[::-1]
 
 
 def _row(record: Commit, head: int, line: set[int], tags: list[str]) -> dict[str, Any]:
@@ -56,6 +63,7 @@ def _row(record: Commit, head: int, line: set[int], tags: list[str]) -> dict[str
     return {
         "version": record.version,
         "op": record.op,
+        "target": record.target,
         "rows_added": record.rows_added,
         "total_rows": record.num_rows,
         "shards": record.num_shards,
@@ -65,6 +73,27 @@ def _row(record: Commit, head: int, line: set[int], tags: list[str]) -> dict[str
         "created": record.created,
         "tags": tags,
         "status": status,
+    }
+
+
+def summary(store: Store) -> dict[str, Any]:
+    """The store at a glance, as the header of ``dynstate ls`` shows it: reads the head's and
+    the oldest kept version's records and the tags, whatever the length of the history."""
+    head = store.refresh()
+    floor = store.log.floor
+    last, first = store.commit_record(head), store.commit_record(floor)
+    return {
+        "url": store.display_url,
+        "store_id": store.store_id,
+        "head": head,
+        "oldest": floor,
+        "versions": head - floor + 1,
+        "rows": last.num_rows,
+        "bytes": last.num_bytes,
+        "shards": last.num_shards,
+        "tags": dict(sorted(store.tags().items())),
+        "first_commit": first.created,
+        "last_commit": last.created,
     }
 
 
@@ -100,26 +129,67 @@ def describe(store: Store, version: int | str | None = None) -> dict[str, Any]:
     }
 
 
-def diff(store: Store, v1: int | str | None, v2: int | str | None) -> dict[str, Any]:
-    """How ``v2`` differs from ``v1``: rows, shards added and removed, schema change, and the
-    leading rows they share (row identity: a shared shard prefix is shared rows)."""
-    a, b = store.snapshot(v1), store.snapshot(v2)
-    prefix = 0
-    while prefix < min(len(a.shards), len(b.shards)) and a.shards[prefix] == b.shards[prefix]:
-        prefix += 1
-    a_paths, b_paths = {s.path for s in a.shards}, {s.path for s in b.shards}
+def diff(
+    store: Store, v1: int | str | None, v2: int | str | None, *, shards: bool = False
+) -> dict[str, Any]:
+    """How ``v2``'s rows differ from ``v1``'s, by lineage: a version's rows are the rounds
+    appended along its lineage, in order, so both lineages are walked back to where they meet
+    (their common version, whose rows both start with). Rounds only ``v2`` carries are added
+    rows, rounds only ``v1`` carries removed ones; a compaction or a reset to the same content
+    changes no row. Reads the records back to the meeting point only. With ``shards``, also
+    the shard files added and removed."""
+    a, b = store.resolve(v1), store.resolve(v2)
+    ra, rb = store.commit_record(a), store.commit_record(b)
+    only_a, only_b, common = _diverged(store, a, b)
+    added = sum(store.commit_record(v).rows_added for v in only_b)
+    removed = sum(store.commit_record(v).rows_added for v in only_a)
+    shared = store.commit_record(common).num_rows if common is not None else 0
+    if common is None:  # the lineages meet only below the gc floor: compare whole versions
+        added, removed = rb.num_rows, ra.num_rows
+    sa, sb = store.snapshot(a), store.snapshot(b)
     schema = None
-    if a.commit.schema != b.commit.schema and a.schema is not None and b.schema is not None:
-        schema = m.describe_schema_diff(a.schema, b.schema)
-    return {
+    if ra.schema != rb.schema and sa.schema is not None and sb.schema is not None:
+        schema = m.describe_schema_diff(sa.schema, sb.schema)
+    out: dict[str, Any] = {
         "url": store.display_url,
-        "from": a.version,
-        "to": b.version,
-        "rows": [a.num_rows, b.num_rows],
-        "shards": [len(a.shards), len(b.shards)],
-        "shared_prefix_rows": a.offsets[prefix],
-        "extends": prefix == len(a.shards),
+        "from": a,
+        "to": b,
+        "rows": [ra.num_rows, rb.num_rows],
+        "added_rows": added,
+        "removed_rows": removed,
+        "shared_rows": shared,
+        "common_version": common,
+        "added_versions": sorted(v for v in only_b if store.commit_record(v).rows_added),
+        "removed_versions": sorted(v for v in only_a if store.commit_record(v).rows_added),
+        "extends": removed == 0 and common is not None,
+        "same_rows": added == 0 and removed == 0 and common is not None,
         "schema_change": schema,
-        "added": [s.to_json() for s in b.shards if s.path not in a_paths],
-        "removed": [s.to_json() for s in a.shards if s.path not in b_paths],
+        "shards": [ra.num_shards, rb.num_shards],
     }
+    if shards:
+        a_paths, b_paths = {s.path for s in sa.shards}, {s.path for s in sb.shards}
+        out["shards_added"] = [s.to_json() for s in sb.shards if s.path not in a_paths]
+        out["shards_removed"] = [s.to_json() for s in sa.shards if s.path not in b_paths]
+    return out
+
+
+def _diverged(store: Store, a: int, b: int) -> tuple[list[int], list[int], int | None]:
+    """Versions only ``a``'s lineage has, only ``b``'s, and the newest version both share
+    (None if they share none above the gc floor). Lineages descend, so advancing whichever
+    walk is ahead finds the meeting point after reading only the versions that differ."""
+    walk_a, walk_b = store.log.lineage(a), store.log.lineage(b)
+    only_a: list[int] = []
+    only_b: list[int] = []
+    x, y = next(walk_a, None), next(walk_b, None)
+    while x is not None and y is not None and x != y:
+        if x > y:
+            only_a.append(x)
+            x = next(walk_a, None)
+        else:
+            only_b.append(y)
+            y = next(walk_b, None)
+    if x is not None and x == y:
+        return only_a, only_b, x
+    only_a += [x, *walk_a] if x is not None else []
+    only_b += [y, *walk_b] if y is not None else []
+    return only_a, only_b, None
