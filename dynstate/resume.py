@@ -39,7 +39,7 @@ def version_at_step(store: Store, step: int) -> int:
     effective: int | None = None
     best: int | None = None if cut else chain[0]
     for v in chain:
-        record_step = store.commit_record(v).meta.get("step")
+        record_step = _own_step(store, v)
         if record_step is not None:
             effective = record_step
         # Below the floor's cut the step of versions without one is unknown: they count
@@ -48,16 +48,25 @@ def version_at_step(store: Store, step: int) -> int:
         if known and (effective is None or effective <= step):
             best = v
     if best is None:
-        oldest = next(
-            (v for v in chain if store.commit_record(v).meta.get("step") is not None), chain[-1]
-        )
+        first = next((s for s in map(lambda v: _own_step(store, v), chain) if s is not None), None)
         raise VersionCollectedError(
             f"step {step} of {store.display_url} is older than what gc kept: the oldest kept "
-            f"version of the head's lineage is {chain[0]} (its first step is "
-            f"{store.commit_record(oldest).meta.get('step')}); resume from a later checkpoint, "
-            "or tag the versions checkpoints need before collecting"
+            f"version of the head's lineage is {chain[0]} (oldest kept is {store.log.floor}, "
+            f"first kept step {first}); resume from a later checkpoint, or tag the version "
+            "a checkpoint's sampler state pins so that gc keeps it"
         )
     return best
+
+
+def _own_step(store: Store, version: int) -> int | None:
+    """The step a version's round belongs to, if its record says: ``meta["step"]``, or for a
+    rollback's reset the step it rolled back to (so that the step survives gc collecting the
+    reset's target)."""
+    meta = store.commit_record(version).meta
+    step = meta.get("step")
+    if step is None and store.commit_record(version).op == "reset":
+        step = meta.get("rollback_step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def rollback(
@@ -87,7 +96,10 @@ def rollback(
             store.display_url,
         )
         return head
-    info = {"rollback_from": head, **(meta or {})}
+    info: dict[str, Any] = {"rollback_from": head}
+    if step is not None:
+        info["rollback_step"] = step
+    info.update(meta or {})
     new = store.reset(target, meta=info)
     log.info("rolled %s back to version %d as version %d", store.display_url, target, new)
     return new
