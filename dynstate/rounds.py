@@ -2,36 +2,25 @@
 round fixes the schema; later rounds must match, or add nullable columns when allowed).
 
 Everything here runs before a round writes anything, so a refused round leaves the store as it
-was. The limits below keep one bad round from poisoning every later read of the store:
-
-- column values nest at most :data:`MAX_NESTING` levels (lists, structs, maps); Parquet readers
-  refuse schemas much deeper than that, and Arrow's type inference needs memory quadratic in
-  the depth;
-- ``meta`` nests at most :data:`MAX_META_DEPTH` levels and encodes to at most
-  :data:`MAX_META_BYTES` bytes of JSON; it is read back with every commit record.
+was. What its columns may hold is checked in :mod:`dynstate.columns`. ``meta`` nests at most
+:data:`MAX_META_DEPTH` levels and encodes to at most :data:`MAX_META_BYTES` bytes of JSON: it
+is read back with every commit record.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from . import manifest as m
+from .columns import check_names, check_required, check_row_depth, check_table
 from .errors import DynstateError, InvalidDataError, SchemaMismatchError
 
-MAX_NESTING = 32
 MAX_META_DEPTH = 32
 MAX_META_BYTES = 2**20
-
-SUPPORTED_TYPES = (
-    "str, binary, bool, ints, floats, decimals, dates, times, timestamps, durations, "
-    "and lists, structs and maps of those"
-)
 
 
 # -- meta ------------------------------------------------------------------------------------
@@ -48,10 +37,9 @@ def check_meta(meta: dict[str, Any] | None, url: str) -> dict[str, Any]:
         text = json.dumps(meta, allow_nan=False, ensure_ascii=False)
         size = len(text.encode())
     except (TypeError, ValueError, OverflowError) as exc:
-        # UnicodeEncodeError (a lone surrogate) is a ValueError
-        hint = "; convert numpy values with .item()" if "numpy" in str(exc) else ""
+        # what the walk lets through and JSON still refuses: a lone surrogate in a str
         raise InvalidDataError(
-            f"meta for {url} must be JSON-serializable (str, numbers, lists, dicts): {exc}{hint}"
+            f"meta for {url} must be JSON-serializable (str, numbers, lists, dicts): {exc}"
         ) from exc
     if size > MAX_META_BYTES:
         raise InvalidDataError(
@@ -61,19 +49,22 @@ def check_meta(meta: dict[str, Any] | None, url: str) -> dict[str, Any]:
     return json.loads(text)
 
 
+_JSON_SCALARS = (str, int, float, type(None))
+
+
 def _check_meta_value(value: Any, url: str, where: str, budget: int) -> None:
     """Refuse what JSON would change or cannot hold, before json.dumps can recurse into it."""
+    at = where if len(where) <= 60 else where[:57] + "..."
     if isinstance(value, (dict, list, tuple)) and budget == 0:
-        where = where if len(where) <= 60 else where[:57] + "..."
         raise InvalidDataError(
-            f"meta for {url} nests deeper than {MAX_META_DEPTH} levels (at {where}); flatten it"
+            f"meta for {url} nests deeper than {MAX_META_DEPTH} levels (at {at}); flatten it"
         )
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 # JSON would turn 1 into "1" silently, and {1: a, "1": b} into a duplicate key
                 raise InvalidDataError(
-                    f"meta for {url} has a key {key!r} of type {type(key).__name__} at {where}; "
+                    f"meta for {url} has a key {key!r} of type {type(key).__name__} at {at}; "
                     "meta keys must be str"
                 )
             _check_meta_value(item, url, f"{where}[{key!r}]", budget - 1)
@@ -82,7 +73,13 @@ def _check_meta_value(value: Any, url: str, where: str, budget: int) -> None:
             _check_meta_value(item, url, f"{where}[{i}]", budget - 1)
     elif isinstance(value, float) and not math.isfinite(value):
         raise InvalidDataError(
-            f"meta for {url} holds {value} at {where}, which JSON cannot hold; use None or a string"
+            f"meta for {url} holds {value} at {at}, which JSON cannot hold; use None or a string"
+        )
+    elif not isinstance(value, _JSON_SCALARS):
+        kind = f"{type(value).__module__.split('.')[0]}.{type(value).__name__}"
+        raise InvalidDataError(
+            f"meta for {url} holds a {kind} at {at}, which is not JSON-serializable; use str, "
+            "numbers, lists and dicts (numpy and torch values: .item() or .tolist())"
         )
 
 
@@ -107,7 +104,7 @@ def _convert(data: Any, url: str) -> pa.Table:
             first = data[0].keys() if data else None
             ragged = False
             for i, row in enumerate(data):
-                _check_row_depth(row, url, i)
+                check_row_depth(row, url, i)
                 ragged = ragged or row.keys() != first
             if ragged:
                 # from_pylist takes the columns from the first row only and silently drops
@@ -124,14 +121,14 @@ def _convert(data: Any, url: str) -> pa.Table:
             named = [str(name) for name in data.index.names if name is not None]
             if named:
                 # A named index (set_index("id")) is data; preserve_index=False would drop it.
-                _check_names(named + [str(name) for name in data.columns], url)
+                check_names(named + [str(name) for name in data.columns], url)
                 data = data.reset_index()
-            _check_names([str(name) for name in data.columns], url)
+            check_names([str(name) for name in data.columns], url)
             for pos, name in enumerate(data.columns):
                 column = data.iloc[:, pos]
                 if column.dtype == object:
                     for i, value in enumerate(column):
-                        _check_row_depth({name: value}, url, i)
+                        check_row_depth({name: value}, url, i)
             table = pa.Table.from_pandas(data, preserve_index=False)
             _check_has_columns(len(data), table, url)
             return table
@@ -168,233 +165,6 @@ def _check_has_columns(rows: int, table: pa.Table, url: str) -> None:
         )
 
 
-def _nesting_ok(value: Any, budget: int) -> bool:
-    # Exact types, not isinstance: this runs over every value of a round and must stay cheap.
-    t = type(value)
-    if t is dict:
-        value = value.values()
-    elif t is not list and t is not tuple:
-        return True
-    if budget == 0:
-        return False
-    for item in value:
-        ti = type(item)
-        if (ti is dict or ti is list or ti is tuple) and not _nesting_ok(item, budget - 1):
-            return False
-    return True
-
-
-def _check_row_depth(row: dict[str, Any], url: str, index: int) -> None:
-    # Checked before Arrow infers types: its inference of a 5,000-deep value needs gigabytes.
-    for name, value in row.items():
-        t = type(value)  # inlined scalar test: this runs for every value of a round
-        if (t is dict or t is list or t is tuple) and not _nesting_ok(value, MAX_NESTING):
-            raise InvalidDataError(
-                f"row {index} of this round for {url} nests column {name!r} deeper than "
-                f"{MAX_NESTING} levels; flatten it or store it as a JSON string"
-            )
-
-
-def check_table(table: pa.Table, url: str) -> pa.Table:
-    """``table`` if every column has a name, a type dynstate can store and read back, and no
-    nulls where its field says non-nullable; InvalidDataError/SchemaMismatchError otherwise."""
-    _check_names(table.column_names, url)
-    for field in table.schema:
-        problem = _type_problem(field.type, 1)
-        if problem is not None:
-            raise InvalidDataError(
-                f"column {field.name!r} of this round for {url} has type {field.type}: "
-                f"{problem}; dynstate stores {SUPPORTED_TYPES}"
-            )
-    error = _parquet_roundtrip(table.schema)
-    if error is not None:
-        raise InvalidDataError(
-            f"this round for {url} has a schema Parquet cannot store and read back ({error}); "
-            f"dynstate stores {SUPPORTED_TYPES}"
-        )
-    _check_required(table, table.schema, url, None)
-    return _stable_schema(table, url)
-
-
-def _stable_schema(table: pa.Table, url: str) -> pa.Table:
-    """``table`` relabelled, if need be, so that its schema reads back from the store's schema
-    file with the fingerprint it was written under (Arrow IPC drops the field names of map
-    keys and items, which would make every later read fail the fingerprint check)."""
-    schema = m.normalize_schema(table.schema)
-    fingerprint = m.schema_fingerprint(schema)
-    back = _ipc_roundtrip(schema)
-    if m.schema_fingerprint(back) == fingerprint:
-        return table
-    try:
-        relabelled = table.cast(back)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, ValueError):
-        relabelled = None
-    stable = relabelled is not None and m.schema_fingerprint(
-        _ipc_roundtrip(m.normalize_schema(relabelled.schema))
-    ) == m.schema_fingerprint(relabelled.schema)
-    if not stable:
-        changed = [
-            f.name
-            for f, g in zip(schema, back, strict=True)
-            if m.schema_fingerprint(pa.schema([f])) != m.schema_fingerprint(pa.schema([g]))
-        ]
-        raise InvalidDataError(
-            f"columns {', '.join(changed)} of this round for {url} have types that do not "
-            f"read back as written from Arrow's schema format; dynstate stores {SUPPORTED_TYPES}"
-        )
-    return relabelled
-
-
-def _ipc_roundtrip(schema: pa.Schema) -> pa.Schema:
-    return pa.ipc.read_schema(pa.py_buffer(schema.serialize().to_pybytes()))
-
-
-def _check_names(names: list[str], url: str) -> None:
-    # A table with two columns of one name writes fine, but no reader can select either.
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise InvalidDataError(
-            f"this round for {url} has duplicate column names: {', '.join(map(repr, dups))}; "
-            "give every column its own name"
-        )
-    if "" in names:
-        raise InvalidDataError(
-            f"this round for {url} has a column with an empty name; name every column"
-        )
-
-
-def _type_problem(t: pa.DataType, depth: int) -> str | None:
-    """Why a column of type ``t`` cannot be stored, or None."""
-    if depth > MAX_NESTING:
-        return f"it nests deeper than {MAX_NESTING} levels"
-    if pa.types.is_union(t):
-        return "union types are not supported (Parquet has none); use one type per column"
-    if pa.types.is_interval(t):
-        return "interval types are not supported; use a duration or three int columns"
-    if isinstance(t, pa.RunEndEncodedType):
-        return "run-end encoded columns are not supported; pass the decoded values"
-    if isinstance(t, pa.ExtensionType):
-        return _type_problem(t.storage_type, depth)
-    if pa.types.is_dictionary(t):
-        return _type_problem(t.value_type, depth)
-    if pa.types.is_struct(t):
-        if t.num_fields == 0:
-            return "a struct without fields cannot be stored; drop the column or add a field"
-        names = [t.field(i).name for i in range(t.num_fields)]
-        dups = sorted({n for n in names if names.count(n) > 1})
-        if dups:
-            return f"its struct has duplicate field names ({', '.join(map(repr, dups))})"
-        children = [t.field(i).type for i in range(t.num_fields)]
-    elif pa.types.is_map(t):
-        children = [t.key_type, t.item_type]
-    elif (
-        pa.types.is_list(t)
-        or pa.types.is_large_list(t)
-        or pa.types.is_fixed_size_list(t)
-        or pa.types.is_list_view(t)
-        or pa.types.is_large_list_view(t)
-    ):
-        children = [t.value_type]
-    else:
-        return None
-    for child in children:
-        problem = _type_problem(child, depth + 1)
-        if problem is not None:
-            return problem
-    return None
-
-
-@functools.lru_cache(maxsize=64)
-def _parquet_roundtrip(schema: pa.Schema) -> str | None:
-    """Why Parquet cannot write and read back a table of ``schema``, or None. A safety net
-    under :func:`_type_problem` for whatever pyarrow refuses that it does not name."""
-    try:
-        sink = pa.BufferOutputStream()
-        pq.write_table(schema.empty_table(), sink)
-        pq.read_table(pa.BufferReader(sink.getvalue()))
-    except (pa.ArrowException, OSError, ValueError, TypeError) as exc:
-        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return None
-
-
-def _check_required(table: pa.Table, schema: pa.Schema, url: str, version: int | None) -> None:
-    """Refuse nulls in fields ``schema`` declares non-nullable, as the Parquet writer would
-    (with a bare ArrowInvalid) or a cast (with a bare ValueError); ``table`` has ``schema``'s
-    structure."""
-    for field in schema:
-        if not _has_required(field):
-            continue
-        for chunk in table.column(field.name).chunks:
-            path = _null_in_required(chunk, field, field.name)
-            if path is not None:
-                at = f" at version {version}" if version is not None else ""
-                raise InvalidDataError(
-                    f"column {path} of {url}{at} is non-nullable, but this round has nulls in "
-                    "it (a null parent counts); fill them, or make the field nullable in the "
-                    "first round's schema"
-                )
-
-
-def _has_required(field: pa.Field) -> bool:
-    if not field.nullable:
-        return True
-    children = _child_fields(field.type)
-    return any(_has_required(child) for child in children)
-
-
-def _child_fields(t: pa.DataType) -> list[pa.Field]:
-    if pa.types.is_struct(t):
-        return [t.field(i) for i in range(t.num_fields)]
-    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-        return [t.value_field]
-    if pa.types.is_map(t):
-        return [t.item_field]
-    return []
-
-
-def _first_required(field: pa.Field, path: str) -> str | None:
-    if not field.nullable:
-        return path
-    for child in _child_fields(field.type):
-        sep = "." if pa.types.is_struct(field.type) else ""
-        found = _first_required(child, f"{path}{sep}{child.name}" if sep else f"{path}[]")
-        if found is not None:
-            return found
-    return None
-
-
-def _null_in_required(array: pa.Array, field: pa.Field, path: str) -> str | None:
-    """The path of a non-nullable field whose values hold a null, or None. Like the Parquet
-    writer, this looks at each child array as stored, so a null parent does not excuse a null
-    child."""
-    if not field.nullable and array.null_count:
-        return path
-    t = field.type
-    if pa.types.is_null(array.type):
-        # An all-None column of a later round: the cast makes every child null.
-        return _first_required(field, path) if len(array) else None
-    if pa.types.is_struct(t):
-        parts = [
-            (array.field(i), t.field(i), f"{path}.{t.field(i).name}") for i in range(t.num_fields)
-        ]
-    elif pa.types.is_fixed_size_list(t):
-        parts = [(array.flatten(), t.value_field, f"{path}[]")]
-    elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_map(t):
-        # .values/.items are the whole child, not this (maybe sliced) array's part of it
-        start, end = array.offsets[0].as_py(), array.offsets[-1].as_py()
-        child = array.items if pa.types.is_map(t) else array.values
-        child_field = t.item_field if pa.types.is_map(t) else t.value_field
-        parts = [(child.slice(start, end - start), child_field, f"{path}[]")]
-    else:
-        return None
-    for child, child_field, child_path in parts:
-        if _has_required(child_field):
-            found = _null_in_required(child, child_field, child_path)
-            if found is not None:
-                return found
-    return None
-
-
 # -- later rounds ----------------------------------------------------------------------------
 
 
@@ -428,7 +198,7 @@ def conform_round(
                 )
             new_schema = new_schema.append(f.with_metadata(None))
     out = table.select(new_schema.names)
-    _check_required(out, new_schema, url, version)
+    check_required(out, new_schema, url, version)
     try:
         out = out.cast(new_schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, ValueError) as exc:

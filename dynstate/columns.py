@@ -1,0 +1,253 @@
+"""What a round's columns may be: names, types that Parquet stores and reads back, nesting,
+and no nulls where a field says non-nullable. Checked before a round writes anything, so that
+no commit can make later reads of the store fail.
+
+Values nest at most :data:`MAX_NESTING` levels (lists, structs, maps): Parquet readers refuse
+schemas much deeper than that, and Arrow's type inference needs memory quadratic in the depth,
+so Python values are checked before Arrow sees them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import manifest as m
+from .errors import InvalidDataError
+
+MAX_NESTING = 32
+
+SUPPORTED_TYPES = (
+    "str, binary, bool, ints, floats, decimals, dates, times, timestamps, durations, "
+    "and lists, structs and maps of those"
+)
+
+
+def _nesting_ok(value: Any, budget: int) -> bool:
+    # Exact types, not isinstance: this runs over every value of a round and must stay cheap.
+    t = type(value)
+    if t is dict:
+        value = value.values()
+    elif t is not list and t is not tuple:
+        return True
+    if budget == 0:
+        return False
+    for item in value:
+        ti = type(item)
+        if (ti is dict or ti is list or ti is tuple) and not _nesting_ok(item, budget - 1):
+            return False
+    return True
+
+
+def check_row_depth(row: dict[str, Any], url: str, index: int) -> None:
+    # Checked before Arrow infers types: its inference of a 5,000-deep value needs gigabytes.
+    for name, value in row.items():
+        t = type(value)  # inlined scalar test: this runs for every value of a round
+        if (t is dict or t is list or t is tuple) and not _nesting_ok(value, MAX_NESTING):
+            raise InvalidDataError(
+                f"row {index} of this round for {url} nests column {name!r} deeper than "
+                f"{MAX_NESTING} levels; flatten it or store it as a JSON string"
+            )
+
+
+def check_table(table: pa.Table, url: str) -> pa.Table:
+    """``table`` if every column has a name, a type dynstate can store and read back, and no
+    nulls where its field says non-nullable; InvalidDataError/SchemaMismatchError otherwise."""
+    check_names(table.column_names, url)
+    for field in table.schema:
+        problem = _type_problem(field.type, 1)
+        if problem is not None:
+            raise InvalidDataError(
+                f"column {field.name!r} of this round for {url} has type {field.type}: "
+                f"{problem}; dynstate stores {SUPPORTED_TYPES}"
+            )
+    error = _parquet_roundtrip(table.schema)
+    if error is not None:
+        raise InvalidDataError(
+            f"this round for {url} has a schema Parquet cannot store and read back ({error}); "
+            f"dynstate stores {SUPPORTED_TYPES}"
+        )
+    check_required(table, table.schema, url, None)
+    return _stable_schema(table, url)
+
+
+def _stable_schema(table: pa.Table, url: str) -> pa.Table:
+    """``table`` relabelled, if need be, so that its schema reads back from the store's schema
+    file with the fingerprint it was written under (Arrow IPC drops the field names of map
+    keys and items, which would make every later read fail the fingerprint check)."""
+    schema = m.normalize_schema(table.schema)
+    fingerprint = m.schema_fingerprint(schema)
+    back = _ipc_roundtrip(schema)
+    if m.schema_fingerprint(back) == fingerprint:
+        return table
+    try:
+        relabelled = table.cast(back)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, ValueError):
+        relabelled = None
+    stable = relabelled is not None and m.schema_fingerprint(
+        _ipc_roundtrip(m.normalize_schema(relabelled.schema))
+    ) == m.schema_fingerprint(relabelled.schema)
+    if not stable:
+        changed = [
+            f.name
+            for f, g in zip(schema, back, strict=True)
+            if m.schema_fingerprint(pa.schema([f])) != m.schema_fingerprint(pa.schema([g]))
+        ]
+        raise InvalidDataError(
+            f"columns {', '.join(changed)} of this round for {url} have types that do not "
+            f"read back as written from Arrow's schema format; dynstate stores {SUPPORTED_TYPES}"
+        )
+    return relabelled
+
+
+def _ipc_roundtrip(schema: pa.Schema) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(schema.serialize().to_pybytes()))
+
+
+def check_names(names: list[str], url: str) -> None:
+    # A table with two columns of one name writes fine, but no reader can select either.
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise InvalidDataError(
+            f"this round for {url} has duplicate column names: {', '.join(map(repr, dups))}; "
+            "give every column its own name"
+        )
+    if "" in names:
+        raise InvalidDataError(
+            f"this round for {url} has a column with an empty name; name every column"
+        )
+
+
+def _type_problem(t: pa.DataType, depth: int) -> str | None:
+    """Why a column of type ``t`` cannot be stored, or None."""
+    if depth > MAX_NESTING:
+        return f"it nests deeper than {MAX_NESTING} levels"
+    if pa.types.is_union(t):
+        return "union types are not supported (Parquet has none); use one type per column"
+    if pa.types.is_interval(t):
+        return "interval types are not supported; use a duration or three int columns"
+    if isinstance(t, pa.RunEndEncodedType):
+        return "run-end encoded columns are not supported; pass the decoded values"
+    if isinstance(t, pa.ExtensionType):
+        return _type_problem(t.storage_type, depth)
+    if pa.types.is_dictionary(t):
+        return _type_problem(t.value_type, depth)
+    if pa.types.is_struct(t):
+        if t.num_fields == 0:
+            return "a struct without fields cannot be stored; drop the column or add a field"
+        names = [t.field(i).name for i in range(t.num_fields)]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            return f"its struct has duplicate field names ({', '.join(map(repr, dups))})"
+        children = [t.field(i).type for i in range(t.num_fields)]
+    elif pa.types.is_map(t):
+        children = [t.key_type, t.item_type]
+    elif (
+        pa.types.is_list(t)
+        or pa.types.is_large_list(t)
+        or pa.types.is_fixed_size_list(t)
+        or pa.types.is_list_view(t)
+        or pa.types.is_large_list_view(t)
+    ):
+        children = [t.value_type]
+    else:
+        return None
+    for child in children:
+        problem = _type_problem(child, depth + 1)
+        if problem is not None:
+            return problem
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _parquet_roundtrip(schema: pa.Schema) -> str | None:
+    """Why Parquet cannot write and read back a table of ``schema``, or None. A safety net
+    under :func:`_type_problem` for whatever pyarrow refuses that it does not name."""
+    try:
+        sink = pa.BufferOutputStream()
+        pq.write_table(schema.empty_table(), sink)
+        pq.read_table(pa.BufferReader(sink.getvalue()))
+    except (pa.ArrowException, OSError, ValueError, TypeError) as exc:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return None
+
+
+def check_required(table: pa.Table, schema: pa.Schema, url: str, version: int | None) -> None:
+    """Refuse nulls in fields ``schema`` declares non-nullable, as the Parquet writer would
+    (with a bare ArrowInvalid) or a cast (with a bare ValueError); ``table`` has ``schema``'s
+    structure."""
+    for field in schema:
+        if not _has_required(field):
+            continue
+        for chunk in table.column(field.name).chunks:
+            path = _null_in_required(chunk, field, field.name)
+            if path is not None:
+                at = f" at version {version}" if version is not None else ""
+                raise InvalidDataError(
+                    f"column {path} of {url}{at} is non-nullable, but this round has nulls in "
+                    "it (a null parent counts); fill them, or make the field nullable in the "
+                    "first round's schema"
+                )
+
+
+def _has_required(field: pa.Field) -> bool:
+    if not field.nullable:
+        return True
+    children = _child_fields(field.type)
+    return any(_has_required(child) for child in children)
+
+
+def _child_fields(t: pa.DataType) -> list[pa.Field]:
+    if pa.types.is_struct(t):
+        return [t.field(i) for i in range(t.num_fields)]
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return [t.value_field]
+    if pa.types.is_map(t):
+        return [t.item_field]
+    return []
+
+
+def _first_required(field: pa.Field, path: str) -> str | None:
+    if not field.nullable:
+        return path
+    for child in _child_fields(field.type):
+        sep = "." if pa.types.is_struct(field.type) else ""
+        found = _first_required(child, f"{path}{sep}{child.name}" if sep else f"{path}[]")
+        if found is not None:
+            return found
+    return None
+
+
+def _null_in_required(array: pa.Array, field: pa.Field, path: str) -> str | None:
+    """The path of a non-nullable field whose values hold a null, or None. Like the Parquet
+    writer, this looks at each child array as stored, so a null parent does not excuse a null
+    child."""
+    if not field.nullable and array.null_count:
+        return path
+    t = field.type
+    if pa.types.is_null(array.type):
+        # An all-None column of a later round: the cast makes every child null.
+        return _first_required(field, path) if len(array) else None
+    if pa.types.is_struct(t):
+        parts = [
+            (array.field(i), t.field(i), f"{path}.{t.field(i).name}") for i in range(t.num_fields)
+        ]
+    elif pa.types.is_fixed_size_list(t):
+        parts = [(array.flatten(), t.value_field, f"{path}[]")]
+    elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_map(t):
+        # .values/.items are the whole child, not this (maybe sliced) array's part of it
+        start, end = array.offsets[0].as_py(), array.offsets[-1].as_py()
+        child = array.items if pa.types.is_map(t) else array.values
+        child_field = t.item_field if pa.types.is_map(t) else t.value_field
+        parts = [(child.slice(start, end - start), child_field, f"{path}[]")]
+    else:
+        return None
+    for child, child_field, child_path in parts:
+        if _has_required(child_field):
+            found = _null_in_required(child, child_field, child_path)
+            if found is not None:
+                return found
+    return None
