@@ -82,6 +82,11 @@ def _gc_lines(result: Any, verb: str) -> list[str]:
         f"{result.url}: {verb} {r.count(len(result.removed), 'file')} "
         f"({r.human_size(result.bytes_freed)}), {span} collected; "
         f"{r.count(result.kept_young, 'orphan')} younger than the grace period kept"
+        + (
+            f", {r.count(result.kept_leased, 'file')} of live writers kept"
+            if getattr(result, "kept_leased", 0)
+            else ""
+        )
     )
     return lines
 
