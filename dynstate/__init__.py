@@ -1,6 +1,9 @@
 """dynstate: versioned, crash-safe data state for RL runs whose training data grows while
 they train. Everything public is importable from here; all other modules are private."""
 
+import sys
+import types
+
 from ._version import __version__
 from .errors import (
     ChecksumMismatchError,
@@ -42,7 +45,25 @@ _LAZY = {
     "decode_index": "dataset",
     "encode_index": "dataset",
     "find_sampler_state": "sampler",
+    "collect_garbage": "gc",
+    "compact": "compact",
+    "export": "export",
+    "verify_store": "verify",
 }
+
+
+class _Package(types.ModuleType):
+    """The import system binds each submodule on its package as it loads it. ``compact`` and
+    ``export`` are public functions living in modules of the same name: the function must
+    stay what ``dynstate.compact`` means, whichever was imported first."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in ("compact", "export") and isinstance(value, types.ModuleType):
+            return  # the module stays reachable as sys.modules["dynstate.<name>"]
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> object:
@@ -89,10 +110,14 @@ __all__ = [
     "VersionedDataset",
     "VersionedSampler",
     "__version__",
+    "collect_garbage",
+    "compact",
     "decode_index",
     "encode_index",
+    "export",
     "find_sampler_state",
     "lineage",
     "rollback",
+    "verify_store",
     "version_at_step",
 ]
