@@ -1,5 +1,6 @@
-"""`dynstate demo` end to end at small sizes: a real training subprocess is SIGKILLed, resumed
-from its checkpoint and compared with an uninterrupted run; plus the demo's own checks."""
+"""The README's demo (tools/demo.py) end to end at small sizes: a real training subprocess is
+SIGKILLed, resumed from its checkpoint and compared with an uninterrupted run; plus the demo's
+own checks."""
 
 from __future__ import annotations
 
@@ -12,21 +13,20 @@ from pathlib import Path
 import pytest
 
 from dynstate import InvalidDataError, Store, StoreExistsError
-from dynstate.demo import DemoConfig, compare, generate, initial_tasks, policy_solves, prepare_dir
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+sys.path.insert(0, str(TOOLS))
+from demo import DemoConfig, compare, generate, initial_tasks, policy_solves, prepare_dir  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = ["--steps", "12", "--step-time", "0.1"]
 
 
-def run_demo(args: list[str], *, cli: bool = True) -> subprocess.CompletedProcess[str]:
-    script = Path(sys.executable).with_name("dynstate")
-    if cli and script.exists():
-        cmd = [str(script), "demo", *args]
-    else:
-        cmd = [sys.executable, "-m", "dynstate.demo", *args]
+def run_demo(args: list[str], *, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, str(TOOLS / "demo.py"), *args]
     # Wide enough that `dynstate ls` prints whole cells (pytest may export a narrow COLUMNS).
     env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=env, cwd=cwd)
 
 
 def verdict(proc: subprocess.CompletedProcess[str]) -> str:
@@ -52,6 +52,11 @@ def check_outputs(out: Path, run_url: str, ref_url: str, proc) -> None:
     assert all("rollback_from" in reset.meta for reset in resets)
     assert ("abandoned" in proc.stdout) == bool(resets)
     assert f"dynstate ls {run_url} --all" in proc.stdout
+    # The evidence: both runs' batches for the steps after the checkpoint, side by side.
+    ckpt = json.loads((out / "summary.json").read_text())["checkpoint_step"]
+    evidence = proc.stdout.split("batches after the checkpoint", 1)[1].splitlines()[2:]
+    assert evidence[0].split()[0] == str(ckpt + 1) and evidence[0].endswith("yes")
+    assert not any(line.endswith("NO") for line in evidence[:4])
     assert not any(c.op == "reset" for c in ref.versions())
     # The killed run really ran past its checkpoint, and the resumed run took over from it.
     killed = [json.loads(line)["step"] for line in (out / "run/stream.jsonl").open()]
@@ -73,12 +78,12 @@ def test_demo_crash_and_resume_local_epoch_with_workers(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_demo_module_entry_mix_mode_reuses_its_own_dir(tmp_path) -> None:
+def test_demo_mix_mode_reuses_its_own_dir(tmp_path) -> None:
     out = tmp_path / "demo"
     prepare_dir(str(out))  # a previous demo's directory is replaced, not refused
     (out / "stale").write_text("from a previous demo")
     args = ["--dir", str(out), "--workers", "0", "--mode", "mix", "--seed", "1", *SMALL]
-    proc = run_demo(args, cli=False)
+    proc = run_demo(args, cwd=tmp_path)
     assert not (out / "stale").exists()
     check_outputs(out, str(out / "store"), str(out / "reference-store"), proc)
 
@@ -93,11 +98,19 @@ def test_demo_on_loopback_s3(tmp_path) -> None:
     assert "s3://dynstate-demo/store" in proc.stdout
     assert (out / "growth.png").read_bytes()[:8] == PNG_MAGIC
     assert not (out / "store").exists()  # the store lived on S3, only checkpoints are local
+    # The server does not flood the terminal, and the summary stays valid after it is gone:
+    # it names local copies of the stores.
+    assert len(proc.stderr.splitlines()) < 5, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["s3"]["urls"]["run"] == "s3://dynstate-demo/store"
+    copy = Store.open(summary["urls"]["run"])
+    assert copy.refresh() == summary["head_version"]
+    assert copy.snapshot().num_rows == summary["head_rows"]
 
 
 def test_demo_refuses_a_directory_it_did_not_make(tmp_path) -> None:
     (tmp_path / "precious.txt").write_text("keep me")
-    with pytest.raises(StoreExistsError, match="not made by `dynstate demo`"):
+    with pytest.raises(StoreExistsError, match="not made by the dynstate demo"):
         prepare_dir(str(tmp_path))
     assert os.listdir(tmp_path) == ["precious.txt"]
     proc = run_demo(["--dir", str(tmp_path), *SMALL])
