@@ -709,3 +709,37 @@ def test_console_script_ls_verify_and_storage_option_on_s3(s3_endpoint: str) -> 
     rel = corrupt(url, store, "missing file")
     proc = subprocess.run([console_script(), "verify", url], capture_output=True, text=True)
     assert proc.returncode == 1 and rel in proc.stdout and proc.stderr.startswith("error: ")
+
+
+# -- inspect -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["epoch", "mix"])
+def test_inspect_names_the_training_step_apart_from_the_sampler_counters(tmp_path, mode) -> None:
+    sys.path.insert(0, os.path.dirname(__file__))
+    import resume_harness as h
+    import torch
+
+    from dynstate import find_sampler_state
+
+    cfg = h.Config(url=str(tmp_path / "store"), steps=7, batch_size=3, mode=mode, ckpt_every=3)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    h.train(cfg, ckpt_dir=str(ckpt), stop_after=3)
+    folder = tmp_path / "checkpoints" / "global_step_14"  # verl's layout; any step number
+    folder.mkdir(parents=True)
+    shutil.copy(ckpt / "latest.pt", folder / "data.pt")
+    state = find_sampler_state(torch.load(folder / "data.pt", weights_only=True))
+    info = json.loads(run("inspect", str(folder), "--json").stdout)
+    assert info["training_step"] == 14 and info["step"] == state["step"]
+    lines = run("inspect", str(folder)).stdout.splitlines()
+    fields = dict(line.split(":", 1) for line in lines[:7])
+    assert fields["training step"].strip() == "14 (folder global_step_14)"
+    assert fields["sampler counters"].strip() == (
+        f"epoch {state['epoch']}, position {state['position']:,}, "
+        f"batches handed out {state['step']:,}"
+    )
+    assert f"pinned version {state['version']}," in fields["sampler"]
+    plain = tmp_path / "elsewhere.pt"
+    shutil.copy(ckpt / "latest.pt", plain)
+    assert json.loads(run("inspect", str(plain), "--json").stdout)["training_step"] is None
