@@ -108,9 +108,9 @@ def _check_records(
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[int, Commit]:
     records: dict[int, Commit] = {}
+    if progress is not None:
+        progress(0, head - floor + 1)
     for version in range(floor, head + 1):
-        if progress is not None:
-            progress(version - floor, head - floor + 1)
         try:
             records[version] = store.commit_record(version)
         except VersionCollectedError:
@@ -120,6 +120,8 @@ def _check_records(
             )
         except DynstateError as exc:
             report.problems.append(f"version {version}: {exc}")
+        if progress is not None:
+            progress(version - floor + 1, head - floor + 1)
     return records
 
 

@@ -16,7 +16,9 @@ DEFAULT_TERMINAL_LIMIT = 20
 
 
 def _op(row: dict[str, Any]) -> str:
-    return f"{row['op']}→{row['target']}" if row.get("target") is not None else row["op"]
+    """A reset shows its target (``reset→12``); other ops as they are."""
+    reset = row["op"] == "reset" and row.get("target") is not None
+    return f"reset→{row['target']}" if reset else row["op"]
 
 
 def _status(row: dict[str, Any]) -> str:
