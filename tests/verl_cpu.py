@@ -405,8 +405,17 @@ def cpu_trainer_class(record: Any) -> type:
             self.checkpoint_manager = StandInCheckpointEngine()
 
         def _load_checkpoint(self) -> Any:
+            steps_per_epoch = len(self.train_dataloader)  # what verl's _load_checkpoint sees
             result = super()._load_checkpoint()
-            record({"event": "start", "resumed_from": self.global_steps})
+            step = self.global_steps
+            record(
+                {
+                    "event": "start",
+                    "resumed_from": step,
+                    # verl skips restoring data.pt "at an epoch boundary"; resume() must not
+                    "verl_skipped_restore": step > 0 and step % steps_per_epoch == 0,
+                }
+            )
             return result
 
         def _update_actor(self, batch: Any) -> Any:
