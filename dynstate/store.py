@@ -260,6 +260,11 @@ class Store:
         committing. Several staged parts (from other processes too: a :class:`Staged` pickles)
         become one version with :meth:`commit_staged`. The shards are protected from gc by a
         lease this process renews while it lives; uncommitted ones are removed by gc after."""
+        if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
+            raise InvalidDataError(
+                f"shard_bytes for {self.display_url} must be a positive int (bytes of Arrow data "
+                f"per shard), not {shard_bytes!r}"
+            )
         table = to_table(data, self.display_url)
         self.log.require_writable()
         head = self.log.record(self.refresh())

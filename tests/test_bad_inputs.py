@@ -439,12 +439,6 @@ def test_bad_round(case: RoundCase, backend: str, via: str, tmp_path, request) -
     check_unchanged(url, before, head)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found while testing issue 13: Store.append/stage do not check shard_bytes "
-    "(store.py, owned by the storage refactor): a str or None is a raw TypeError, and 0 or a "
-    "negative number writes one shard per row",
-)
 @pytest.mark.parametrize("shard_bytes", ["64MB", None, 0, -5])
 def test_bad_shard_bytes(shard_bytes: Any, tmp_path) -> None:
     url = str(tmp_path / "store")
@@ -662,12 +656,6 @@ def test_secret_in_storage_options_stays_out_of_errors_and_logs(s3_endpoint: str
 
 
 @pytest.mark.s3
-@pytest.mark.xfail(
-    strict=True,
-    reason="found while testing issue 13: creating a store in a bucket that does not exist "
-    "raises s3fs's raw FileNotFoundError (NoSuchBucket) from the conditional-write probe in "
-    "dynstate/storage/base.py, owned by the storage refactor",
-)
 def test_create_in_missing_bucket(s3_endpoint: str) -> None:
     url = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/store"
     before = bucket_files()

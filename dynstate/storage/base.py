@@ -30,6 +30,7 @@ from ..errors import (
     InvalidDataError,
     MissingDependencyError,
     StorageError,
+    StoreNotFoundError,
 )
 from .credentials import Scrubber, redact, secrets_of
 from .retry import backoff, is_client_library_error, is_transient
@@ -324,6 +325,11 @@ class Storage:
                     ok = False  # the header was ignored: the second create replaced the first
                 except FileExistsError:
                     ok = True
+            except FileNotFoundError:
+                raise StoreNotFoundError(
+                    f"cannot write to {self.display_url}: the bucket (or folder above it) does "
+                    "not exist; create the bucket first, or check the URL"
+                ) from None
             except StorageError as exc:
                 if is_transient(exc):
                     raise  # unreachable or overloaded, which says nothing about the header
