@@ -1,6 +1,6 @@
 """Growth plot of a store: rows added per round and total rows over training steps, with the
 events that shape a run marked: resets and rollbacks (and the checkpoint a rollback resumed
-from), and compactions.
+from, and the rounds it rolled back: what a crash cost), and compactions.
 
 matplotlib is an optional extra (``dynstate[plot]``), imported only when a plot is drawn, and
 used through its object API (a ``Figure`` on the Agg canvas): no pyplot state, no global
@@ -78,6 +78,36 @@ def growth_points(store: Store) -> tuple[str, list[dict[str, Any]]]:
     return ("step" if by_step else "version"), points
 
 
+def abandoned_points(store: Store, points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rounds a reset or rollback left behind (committed after its target, before it: for a
+    rollback, the rounds a crashed run committed after its checkpoint), as points like
+    :func:`growth_points`' with ``event="abandoned"``. Reads only those records."""
+    kept = {p["version"] for p in points}
+    out = []
+    for point in points:
+        if point["event"] not in ("reset", "rollback"):
+            continue
+        record = store.commit_record(point["version"])
+        for v in range((record.target or 0) + 1, record.version):
+            if v in kept or v < store.log.floor:
+                continue
+            lost = store.commit_record(v)
+            step = lost.meta.get("step")
+            out.append(
+                {
+                    "version": v,
+                    "x": step if _is_number(step) else v,
+                    "rows_added": lost.rows_added,
+                    "total_rows": lost.num_rows,
+                    "op": lost.op,
+                    "event": "abandoned",
+                    "label": f"rolled back by version {record.version}",
+                    "cause": point["event"],
+                }
+            )
+    return out
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -99,6 +129,21 @@ def plot_growth(store: Store, out: str | os.PathLike[str]) -> int:
     gaps = [b - a for a, b in itertools.pairwise(xs) if b > a]
     width = 0.8 * min(gaps) if gaps else 0.8
     top.bar(xs, [p["rows_added"] for p in points], width=width, color="tab:blue")
+    lost = abandoned_points(store, points) if label == "step" else []
+    if lost:
+        # What the crash cost: rounds committed after the checkpoint and rolled back on resume.
+        top.bar([p["x"] for p in lost], [p["rows_added"] for p in lost], width=width,
+                color="none", edgecolor="tab:red", hatch="//",
+                label="rounds rolled back (committed after the checkpoint)")  # fmt: skip
+        top.legend(loc="upper right", fontsize="small")
+        crashed = [p["x"] for p in lost if "rollback" in str(p.get("cause"))]
+        if crashed:
+            # The run died after its last rolled-back round and before the rollback.
+            at = max(crashed) + 0.5
+            for ax in (top, bottom):
+                ax.axvline(at, color="black", linestyle=":", linewidth=1.2)
+            bottom.plot([], [], color="black", linestyle=":",
+                        label=f"crash (after step {max(crashed)})")  # fmt: skip
     top.set_ylabel("rows added")
     top.set_title(f"{store.display_url}: growth")
     bottom.plot(xs, [p["total_rows"] for p in points], marker="o", color="tab:green")

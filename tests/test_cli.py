@@ -24,7 +24,7 @@ from dynstate import manifest as m
 from dynstate.cli import cli
 from dynstate.cli.render import human_size
 from dynstate.compact import compact
-from dynstate.plot import growth_points
+from dynstate.plot import abandoned_points, growth_points
 
 COMMANDS = ["ls", "info", "show", "head", "diff", "tags", "verify", "gc", "tag", "reset",
             "compact", "export", "plot", "inspect"]  # fmt: skip
@@ -583,6 +583,12 @@ def test_plot_marks_the_checkpoint_a_rollback_resumed_from(tmp_path) -> None:
     _, points = growth_points(store)
     marked = [(p["x"], p["event"], p["label"]) for p in points if p["event"]]
     assert marked == [(2, "rollback", "resumed from the checkpoint at step 2")]
+    # The rounds the rollback dropped (what the crash cost) are drawn too, hatched.
+    lost = abandoned_points(store, points)
+    assert [(p["version"], p["x"], p["event"]) for p in lost] == [
+        (4, 3, "abandoned"),
+        (5, 4, "abandoned"),
+    ]
     run("plot", url, str(tmp_path / "g.png"))
 
 
