@@ -178,11 +178,17 @@ class ShardCache:
                 self._shards.move_to_end(key)
                 self.hits += 1
                 return entry
-            parts = view.parts(block)
-            found = [self._shards.get(part) for part in parts]
-            if any(p is None for p in found):
+            if block in view.too_big:
                 return None
+            parts = view.parts(block)
+            found = []
+            for part in parts:
+                entry = self._shards.get(part)
+                if entry is None:
+                    return None  # not all decoded yet (or evicted): read shard by shard
+                found.append(entry)
             if sum(p.nbytes for p in found) > self.max_bytes // 4:
+                view.too_big.add(block)  # decoded sizes do not change: never ask again
                 return None
         tables = [p.table for p in found]
         try:
@@ -282,6 +288,7 @@ class _View:
         "positions",
         "shards",
         "snap",
+        "too_big",
     )
 
     def __init__(self, snap: Snapshot, columns: list[str] | None, url: str, block_bytes: int):
@@ -303,6 +310,7 @@ class _View:
             self.positions = [names.index(c) for c in columns]
             names = tuple(columns)
         self.names = names
+        self.too_big: set[int] = set()
         self._plan_blocks(block_bytes)
 
     def _plan_blocks(self, block_bytes: int) -> None:

@@ -271,6 +271,28 @@ def test_blocks_of_cached_shards_read_the_same_rows(store_path, expected):
     assert ds.cache.nbytes == sum(e.nbytes for e in ds.cache._shards.values())
 
 
+def test_a_block_too_big_for_the_cache_is_never_formed(store_path, expected, monkeypatch):
+    """Planned runs rest on an estimate of decoded sizes; when the decoded shards of a run
+    hold more than a quarter of the cache, the cache declines the block for good and reads
+    stay per shard."""
+    import dynstate.dataset as dataset_module
+
+    # Estimate decoded shards at 0 bytes: runs are planned by count alone, up to 8 shards.
+    monkeypatch.setattr(dataset_module, "_DECODED_PER_PARQUET_BYTE", 0)
+    whole = sum(
+        VersionedDataset(store_path).cache.shard(Store.open(store_path), s, None, None, 0).nbytes
+        for s in Store.open(store_path).snapshot().shards
+    )
+    ds = VersionedDataset(store_path, cache_bytes=int(1.5 * whole))  # holds every shard
+    assert ds.__getitems__(list(range(1500))) == expected
+    assert ds.__getitems__(list(range(0, 1500, 3))) == expected[::3]
+    view = ds._view(ds.version)
+    assert 0 in view.too_big  # [0, 8) holds over 2/5 of the rows, over 1/4 of the cache
+    assert all(view.block_keys[b] not in ds.cache._shards for b in view.too_big)
+    assert ds.cache.nbytes <= 1.5 * whole
+    assert [ds[i] for i in (0, 777, 1499)] == [expected[0], expected[777], expected[1499]]
+
+
 def test_growing_store_reads_each_version_through_blocks(tmp_path):
     """Versions that share their first shards share their blocks; rows of every version,
     read in one batch as the sampler's indices name them, stay right while rounds land."""
