@@ -142,7 +142,6 @@ def compose_config(spec: dict) -> Any:
         "trainer.total_epochs=1000",
         f"trainer.resume_mode={spec.get('resume_mode', 'auto')}",
         "trainer.val_before_train=false",
-        "trainer.balance_batch=false",
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=false",
         "algorithm.rollout_correction.bypass_mode=true",
@@ -309,8 +308,16 @@ def _copy(value: Any) -> Any:
 
 
 class StandInActorGroup:
-    """The actor/rollout worker group: no model. ``update_actor`` checks the batch it gets is
-    verl's scored batch; checkpoints are small files."""
+    """The actor/rollout worker group: no model, one data-parallel rank. ``update_actor``
+    checks the batch it gets is verl's scored batch; checkpoints are small files. (verl's
+    ``old_log_prob`` recomputation needs a model: the config uses verl's bypass mode, the
+    rollout's log-probs.)"""
+
+    def __init__(self) -> None:
+        self._dispatch_info: dict[str, list[int]] = {}
+
+    def _query_dispatch_info(self, role: str) -> list[int]:
+        return [0]
 
     def update_actor(self, batch_td: Any) -> Any:
         from verl.utils import tensordict_utils as tu
