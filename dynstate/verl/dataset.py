@@ -186,6 +186,14 @@ class DynstateRLDataset(RLHFDataset):
                 _GROWING.pop(id(config), None)
             raise
 
+    def __getstate__(self) -> dict[str, Any]:
+        # What DataLoader workers get: they only read rows, so neither the generator (which may
+        # hold a model, or not pickle at all) nor the last committed batch travels with it.
+        state = super().__getstate__()
+        state["data_generator"] = None
+        state["_committed"] = None
+        return state
+
     # -- where the rows come from ------------------------------------------------------------
 
     @property
@@ -249,20 +257,22 @@ class DynstateRLDataset(RLHFDataset):
             out[ROW_KEY] = decode_index(item)[1]
         return out
 
-    def make_sampler(self, batch_size: int | None = None) -> VersionedSampler:
-        """The train sampler to pass as RayPPOTrainer's ``train_sampler``; ``batch_size``: the
-        rows of one training step, if not the loader's batch (verl's V1 trainer)."""
+    def make_sampler(self, **loader: Any) -> VersionedSampler:
+        """The train sampler to pass as RayPPOTrainer's ``train_sampler``. ``loader``:
+        ``VersionedSampler`` options taken from the loader it will serve (``batch_size``,
+        ``drop_last``), where the caller builds that loader itself (verl's V1 trainer)."""
         assert self.settings is not None and self._rows is not None
         s = self.settings
-        return VersionedSampler(
-            self._rows,
-            shuffle=s.shuffle,
-            seed=s.seed,
-            mode=s.mode,
-            batch_size=batch_size or s.batch_size,
-            fresh_share=s.fresh_share,
-            lag=s.lag,
-        )
+        options: dict[str, Any] = {
+            "shuffle": s.shuffle,
+            "seed": s.seed,
+            "mode": s.mode,
+            "batch_size": s.batch_size,
+            "fresh_share": s.fresh_share,
+            "lag": s.lag,
+        }
+        options.update(loader)
+        return VersionedSampler(self._rows, **options)
 
     # -- one round per step ------------------------------------------------------------------
 
