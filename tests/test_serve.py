@@ -500,6 +500,11 @@ def test_installed_dynstate_serve_binds_loopback_and_answers(tmp_path):
         base = line.split(" at ")[1].split()[0].rstrip("/")
         info = Client(base).json("/api/store")
         assert info["head"] == 14
+        # A page elsewhere whose name resolves to 127.0.0.1 (DNS rebinding) gets nothing.
+        req = urllib.request.Request(base + "/api/store", headers={"Host": "evil.example"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == 400 and b"store_id" not in err.value.read()
     finally:
         proc.terminate()
         proc.wait(30)

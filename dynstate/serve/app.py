@@ -8,7 +8,7 @@ import contextlib
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from importlib import resources
 from typing import Any
 from urllib.parse import urlencode
@@ -16,6 +16,8 @@ from urllib.parse import urlencode
 import jinja2
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -84,9 +86,13 @@ def _scalar(value: Any) -> bool:
     )
 
 
-def create_app(view: StoreView, *, warm: bool = True) -> Starlette:
+def create_app(
+    view: StoreView, *, warm: bool = True, allowed_hosts: Sequence[str] | None = None
+) -> Starlette:
     """The web application over ``view``. ``warm`` builds the growth chart in a background
-    thread at start-up, so the first store page does not wait for it."""
+    thread at start-up, so the first store page does not wait for it. ``allowed_hosts``
+    refuses requests whose Host header names another host: a web page elsewhere cannot read a
+    store served on loopback by pointing its own domain name at 127.0.0.1 (DNS rebinding)."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(_PACKAGE / "templates")),
         autoescape=jinja2.select_autoescape(["html"]),
@@ -259,8 +265,12 @@ def create_app(view: StoreView, *, warm: bool = True) -> Starlette:
             threading.Thread(target=_warm, args=(view,), daemon=True, name="dynstate-warm").start()
         yield
 
+    middleware = []
+    if allowed_hosts:
+        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)))
     return Starlette(
         routes=routes,
+        middleware=middleware,
         exception_handlers={404: not_found, 405: not_found},
         lifespan=lifespan,
     )

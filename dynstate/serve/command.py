@@ -17,6 +17,7 @@ from ..errors import MissingDependencyError
 log = logging.getLogger("dynstate")
 
 _NEEDED = ("starlette", "uvicorn", "jinja2")
+LOOPBACK_NAMES = ("127.0.0.1", "localhost")
 
 
 def require_web_stack() -> None:
@@ -120,7 +121,9 @@ def serve(
     options = _parse_storage_options(storage_option)
     store = Store.open(url, storage_options=options)
     view = StoreView(store, checkpoints=checkpoints, url=url, storage_options=options)
-    app = create_app(view)
+    # On loopback only this machine's own names may be asked for (see create_app).
+    loopback = host in ("127.0.0.1", "localhost")
+    app = create_app(view, allowed_hosts=LOOPBACK_NAMES if loopback else None)
     sock = bind(host, port)
     where = address(sock)
     click.echo(f"serving {store.display_url} (head {store.head}) at {where}/  (Ctrl-C stops)")
