@@ -10,6 +10,7 @@ one version asked about, shard by shard, and stop once the page is full.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,9 @@ class RowNotFoundError(DynstateError, LookupError):
     """A row number outside a version's rows."""
 
 
+_ENV_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+# Shorter values (test keys such as "demo") would blank out ordinary words in the rows.
+_MIN_SECRET = 8
 _USERINFO = re.compile(r"[^\s/@'\"]+:[^\s/@'\"]+@")
 
 
@@ -42,7 +46,7 @@ def scrub(text: str, secrets: Sequence[str] = ()) -> str:
     """``text`` without credentials: userinfo in URLs and any of ``secrets``."""
     text = _USERINFO.sub("***@", text)
     for secret in secrets:
-        if secret and len(secret) >= 4:
+        if len(secret) >= _MIN_SECRET:
             text = text.replace(secret, "***")
     return text
 
@@ -72,12 +76,16 @@ class StoreView:
 
     @property
     def secrets(self) -> list[str]:
-        """Values never to show: credentials given as storage options or in the URL."""
+        """Values never to show: credentials in the URL, in storage options and in the AWS
+        environment variables."""
         out = [str(v) for k, v in self.storage_options.items() if _secretish(k)]
-        if "@" in self.url and "://" in self.url:
-            userinfo = self.url.split("://", 1)[1].split("@", 1)[0]
-            out.extend(part for part in userinfo.split(":") if part)
-        return out
+        out += [os.environ.get(name, "") for name in _ENV_SECRETS]
+        if "://" in self.url:
+            rest = self.url.split("://", 1)[1]
+            # A secret may hold "/" or "@": take everything up to the last "@" (more, not less).
+            userinfo = rest[: rest.rfind("@")] if "@" in rest else ""
+            out += [userinfo, *userinfo.split(":", 1)]
+        return [x for x in out if len(x) >= _MIN_SECRET]
 
     def resolve(self, version: int | str | None) -> int:
         if version in (None, "", "head"):
