@@ -508,3 +508,31 @@ def test_installed_dynstate_serve_binds_loopback_and_answers(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_rows_of_every_arrow_type_render_as_json_and_html(tmp_path):
+    import datetime as dt
+
+    table = pa.table(
+        {
+            "text": ["a", None, "ünïcode </td><script>"],
+            "blob": [b"\x00\x01", b"", None],
+            "when": pa.array([dt.datetime(2026, 1, 1, 12), None, dt.datetime(2026, 1, 2)]),
+            "score": [0.5, float("nan"), None],
+            "ok": [True, False, None],
+            "nested": [{"k": [1, 2]}, None, {"k": []}],
+        }
+    )
+    store = Store.open(str(tmp_path / "store"), create=True)
+    store.append(table, meta={"step": 0, "generator": "g"})
+    view = StoreView(store)
+    page = view.rows_page(None)
+    values = [r["values"] for r in page["rows"]]
+    assert values[0]["blob"] == "base64:AAE=" and values[0]["when"] == "2026-01-01T12:00:00"
+    assert values[1]["score"] is None and values[0]["nested"] == {"k": [1, 2]}
+    assert [r["row"] for r in view.rows_page(None, filters={"ok": ["true"]})["rows"]] == [0]
+    assert [r["row"] for r in view.rows_page(None, q="ÜNÏ")["rows"]] == [2]
+    with served(view) as base:
+        status, body = Client(base).get("/versions/head")
+        assert status == 200 and "&lt;script&gt;" in body and "<script>" not in body
+        assert json.loads(Client(base).get("/api/versions/head/rows/2")[1])["values"]["ok"] is None

@@ -50,11 +50,8 @@ def _status(exc: DynstateError) -> int:
     return 500
 
 
-class _Json(Response):
-    media_type = "application/json"
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=False, default=str, indent=1).encode()
+def _dumps(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=False, default=str, indent=1)
 
 
 def _fmt_bytes(n: Any) -> str:
@@ -68,11 +65,9 @@ def _fmt_bytes(n: Any) -> str:
 
 
 def _fmt_int(n: Any) -> str:
-    return (
-        f"{n:,}"
-        if isinstance(n, int) and not isinstance(n, bool)
-        else ("" if n is None else str(n))
-    )
+    if n is None:
+        return ""
+    return f"{n:,}" if isinstance(n, int) and not isinstance(n, bool) else str(n)
 
 
 def _cell(value: Any, limit: int = 160) -> str:
@@ -114,9 +109,7 @@ def create_app(
         return HTMLResponse(body(html), status_code=code)
 
     def api(data: Any, status: int = 200) -> Response:
-        return Response(
-            body(_Json(None).render(data).decode()), status, media_type="application/json"
-        )
+        return Response(body(_dumps(data)), status, media_type="application/json")
 
     def error(request: Request, status: int, message: str) -> Response:
         message = scrub(message, view.secrets)
