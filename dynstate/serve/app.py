@@ -84,10 +84,13 @@ def _scalar(value: Any) -> bool:
 def create_app(
     view: StoreView, *, warm: bool = True, allowed_hosts: Sequence[str] | None = None
 ) -> Starlette:
-    """The web application over ``view``. ``warm`` builds the growth chart in a background
-    thread at start-up, so the first store page does not wait for it. ``allowed_hosts``
-    refuses requests whose Host header names another host: a web page elsewhere cannot read a
-    store served on loopback by pointing its own domain name at 127.0.0.1 (DNS rebinding)."""
+    """The web application over ``view``.
+
+    ``warm`` builds the growth chart in a background thread once the first request is answered
+    (or a second after start-up if none comes): the store page then rarely waits for it, and
+    the first page does not compete with it. ``allowed_hosts`` refuses requests whose Host
+    header names another host: a web page elsewhere cannot read a store served on loopback by
+    pointing a domain name of its own at 127.0.0.1 (DNS rebinding)."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(_PACKAGE / "templates")),
         autoescape=jinja2.select_autoescape(["html"]),
@@ -117,6 +120,13 @@ def create_app(
             return api({"error": message, "status": status}, status)
         return page(request, "error.html", "/api/store", status, status=status, message=message)
 
+    started = threading.Event()
+
+    def warm_up() -> None:
+        if warm and not started.is_set():
+            started.set()
+            threading.Thread(target=_warm, args=(view,), daemon=True, name="dynstate-warm").start()
+
     def guarded(fn: Callable[[Request], Response]) -> Callable[[Request], Response]:
         def endpoint(request: Request) -> Response:
             try:
@@ -126,6 +136,8 @@ def create_app(
                 if status == 500:
                     log.warning("%s: %s", request.url.path, exc)
                 return error(request, status, str(exc))
+            finally:
+                warm_up()
 
         return endpoint
 
@@ -254,9 +266,12 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        timer = threading.Timer(1.0, warm_up)
+        timer.daemon = True
         if warm:
-            threading.Thread(target=_warm, args=(view,), daemon=True, name="dynstate-warm").start()
+            timer.start()
         yield
+        timer.cancel()
 
     middleware = []
     if allowed_hosts:
