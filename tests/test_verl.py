@@ -319,6 +319,17 @@ def test_mix_mode_on_s3_with_workers_resumes_exactly(world, s3_endpoint):
     assert [run[0]["resumed_from"] for run in events(spec)] == [0, 4, 4]
 
 
+def test_mix_lag_below_the_loaders_prefetch_is_refused_at_start(world):
+    """lag=1 with 2 workers (prefetch 2 each) would wait at step 1 for a round that cannot
+    exist yet: the trainer refuses it when verl builds the loader, naming both settings."""
+    spec = new_run(world, "lag", num_workers=2, dynstate={"mode": "mix", "lag": 1})
+    assert call(world, spec) == 1
+    out = output(spec, tail=10**8)
+    assert "InvalidDataError" in out and "lag=1 is too small for num_workers=2" in out
+    assert os.path.getsize(spec["log"]) == 0  # refused before any step or checkpoint
+    assert not os.path.exists(spec["ckpt"])
+
+
 # -- smaller points ----------------------------------------------------------------------------
 
 

@@ -80,9 +80,15 @@ class DynstateTrainerMixin:
         dataset = growing(train_dataset)
         if dataset is not None:
             replaced = type(train_sampler).__name__ if train_sampler is not None else "none"
-            train_sampler = dataset.make_sampler()
+            data = self.config.data
+            # verl's train loader: this batch, drop_last=True (RayPPOTrainer._create_dataloader)
+            batch = data.get("gen_batch_size", None) or data.train_batch_size
+            train_sampler = dataset.make_sampler(batch_size=int(batch), drop_last=True)
         super()._create_dataloader(train_dataset, val_dataset, collate_fn, train_sampler)  # type: ignore[misc]
         if dataset is not None:
+            # the loader verl built counts steps as the sampler does; mix mode's lag covers
+            # its prefetch (else a clear error now instead of a hang at step 1)
+            train_sampler.check_loader(self.train_dataloader)
             log.info(
                 "dynstate train sampler installed (mode %s, replacing %s; legacy trainer)",
                 train_sampler.mode,
