@@ -16,6 +16,7 @@ versions with an fsync each is not what is measured) and reused by later runs.
 
     python tools/bench/bench_serve.py --dir /tmp/serve-bench
     python tools/bench/bench_serve.py --dir /tmp/serve-bench --versions 2000 --rows 200000
+    python tools/bench/bench_serve.py --dir /tmp/serve-bench --sections startup
 """
 
 from __future__ import annotations
@@ -239,20 +240,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lookups", type=int, default=50)
+    parser.add_argument("--sections", default="startup,descendants")
     args = parser.parse_args()
+    sections = args.sections.split(",")
     root = Path(args.dir)
     many = root / f"versions-{args.versions}"
     big = root / f"rows-{args.rows}-{args.rounds}"
-    if not (many / "_dynstate").exists():
+    if "startup" in sections and not (many / "_dynstate").exists():
         print(f"building a store of {args.versions} versions in {many} ...")
         build_versions(many, args.versions)
-    if not (big / "_dynstate").exists():
+    if "descendants" in sections and not (big / "_dynstate").exists():
         print(f"building a store of {args.rows} rows in {big} ...")
         build_rows(big, args.rows, args.rounds)
-    print(f"\n== start-up ({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}) ==")
-    startup(many, args.repeats)
-    print(f"\n== descendants (load {os.getloadavg()[0]:.1f}) ==")
-    descendants(big, args.lookups)
+    if "startup" in sections:
+        print(f"\n== start-up ({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}) ==")
+        startup(many, args.repeats)
+    if "descendants" in sections:
+        print(f"\n== descendants (load {os.getloadavg()[0]:.1f}) ==")
+        descendants(big, args.lookups)
 
 
 if __name__ == "__main__":
