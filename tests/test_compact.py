@@ -3,6 +3,7 @@ writers that append while it runs."""
 
 from __future__ import annotations
 
+import importlib
 import random
 import signal
 import subprocess
@@ -17,9 +18,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import dynstate.compact as compaction
 from dynstate import CommitConflictError, InvalidDataError, ShardRef, Store
 from dynstate.compact import compact, compact_if_needed, plan
+
+# `dynstate.compact` is the public function; the module behind it, for monkeypatching:
+compaction = importlib.import_module("dynstate.compact")
 
 SMALL = 16384  # target bytes: about 15 tiny (~1 KiB) shards per compacted shard
 

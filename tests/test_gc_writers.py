@@ -28,7 +28,7 @@ WRITER = textwrap.dedent(
     from dynstate import Store
     url, mode = sys.argv[1], sys.argv[2]
     writer, rounds, pause = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-    store = Store.open(url, lease_ttl_s=1.0)
+    store = Store.open(url, lease_ttl_s=2.0)
     for i in range(rounds):
         rows = [{"writer": writer, "round": i, "row": j, "text": "x" * 100} for j in range(40)]
         meta = {"writer": writer, "round": i}
@@ -117,11 +117,11 @@ def test_gc_at_grace_0_never_loses_a_live_writers_round(durable_url: str) -> Non
     gc = threading.Thread(target=_gc_loop, args=(durable_url, stop, errors, runs))
     gc.start()
     try:
-        # Three appenders, and two writers whose rounds stay staged 2.5 s: longer than their
-        # 1 s lease (renewed by the heartbeat) and than any grace period gc is given here.
+        # Three appenders, and two writers whose rounds stay staged 4 s: longer than their
+        # 2 s lease (renewed by the heartbeat) and than any grace period gc is given here.
         acked = _run_writers(
             durable_url, [("append", 6, 0), ("append", 6, 0), ("append", 6, 0),
-                          ("stage", 3, 2.5), ("stage", 3, 2.5)]
+                          ("stage", 3, 4.0), ("stage", 3, 4.0)]
         )  # fmt: skip
     finally:
         stop.set()
@@ -197,7 +197,7 @@ def test_a_writer_paused_past_its_lease_is_refused_not_committed_broken(tmp_path
     try:
         assert proc.stdout.readline().strip() == "staged"
         os.kill(proc.pid, signal.SIGSTOP)  # alive, but its heartbeat stops
-        time.sleep(1.5)
+        time.sleep(2.5)  # past the 0.5 s lease and the 1 s resolution of modification times
         result = collect_garbage(store, grace_s=0)
         removed = {r.path for r in result.removed}
         assert any(p.startswith("data/") for p in removed) and result.kept_leased == 0

@@ -34,6 +34,7 @@ log = logging.getLogger("dynstate")
 
 LEASE_DIR = f"{m.META_DIR}/leases"
 DEFAULT_TTL_S = 120.0
+MTIME_RESOLUTION_S = 1.0
 # A heartbeat stops renewing a lease nobody committed or discarded after this long.
 MAX_LIFETIME_S = 7 * 86400.0
 
@@ -310,7 +311,8 @@ def _fresh(storage: Storage, lease: str, here: str, now: float) -> tuple[bool, b
         ttl = DEFAULT_TTL_S  # unreadable: judge by age alone
     if modified is None:
         return True, False  # no clock to judge by: keep
-    return now - modified < ttl, False
+    # S3 reports modification times in whole seconds: never judge closer than that.
+    return now - modified < ttl + MTIME_RESOLUTION_S, False
 
 
 def _protected(

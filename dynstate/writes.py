@@ -1,0 +1,273 @@
+"""Writing rounds: validating a round, staging its shards under a lease, committing staged
+parts as one version (resolving a commit of unknown outcome by reading back), and commits of a
+complete shard list (resets). :class:`dynstate.Store` delegates its write methods here."""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import manifest as m
+from .errors import (
+    CommitConflictError,
+    DynstateError,
+    InvalidDataError,
+    LeaseExpiredError,
+    MissingShardError,
+    SchemaMismatchError,
+)
+from .log import Log, shard_path
+from .manifest import Commit, ShardRef
+from .rounds import check_meta, conform_round, to_table
+from .snapshot import Staged
+
+log = logging.getLogger("dynstate")
+
+DEFAULT_SHARD_BYTES = 64 * 2**20
+
+
+class Writer:
+    """The write path of one store handle, over its commit log."""
+
+    def __init__(self, commits: Log) -> None:
+        self.log = commits
+        self.storage = commits.storage
+        self.store_id = commits.store_id
+
+    @property
+    def display_url(self) -> str:
+        return self.log.display_url
+
+    def refresh(self) -> int:
+        return self.log.refresh()
+
+    def schema_of(self, record: Commit) -> pa.Schema | None:
+        return self.log.schema(record.schema, record.version)
+
+    def stage(
+        self,
+        data: Any,
+        *,
+        allow_new_columns: bool = False,
+        shard_bytes: int = DEFAULT_SHARD_BYTES,
+    ) -> Staged:
+        """Validate ``data`` against the head's schema and write its shards, without
+        committing. Several staged parts (from other processes too: a :class:`Staged` pickles)
+        become one version with :meth:`commit_staged`. The shards are protected from gc by a
+        lease this process renews while it lives; uncommitted ones are removed by gc after."""
+        if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
+            raise InvalidDataError(
+                f"shard_bytes for {self.display_url} must be a positive int (bytes of Arrow data "
+                f"per shard), not {shard_bytes!r}"
+            )
+        table = to_table(data, self.display_url)
+        self.log.require_writable()
+        head = self.log.record(self.refresh())
+        assert head is not None
+        table, schema = self._conform_round(table, head, allow_new_columns)
+        if table.num_rows == 0:
+            return Staged((), schema, head.schema)
+        lease = self.log.leases.acquire()
+        try:
+            shards = self._write_shards(table, shard_bytes, lease)
+        except BaseException:
+            self.log.leases.end({lease}, committed=False)
+            raise
+        return Staged(tuple(shards), schema, head.schema, lease)
+
+    def commit_staged(self, parts: Sequence[Staged], *, meta: dict[str, Any] | None = None) -> int:
+        """Commit staged parts, in the given order, as one new version; returns its number.
+        Staged files gc collected (their writer died or stalled past the lease) make this
+        raise :class:`LeaseExpiredError`. A commit whose outcome is unknown (a lost reply, an
+        interrupt during the write) is resolved by reading the record back; when nothing was
+        committed the parts' shards are removed."""
+        shards = [s for part in parts for s in part.shards]
+        leases = {p.lease for p in parts if p.lease}
+        attempts: list[Commit] = []
+        try:
+            meta = check_meta(meta, self.display_url)
+            schemas = {m.schema_fingerprint(p.schema) for p in parts if p.schema is not None}
+            if len(schemas) > 1:
+                raise SchemaMismatchError(
+                    f"staged parts for {self.display_url} have different schemas; stage every "
+                    "part of a round with the same columns"
+                )
+            schema = next((p.schema for p in parts if p.schema is not None), None)
+            validated = next((p.validated for p in parts if p.schema is not None), None)
+            self.log.require_writable()
+            self.log.leases.adopt(leases)
+            self.log.leases.claim(leases, uuid.uuid4().hex)
+            self._check_unleased(parts)
+            if schema is not None:
+                self.log.put_schema(schema)
+            version = self.log.commit(
+                lambda parent: self._append_record(parent, shards, schema, validated, meta),
+                attempts=attempts,
+            )
+        except BaseException as exc:
+            landed = self._resolve_failed_commit(parts, leases, attempts, exc)
+            if landed is not None and isinstance(exc, Exception):
+                return landed  # the reply was lost, the commit was not
+            raise
+        self.log.leases.end(leases, committed=True)
+        return version
+
+    def _resolve_failed_commit(
+        self, parts: Sequence[Staged], leases: set[str], attempts: list[Commit], exc: BaseException
+    ) -> int | None:
+        """Find out, by reading back, whether a failed commit landed anyway; returns its
+        version if so. Otherwise the parts' shards are removed — unless the store cannot be
+        read (then gc removes them if no record names them) or another call owns them."""
+        if isinstance(exc, (LeaseExpiredError, CommitConflictError)) and not attempts:
+            self.log.leases.forget(leases)  # gc or another commit decides about these files
+            return None
+        try:
+            landed = self.log.landed(attempts)
+        except BaseException:
+            self.log.leases.forget(leases)
+            return None
+        if landed is not None:
+            self.log.leases.end(leases, committed=True)
+            log.info("version %d of %s was committed before %r", landed, self.display_url, exc)
+            return landed
+        self.discard(parts)
+        return None
+
+    def discard(self, parts: Sequence[Staged]) -> None:
+        """Remove the shards of staged parts that will not be committed."""
+        for part in parts:
+            for shard in part.shards:
+                try:
+                    self.storage.delete(shard.path)
+                except DynstateError as exc:
+                    log.warning("could not remove %s: %s (gc will)", shard.path, exc)
+        self.log.leases.end({p.lease for p in parts if p.lease}, committed=False)
+
+    def _check_unleased(self, parts: Sequence[Staged]) -> None:
+        """Staged parts without a lease (pickled by an older dynstate) are checked one by one;
+        leased parts need no check: winning the lease proves gc left them alone."""
+        for part in parts:
+            if part.lease:
+                continue
+            for shard in part.shards:
+                if not self.storage.exists(shard.path):
+                    raise MissingShardError(
+                        f"staged shard {shard.path} of {self.display_url} is gone; nothing was "
+                        "committed — stage the round again"
+                    )
+
+    def _conform_round(
+        self, table: pa.Table, head: Commit, allow_new_columns: bool
+    ) -> tuple[pa.Table, pa.Schema | None]:
+        current = self.schema_of(head)
+        if table.num_columns == 0 and table.num_rows == 0:
+            return table, current  # an empty round with no columns fits any schema
+        if current is None:
+            schema = m.normalize_schema(table.schema)
+            return table.replace_schema_metadata(None), schema
+        return conform_round(table, current, allow_new_columns, self.display_url, head.version)
+
+    def _append_record(
+        self,
+        parent: Commit,
+        shards: list[ShardRef],
+        schema: pa.Schema | None,
+        validated: str | None,
+        meta: dict[str, Any],
+    ) -> Commit:
+        fp = m.schema_fingerprint(schema) if schema is not None else parent.schema
+        if parent.schema != validated and schema is not None:
+            # Another writer changed the schema after we checked: only a round whose written
+            # shards still mean the same thing under the new schema may go on.
+            parent_schema = self.schema_of(parent)
+            if parent_schema is not None and m.schema_fingerprint(parent_schema) != fp:
+                raise SchemaMismatchError(
+                    f"the schema of {self.display_url} changed at version {parent.version} "
+                    "while this round was being written: "
+                    + m.describe_schema_diff(parent_schema, schema)
+                    + "; convert the round and append again"
+                )
+        return Commit(
+            store_id=self.store_id,
+            version=parent.version + 1,
+            parent=parent.version,
+            op="append",
+            created=m.utc_now(),
+            schema=fp,
+            num_rows=parent.num_rows + sum(s.rows for s in shards),
+            num_shards=parent.num_shards + len(shards),
+            num_bytes=parent.num_bytes + sum(s.bytes for s in shards),
+            add=tuple(shards),
+            meta=meta,
+        )
+
+    def _write_shards(self, table: pa.Table, shard_bytes: int, lease: str) -> list[ShardRef]:
+        per_shard = max(1, math.ceil(table.num_rows * shard_bytes / max(table.nbytes, 1)))
+        written: list[ShardRef] = []
+        try:
+            for start in range(0, table.num_rows, per_shard):
+                part = table.slice(start, per_shard)
+                path = shard_path(lease)
+                with self.storage.new_shard(path) as sink:
+                    pq.write_table(part, sink)
+                written.append(ShardRef(path, part.num_rows, sink.size, sink.sha256))
+            self.storage.sync_dir(m.DATA_DIR)
+        except BaseException:
+            for shard in written:
+                try:
+                    self.storage.delete(shard.path)
+                except DynstateError as exc:
+                    log.warning("could not remove %s: %s (gc will)", shard.path, exc)
+            raise
+        return written
+
+    def commit_base(
+        self,
+        shards: list[ShardRef],
+        *,
+        op: str,
+        schema: pa.Schema | None,
+        meta: dict[str, Any] | None = None,
+        target: int | None = None,
+        expected_parent: int | None = None,
+    ) -> int:
+        """Commit a version whose complete shard list is ``shards`` (a reset). ``target``,
+        the version the shards come from, must not be collected when the record is created.
+        With ``expected_parent``, fail instead of rebasing if someone committed meanwhile."""
+        self.log.require_writable()
+        meta = check_meta(meta, self.display_url)
+        shard_list = self.log.put_shard_list(list(shards))
+        if schema is not None:
+            self.log.put_schema(schema)
+        fp = m.schema_fingerprint(schema) if schema is not None else None
+
+        def make(parent: Commit) -> Commit:
+            if expected_parent is not None and parent.version != expected_parent:
+                raise CommitConflictError(
+                    f"{self.display_url} moved from version {expected_parent} to "
+                    f"{parent.version} during {op}; run it again"
+                )
+            return Commit(
+                self.store_id,
+                parent.version + 1,
+                parent.version,
+                op,
+                m.utc_now(),
+                fp,
+                sum(s.rows for s in shards),
+                len(shards),
+                sum(s.bytes for s in shards),
+                base=shard_list,
+                target=target,
+                meta=meta,
+            )
+
+        self.refresh()
+        sources = [target] if target is not None else []
+        return self.log.commit(make, sources=sources)
