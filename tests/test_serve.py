@@ -339,6 +339,9 @@ def test_diff_by_rows_and_rounds(site):
     assert [r["version"] for r in d["added_rounds"]] == [12, 14]
     assert [r["version"] for r in d["removed_rounds"]] == [8]
     assert d["removed_rounds"][0]["rows"] == [21, 24] and d["removed_rounds"][0]["step"] == 5
+    assert [r["row"] for r in d["added_preview"]] == list(range(21, 27))
+    assert [r["round"] for r in d["removed_preview"]] == [8, 8, 8]
+    assert d["removed_preview"][0]["values"]["prompt"].startswith("Task of step 5 row 0")
     for key, value in _cli_json(run, "diff", "8", "head").items():
         assert d[key] == value, key
     same = client.json("/api/diff/ckpt/7")

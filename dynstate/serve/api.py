@@ -30,6 +30,7 @@ log = logging.getLogger("dynstate")
 
 _ANCESTOR_DEPTH = 8
 _GRAPH_NODES = 40
+_DIFF_PREVIEW = 10
 
 
 class RowNotFoundError(DynstateError, LookupError):
@@ -312,6 +313,16 @@ class StoreView:
         info["removed_range"] = [shared, ra.num_rows]
         info["added_rounds"] = [s.to_json() for s in rounds_b.segments if s.version in only_b]
         info["removed_rounds"] = [s.to_json() for s in rounds_a.segments if s.version in only_a]
+        # The first rows of each side, read from the shards they are in only.
+        for key, v, rounds, (lo, hi) in (
+            ("added_preview", vb, rounds_b, info["added_range"]),
+            ("removed_preview", va, rounds_a, info["removed_range"]),
+        ):
+            rows = list(range(lo, min(hi, lo + _DIFF_PREVIEW)))
+            values = self.rows.read(self.store.snapshot(v), rows)
+            info[key] = [
+                self.rows.row_json(rounds, i, x) for i, x in zip(rows, values, strict=True)
+            ]
         return info
 
     # -- checkpoints -------------------------------------------------------------------------
