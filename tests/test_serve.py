@@ -290,6 +290,16 @@ def test_rows_paging_filters_search_and_facets(site):
     assert found["facets"]["step"]["exact"] is True
     assert {f["value"] for f in found["facets"]["step"]["values"]} == {3}
 
+    # A search within a round filter: the filtered field's facet cannot count the search.
+    both = client.json("/api/versions/head/rows?q=row%201&step=3")
+    assert [r["row"] for r in both["rows"]] == [run.rounds[5][2].start + 1]
+    assert both["facets"]["step"]["exact"] is False
+    assert both["facets"]["generator"] == {
+        "exact": True,
+        "values": [{"value": "proposer", "count": 1, "selected": False}],
+        "more": 0,
+    }
+
     hard = client.json("/api/versions/head/rows?difficulty=2&generator=mutator&limit=2")
     assert all(r["values"]["difficulty"] == 2 and r["generator"] == "mutator" for r in hard["rows"])
     assert len(hard["rows"]) == 2 and hard["next_offset"] == 2

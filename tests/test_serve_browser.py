@@ -84,6 +84,8 @@ def test_follow_a_round_to_its_rows_then_a_row_to_parent_and_child(page, site):
     page.wait_for_url(re.compile(r"round=5"))
     rows = page.locator("table.rows a.row-link").all_inner_texts()
     assert [int(r) for r in rows] == list(run.rounds[5][2])
+    sources = page.locator("table.rows a.source").all_inner_texts()
+    assert sources == [str(s) for r in run.rounds[5][2] for s in run.sources[r]]
 
     row = run.rounds[5][2].start  # step 3, derived from row 12 (step 2)
     page.locator("table.rows a.row-link", has_text=str(row)).first.click()

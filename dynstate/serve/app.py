@@ -33,6 +33,7 @@ from ..errors import (
 )
 from .api import RowNotFoundError, StoreView, scrub
 from .chart import COLORS, graph_svg, growth_svg
+from .lineage import SOURCE_COLUMN
 from .rows import RESERVED
 
 log = logging.getLogger("dynstate")
@@ -99,7 +100,9 @@ def create_app(
         undefined=jinja2.StrictUndefined,
     )
     env.filters.update(bytes=_fmt_bytes, num=_fmt_int, cell=_cell)
-    env.globals.update(version=__version__, colors=COLORS, scalar=_scalar)
+    env.globals.update(
+        version=__version__, colors=COLORS, scalar=_scalar, source_column=SOURCE_COLUMN
+    )
 
     def body(text: str) -> bytes:
         return scrub(text, view.secrets).encode()

@@ -221,7 +221,9 @@ class RowQuery:
     ) -> dict[str, Any]:
         """Rows per generator and per step, given the other filters (Datasette's facets).
         With data filters or a search they count the matching rows once a scan has found
-        them all (``matches``), else the rows the round filters select (``exact`` false)."""
+        them all (``matches``). Otherwise — or for a field that is itself filtered on, since the
+        scan covered only the rounds it selects — they count the rows the round filters select,
+        and say so (``exact`` false)."""
         out: dict[str, Any] = {}
         names = snap.schema.names if snap.schema is not None else []
         for field in ("generator", "step"):
@@ -229,21 +231,22 @@ class RowQuery:
                 continue
             others = {k: vals for k, vals in round_filters.items() if k != field}
             counts: dict[Any, int] = {}
-            if matches is None:
-                for seg in rounds.segments:
-                    if _round_ranges_pass(seg, others):
-                        value = getattr(seg, field)
-                        counts[value] = counts.get(value, 0) + seg.stop - seg.start
-            else:
+            scanned = matches is not None and field not in round_filters
+            if scanned:
                 rows = _in_ranges(matches, _round_ranges(rounds, others))
                 idx = rounds.of_rows(rows)
                 for seg_i, c in zip(*np.unique(idx, return_counts=True), strict=True):
                     value = getattr(rounds.segments[int(seg_i)], field)
                     counts[value] = counts.get(value, 0) + int(c)
+            else:
+                for seg in rounds.segments:
+                    if _round_ranges_pass(seg, others):
+                        value = getattr(seg, field)
+                        counts[value] = counts.get(value, 0) + seg.stop - seg.start
             selected = set(round_filters.get(field, []))
             ordered = sorted(counts.items(), key=lambda kv: (-kv[1], _order(kv[0])))
             out[field] = {
-                "exact": exact or matches is not None,
+                "exact": exact or scanned,
                 "values": [
                     {"value": value, "count": c, "selected": str(value) in selected}
                     for value, c in ordered[:50]
