@@ -35,12 +35,16 @@ def version_rows(
     include_abandoned: bool = False,
     limit: int | None = None,
     newest_first: bool = True,
+    refresh: bool = True,
+    tags: dict[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per kept version, as ``dynstate ls`` shows them, newest first (oldest first
     with ``newest_first=False``). Status is "head", "abandoned" (not in the head's lineage;
     listed only with ``include_abandoned``) or None. ``limit`` keeps the newest rows and only
-    their records are read, so the cost does not grow with the store's history."""
-    head = store.refresh()
+    their records are read, so the cost does not grow with the store's history. A caller
+    that has just refreshed the store and read its ``tags`` (as :func:`summary` does) can pass
+    ``refresh=False`` and the tags to save those requests."""
+    head = store.refresh() if refresh else store.head
     floor = store.log.floor
     if include_abandoned:
         oldest = max(floor, head - limit + 1) if limit else floor
@@ -49,10 +53,10 @@ def version_rows(
     else:
         versions = list(itertools.islice(store.log.lineage(head), limit))
         line = set(versions)
-    tags: dict[int, list[str]] = {}
-    for name, v in sorted(store.tags().items()):
-        tags.setdefault(v, []).append(name)
-    rows = [_row(store.commit_record(v), head, line, tags.get(v, [])) for v in versions]
+    by_version: dict[int, list[str]] = {}
+    for name, v in sorted((store.tags() if tags is None else tags).items()):
+        by_version.setdefault(v, []).append(name)
+    rows = [_row(store.commit_record(v), head, line, by_version.get(v, [])) for v in versions]
     return rows if newest_first else rows[::-1]
 
 

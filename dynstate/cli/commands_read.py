@@ -59,11 +59,12 @@ def ls_cmd(url, show_all: bool, limit: int | None, reverse: bool, as_json: bool,
         limit = DEFAULT_TERMINAL_LIMIT
     limit = limit or None
     store = open_store(url, storage_options)
-    rows = version_rows(store, include_abandoned=show_all, limit=limit, newest_first=not reverse)
+    info = summary(store)  # refreshes the store and reads the tags, for the rows too
+    rows = version_rows(store, include_abandoned=show_all, limit=limit, newest_first=not reverse,
+                        refresh=False, tags=info["tags"])  # fmt: skip
     if as_json:
         r.print_json(rows)
         return
-    info = summary(store)
     oldest_shown = min((row["version"] for row in rows), default=info["head"])
     older = oldest_shown - info["oldest"]  # kept versions below the ones shown
     hidden = 0 if show_all else (info["head"] - oldest_shown + 1) - len(rows)
