@@ -211,6 +211,8 @@ def test_store_summary_and_growth_marks(site):
     assert {("compact", 6), ("reset", 10), ("lost", 11), ("empty", 13)} <= marks
     reset = next(m for m in growth["markers"] if m["kind"] == "reset")
     assert reset["target"] == 7 and reset["abandoned"] == [8, 9] and reset["rows_dropped"] == 3
+    branch = [(p["version"], p["x"], p["rows_added"]) for p in reset["abandoned_points"]]
+    assert branch == [(8, 5, 3), (9, 6, 0)]
     # Step 5's round was lost and step 7's empty: marked as such, not as missing steps.
     assert [m for m in growth["markers"] if m["kind"] == "missing"] == []
 

@@ -67,6 +67,7 @@ def test_store_page_renders_and_is_screenshotted(page, site, tmp_path):
     assert page.locator("svg.growth .mark-compact").count() == 1
     assert page.locator("svg.growth .mark-lost").count() == 1
     assert page.locator("svg.growth .mark-empty").count() == 1
+    assert page.locator("svg.growth rect.mark-abandoned").count() == 1  # v8; v9 was empty
     assert page.locator("table.versions tbody tr").count() == 13
     shot = tmp_path / "store.png"
     page.screenshot(path=str(shot), full_page=True)

@@ -14,6 +14,7 @@ from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
 from ..errors import DynstateError
+from ..history import lineage
 from ..manifest import Commit
 from ..store import Store
 
@@ -27,6 +28,10 @@ COLORS = {
     "empty": "#8e44ad",
     "missing": "#f5cba7",
 }
+
+
+# Rounds of an abandoned branch read for the chart, per reset (a far reset abandons many).
+_ABANDONED_POINTS = 200
 
 
 def _number(value: Any) -> bool:
@@ -75,7 +80,7 @@ def growth(store: Store, chain: Sequence[Commit], floor: int) -> dict[str, Any]:
                 label += f" (generator failed: {str(meta['error'])[:120]})"
             markers.append({"kind": kind, "version": record.version, "x": x, "label": label})
         elif record.op == "reset":
-            markers.append(_reset_marker(store, record, x))
+            markers.append(_reset_marker(store, record, x, by_step))
         elif record.op == "compact":
             markers.append(
                 {
@@ -107,9 +112,11 @@ def _span(values: list[int]) -> str:
     return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
 
 
-def _reset_marker(store: Store, record: Commit, x: float) -> dict[str, Any]:
+def _reset_marker(store: Store, record: Commit, x: float, by_step: bool) -> dict[str, Any]:
+    """A reset, with the branch it abandoned: the rounds a crashed run committed after its
+    checkpoint (up to :data:`_ABANDONED_POINTS` of them, newest last)."""
     target = record.target
-    before = record.meta.get("rollback_from", record.version - 1)
+    before = record.meta.get("rollback_from", record.parent)
     dropped = None
     try:
         dropped = store.commit_record(int(before)).num_rows - record.num_rows
@@ -128,8 +135,37 @@ def _reset_marker(store: Store, record: Commit, x: float) -> dict[str, Any]:
         "target": target,
         "abandoned": abandoned,
         "rows_dropped": dropped,
+        "abandoned_points": _branch(store, record, by_step, x),
         "label": label,
     }
+
+
+def _branch(store: Store, reset: Commit, by_step: bool, x: float) -> list[dict[str, Any]]:
+    """The versions a reset left, from the one after its target up to its parent, along the
+    parent's lineage, oldest first."""
+    if reset.target is None or reset.parent is None or reset.parent <= reset.target:
+        return []
+    points = []
+    try:
+        branch = itertools.islice(lineage(store, reset.parent, reset.target + 1), _ABANDONED_POINTS)
+        records = [store.commit_record(v) for v in branch]
+    except DynstateError:
+        return []  # collected by gc: the reset's label still says what it dropped
+    for record in reversed(records):
+        step = record.meta.get("step")
+        x = (step if _number(step) else x) if by_step else record.version
+        points.append(
+            {
+                "version": record.version,
+                "x": x,
+                "op": record.op,
+                "rows_added": record.rows_added,
+                "total_rows": record.num_rows,
+                "step": step,
+                "generator": record.meta.get("generator"),
+            }
+        )
+    return points
 
 
 # -- SVG -------------------------------------------------------------------------------------
@@ -167,7 +203,8 @@ def growth_svg(data: dict[str, Any], *, width: int = 960, link: str = "versions/
     left, right, top, panel, gap = 64, 16, 12, 120, 26
     plot_w = width - left - right
     height = top + 2 * panel + gap + 44
-    xs = [p["x"] for p in points]
+    ghosts = [g for m in data["markers"] for g in m.get("abandoned_points") or []]
+    xs = [p["x"] for p in [*points, *ghosts]]
     x0, x1 = min(xs), max(xs)
     if x1 == x0:
         x0, x1 = x0 - 1, x1 + 1
@@ -177,8 +214,8 @@ def growth_svg(data: dict[str, Any], *, width: int = 960, link: str = "versions/
     def sx(x: float) -> float:
         return left + (x - x0) / (x1 - x0) * plot_w
 
-    max_added = max(1, max(p["rows_added"] for p in points))
-    max_total = max(1, max(p["total_rows"] for p in points))
+    max_added = max(1, max(p["rows_added"] for p in [*points, *ghosts]))
+    max_total = max(1, max(p["total_rows"] for p in [*points, *ghosts]))
     y_bars = top
     y_line = top + panel + gap
     out = [
@@ -241,7 +278,7 @@ def growth_svg(data: dict[str, Any], *, width: int = 960, link: str = "versions/
                 f'width="{bar_w:.1f}" height="{h:.1f}" fill="{COLORS["bar"]}" '
                 f'data-version="{p["version"]}"><title>{escape(tip)}</title></rect></a>'
             )
-    # Total rows: a step line, so a rollback shows as a drop.
+    # Total rows along the lineage.
     path = []
     stride = max(1, len(points) // plot_w)
     for i, p in enumerate(points):
@@ -253,6 +290,7 @@ def growth_svg(data: dict[str, Any], *, width: int = 960, link: str = "versions/
         f'<path class="total" d="{" ".join(path)}" fill="none" stroke="{COLORS["line"]}" '
         'stroke-width="2"/>'
     )
+    out.extend(_ghosts(data, sx, y_bars, y_line, panel, max_added, max_total, bar_w, link))
     # Markers.
     shown = 0
     for m in data["markers"]:
@@ -291,6 +329,54 @@ def growth_svg(data: dict[str, Any], *, width: int = 960, link: str = "versions/
             )
     out.append("</svg>")
     return "".join(out)
+
+
+def _ghosts(
+    data: dict[str, Any],
+    sx: Any,
+    y_bars: float,
+    y_line: float,
+    panel: int,
+    max_added: int,
+    max_total: int,
+    bar_w: float,
+    link: str,
+) -> list[str]:
+    """Rounds a rollback abandoned, off the lineage: outlined bars and a dashed total line from
+    the version the reset went back to, so the data lost around a crash stays visible."""
+    color = COLORS["reset"]
+    totals = {p["version"]: p["total_rows"] for p in data["points"]}
+    bars = len(data["points"]) <= 440
+    out = []
+    for m in data["markers"]:
+        ghost = m.get("abandoned_points") or []
+        if not ghost:
+            continue
+        base = totals.get(m["version"], ghost[0]["total_rows"] - ghost[0]["rows_added"])
+        y0 = y_line + panel - base / max_total * panel
+        path = [f"M{sx(m['x']):.1f},{y0:.1f}"]
+        for g in ghost:
+            path.append(
+                f"L{sx(g['x']):.1f},{y_line + panel - g['total_rows'] / max_total * panel:.1f}"
+            )
+            if bars and g["rows_added"] > 0:
+                h = max(1.0, g["rows_added"] / max_added * panel)
+                tip = f"version {g['version']} (abandoned by the reset in version {m['version']}): "
+                tip += f"+{g['rows_added']} rows" + (
+                    f" ({g['generator']})" if g["generator"] else ""
+                )
+                href = quoteattr(f"{link}{g['version']}")
+                out.append(
+                    f'<a href={href}><rect class="mark-abandoned" x="{sx(g["x"]) - bar_w / 2:.1f}" '
+                    f'y="{y_bars + panel - h:.1f}" width="{bar_w:.1f}" height="{h:.1f}" '
+                    f'fill="none" stroke="{color}" stroke-width="1.5" stroke-dasharray="3,2">'
+                    f"<title>{escape(tip)}</title></rect></a>"
+                )
+        out.append(
+            f'<path class="abandoned-total" d="{" ".join(path)}" fill="none" stroke="{color}" '
+            'stroke-width="1.5" stroke-dasharray="4,3" opacity="0.8"/>'
+        )
+    return out
 
 
 def _bucket_bars(
