@@ -551,3 +551,19 @@ def test_rows_of_every_arrow_type_render_as_json_and_html(tmp_path):
         status, body = Client(base).get("/versions/head")
         assert status == 200 and "&lt;script&gt;" in body and "<script>" not in body
         assert json.loads(Client(base).get("/api/versions/head/rows/2")[1])["values"]["ok"] is None
+
+
+def test_an_empty_store_renders_every_page(tmp_path):
+    store = Store.open(str(tmp_path / "store"), create=True)
+    with served(StoreView(store)) as base:
+        client = Client(base)
+        info = client.json("/api/store")
+        assert (info["head"], info["rows"], info["growth"]["points"]) == (0, 0, [])
+        assert client.json("/api/versions/head/rows")["rows"] == []
+        assert client.json("/api/versions/0/rows/0", status=404)["error"].endswith(
+            "it has no rows)"
+        )
+        for path in ("/", "/versions", "/versions/head", "/diff/0/0", "/diff"):
+            status, body = client.get(path)
+            assert status == 200, (path, body[:300])
+        assert "No rounds yet" in client.get("/")[1]
