@@ -567,3 +567,25 @@ def test_an_empty_store_renders_every_page(tmp_path):
             status, body = client.get(path)
             assert status == 200, (path, body[:300])
         assert "No rounds yet" in client.get("/")[1]
+
+
+def test_rounds_committed_while_serving_appear_on_reload(tmp_path):
+    run = build_run(str(tmp_path / "store"), {})
+    with served(StoreView(run.store, url=run.url)) as base:
+        client = Client(base)
+        assert client.json("/api/store")["head"] == 14
+        before = client.json("/api/versions/head/rows/24")["descendants"]
+        assert before == []
+        writer = Store.open(run.url)  # another writer, as the training run is
+        writer.append(
+            pa.Table.from_pylist(
+                [{"prompt": "late", "answer": "x", "difficulty": 0, "_dynstate_source": [24]}],
+                SCHEMA,
+            ),
+            meta={"step": 9, "generator": "proposer"},
+        )
+        info = client.json("/api/store")
+        assert info["head"] == 15 and info["growth"]["points"][-1]["version"] == 15
+        assert client.json("/api/versions?limit=1")["versions"][0]["status"] == "head"
+        after = client.json("/api/versions/head/rows/24")
+        assert after["version"] == 15 and [d["row"] for d in after["descendants"]] == [27]
