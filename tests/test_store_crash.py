@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("seed", [20261130])
 def test_random_kills_local(tmp_path: Path, seed: int) -> None:
     soak = soak_store.Soak(
-        str(tmp_path / "store"), tmp_path, max_delay=0.2, rng=random.Random(seed)
+        str(tmp_path / "store"), tmp_path, max_delay=0.35, rng=random.Random(seed)
     )
     outcomes = [soak.trial() for _ in range(30)]
     soak.final_check()

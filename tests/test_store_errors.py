@@ -386,12 +386,12 @@ def test_interrupt_during_the_commit_write_is_resolved_by_reading_back(
     before = listing(store)
     real = type(store.storage)._create
 
-    def interrupted(self, rel: str, data: bytes) -> None:
+    def interrupted(self, rel: str, data: bytes, durable: bool = True) -> None:
         if rel.startswith(f"{m.META_DIR}/log/"):
             if landed:
-                real(self, rel, data)
+                real(self, rel, data, durable)
             raise KeyboardInterrupt
-        real(self, rel, data)
+        real(self, rel, data, durable)
 
     monkeypatch.setattr(type(store.storage), "_create", interrupted)
     with pytest.raises(KeyboardInterrupt):

@@ -123,7 +123,8 @@ class Leases:
     def acquire(self) -> str:
         """A new lease, written before any file it protects."""
         lease = uuid.uuid4().hex
-        self.storage.create(lease_path(lease), self._body(lease))
+        # No fsync: after a crash of the machine the writer is gone too, and so is the lease.
+        self.storage.create(lease_path(lease), self._body(lease), durable=False)
         with self._lock:
             self._active[lease] = time.monotonic()
         self._ensure_heartbeat()
@@ -161,7 +162,8 @@ class Leases:
         body = m.encode({"format": m.FORMAT, "outcome": "commit", "by": nonce})
         for lease in sorted(leases):
             try:
-                self.storage.create(outcome_path(lease), body)
+                # Not fsynced: the record created after it is, and it is what keeps the shards.
+                self.storage.create(outcome_path(lease), body, durable=False)
             except FileExistsError:
                 outcome = read_outcome(self.storage, lease)
                 if outcome is not None and outcome.get("by") == nonce:

@@ -197,7 +197,7 @@ class Storage:
     def _cat(self, rel: str) -> bytes:
         return self.fs.cat_file(self.path(rel))
 
-    def _create(self, rel: str, data: bytes) -> None:
+    def _create(self, rel: str, data: bytes, durable: bool = True) -> None:
         raise NotImplementedError
 
     def _put(self, rel: str, data: bytes, durable: bool) -> None:
@@ -265,11 +265,13 @@ class Storage:
 
     # -- writes ----------------------------------------------------------------------------
 
-    def create(self, rel: str, data: bytes) -> None:
+    def create(self, rel: str, data: bytes, *, durable: bool = True) -> None:
         """Create ``rel`` holding ``data`` only if it does not exist yet, atomically: readers
-        see the whole object or nothing. Raises ``FileExistsError`` when it exists."""
+        see the whole object or nothing. Raises ``FileExistsError`` when it exists.
+        ``durable=False`` skips the fsyncs where a crash of the machine loses nothing (leases:
+        the writer dies with it)."""
         try:
-            self._call("create", rel, lambda: self._create(rel, data))
+            self._call("create", rel, lambda: self._create(rel, data, durable))
         except FileExistsError:
             if not self._landed(rel, data):
                 raise

@@ -21,17 +21,22 @@ class LocalStorage(Storage):
         os.makedirs(directory, exist_ok=True)
         return directory
 
-    def _create(self, rel: str, data: bytes) -> None:
+    def _create(self, rel: str, data: bytes, durable: bool = True) -> None:
         directory = self._dir(rel)
         tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
-        _write_fsync(tmp, data)
+        if durable:
+            _write_fsync(tmp, data)
+        else:
+            with open(tmp, "xb") as f:
+                f.write(data)
         try:
             # link() fails if the name exists: the exclusive create, with no partial file ever
             # visible under the final name.
             os.link(tmp, self.path(rel))
         finally:
             os.unlink(tmp)
-        _fsync_dir(directory)
+        if durable:
+            _fsync_dir(directory)
 
     def _put(self, rel: str, data: bytes, durable: bool) -> None:
         directory = self._dir(rel)

@@ -17,7 +17,7 @@ class MemoryStorage(Storage):
 
     memory = True
 
-    def _create(self, rel: str, data: bytes) -> None:
+    def _create(self, rel: str, data: bytes, durable: bool = True) -> None:
         path = self.path(rel)
         with _LOCK:
             if self.fs.exists(path):

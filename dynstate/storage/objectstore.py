@@ -49,7 +49,7 @@ class ObjectStorage(Storage):
     def _cat(self, rel: str) -> bytes:
         return self.fs.cat_file(self.path(rel), **self._read_kwargs)
 
-    def _create(self, rel: str, data: bytes) -> None:
+    def _create(self, rel: str, data: bytes, durable: bool = True) -> None:
         # s3fs sends If-None-Match: * and turns the 412 into FileExistsError.
         self.fs.pipe_file(self.path(rel), data, mode="create")
 
