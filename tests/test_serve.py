@@ -21,15 +21,11 @@ from typing import Any
 import pyarrow as pa
 import pytest
 from click.testing import CliRunner
+from conftest import s3_url
 
 from dynstate import MissingDependencyError, Store
 from dynstate.compact import compact
 from dynstate.gc import collect_garbage
-
-pytest.importorskip("starlette", reason="the serve extra is part of the test environment")
-
-from conftest import s3_url
-
 from dynstate.serve.api import StoreView
 from dynstate.serve.app import create_app
 from dynstate.serve.command import address, bind

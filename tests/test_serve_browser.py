@@ -10,9 +10,6 @@ import shutil
 from collections.abc import Iterator
 
 import pytest
-
-pytest.importorskip("starlette", reason="the serve extra is part of the test environment")
-
 from test_serve import build_run, served
 
 from dynstate.serve.api import StoreView
