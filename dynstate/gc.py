@@ -229,7 +229,7 @@ def _publish_floor(store: Store, floor: int, floor_before: int) -> int:
     """Publish ``floor``, then read the tags again: a tag created meanwhile (whose tagger did
     not see the new floor yet) lowers it again, before anything is deleted."""
     while True:
-        store.log.publish_floor(floor)
+        store.log.publish_floor(floor, previous=floor_before)
         lowest = min([floor, *_tagged(store, floor_before)])
         if lowest >= floor:
             return floor

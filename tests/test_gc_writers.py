@@ -257,3 +257,42 @@ def test_commit_of_staged_parts_twice_is_refused(tmp_path) -> None:
         with pytest.raises(LeaseExpiredError, match="committed already"):
             handle.commit_staged([part])
     assert Store.open(str(tmp_path / "store")).head == 1
+
+
+@pytest.mark.parametrize("tag_first", [True, False])
+def test_a_tag_made_while_gc_runs_is_kept_or_refused(tmp_path, monkeypatch, tag_first) -> None:
+    """gc reads the tags, decides its floor and publishes it; a tag made in between is either
+    seen by gc after publishing (which lowers the floor back to it) or sees the new floor
+    (and is refused) — never a tag of a collected version."""
+    from dynstate.log import Log
+
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    for step in range(6):
+        store.append([{"step": step}])
+    tagger = Store.open(url)
+    real = Log.publish_floor
+    outcome: list[object] = []
+
+    def racing_publish(self: Log, floor: int, **kwargs: object) -> None:
+        if not outcome and tag_first:  # the tagger read the old floor before gc published
+            tagger.tag("late", 2)
+            outcome.append("tagged")
+        real(self, floor, **kwargs)
+        if not outcome:  # the tagger comes after the floor is out
+            with pytest.raises(VersionCollectedError, match="oldest kept is 5"):
+                tagger.tag("late", 2)
+            outcome.append("refused")
+
+    monkeypatch.setattr(Log, "publish_floor", racing_publish)
+    result = collect_garbage(Store.open(url), keep=2, grace_s=0)
+    monkeypatch.undo()
+    again = Store.open(url)
+    if tag_first:
+        assert outcome == ["tagged"] and result.floor_after == 2
+        assert again.tags() == {"late": 2}
+        assert again.snapshot("late").to_arrow().column("step").to_pylist() == [0, 1]
+    else:
+        assert outcome == ["refused"] and result.floor_after == 5
+        assert again.tags() == {}
+    assert verify_store(again, all_versions=True).ok

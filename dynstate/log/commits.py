@@ -98,9 +98,13 @@ class Log:
             f"(oldest kept is {self._floor}); use a later version"
         )
 
-    def publish_floor(self, floor: int) -> None:
+    def publish_floor(self, floor: int, *, previous: int | None = None) -> None:
         """Make ``floor`` readable on its own (its checkpoint and chunks), then name it in
-        ``gc.json``: from then on readers refuse older versions and never replay below it."""
+        ``gc.json``: from then on readers refuse older versions and never replay below it.
+        ``previous`` is the floor before this gc: a floor just published may be lowered again
+        (a tag appeared) while nothing below it is deleted yet, replaying from there."""
+        if previous is not None:
+            self._floor = min(self._floor, previous)
         record = self.commit_record(floor)
         shard_list = self.put_shard_list(self.materialize(floor))
         self.storage.create_if_absent(
