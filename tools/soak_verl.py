@@ -62,7 +62,6 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         if args.s3:
             from conftest import S3_BUCKET
-
             from loopback_s3 import loopback_s3  # tools/loopback_s3.py
 
             stack.enter_context(loopback_s3(S3_BUCKET))
