@@ -296,3 +296,38 @@ def test_a_tag_made_while_gc_runs_is_kept_or_refused(tmp_path, monkeypatch, tag_
         assert outcome == ["refused"] and result.floor_after == 5
         assert again.tags() == {}
     assert verify_store(again, all_versions=True).ok
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_a_reset_racing_a_gc_never_leaves_a_head_gc_may_empty(tmp_path, monkeypatch, keep) -> None:
+    """gc publishes a floor past a reset's target while the reset's record is being created.
+    If that gc's floor passed the reset's parent, it saw the record (and keeps its files): the
+    reset stands. Otherwise the writer cannot know: it commits a reset back to its parent and
+    raises VersionCollectedError."""
+    from dynstate.log import Log
+
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    for step in range(6):
+        store.append([{"step": step}])
+    real = Log._publish
+    fired: list[bool] = []
+
+    def publish_then_gc(self: Log, record) -> None:
+        real(self, record)
+        if record.op == "reset" and not fired:
+            fired.append(True)
+            collect_garbage(Store.open(url), keep=keep, grace_s=0)
+
+    monkeypatch.setattr(Log, "_publish", publish_then_gc)
+    if keep == 1:
+        assert store.reset(2) == 7
+        expected = [0, 1]
+    else:
+        with pytest.raises(VersionCollectedError, match="oldest kept is 6"):
+            store.reset(2)
+        expected = list(range(6))
+    monkeypatch.undo()
+    again = Store.open(url)
+    assert again.snapshot().to_arrow().column("step").to_pylist() == expected
+    assert verify_store(again, all_versions=True).ok

@@ -367,7 +367,12 @@ class Log:
         """A gc that published its floor while this record was being created may not have
         seen the record; undo it (the parent is always kept) rather than leave a head whose
         shards gc may remove."""
-        if min(sources) >= self.read_floor():
+        floor = self.read_floor()
+        if min(sources) >= floor:
+            return
+        if (record.parent or 0) < floor:
+            # A floor past our parent was computed from a head at or after our record: that
+            # gc saw the record, and keeps what it names.
             return
         parent = self.commit_record(record.parent or 0)
         shard_list = self.put_shard_list(self.materialize(parent.version))
