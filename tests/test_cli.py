@@ -751,3 +751,50 @@ def test_inspect_names_the_training_step_apart_from_the_sampler_counters(tmp_pat
     plain = tmp_path / "elsewhere.pt"
     shutil.copy(ckpt / "latest.pt", plain)
     assert json.loads(run("inspect", str(plain), "--json").stdout)["training_step"] is None
+
+
+def _on_a_terminal(args: list[str], answer: bytes) -> tuple[int, str]:
+    """Run the console script with a pseudo-terminal as stdin/stdout/stderr; answer its prompt."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([console_script(), *args], stdin=slave, stdout=slave, stderr=slave,
+                            env={**os.environ, "COLUMNS": "100"})  # fmt: skip
+    os.close(slave)
+    out = b""
+    deadline = time.monotonic() + 60
+    answered = False
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.5)
+        if not ready:
+            if proc.poll() is not None:
+                break
+            continue
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+        if not answered and b"[y/N]" in out:
+            os.write(master, answer)
+            answered = True
+    os.close(master)
+    return proc.wait(timeout=30), out.decode(errors="replace")
+
+
+def test_gc_asks_on_a_terminal_and_deletes_only_on_yes(tmp_path) -> None:
+    url = str(tmp_path / "store")
+    build(url)
+    before = files_of(url)
+    code, out = _on_a_terminal(["gc", url, "--keep", "2", "--grace", "0"], b"n\n")
+    assert code == 0 and "would remove " in out and "remove 3 files" in out
+    assert "nothing removed: pass --yes" in out and files_of(url) == before
+    code, out = _on_a_terminal(["gc", url, "--keep", "2", "--grace", "0"], b"y\n")
+    assert code == 0 and f"{url}: removed 3 files" in out
+    gone = re.findall(r"removed ((?:_dynstate|data)/\S+) \(", out)  # after the bar's escapes
+    assert len(gone) == 3
+    assert all(os.path.join(url, rel) in before for rel in gone)
+    assert not any(os.path.exists(os.path.join(url, rel)) for rel in gone)
