@@ -4,6 +4,11 @@ matching checksums, and the head must hold exactly the rounds whose commit compl
 
     python tools/soak_store.py --trials 200          # local directory
     python tools/soak_store.py --trials 50 --s3      # a loopback S3 server (moto)
+    python tools/soak_store.py --trials 100 --gc     # with gc at grace 0 running all along
+
+With ``--gc``, a gc thread collects garbage at grace 0 in a tight loop while each writer runs
+(it must never remove what a commit names or is about to name), and after each kill a last
+gc must leave no uncommitted shard behind (the killed writer's lease ends with its process).
 
 ``tests/test_store_crash.py`` runs a short share of the same trials (it imports this module).
 """
@@ -18,6 +23,7 @@ import random
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +120,7 @@ class Soak:
     env: dict[str, str] = field(default_factory=dict)
     trials: int = 0
     full_every: int = 10
+    gc: bool = False  # run gc at grace 0 against the writers
     rows_of: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -132,6 +139,10 @@ class Soak:
 
         proc = ctx.Process(target=soak_store.writer_main, args=(self.url, str(log_file), self.env))
         proc.start()
+        stop, gc_errors = threading.Event(), []
+        gc_thread = threading.Thread(target=self._gc_loop, args=(stop, gc_errors), daemon=True)
+        if self.gc:
+            gc_thread.start()
         early = self.rng.random() < 0.1
         if early:
             time.sleep(self.rng.uniform(0, 0.05))  # perhaps while it is still opening
@@ -145,9 +156,37 @@ class Soak:
             time.sleep(self.rng.uniform(0, self.max_delay))
         os.kill(proc.pid, signal.SIGKILL)
         proc.join()
+        stop.set()
+        if self.gc:
+            gc_thread.join()
+        if gc_errors:
+            raise TrialFailure(f"gc failed while the writer ran: {gc_errors[0]!r}")
         if proc.exitcode != -signal.SIGKILL:
             raise TrialFailure(f"writer ended with {proc.exitcode} before the kill")
-        return self.check(_read(log_file), early)
+        outcome = self.check(_read(log_file), early)
+        if self.gc:
+            from dynstate import Store, collect_garbage
+
+            store = Store.open(self.url)
+            collect_garbage(store, grace_s=0)
+            referenced = {
+                s.path for r in store.versions() for s in store.snapshot(r.version).shards
+            }
+            stray = [n for n in store.storage.list("data") if f"data/{n}" not in referenced]
+            if stray:
+                raise TrialFailure(f"gc left {len(stray)} uncommitted shards of a dead writer")
+        return outcome
+
+    def _gc_loop(self, stop: threading.Event, errors: list[BaseException]) -> None:
+        from dynstate import Store, collect_garbage
+
+        store = Store.open(self.url)
+        while not stop.is_set():
+            try:
+                collect_garbage(store, grace_s=0)
+            except Exception as exc:
+                errors.append(exc)
+                return
 
     def check(self, log_text: str, early: bool) -> Outcome:
         from dynstate import Store
@@ -283,12 +322,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s3", action="store_true", help="use a loopback moto S3 server")
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--max-delay", type=float, default=0.5, help="seconds, per trial")
+    parser.add_argument("--gc", action="store_true", help="run gc at grace 0 all along")
     args = parser.parse_args(argv)
     server = _moto() if args.s3 else None
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dynstate-soak-") as tmp:
         url = "s3://dynstate-soak/store" if args.s3 else os.path.join(tmp, "store")
-        soak = Soak(url, Path(tmp), max_delay=args.max_delay, rng=random.Random(args.seed))
+        soak = Soak(
+            url, Path(tmp), max_delay=args.max_delay, rng=random.Random(args.seed), gc=args.gc
+        )
         outcomes: list[Outcome] = []
         try:
             for n in range(args.trials):
