@@ -18,17 +18,17 @@ def _ids(rows):
 class Ranks:
     """``world`` ranks, each with its own dataset, sampler and loader, stepped together."""
 
-    def __init__(self, url, world, *, batch=3, mode="epoch", drop_last=False, state=None):
+    def __init__(
+        self, url, world, *, batch=3, mode="epoch", drop_last=False, state=None, **settings
+    ):
         self.samplers, self.loaders, self.iters = [], [], []
         for rank in range(world):
             ds = VersionedDataset(url)
             sampler = VersionedSampler(
                 ds,
-                seed=7,
                 mode=mode,
                 batch_size=batch,
-                fresh_share=0.5,
-                lag=1,
+                **{"seed": 7, "fresh_share": 0.5, "lag": 1, **settings},
                 num_replicas=world,
                 rank=rank,
                 drop_last=drop_last,

@@ -1,0 +1,166 @@
+"""Data-parallel training over a dynstate store that grows while it trains.
+
+Every rank runs its own loader over its share of each step; rank 0 generates one round per
+step from the step's batches and commits it; every ``--ckpt-every`` steps rank 0 writes one
+checkpoint, which restores every rank at any world size::
+
+    torchrun --nproc-per-node 2 examples/ddp/train.py --store /tmp/ddp/store --ckpt /tmp/ddp/ckpt
+    # kill it at any moment (kill -9), then resume with three ranks:
+    torchrun --nproc-per-node 3 examples/ddp/train.py --store /tmp/ddp/store --ckpt /tmp/ddp/ckpt
+
+CPU only (gloo). The "model" is a one-weight linear layer: DDP's gradient all-reduce keeps
+the ranks in lockstep, as in a real run. See docs/ddp.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import dynstate
+
+
+def generate(step: int, rows: list[int]) -> list[dict]:
+    """A deterministic stand-in for a generator: new tasks from the step (an LLM proposer
+    would read the step's batch, gathered from every rank)."""
+    return [{"id": 100_000 * (step + 1) + k, "text": f"task {step}-{k}"} for k in range(step % 3)]
+
+
+def commit_round(store: dynstate.Store, step: int, rows: list[dict]) -> int:
+    """Commit the round of ``step`` once: if the head's lineage already holds it (a restarted
+    writer, a rank that retries), return that version instead of committing it twice."""
+    for version in dynstate.lineage(store):
+        recorded = store.commit_record(version).meta.get("step")
+        if recorded == step:
+            return version
+        if recorded is not None and recorded < step:
+            break
+    return store.append(rows, meta={"step": step, "generator": "ddp-example"})
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    tmp = f"{path}.tmp"
+    torch.save(state, tmp)
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)  # a crash never leaves half a checkpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--store", required=True, help="store URL (a path, s3://...)")
+    parser.add_argument("--ckpt", required=True, help="checkpoint folder")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=4, help="per rank")
+    parser.add_argument("--mode", choices=["epoch", "mix"], default="epoch")
+    parser.add_argument("--initial-rows", type=int, default=40)
+    parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument(
+        "--lag", type=int, default=3, help="mix mode: > num_workers * 2 (the prefetch depth)"
+    )
+    parser.add_argument("--ckpt-every", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drop-last", action="store_true")
+    parser.add_argument("--log", help="folder for one JSON line per rank and step")
+    parser.add_argument("--step-time", type=float, default=0.0, help="seconds of 'training'")
+    args = parser.parse_args(argv)
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.makedirs(args.ckpt, exist_ok=True)
+    ckpt_path = os.path.join(args.ckpt, "latest.pt")
+    if rank == 0:
+        store = dynstate.Store.open(args.store, create=True)
+        if store.head == 0:
+            initial = [{"id": i, "text": f"seed {i}"} for i in range(args.initial_rows)]
+            store.append(initial, meta={"import": True})
+    dist.barrier()
+    store = dynstate.Store.open(args.store)
+
+    # Resume: one checkpoint for every rank, whatever the world size that wrote it.
+    ckpt = torch.load(ckpt_path, weights_only=True) if os.path.exists(ckpt_path) else None
+    if rank == 0:
+        # rounds the killed run committed after its checkpoint are generated again
+        if ckpt is None:
+            dynstate.rollback(store, step=-1)
+        else:
+            dynstate.rollback(store, version=ckpt["head"])
+    dist.barrier()
+
+    dataset = dynstate.VersionedDataset(args.store)
+    sampler = dynstate.VersionedSampler(  # num_replicas and rank come from torch.distributed
+        dataset,
+        seed=args.seed,
+        mode=args.mode,
+        batch_size=args.batch_size,
+        lag=args.lag,
+        drop_last=args.drop_last,
+    )
+    model = DistributedDataParallel(torch.nn.Linear(1, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    step = 0
+    if ckpt is not None:
+        sampler.load_state_dict(ckpt["sampler"])
+        model.module.load_state_dict(ckpt["model"])
+        step = ckpt["step"] + 1
+    loader = sampler.check_loader(
+        StatefulDataLoader(
+            dataset,
+            batch_size=args.batch_size,
+            sampler=sampler,
+            drop_last=args.drop_last,
+            num_workers=args.num_workers,
+            prefetch_factor=2 if args.num_workers else None,
+            collate_fn=lambda rows: [row["id"] for row in rows],
+        )
+    )
+    log = None
+    if args.log:
+        os.makedirs(args.log, exist_ok=True)
+        name = f"rank{rank}-of{world}-pid{os.getpid()}.jsonl"
+        log = open(os.path.join(args.log, name), "a")  # noqa: SIM115
+
+    while step < args.steps:
+        for ids in loader:
+            x = torch.tensor(ids, dtype=torch.float32).unsqueeze(1) / 1e6
+            loss = model(x).pow(2).mean()
+            loss.backward()  # the all-reduce: every rank is at this step
+            optimizer.step()
+            optimizer.zero_grad()
+            time.sleep(args.step_time)
+            if log is not None:
+                line = {"step": step, "rank": rank, "world": world, "ids": ids}
+                line.update(epoch=sampler.epoch, version=sampler.version)
+                log.write(json.dumps(line) + "\n")
+                log.flush()
+            if rank == 0:
+                commit_round(store, step, generate(step, ids))
+                if step % args.ckpt_every == 0:
+                    state = dynstate.find_sampler_state(loader.state_dict())
+                    save_checkpoint(
+                        ckpt_path,
+                        {
+                            "sampler": state,
+                            "model": model.module.state_dict(),
+                            "step": step,
+                            "head": store.head,
+                        },
+                    )
+            step += 1
+            if step >= args.steps:
+                break
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
