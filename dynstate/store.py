@@ -194,7 +194,7 @@ class Store:
         """An immutable view of ``version`` (a number, a tag, or None for the head)."""
         number = self.resolve(version)
         snap = self._snapshots.get(number)
-        if snap is None or number < self.log.floor:
+        if snap is None:
             record = self.commit_record(number)
             snap = Snapshot(self, record, self.log.materialize(number), self.schema_of(record))
             if len(self._snapshots) > 64:
@@ -222,6 +222,8 @@ class Store:
                 shard.path, check=lambda d: verify_shard_bytes(d, shard, where)
             )
         except FileNotFoundError:
+            if version is not None and version < self.log.read_floor():
+                raise self.log.collected(version) from None  # a handle older than the gc
             raise MissingShardError(
                 f"shard {shard.path} of {self.display_url}{at} is missing; restore it, or reset "
                 "the store to a version that does not use it"

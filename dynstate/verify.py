@@ -64,6 +64,12 @@ def verify_store(
     records = _check_records(store, floor, head, report, records_progress)
     _check_schemas(store, records, report)
     _check_checkpoints(store, floor, report)
+    for name, version in sorted(store.tags().items()):
+        if version < floor or version > head:
+            report.problems.append(
+                f"tag {name!r} of {store.display_url} names version {version}, which is not "
+                f"kept (versions {floor}-{head}); remove it with `dynstate tag --delete`"
+            )
     shards: dict[str, tuple[ShardRef, int]] = {}
     if all_versions:
         # The union of what every readable record names covers every kept version's shards

@@ -331,3 +331,15 @@ def test_a_reset_racing_a_gc_never_leaves_a_head_gc_may_empty(tmp_path, monkeypa
     again = Store.open(url)
     assert again.snapshot().to_arrow().column("step").to_pylist() == expected
     assert verify_store(again, all_versions=True).ok
+
+
+def test_a_stale_snapshot_of_a_collected_version_says_so(tmp_path) -> None:
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    for step in range(4):
+        store.append([{"step": step}])
+    old = store.snapshot(2)
+    store.reset(1)  # version 5: the shard of step 1 is needed by no kept version
+    collect_garbage(Store.open(url), keep=1, grace_s=0)
+    with pytest.raises(VersionCollectedError, match="oldest kept is 5"):
+        old.to_arrow()
