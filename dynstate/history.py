@@ -7,7 +7,6 @@ import itertools
 from typing import Any
 
 from . import manifest as m
-from .gc import gc_floor
 from .manifest import Commit
 from .store import Store
 
@@ -101,15 +100,30 @@ def summary(store: Store) -> dict[str, Any]:
     }
 
 
-def describe(store: Store, version: int | str | None = None) -> dict[str, Any]:
-    """Everything about one version, as ``dynstate show`` prints it."""
+def describe(
+    store: Store, version: int | str | None = None, *, lineage_limit: int | None = None
+) -> dict[str, Any]:
+    """Everything about one version, as ``dynstate show`` prints it. The lineage and the
+    status come from walking records back; ``lineage_limit`` caps each walk (the lineage then
+    ends in "…", and a status that would need more is "unknown"), so that the cost does not
+    grow with the history."""
     snap = store.snapshot(version)
     record = snap.commit
-    head, floor = store.refresh(), gc_floor(store)
-    line = lineage(store, record.version, floor)
+    head = store.refresh()
+    floor = store.log.floor
+
+    def walk(start: int, stop: int) -> tuple[list[int], bool]:
+        """The lineage of ``start`` down to ``stop``, and whether the limit cut it short."""
+        steps = itertools.takewhile(lambda v: v >= stop, store.log.lineage(start))
+        got = list(itertools.islice(steps, lineage_limit)) if lineage_limit else list(steps)
+        return got, bool(lineage_limit) and len(got) == lineage_limit and got[-1] > stop
+
+    line, cut = walk(record.version, floor)
     status = "head" if record.version == head else None
-    if status is None and record.version not in lineage(store, head, record.version):
-        status = "abandoned"
+    if status is None:
+        above, unknown = walk(head, record.version)
+        if record.version not in above:
+            status = "unknown" if unknown else "abandoned"
     return {
         "url": store.display_url,
         "store_id": store.store_id,
@@ -124,7 +138,11 @@ def describe(store: Store, version: int | str | None = None) -> dict[str, Any]:
         "shards": len(snap.shards),
         "bytes": record.num_bytes,
         "tags": sorted(n for n, v in store.tags().items() if v == record.version),
-        "lineage": f"{ranges(line)} ({len(line)} versions)",
+        "lineage": (
+            f"{ranges(line)}, … (the newest {len(line):,} versions read)"
+            if cut
+            else f"{ranges(line)} ({len(line)} versions)"
+        ),
         "meta": record.meta,
         "schema": [
             {"name": f.name, "type": str(f.type), "nullable": f.nullable} for f in snap.schema or []

@@ -13,6 +13,7 @@ from . import render as r
 from .options import json_option, open_store, store_command, version_arg
 
 DEFAULT_TERMINAL_LIMIT = 20
+LINEAGE_LIMIT = 1000  # records `show` reads to describe a lineage: bounded, however long
 
 
 def _op(row: dict[str, Any]) -> str:
@@ -25,6 +26,12 @@ def _status(row: dict[str, Any]) -> str:
     """ "head", "abandoned" and the version's tags, in one column: ``head, tag best``."""
     return ", ".join([*([row["status"]] if row["status"] else []),
                       *(f"tag {t}" for t in row["tags"])])  # fmt: skip
+
+
+def _show_status(status: str | None) -> str:
+    if status == "unknown":
+        return f"not determined (more than {LINEAGE_LIMIT:,} versions below the head)"
+    return status or "in the head's lineage"
 
 
 def _tag_list(names: list[str], most: int = 4) -> str:
@@ -174,7 +181,7 @@ def show_cmd(url, version, max_shards: int, as_json: bool, storage_options) -> N
     from ..history import describe
 
     store = open_store(url, storage_options)
-    info = describe(store, version_arg(version))
+    info = describe(store, version_arg(version), lineage_limit=LINEAGE_LIMIT)
     if as_json:
         r.print_json(info)
         return
@@ -183,7 +190,7 @@ def show_cmd(url, version, max_shards: int, as_json: bool, storage_options) -> N
         ("op", _op({"op": info["op"], "target": info["target"]})),
         ("parent", r.cell(info["parent"])),
         ("created", f"{r.utc(info['created'])} UTC"),
-        ("status", info["status"] or "in the head's lineage"),
+        ("status", _show_status(info["status"])),
         ("rows", f"{info['rows']:,} ({info['rows_added']:+,} in this version)"),
         ("shards", f"{info['shards']:,}"),
         ("size", f"{r.human_size(info['bytes'])} ({info['bytes']:,} bytes)"),
