@@ -259,6 +259,17 @@ def test_show_json(built) -> None:
     assert (reset["op"], reset["target"]) == ("reset", 2)
 
 
+def test_show_walks_a_bounded_number_of_records(tmp_path) -> None:
+    from dynstate.history import describe
+
+    store = build(str(tmp_path / "store"))
+    assert describe(store, lineage_limit=3)["lineage"] == "2, 5-6, … (the newest 3 versions read)"
+    assert describe(store)["lineage"] == "0-2, 5-6 (5 versions)"
+    assert describe(store, 3, lineage_limit=3)["status"] == "abandoned"  # found within 3
+    assert describe(store, 1, lineage_limit=3)["status"] == "unknown"  # would need a 4th
+    assert describe(store, 1)["status"] is None
+
+
 def test_head_table_json_jsonl(built) -> None:
     url, _ = built
     assert run("head", url, "-n", "4").stdout.splitlines() == [
