@@ -37,18 +37,21 @@ class _Group(click.Group):
         except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit):
             raise
         except BrokenPipeError:
-            # The reader went away (`dynstate ls | head`): nothing more to say to anyone.
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
+            # The reader went away (`dynstate ls | head`): nothing more to say to anyone, and
+            # the interpreter's final flush of stdout must not fail either.
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError):
+                pass  # not a real file descriptor (a test runner's capture)
             ctx.exit(1)
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
             ctx.exit(130)
         except Exception as exc:
             # DynstateError is the expected case; anything else (a client library's error the
-            # store did not translate) is still one line, and a traceback only with -vv.
-            if not isinstance(exc, DynstateError) or log.isEnabledFor(logging.DEBUG):
-                log.debug("command failed", exc_info=True)
+            # store did not translate) is still one line. The traceback only with -vv.
+            kind = "failed" if isinstance(exc, DynstateError) else "failed unexpectedly"
+            log.debug("command %s", kind, exc_info=True)
             click.echo(f"error: {one_line(exc, ctx.meta.get('dynstate.url'))}", err=True)
             ctx.exit(1)
 
