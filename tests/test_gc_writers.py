@@ -343,3 +343,22 @@ def test_a_stale_snapshot_of_a_collected_version_says_so(tmp_path) -> None:
     collect_garbage(Store.open(url), keep=1, grace_s=0)
     with pytest.raises(VersionCollectedError, match="oldest kept is 5"):
         old.to_arrow()
+
+
+def test_staged_parts_outlive_the_handle_that_staged_them(tmp_path) -> None:
+    """A Ray task stages, returns its part and drops its store handle; the driver commits
+    later. The process still renews the lease, so gc at grace 0 keeps the shards meanwhile."""
+    import gc as python_gc
+
+    url = str(tmp_path / "store")
+    Store.open(url, create=True)
+    worker = Store.open(url, lease_ttl_s=0.5)
+    part = worker.stage([{"id": i} for i in range(10)])
+    del worker
+    python_gc.collect()
+    for _ in range(3):
+        time.sleep(0.7)
+        assert collect_garbage(Store.open(url), grace_s=0).kept_leased == len(part.shards)
+    driver = Store.open(url)
+    assert driver.commit_staged([part]) == 1
+    assert driver.snapshot().num_rows == 10

@@ -23,7 +23,6 @@ import socket
 import threading
 import time
 import uuid
-import weakref
 from dataclasses import dataclass
 
 from .. import manifest as m
@@ -198,10 +197,12 @@ class Leases:
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return
-            # The thread holds the handle weakly: dropping the store ends the renewals.
+            # The thread holds these leases (not the store handle): staged files stay protected
+            # while the process lives, also after the handle that staged them is dropped (a
+            # Ray task returns its Staged parts and ends; the driver commits them later).
             self._thread = threading.Thread(
                 target=_heartbeat,
-                args=(weakref.ref(self), self.ttl_s / 4),
+                args=(self, self.ttl_s / 4),
                 name="dynstate-lease-heartbeat",
                 daemon=True,
             )
@@ -229,18 +230,11 @@ class Leases:
             return bool(self._active)
 
 
-def _heartbeat(ref: weakref.ref[Leases], interval_s: float) -> None:
+def _heartbeat(leases: Leases, interval_s: float) -> None:
     while True:
-        leases = ref()
-        if leases is None:
+        leases._wake.wait(interval_s)
+        if not leases._tick():
             return
-        wake = leases._wake
-        del leases
-        wake.wait(interval_s)
-        leases = ref()
-        if leases is None or not leases._tick():
-            return
-        del leases
 
 
 def read_outcome(storage: Storage, lease: str) -> dict[str, object] | None:
