@@ -278,6 +278,7 @@ class _View:
     __slots__ = (
         "block_keys",
         "block_offsets",
+        "block_parts",
         "block_starts",
         "blocks",
         "fingerprint",
@@ -315,9 +316,10 @@ class _View:
 
     def _plan_blocks(self, block_bytes: int) -> None:
         """Split the shards into aligned power-of-two runs ([0, 8), [8, 10), ...) of at most
-        ``block_bytes`` (estimated decoded size): the runs depend only on the shards, so a
-        version and the next one (one shard appended) share all their full blocks, and a
-        growing store re-forms each block only when its run completes."""
+        ``block_bytes`` (estimated decoded size). The runs depend only on the shards, so a
+        version and the next one (one shard appended) share every block but the trailing
+        ones, and as a store grows each shard is copied into a larger block about log2(n)
+        times in all, not once per version."""
         sizes = [s.bytes * _DECODED_PER_PARQUET_BYTE for s in self.shards]
         blocks, i, n = [], 0, len(self.shards)
         while i < n:
@@ -331,18 +333,27 @@ class _View:
             blocks.append((i, i + width))
             i += width
         self.blocks = blocks
+        self.block_parts: list[list[tuple[str, str | None]] | None] = [None] * len(blocks)
         self.block_starts = [self.offsets[lo] for lo, _ in blocks]
         self.block_offsets = np.asarray([*self.block_starts, self.num_rows])
         fp = self.fingerprint if self.snap.schema is not None else None
+        # One digest of the parts' checksums: a key of thousands of tiny shards would cost a
+        # tuple hash over all of them on every lookup.
         self.block_keys = [
-            ("block", fp, *(s.sha256 for s in self.shards[lo:hi])) if hi - lo > 1 else None
+            ("block", fp, m.sha256("".join(s.sha256 for s in self.shards[lo:hi]).encode()))
+            if hi - lo > 1
+            else None
             for lo, hi in blocks
         ]
 
     def parts(self, block: int) -> list[tuple[str, str | None]]:
-        lo, hi = self.blocks[block]
-        fp = self.fingerprint if self.snap.schema is not None else None
-        return [(s.sha256, fp) for s in self.shards[lo:hi]]
+        """The cache keys of a block's shards (kept: asked on every read until it forms)."""
+        parts = self.block_parts[block]
+        if parts is None:
+            lo, hi = self.blocks[block]
+            fp = self.fingerprint if self.snap.schema is not None else None
+            parts = self.block_parts[block] = [(s.sha256, fp) for s in self.shards[lo:hi]]
+        return parts
 
 
 class VersionedDataset(Dataset):

@@ -261,11 +261,11 @@ def test_blocks_of_cached_shards_read_the_same_rows(store_path, expected):
     rng = random.Random(9)
     indices = [rng.randrange(1500) for _ in range(300)]
     assert ds.__getitems__(indices) == [expected[i] for i in indices]
-    keys = list(ds.cache._shards)
-    blocks = [k for k in keys if k[0] == "block"]
-    assert blocks, keys
-    in_blocks = {sha for k in blocks for sha in k[2:]}
-    assert not any(k[0] in in_blocks for k in keys if k[0] != "block")  # parts were dropped
+    keys = set(ds.cache._shards)
+    view = ds._view(ds.version)
+    formed = [b for b, key in enumerate(view.block_keys) if key in keys]
+    assert formed, keys
+    assert not any(part in keys for b in formed for part in view.parts(b))  # parts dropped
     assert [ds[i] for i in indices[:50]] == [expected[i] for i in indices[:50]]
     assert ds.read_batch(indices, "arrow").to_pylist() == [expected[i] for i in indices]
     assert ds.cache.nbytes == sum(e.nbytes for e in ds.cache._shards.values())
