@@ -111,10 +111,12 @@ def test_v1_sync_kill_at_every_instant_resumes_exactly(files, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.s3
 def test_v1_mix_mode_on_s3_resumes_exactly(files, tmp_path, s3_endpoint):
     """Mix mode (fresh rows drawn from the step after their round), a store on the loopback
     S3 server, no loader workers, verl's old generator interface; killed right after the
-    commit of a round whose checkpoint is not written yet."""
+    commit of a round whose checkpoint is not written yet, and resumed on a "fresh machine"
+    (an empty checkpoint folder) from the checkpoint mirror next to the store."""
     from conftest import s3_url
 
     steps = 5
@@ -130,9 +132,13 @@ def test_v1_mix_mode_on_s3_resumes_exactly(files, tmp_path, s3_endpoint):
     prompts = [p for step in ref["log"].values() for p in step["prompts"]]
     assert any(p.endswith("+ 7 ?") for p in prompts), "no generated row was drawn in mix mode"
 
+    mirror = s3_url()
     spec = _spec(files, tmp_path, s3_url(), **common)
+    spec["dynstate"] = {**common["dynstate"], "checkpoint_mirror": mirror}
     assert run_driver(spec, (4, "committed")) == -signal.SIGKILL
+    spec["ckpt"] = str(tmp_path / "fresh-machine-ckpt")
     assert run_driver(spec) == 0
+    assert os.path.exists(os.path.join(spec["ckpt"], "global_step_2", "data.pt"))  # pulled
     _assert_same_run(ref, spec, steps)
 
 
@@ -151,6 +157,7 @@ def _config(files: dict, tmp_path, overrides: list[str], mode: str = "sync"):
         ("separate_async", [], ["separate_async", "supported: sync"]),
         ("sync", ["algorithm.filter_groups.enable=true"], ["filter_groups", "DAPO"]),
         ("sync", ["trainer.v1.sampler.sync_refill_failed_groups=true"], ["sync_refill"]),
+        ("sync", ["data.gen_batch_size=2"], ["gen_batch_size=2", "train_batch_size=4"]),
     ],
 )
 def test_v1_refuses_modes_without_exact_resume(files, tmp_path, mode, overrides, names):

@@ -61,12 +61,25 @@ def check_config(config: Any) -> None:
     registered_cls = TRAINER_REGISTRY.get(mode)
     ours = isinstance(registered_cls, type) and issubclass(registered_cls, DynstatePPOTrainer)
     if not ours and mode not in SUPPORTED_MODES:
+        why = (
+            "in verl's async modes the trajectories of a step depend on rollout timing, so a "
+            "resumed run cannot repeat the interrupted one"
+            if mode in ASYNC_MODES
+            else "it is not dynstate's trainer, so nothing installs the sampler or commits rounds"
+        )
         raise InvalidDataError(
-            f"trainer.v1.trainer_mode={mode} is not supported with a dynstate dataset: in verl's "
-            "async modes the trajectories of a step depend on rollout timing, so a resumed run "
-            f"cannot repeat the interrupted one; supported: {', '.join(SUPPORTED_MODES)} (run "
-            f"as trainer.v1.trainer_mode={TRAINER_MODE}, or trainer.use_v1=false for verl's "
-            "legacy trainer)"
+            f"trainer.v1.trainer_mode={mode} is not supported with a dynstate dataset: {why}; "
+            f"supported: {', '.join(SUPPORTED_MODES)} (run as trainer.v1.trainer_mode="
+            f"{TRAINER_MODE}), or trainer.use_v1=false for verl's legacy trainer"
+        )
+    train_batch_size = config.data.get("train_batch_size")
+    gen_batch_size = config.data.get("gen_batch_size", None)
+    if gen_batch_size not in (None, train_batch_size):
+        raise InvalidDataError(
+            f"data.gen_batch_size={gen_batch_size} is not supported with a dynstate dataset in "
+            f"verl's V1 trainer: a step would take {train_batch_size} rows in several loader "
+            "batches, and dynstate's sampler counts a loader batch as a step; unset it (or set "
+            f"it to data.train_batch_size={train_batch_size})"
         )
     filter_groups = config.algorithm.get("filter_groups", None)
     if filter_groups is not None and filter_groups.get("enable", False):
@@ -193,14 +206,9 @@ class DynstatePPOTrainer(PPOTrainerSync):
             return
         old = self.train_dataloader
         train_batch_size = int(self.config.data.train_batch_size)
-        if old.batch_size is None or train_batch_size % old.batch_size:
-            raise InvalidDataError(
-                f"data.train_batch_size={train_batch_size} is not a multiple of the loader's "
-                f"batch size (data.gen_batch_size={old.batch_size}); make it one"
-            )
-        # In verl's sync mode a step takes exactly train_batch_size rows (in gen_batch_size
-        # loader batches), so the sampler's step — what mix mode's lag counts — is that.
-        sampler = dataset.make_sampler(batch_size=train_batch_size)
+        # check_config keeps gen_batch_size at train_batch_size: one loader batch is one
+        # training step, which is what the sampler counts (mix mode's lag, epoch pinning)
+        sampler = dataset.make_sampler(batch_size=old.batch_size, drop_last=old.drop_last)
         kwargs: dict[str, Any] = {}
         if old.num_workers > 0:
             kwargs["prefetch_factor"] = old.prefetch_factor
@@ -213,6 +221,7 @@ class DynstatePPOTrainer(PPOTrainerSync):
             sampler=sampler,
             **kwargs,
         )
+        sampler.check_loader(self.train_dataloader)
         self.train_dataloader_it = None
         # verl derives the epoch length from len(dataset), which grows as rounds commit; take
         # the imported rows instead, so a resumed run counts epochs (and, without
