@@ -809,3 +809,16 @@ def test_gc_asks_on_a_terminal_and_deletes_only_on_yes(tmp_path) -> None:
     assert len(gone) == 3
     assert all(os.path.join(url, rel) in before for rel in gone)
     assert not any(os.path.exists(os.path.join(url, rel)) for rel in gone)
+
+
+def test_ls_shows_the_newest_20_on_a_terminal_and_all_when_piped(tmp_path) -> None:
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    for step in range(25):
+        store.append([], meta={"step": step})
+    code, out = _on_a_terminal(["ls", url], b"")
+    assert code == 0 and "(6 older versions not shown: --limit N shows more, --limit 0 all)" in out
+    listed = [line.split()[0] for line in out.splitlines()[6:] if line[:8].strip().isdigit()]
+    assert listed == [str(v) for v in range(25, 5, -1)]
+    piped = json.loads(run("ls", url, "--json").stdout)
+    assert [r["version"] for r in piped] == list(range(25, -1, -1))
