@@ -318,8 +318,8 @@ class VersionedSampler(Sampler[int]):
     def _prefetch(self) -> None:
         """Warm the shards of the block after the one being consumed (remote stores)."""
         block = self.base_next // _BLOCK
-        if not self.prefetch or block == self._prefetched:
-            return
+        if not self.prefetch or block == self._prefetched or self.dataset.store.storage.local:
+            return  # local shards are read where they lie: nothing to warm
         self._prefetched = block
         start = (block + 1) * _BLOCK
         if start < self.base_rows:
@@ -347,8 +347,8 @@ class VersionedSampler(Sampler[int]):
                 stop = min(self.position + _BLOCK, self.base_rows)
                 for row in self._rows(self.position, stop - self.position):
                     self.position += 1
-                    self.base_next = self.position
                     yield tag | row
+                self.base_next = self.position
             return
         while (shape := self._step_shape()) is not None:
             slots, per_rank = shape
@@ -361,8 +361,7 @@ class VersionedSampler(Sampler[int]):
             self.base_next = self.position
             if self.batch_size is not None:
                 self.step += 1
-            for row in rows[rank::replicas] if replicas > 1 else rows:
-                yield tag | row
+            yield from [tag | row for row in (rows[rank::replicas] if replicas > 1 else rows)]
 
     def _iter_mix(self) -> Iterator[int]:
         assert self.batch_size is not None
@@ -443,7 +442,7 @@ class VersionedSampler(Sampler[int]):
             "version": self.version,
             "base_rows": self.base_rows,
             "position": self.position,
-            "base_next": self.base_next,
+            "base_next": self.position if self.mode == "epoch" else self.base_next,
             "step": self.step,
             "fresh_next": self.fresh_next,
             "fresh_version": self.fresh_version,
