@@ -124,8 +124,11 @@ class Writer:
         """Find out, by reading back, whether a failed commit landed anyway; returns its
         version if so. Otherwise the parts' shards are removed — unless the store cannot be
         read (then gc removes them if no record names them) or another call owns them."""
-        if isinstance(exc, (LeaseExpiredError, CommitConflictError)) and not attempts:
-            self.log.leases.forget(leases)  # gc or another commit decides about these files
+        if isinstance(exc, CommitConflictError) and not attempts:
+            self.log.leases.forget(leases)  # another call holds these parts: its to decide
+            return None
+        if isinstance(exc, LeaseExpiredError) and not attempts:
+            self.discard(parts)  # the round cannot be committed; parts that ended stay as they are
             return None
         try:
             landed = self.log.landed(attempts)
@@ -140,14 +143,26 @@ class Writer:
         return None
 
     def discard(self, parts: Sequence[Staged]) -> None:
-        """Remove the shards of staged parts that will not be committed."""
+        """Remove the shards of staged parts that will not be committed. Parts whose lease
+        has ended are left alone: they may be committed already (gc handles the rest)."""
         for part in parts:
+            if part.lease and self.log.leases.ended(part.lease):
+                log.warning(
+                    "not removing staged part of lease %s of %s: its lease ended (committed, "
+                    "discarded or collected)",
+                    part.lease,
+                    self.display_url,
+                )
+                continue
             for shard in part.shards:
                 try:
                     self.storage.delete(shard.path)
                 except DynstateError as exc:
                     log.warning("could not remove %s: %s (gc will)", shard.path, exc)
-        self.log.leases.end({p.lease for p in parts if p.lease}, committed=False)
+        self.log.leases.end(
+            {p.lease for p in parts if p.lease and not self.log.leases.ended(p.lease)},
+            committed=False,
+        )
 
     def _check_unleased(self, parts: Sequence[Staged]) -> None:
         """Staged parts without a lease (pickled by an older dynstate) are checked one by one;

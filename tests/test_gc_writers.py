@@ -362,3 +362,22 @@ def test_staged_parts_outlive_the_handle_that_staged_them(tmp_path) -> None:
     driver = Store.open(url)
     assert driver.commit_staged([part]) == 1
     assert driver.snapshot().num_rows == 10
+
+
+def test_a_round_with_one_expired_part_commits_nothing_and_leaks_nothing(tmp_path) -> None:
+    """Two parts, the second's lease expired by gc (its writer died): the commit is refused,
+    the first part is removed, and the next gc removes what is left of the round."""
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    first = store.stage([{"id": 1}])
+    writer = Store.open(url, lease_ttl_s=0.5)
+    second = writer.stage([{"id": 2}])
+    writer.log.leases.forget({second.lease})  # as if its process had stopped
+    time.sleep(1.7)
+    collect_garbage(Store.open(url), grace_s=0)  # expires the second lease only
+    with pytest.raises(LeaseExpiredError, match="stage the round again"):
+        store.commit_staged([first, second])
+    assert Store.open(url).head == 0
+    assert not any(store.storage.exists(s.path) for s in first.shards)  # removed at once
+    collect_garbage(Store.open(url), grace_s=0)
+    assert store.storage.list("data") == []

@@ -157,27 +157,46 @@ class Leases:
 
     def claim(self, leases: set[str], nonce: str) -> None:
         """Win every lease for a commit (outcome ``commit``), or raise: gc expired one of
-        them (:class:`LeaseExpiredError`), or another commit holds it."""
+        them (:class:`LeaseExpiredError`), or another commit holds it. On failure the leases
+        this call won are given up (outcome ``discarded``): the round cannot be committed."""
         body = m.encode({"format": m.FORMAT, "outcome": "commit", "by": nonce})
-        for lease in sorted(leases):
+        won: list[str] = []
+        try:
+            for lease in sorted(leases):
+                try:
+                    # Not fsynced: the record created after it is, and it keeps the shards.
+                    self.storage.create(outcome_path(lease), body, durable=False)
+                except FileExistsError:
+                    outcome = read_outcome(self.storage, lease)
+                    if outcome is None or outcome.get("by") != nonce:
+                        raise self._lost(lease, outcome) from None
+                won.append(lease)
+        except BaseException:
+            self._give_up(won)
+            raise
+
+    def _lost(self, lease: str, outcome: dict[str, object] | None) -> DynstateError:
+        if outcome is not None and outcome.get("outcome") == "commit":
+            return CommitConflictError(
+                f"the staged parts of lease {lease} in {self.storage.display_url} were "
+                "already committed (or are being committed) by another call; commit each "
+                "staged part once"
+            )
+        return LeaseExpiredError(
+            f"the staged files of lease {lease} in {self.storage.display_url} were collected "
+            f"by gc (their writer stopped renewing the lease for {self.ttl_s:g} s); nothing "
+            "was committed — stage the round again"
+        )
+
+    def _give_up(self, leases: list[str]) -> None:
+        body = m.encode({"format": m.FORMAT, "outcome": "discarded"})
+        self.forget(set(leases))
+        for lease in leases:
             try:
-                # Not fsynced: the record created after it is, and it is what keeps the shards.
-                self.storage.create(outcome_path(lease), body, durable=False)
-            except FileExistsError:
-                outcome = read_outcome(self.storage, lease)
-                if outcome is not None and outcome.get("by") == nonce:
-                    continue  # our own earlier attempt
-                if outcome is not None and outcome.get("outcome") == "commit":
-                    raise CommitConflictError(
-                        f"the staged parts of lease {lease} in {self.storage.display_url} were "
-                        "already committed (or are being committed) by another call; commit "
-                        "each staged part once"
-                    ) from None
-                raise LeaseExpiredError(
-                    f"the staged files of lease {lease} in {self.storage.display_url} were "
-                    "collected by gc (their writer stopped renewing the lease for "
-                    f"{self.ttl_s:g} s); nothing was committed — stage the round again"
-                ) from None
+                self.storage.put(outcome_path(lease), body)
+                self.storage.delete(lease_path(lease))
+            except DynstateError as exc:
+                log.warning("could not give up lease %s: %s (gc will)", lease, exc)
 
     def end(self, leases: set[str], *, committed: bool) -> None:
         """Finish leases after their commit landed (``committed``) or after their owner removed
@@ -187,9 +206,21 @@ class Leases:
         for lease in leases:
             try:
                 self.storage.delete(lease_path(lease))
+                if not committed:
+                    outcome = read_outcome(self.storage, lease)
+                    if outcome is not None and outcome.get("outcome") == "expired":
+                        continue  # gc's tombstone stays
                 self.storage.delete(outcome_path(lease))
             except DynstateError as exc:
                 log.warning("could not end lease %s: %s (gc will)", lease, exc)
+
+    def ended(self, lease: str) -> bool:
+        """Whether ``lease`` has ended (its lease file is gone): committed, discarded or
+        collected. Its files are then no longer the caller's to remove."""
+        with self._lock:
+            if lease in self._active:
+                return False
+        return not self.storage.exists(lease_path(lease))
 
     # -- heartbeat -------------------------------------------------------------------------
 
