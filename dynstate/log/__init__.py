@@ -1,7 +1,8 @@
 """The commit log of a store (:class:`Log`) and the leases that protect staged files
 (:class:`Leases`). Everything that writes or walks commit records goes through here."""
 
-from .commits import MAX_COMMIT_ATTEMPTS, Log, checkpoint_bytes
+from .catalog import Catalog, checkpoint_bytes
+from .commits import MAX_COMMIT_ATTEMPTS, Log
 from .leases import (
     DEFAULT_TTL_S,
     LEASE_DIR,
@@ -17,6 +18,7 @@ __all__ = [
     "DEFAULT_TTL_S",
     "LEASE_DIR",
     "MAX_COMMIT_ATTEMPTS",
+    "Catalog",
     "LeaseState",
     "Leases",
     "Log",

@@ -15,11 +15,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import pyarrow as pa
-
 from .. import manifest as m
 from ..errors import (
-    ChecksumMismatchError,
     CommitConflictError,
     CorruptStoreError,
     DynstateError,
@@ -28,6 +25,7 @@ from ..errors import (
 )
 from ..manifest import Commit, ShardRef
 from ..storage import Storage
+from .catalog import Catalog, checkpoint_bytes
 from .leases import DEFAULT_TTL_S, Leases
 
 log = logging.getLogger("dynstate")
@@ -35,7 +33,7 @@ log = logging.getLogger("dynstate")
 MAX_COMMIT_ATTEMPTS = 200
 
 
-class Log:
+class Log(Catalog):
     """The commit log of one store, with caches of the immutable records it has read."""
 
     def __init__(
@@ -50,19 +48,11 @@ class Log:
         self.store_id = store_id
         self.single_writer = single_writer
         self._write_checked = False
+        super().__init__(storage)
         self.leases = Leases(storage, lease_ttl_s)
         self._records: dict[int, Commit] = {}
-        self._schemas: dict[str, pa.Schema] = {}
-        self._chunks: dict[str, list[ShardRef]] = {}
         self._head = 0
         self._floor = 0
-
-    @property
-    def display_url(self) -> str:
-        return self.storage.display_url
-
-    def where(self, rel: str) -> str:
-        return f"{self.display_url}/{rel}"
 
     @property
     def head(self) -> int:
@@ -242,76 +232,6 @@ class Log:
             shards.extend(add)
         return shards
 
-    def checkpoint(self, version: int) -> list[ShardRef] | None:
-        rel = m.checkpoint_path(version)
-        raw = self.storage.try_read(rel)
-        if raw is None:
-            return None  # its writer died before writing it; replay further back instead
-        obj = m.decode(raw, self.where(rel))
-        return self.expand(
-            m.ShardList.from_json(obj.get("shards"), self.where(rel)), self.where(rel)
-        )
-
-    def expand(self, shard_list: m.ShardList, where: str) -> list[ShardRef]:
-        out: list[ShardRef] = []
-        for digest in shard_list.chunks:
-            chunk = self._chunks.get(digest)
-            if chunk is None:
-                rel = m.chunk_path(digest)
-                try:
-                    raw = self.storage.read(rel)
-                except FileNotFoundError:
-                    raise CorruptStoreError(
-                        f"{where} refers to chunk {digest[:12]}, which is missing from "
-                        f"{self.display_url}; run `dynstate verify`"
-                    ) from None
-                chunk = m.decode_chunk(digest, raw, self.where(rel))
-                self._chunks[digest] = chunk
-            out.extend(chunk)
-        out.extend(shard_list.tail)
-        return out
-
-    def put_shard_list(self, shards: list[ShardRef]) -> m.ShardList:
-        files, shard_list = m.split_chunks(shards)
-        for digest, data in files:
-            if digest not in self._chunks:
-                self._touch(m.chunk_path(digest), data)
-                self._chunks[digest] = m.decode_chunk(digest, data, digest)
-        return shard_list
-
-    # -- schemas ---------------------------------------------------------------------------
-
-    def schema(self, fp: str | None, version: int) -> pa.Schema | None:
-        if fp is None:
-            return None
-        schema = self._schemas.get(fp)
-        if schema is None:
-            rel = m.schema_path(fp)
-            try:
-                raw = self.storage.read(rel)
-            except FileNotFoundError:
-                raise CorruptStoreError(
-                    f"schema {fp[:12]} of version {version} is missing from "
-                    f"{self.display_url}; run `dynstate verify`"
-                ) from None
-            schema = m.schema_from_json(m.decode(raw, self.where(rel)), self.where(rel))
-            if m.schema_fingerprint(schema) != fp:
-                raise ChecksumMismatchError(f"{self.where(rel)} does not match its name")
-            self._schemas[fp] = schema
-        return schema
-
-    def put_schema(self, schema: pa.Schema) -> None:
-        fp = m.schema_fingerprint(schema)
-        if fp not in self._schemas:
-            self._touch(m.schema_path(fp), m.encode(m.schema_to_json(schema)))
-            self._schemas[fp] = schema
-
-    def _touch(self, rel: str, data: bytes) -> None:
-        """Write a content-addressed file, whether or not it exists (same name, same bytes):
-        its fresh time tells gc that a commit is about to name it — gc leaves unreferenced
-        metadata younger than an hour alone, and this one may be an old orphan."""
-        self.storage.put(rel, data)
-
     # -- committing ------------------------------------------------------------------------
 
     def require_writable(self) -> None:
@@ -429,16 +349,3 @@ class Log:
                 self._head = max(self._head, record.version)
                 return record.version
         return None
-
-
-def checkpoint_bytes(record: Commit, shard_list: m.ShardList) -> bytes:
-    return m.encode(
-        {
-            "format": m.FORMAT,
-            "store_id": record.store_id,
-            "version": record.version,
-            "schema": record.schema,
-            "num_rows": record.num_rows,
-            "shards": shard_list.to_json(),
-        }
-    )

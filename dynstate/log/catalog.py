@@ -1,0 +1,111 @@
+"""Content-addressed and derived metadata of a store: chunks of shard lists, schemas and
+checkpoints, with caches (they never change once written). :class:`dynstate.log.Log` builds
+on it."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from .. import manifest as m
+from ..errors import ChecksumMismatchError, CorruptStoreError
+from ..manifest import Commit, ShardRef
+from ..storage import Storage
+
+
+class Catalog:
+    """Chunks, schemas and checkpoints of one store, read through caches."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._schemas: dict[str, pa.Schema] = {}
+        self._chunks: dict[str, list[ShardRef]] = {}
+
+    @property
+    def display_url(self) -> str:
+        return self.storage.display_url
+
+    def where(self, rel: str) -> str:
+        return f"{self.display_url}/{rel}"
+
+    def checkpoint(self, version: int) -> list[ShardRef] | None:
+        rel = m.checkpoint_path(version)
+        raw = self.storage.try_read(rel)
+        if raw is None:
+            return None  # its writer died before writing it; replay further back instead
+        obj = m.decode(raw, self.where(rel))
+        return self.expand(
+            m.ShardList.from_json(obj.get("shards"), self.where(rel)), self.where(rel)
+        )
+
+    def expand(self, shard_list: m.ShardList, where: str) -> list[ShardRef]:
+        out: list[ShardRef] = []
+        for digest in shard_list.chunks:
+            chunk = self._chunks.get(digest)
+            if chunk is None:
+                rel = m.chunk_path(digest)
+                try:
+                    raw = self.storage.read(rel)
+                except FileNotFoundError:
+                    raise CorruptStoreError(
+                        f"{where} refers to chunk {digest[:12]}, which is missing from "
+                        f"{self.display_url}; run `dynstate verify`"
+                    ) from None
+                chunk = m.decode_chunk(digest, raw, self.where(rel))
+                self._chunks[digest] = chunk
+            out.extend(chunk)
+        out.extend(shard_list.tail)
+        return out
+
+    def put_shard_list(self, shards: list[ShardRef]) -> m.ShardList:
+        files, shard_list = m.split_chunks(shards)
+        for digest, data in files:
+            if digest not in self._chunks:
+                self._touch(m.chunk_path(digest), data)
+                self._chunks[digest] = m.decode_chunk(digest, data, digest)
+        return shard_list
+
+    # -- schemas ---------------------------------------------------------------------------
+
+    def schema(self, fp: str | None, version: int) -> pa.Schema | None:
+        if fp is None:
+            return None
+        schema = self._schemas.get(fp)
+        if schema is None:
+            rel = m.schema_path(fp)
+            try:
+                raw = self.storage.read(rel)
+            except FileNotFoundError:
+                raise CorruptStoreError(
+                    f"schema {fp[:12]} of version {version} is missing from "
+                    f"{self.display_url}; run `dynstate verify`"
+                ) from None
+            schema = m.schema_from_json(m.decode(raw, self.where(rel)), self.where(rel))
+            if m.schema_fingerprint(schema) != fp:
+                raise ChecksumMismatchError(f"{self.where(rel)} does not match its name")
+            self._schemas[fp] = schema
+        return schema
+
+    def put_schema(self, schema: pa.Schema) -> None:
+        fp = m.schema_fingerprint(schema)
+        if fp not in self._schemas:
+            self._touch(m.schema_path(fp), m.encode(m.schema_to_json(schema)))
+            self._schemas[fp] = schema
+
+    def _touch(self, rel: str, data: bytes) -> None:
+        """Write a content-addressed file, whether or not it exists (same name, same bytes):
+        its fresh time tells gc that a commit is about to name it — gc leaves unreferenced
+        metadata younger than an hour alone, and this one may be an old orphan."""
+        self.storage.put(rel, data)
+
+
+def checkpoint_bytes(record: Commit, shard_list: m.ShardList) -> bytes:
+    return m.encode(
+        {
+            "format": m.FORMAT,
+            "store_id": record.store_id,
+            "version": record.version,
+            "schema": record.schema,
+            "num_rows": record.num_rows,
+            "shards": shard_list.to_json(),
+        }
+    )
