@@ -81,3 +81,11 @@ def test_redact() -> None:
     assert redact("s3://KEY:Sec/ret@bucket/run1?token=x") == "s3://***@bucket/run1"
     assert redact("s3://bucket/runs/a@b") == "s3://bucket/runs/a@b"  # an @ in a path is kept
     assert redact("/local/path@1") == "/local/path@1"
+
+
+def test_options_s3fs_hands_on_to_botocore_are_accepted(s3_endpoint) -> None:
+    from dynstate.storage import open_storage
+
+    open_storage(s3_url(), {"profile": "default", "anon": False})  # no error: both are known
+    with pytest.raises(InvalidDataError, match="unknown storage option 'no_such_option'"):
+        open_storage(s3_url(), {"no_such_option": 1})

@@ -84,7 +84,7 @@ class Storage:
         except (ImportError, ValueError):
             return  # _connect reports it
         known = set(_COMMON_OPTIONS)
-        for klass in cls.__mro__:
+        for klass in [*cls.__mro__, *self._option_sinks()]:
             init = klass.__dict__.get("__init__")
             if init is None:
                 continue
@@ -97,6 +97,10 @@ class Storage:
                 f"unknown storage option {', '.join(map(repr, unknown))} for "
                 f"{self.display_url}; {protocol}:// takes {', '.join(sorted(known))}"
             )
+
+    def _option_sinks(self) -> list[type]:
+        """Classes the filesystem hands unknown options on to (their names are valid too)."""
+        return []
 
     def _connect(self) -> tuple[fsspec.AbstractFileSystem, str]:
         try:
