@@ -39,6 +39,8 @@ log = logging.getLogger("dynstate")
 T = TypeVar("T")
 
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
+# Backends whose every option is known here (s3fs's leftovers go to aiobotocore's session).
+_CHECKED_PROTOCOLS = frozenset({"file", "local", "memory", "s3", "s3a"})
 # Options every fsspec filesystem takes (AbstractFileSystem's own), whatever its signature.
 _COMMON_OPTIONS = frozenset(
     {"use_listings_cache", "listings_expiry_time", "max_paths", "skip_instance_cache", "loop"}
@@ -79,6 +81,8 @@ class Storage:
         if not self.storage_options:
             return
         protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
+        if protocol not in _CHECKED_PROTOCOLS:
+            return  # where options flow on to libraries we do not know, we cannot tell
         try:
             cls = fsspec.get_filesystem_class(protocol)
         except (ImportError, ValueError):
