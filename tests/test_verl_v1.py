@@ -87,22 +87,26 @@ def _reference(files: dict, tmp_path, store: str, **extra) -> dict:
 
 @pytest.mark.slow
 def test_v1_sync_kill_at_every_instant_resumes_exactly(files, tmp_path):
-    """Epoch mode, local store, dataloader_num_workers=2. One driver is killed at each of the
-    four instants in turn, each one resuming the previous; the run ends like the
-    uninterrupted one, batch for batch and row for row."""
-    steps = 6
+    """Epoch mode, local store, dataloader_num_workers=2, two epochs (the second one pins the
+    round of the step before it). One driver is killed at each of the four instants in turn,
+    each one resuming the previous; the run ends like the uninterrupted one, batch for batch
+    and row for row."""
+    steps = 8  # 26 rows imported, 4 per step: epoch 2 starts at step 7
     common = {"steps": steps, "save_freq": 2, "test_freq": 3, "num_workers": 2}
     ref = _reference(files, tmp_path, str(tmp_path / "ref-store"), **common)
-    # rounds of every step, and generated rows joined the data of the second epoch
     assert [r[0] for r in ref["store"]["rounds"]] == list(range(1, steps + 1))
-    assert sum(r[1] for r in ref["store"]["rounds"]) > 0
+    imported = 26
+    assert max(ref["log"][6]["rows"]) < imported
+    assert max(ref["log"][7]["rows"] + ref["log"][8]["rows"]) >= imported, (
+        "the second epoch drew no generated row"
+    )
 
     spec = _spec(files, tmp_path, str(tmp_path / "store"), **common)
     kills = [
         (3, "rollout"),  # prompts of step 3 in flight; checkpoint 2 is the latest
         (3, "validation"),  # round 3 committed, no checkpoint 3: rolled back on resume
-        (4, "committed"),  # round 4 durable, checkpoint 4 not yet written
-        (4, "saved"),  # checkpoint 4 just written
+        (6, "saved"),  # checkpoint 6 just written, at the end of the first epoch
+        (7, "committed"),  # round 7 durable, its step's checkpoint (8) not written
     ]
     for kill in kills:
         assert run_driver(spec, kill) == -signal.SIGKILL
@@ -257,13 +261,13 @@ def _entry_point(files: dict, tmp_path, use_v1: bool) -> tuple[str, str]:
 @pytest.mark.slow
 def test_main_ppo_v1_runs_dynstate_trainer_up_to_gpu_workers(files, tmp_path):
     """``use_v1=true``: the dynstate trainer is registered inside verl's TaskRunnerV1 actor and
-    selected; it builds the dataset (importing the train files), installs dynstate's sampler
-    and stops where verl asks Ray for GPUs."""
+    selected; it builds the dataset (importing the train files) and stops where verl asks Ray
+    for GPUs. (The actor's last log lines may not reach the driver before it exits, so the
+    sampler's installation is checked by the kill tests, on the same class.)"""
     out, store = _entry_point(files, tmp_path, use_v1=True)
     assert "DynstateTaskRunnerV1" in out
     assert "'trainer_mode': 'dynstate'" in out
-    assert "Unknown trainer" not in out
-    assert "dynstate train sampler installed" in out
+    assert "Unknown trainer" not in out  # verl found the mode: registered inside the actor
     assert NO_GPU in out  # verl's resource pool: the first thing that needs a GPU
     summary = standins.store_summary(store)
     assert summary["rows"] and summary["rounds"] == []  # imported, no step trained

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import verl_v1_standins as standins  # noqa: E402
 
-STEPS, SAVE_FREQ, TEST_FREQ = 6, 2, 3
+STEPS, SAVE_FREQ, TEST_FREQ = 8, 2, 3  # 26 rows, 4 a step: epoch 2 from step 7
 SAVES = sorted({*range(SAVE_FREQ, STEPS + 1, SAVE_FREQ), STEPS})
 VALIDATIONS = sorted({*range(TEST_FREQ, STEPS + 1, TEST_FREQ), STEPS})
 
