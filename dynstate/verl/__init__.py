@@ -2,7 +2,9 @@
 
 The only package of dynstate that imports verl. ``data.custom_cls.path: pkg://dynstate.verl``
 with ``name: DynstateRLDataset``; run with ``python -m dynstate.verl.main_ppo`` (or mix
-:class:`DynstateTrainerMixin` into your own ``RayPPOTrainer``). See docs/verl.md.
+:class:`DynstateTrainerMixin` into your own ``RayPPOTrainer``; for verl's V1 trainer, import
+:mod:`dynstate.verl.v1` where ``TaskRunnerV1`` runs and set ``trainer.v1.trainer_mode=dynstate``
+— not imported here, as it needs TransferQueue). See docs/verl.md.
 """
 
 from __future__ import annotations
