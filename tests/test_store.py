@@ -304,3 +304,16 @@ def test_file_url_and_plain_path_are_the_same_store(tmp_path) -> None:
     path = tmp_path / "store"
     Store.open(str(path), create=True).append(rows(0, 2))
     assert ids(Store.open(f"file://{path}")) == [0, 1]
+
+
+def test_store_and_staged_parts_pickle(tmp_path) -> None:
+    """A store handle travels to spawned workers and Ray tasks: it pickles (its storage
+    reconnects, its leases stay with the process that holds them), and so does a Staged."""
+    import pickle
+
+    store = Store.open(str(tmp_path / "store"), create=True)
+    store.append([{"id": 1}])
+    part = store.stage([{"id": 2}])
+    copy = pickle.loads(pickle.dumps(store))
+    assert copy.commit_staged([pickle.loads(pickle.dumps(part))]) == 2
+    assert copy.snapshot().to_arrow().column("id").to_pylist() == [1, 2]

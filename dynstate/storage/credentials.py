@@ -81,6 +81,13 @@ class Scrubber(logging.Filter):
         self._secrets: list[str] = []
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, object]:
+        return {"secrets": list(self._secrets)}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__()  # type: ignore[misc]
+        self.add(list(state["secrets"]))  # type: ignore[call-overload]
+
     def add(self, secrets: list[str]) -> None:
         with self._lock:
             merged = set(self._secrets) | set(secrets)
