@@ -68,9 +68,11 @@ class VersionedSampler(Sampler[int]):
       depth: ``lag >= num_workers * prefetch_factor + 1`` (1 without workers).
 
     Steps: with ``batch_size`` (the per-rank batch size of the loader), the sampler counts the
-    loader's steps. Epoch ``e + 1``, which starts at step ``S``, pins the version of the round
-    of step ``S - 1`` (the newest version of the head's lineage whose ``meta["step"]`` is at
-    most ``S - 1``), a rule on the store's history, so every rank and every resumed run pins
+    loader's steps, from ``first_step`` (0; 1 for a trainer whose first step is step 1, as
+    verl's ``global_steps``), in the numbering of the rounds' ``meta["step"]``. Epoch
+    ``e + 1``, which starts at step ``S``, pins the version of the round of step ``S - 1``
+    (the newest version of the head's lineage whose ``meta["step"]`` is at most ``S - 1``), a
+    rule on the store's history, so every rank and every resumed run pins
     the same version. Mix mode waits for that round; epoch mode pins the head when the run
     commits no rounds. The first epoch pins the head (rank 0's, broadcast to every rank when
     ``torch.distributed`` is initialized).
@@ -99,6 +101,7 @@ class VersionedSampler(Sampler[int]):
         num_replicas: int | None = None,
         rank: int | None = None,
         drop_last: bool = False,
+        first_step: int = 0,
         wait_timeout: float = 600.0,
         prefetch: bool = True,
     ) -> None:
@@ -110,6 +113,8 @@ class VersionedSampler(Sampler[int]):
             raise InvalidDataError(f"batch_size must be a positive int or None, not {batch_size!r}")
         if not isinstance(drop_last, bool) or not isinstance(shuffle, bool):
             raise InvalidDataError("shuffle and drop_last must be True or False")
+        if not _is_int(first_step) or first_step < 0:
+            raise InvalidDataError(f"first_step must be an int >= 0, not {first_step!r}")
         if mode == "mix":
             if batch_size is None:
                 raise InvalidDataError("mode='mix' needs the loader's batch_size")
@@ -144,7 +149,8 @@ class VersionedSampler(Sampler[int]):
         self.base_rows = 0
         self.position = 0  # slots of the epoch handed out, all ranks together
         self.base_next = 0  # next position of the epoch's permutation (mix: <= position)
-        self.step = 0  # steps handed out over the whole run (with batch_size)
+        self.first_step = int(first_step)
+        self.step = self.first_step  # the next step's number (counted with batch_size)
         self.fresh_next = 0  # next fresh row to hand out (mix mode)
         self.fresh_version: int | None = None
         self._perm_key: tuple[int, int] | None = None
@@ -285,8 +291,8 @@ class VersionedSampler(Sampler[int]):
         deadline = time.monotonic() + self.wait_timeout
         while True:
             head = store.refresh()
-            if first or self.batch_size is None:
-                return head
+            if first or self.batch_size is None or self.step <= self.first_step:
+                return head  # no step has run: no round to pin by
             found = _round_version(store, head, self.version, self.step - 1)  # type: ignore[arg-type]
             if found is not None:
                 return found
@@ -395,7 +401,7 @@ class VersionedSampler(Sampler[int]):
         while True:
             version = current
             last = _latest_step(store, current)
-            done = step < 0 or (last is not None and last >= step)
+            done = step < self.first_step or (last is not None and last >= step)
             # Only the head's lineage counts: rounds a rollback abandoned never become fresh.
             for v in _lineage_after(store, store.refresh(), current):
                 record_step = store.commit_record(v).meta.get("step")

@@ -172,3 +172,19 @@ def test_check_loader_refuses_a_lag_within_the_prefetch_depth(tmp_path):
     other = VersionedSampler(ds, mode="mix", batch_size=2)
     with pytest.raises(InvalidDataError, match="does not draw"):
         sampler.check_loader(_loader(other, batch_size=2))
+
+
+def test_first_step_numbers_steps_as_the_trainer_does(tmp_path):
+    """A trainer whose first step is step 1 (verl's global_steps) commits the round of the
+    step the sampler counts: with first_step=1, lag 1 draws the round of the step before."""
+    store = Store.open(str(tmp_path / "s"), create=True)
+    store.append([{"id": i} for i in range(12)])
+    ds = VersionedDataset(store)
+    sampler = VersionedSampler(ds, mode="mix", batch_size=4, lag=1, first_step=1, wait_timeout=5)
+    loader = sampler.check_loader(StatefulDataLoader(ds, batch_size=4, sampler=sampler))
+    rounds_seen = []
+    for step, batch in enumerate(loader, start=1):
+        rounds_seen.append(sorted(int(i) for i in batch["id"] if i >= 100))
+        store.append([{"id": 100 * step}], meta={"step": step})
+    assert rounds_seen == [[], [100], [200]]
+    assert sampler.state_dict()["step"] == 4
