@@ -253,10 +253,14 @@ class Log(Catalog):
         floor and refuses sources below it. Every record tried is appended to ``attempts``."""
         sources = list(sources)
         for attempt in range(MAX_COMMIT_ATTEMPTS):
-            if sources:
-                self._check_sources(sources)
+            floor = self.read_floor()
+            for source in sources:
+                if source < floor:
+                    raise self.collected(source)
             parent = self.record(self._head)
-            if parent is None:
+            if parent is None or parent.version + 1 < floor:
+                # A head from before a gc: the record names below the floor are free again
+                # (gc removed them), and a record created there would be invisible.
                 self.refresh()
                 continue
             record = make(parent)
@@ -276,12 +280,6 @@ class Log(Catalog):
             f"gave up committing to {self.display_url} after {MAX_COMMIT_ATTEMPTS} lost races; "
             "too many concurrent writers — retry, or write rounds from fewer processes"
         )
-
-    def _check_sources(self, sources: list[int]) -> None:
-        floor = self.read_floor()
-        for source in sources:
-            if source < floor:
-                raise self.collected(source)
 
     def _recheck_sources(self, record: Commit, sources: list[int]) -> None:
         """A gc that published its floor while this record was being created may not have
