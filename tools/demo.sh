@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's first command: sets up the virtual environment (tools/setup-venv.sh), then runs
-# `dynstate demo` — a dynamic-datagen training run that is SIGKILLed mid-run and resumed from
+# tools/demo.py — a dynamic-datagen training run that is SIGKILLed mid-run and resumed from
 # its last checkpoint, checked against an uninterrupted run. Output goes to ./demo-out/.
 # Arguments go to the demo, e.g. `bash tools/demo.sh --s3` or `bash tools/demo.sh --steps 30`.
 set -euo pipefail
