@@ -1,7 +1,11 @@
 """Export one version's rows, in order, to a Parquet file or a Hugging Face ``datasets``
 directory at any fsspec URL (a local path, ``s3://bucket/key``...). The output appears
 complete or not at all: it is written under a temporary name next to it and then moved into
-place (on object stores a single PUT is already all-or-nothing)."""
+place (on object stores a single PUT is already all-or-nothing).
+
+An output never overlaps the store it is exported from: OUT that is the store root, lies
+inside it or contains it is refused before anything is written or removed, and ``overwrite``
+replaces only a file or a ``datasets`` export directory, never any other directory."""
 
 from __future__ import annotations
 
@@ -14,8 +18,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import InvalidDataError, MissingDependencyError, StorageError, StoreExistsError
+from .errors import (
+    DynstateError,
+    InvalidDataError,
+    MissingDependencyError,
+    StorageError,
+    StoreExistsError,
+)
 from .snapshot import Snapshot
+from .storage import redact
 
 FORMATS = ("parquet", "datasets")
 Progress = Callable[[int, int], None]
@@ -33,25 +44,13 @@ def export(
     """Write ``snap``'s rows to ``out`` (a path or fsspec URL); returns ``out``. Parquet is
     streamed shard by shard; a ``datasets`` directory loads with
     ``datasets.load_from_disk(out)``. ``progress(done, total)`` counts shards read."""
-    import fsspec
-
     out = os.fspath(out)
     if fmt not in FORMATS:
         raise InvalidDataError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
+    fs, path, local = _target(snap, out, storage_options)
     try:
-        fs, path = fsspec.core.url_to_fs(out, **(storage_options or {}))
-    except ImportError as exc:
-        raise MissingDependencyError(
-            f"cannot write {out}: its filesystem is not installed ({exc}); for s3:// "
-            "pip install 'dynstate[s3]'"
-        ) from exc
-    except (ValueError, TypeError) as exc:
-        raise InvalidDataError(f"cannot write to {out}: {exc}") from exc
-    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-    if local:
-        path = os.path.abspath(path)
-    try:
-        if fs.exists(path) and not overwrite:
+        existing = _existing(fs, path, out)
+        if existing is not None and not overwrite:
             raise StoreExistsError(
                 f"{out} exists; choose another path or pass overwrite=True to replace it"
             )
@@ -75,6 +74,129 @@ def export(
             raise
         raise StorageError(f"cannot write version {snap.version} to {out}: {exc}") from exc
     return out
+
+
+def replace_plan(
+    snap: Snapshot,
+    out: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> str | None:
+    """What exporting ``snap`` to ``out`` with ``overwrite=True`` would replace: a one-line
+    description (``"a file of 1.2 KiB"``), or None when ``out`` does not exist. Raises as
+    :func:`export` would for an ``out`` that overlaps the store or cannot be replaced; nothing
+    is written."""
+    out = os.fspath(out)
+    fs, path, _ = _target(snap, out, storage_options)
+    try:
+        return _existing(fs, path, out)
+    except DynstateError:
+        raise
+    except Exception as exc:
+        raise StorageError(f"cannot check {out}: {exc}") from exc
+
+
+def _target(
+    snap: Snapshot, out: str, storage_options: dict[str, Any] | None
+) -> tuple[Any, str, bool]:
+    """(filesystem, path, is local) of ``out``, refused where it overlaps the store."""
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(out, **(storage_options or {}))
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"cannot write {out}: its filesystem is not installed ({exc}); for s3:// "
+            "pip install 'dynstate[s3]'"
+        ) from exc
+    except (ValueError, TypeError) as exc:
+        raise InvalidDataError(f"cannot write to {out}: {exc}") from exc
+    local = _LOCAL in _protocols(fs)
+    if local:
+        path = os.path.abspath(path)
+    _refuse_overlap(snap, out, fs, path, storage_options or {})
+    return fs, path, local
+
+
+_LOCAL = "file"
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+
+
+def _location(fs: Any, path: str, options: dict[str, Any]) -> tuple[str, str, list[str]]:
+    """(backend, endpoint, path components) that name the same place for the same bytes:
+    symlinks resolved on a local disk; protocol, endpoint and bucket/key elsewhere."""
+    protocols = _protocols(fs)
+    if _LOCAL in protocols:
+        return _LOCAL, "", [p for p in os.path.realpath(path).split(os.sep) if p]
+    backend = "s3" if "s3" in protocols else str(protocols[0])
+    client = options.get("client_kwargs")
+    endpoint = options.get("endpoint_url") or (
+        client.get("endpoint_url") if isinstance(client, dict) else None
+    )
+    return backend, str(endpoint or "").rstrip("/"), [p for p in path.split("/") if p]
+
+
+def _refuse_overlap(snap: Snapshot, out: str, fs: Any, path: str, options: dict[str, Any]) -> None:
+    """Exporting onto, into or around the store would replace (or pollute) the store itself:
+    one mistyped OUT with overwrite would destroy every version."""
+    storage = getattr(snap.store, "storage", None)
+    if storage is None:
+        return
+    backend, endpoint, parts = _location(fs, path, options)
+    s_backend, s_endpoint, s_parts = _location(
+        storage.fs, storage.root, getattr(storage, "storage_options", {}) or {}
+    )
+    if backend != s_backend or (endpoint and s_endpoint and endpoint != s_endpoint):
+        return
+    common = min(len(parts), len(s_parts))
+    if parts[:common] != s_parts[:common]:
+        return
+    where = (
+        "is the store"
+        if len(parts) == len(s_parts)
+        else "lies inside the store"
+        if len(parts) > len(s_parts)
+        else "contains the store"
+    )
+    raise InvalidDataError(
+        f"cannot export to {redact(out)}: it {where} at {snap.store.display_url}, which would "
+        "be destroyed or altered; choose an OUT outside the store"
+    )
+
+
+def _existing(fs: Any, path: str, out: str) -> str | None:
+    """None if nothing is at ``path``; else what overwriting would replace. A directory is
+    replaced only if it is a ``datasets`` export: any other folder (a project, a home
+    directory, a bucket prefix of other files) is refused, never deleted."""
+    if not fs.exists(path):
+        return None
+    if not fs.isdir(path):
+        return f"a file of {_size(fs.size(path) or 0)}"
+    names = {str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+    if not names >= _DATASETS_FILES:
+        raise InvalidDataError(
+            f"cannot replace {redact(out)}: it is a directory that is not a datasets export "
+            f"(no {' or '.join(sorted(_DATASETS_FILES - names))}); choose another OUT, or "
+            "remove it yourself"
+        )
+    files = fs.find(path, detail=True)
+    total = sum(int(info.get("size") or 0) for info in files.values())
+    return f"a datasets directory of {len(files)} files, {_size(total)}"
+
+
+_DATASETS_FILES = frozenset({"dataset_info.json", "state.json"})
+
+
+def _size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
 
 
 def _remove(fs: Any, path: str) -> None:

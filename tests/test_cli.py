@@ -548,9 +548,12 @@ def test_export_parquet_datasets_and_s3(built, tmp_path, s3_endpoint) -> None:
     assert exists.stderr == (
         f"error: {out} exists; choose another path or pass --overwrite to replace it\n"
     )
-    info = json.loads(run("export", url, str(out), "--overwrite", "--json").stdout)
+    replaced = run("export", url, str(out), "--overwrite", "--yes", "--json")
+    assert replaced.stderr.startswith(f"would replace {out} (a file of ")  # stdout: JSON only
+    info = json.loads(replaced.stdout)
     assert info == {"url": url, "version": 6, "rows": 8, "shards": 3, "out": str(out),
-                    "format": "parquet"}  # fmt: skip
+                    "format": "parquet", "replaced": info["replaced"]}  # fmt: skip
+    assert info["replaced"].startswith("a file of ")
     assert pq.read_table(out).to_pylist() == store.snapshot().to_arrow().to_pylist()
     ds_dir = tmp_path / "ds"
     run("export", url, "ckpt", str(ds_dir), "--format", "datasets")

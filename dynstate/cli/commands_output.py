@@ -9,12 +9,15 @@ from typing import Any
 import click
 
 from . import render as r
+from .errors import Failure
 from .options import (
     cli_storage_options,
+    confirm,
     json_option,
     open_store,
     store_command,
     version_arg,
+    yes_option,
 )
 
 
@@ -22,28 +25,54 @@ from .options import (
 @click.argument("url")
 @click.argument("args", nargs=-1, required=True, metavar="[VERSION] OUT")
 @click.option("--format", "fmt", type=click.Choice(["parquet", "datasets"]), default="parquet")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace OUT if it exists (a file or a datasets export; shown first, done with --yes).",
+)
+@yes_option
 @json_option
 @store_command
 def export_cmd(
-    url: str, args: tuple[str, ...], fmt: str, overwrite: bool, as_json, storage_options
-):
+    url: str,
+    args: tuple[str, ...],
+    fmt: str,
+    overwrite: bool,
+    yes: bool,
+    as_json: bool,
+    storage_options: dict[str, Any],
+) -> None:
     """Write a version's rows (default: the head), in order, to one Parquet file or to a
     Hugging Face `datasets` directory (load it with datasets.load_from_disk). OUT is a path or
     any fsspec URL (s3://bucket/rows.parquet); --storage-option applies to it too. OUT appears
-    only when complete.
+    only when complete, and is never the store or inside or around it. Replacing an existing
+    OUT needs --overwrite, and like every deleting command shows what it replaces and does it
+    only with --yes (or a yes typed on a terminal).
 
     \b
     Example:
       dynstate export s3://bucket/runs/run1 42 s3://bucket/exports/rows.parquet
     """
-    from ..export import export
+    from ..errors import StoreExistsError
+    from ..export import export, replace_plan
 
     if len(args) > 2:
         raise click.UsageError("expected URL [VERSION] OUT")
     version, out = (None, args[0]) if len(args) == 1 else args
     store = open_store(url, storage_options)
     snap = store.snapshot(version_arg(version))
+    out_options = cli_storage_options(out, storage_options)
+    # Checked before anything is written: an OUT overlapping the store is refused, and an
+    # existing OUT is replaced only after its plan is shown and confirmed.
+    replaced = replace_plan(snap, out, storage_options=out_options)
+    if replaced is not None:
+        if not overwrite:
+            raise StoreExistsError(
+                f"{out} exists; choose another path or pass --overwrite to replace it"
+            )
+        click.echo(f"would replace {out} ({replaced})", err=as_json)
+        if not confirm(f"replace {out}?", yes):
+            raise Failure(f"{out} not replaced: pass --yes (with --overwrite) to replace it")
     with r.progress("exporting", "shards") as update:
         export(
             snap,
@@ -51,16 +80,18 @@ def export_cmd(
             fmt=fmt,
             overwrite=overwrite,
             progress=update,
-            storage_options=cli_storage_options(out, storage_options),
+            storage_options=out_options,
         )
     info = {"url": store.display_url, "version": snap.version, "rows": snap.num_rows,
-            "shards": len(snap.shards), "out": out, "format": fmt}  # fmt: skip
+            "shards": len(snap.shards), "out": out, "format": fmt,
+            "replaced": replaced}  # fmt: skip
     if as_json:
         r.print_json(info)
     else:
         r.echo(
             f"exported version {snap.version} of {store.display_url} "
             f"({r.count(snap.num_rows, 'row')}) to {out}"
+            + (f", replacing {replaced}" if replaced else "")
         )
 
 
