@@ -100,7 +100,8 @@ def main() -> int:
     rng = random.Random(args.seed)
     with contextlib.ExitStack() as stack:
         if args.s3:
-            from dynstate.demo import loopback_s3
+            sys.path.insert(0, HERE)
+            from loopback_s3 import loopback_s3
 
             stack.enter_context(loopback_s3("dynstate-soak"))
 
