@@ -270,6 +270,8 @@ class DynstateRLDataset(RLHFDataset):
             "batch_size": s.batch_size,
             "fresh_share": s.fresh_share,
             "lag": s.lag,
+            # verl numbers steps from 1 (global_steps) and commits round s with meta step s
+            "first_step": 1,
         }
         options.update(loader)
         return VersionedSampler(self._rows, **options)
