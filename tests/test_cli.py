@@ -453,6 +453,36 @@ def test_gc_usage_errors_exit_2_and_change_nothing(tmp_path) -> None:
     assert files_of(url) == before
 
 
+HUGE = "9" * 23  # beyond sys.maxsize
+
+
+def test_huge_counts_mean_all_and_never_leak_overflow_errors(tmp_path) -> None:
+    """Every integer option of every command: a count larger than a machine word is "all"
+    (clamped), never a ValueError/OverflowError from below; negative ones stay usage errors."""
+    url = str(tmp_path / "store")
+    store = build(url)
+    every = json.loads(run("ls", url, "--all", "--json").stdout)
+    assert json.loads(run("ls", url, "--all", "--limit", HUGE, "--json").stdout) == every
+    head = json.loads(run("head", url, "-n", HUGE, "--json").stdout)
+    assert (
+        head == rows(0, 3) + rows(10, 3) + rows(100, 2) == store.snapshot().to_arrow().to_pylist()
+    )
+    shown = json.loads(run("show", url, "--max-shards", HUGE, "--json").stdout)
+    assert len(shown["shard_list"]) == 3
+    assert "shards:" in run("show", url, "--max-shards", HUGE).stdout
+    before = files_of(url)
+    gc = json.loads(run("gc", url, "--keep", HUGE, "--yes", "--json").stdout)
+    assert gc["versions_collected"] == [] and gc["files_removed"] == 0
+    huge_size = "9" * 400  # float infinity once parsed: no limit
+    assert files_of(url) == before
+    compacted = run("compact", url, "--target-size", huge_size).stdout
+    assert compacted.endswith("version 7 has 1 shard (version 6 had 3), same 8 rows\n")
+    for args in (["ls", url, "--limit", "-1"], ["head", url, "-n", "-" + HUGE],
+                 ["show", url, "--max-shards", "x"], ["gc", url, "--keep", "0"]):  # fmt: skip
+        result = run(*args, code=2)
+        assert "Invalid value for" in result.stderr and "Traceback" not in result.stderr
+
+
 # -- verify ------------------------------------------------------------------------------------
 
 
@@ -762,6 +792,8 @@ def test_inspect_names_the_training_step_apart_from_the_sampler_counters(tmp_pat
         f"batches handed out {state['step']:,}"
     )
     assert f"pinned version {state['version']}," in fields["sampler"]
+    huge = json.loads(run("inspect", str(folder), "-n", HUGE, "--json").stdout)
+    assert huge["next_indices"][: len(info["next_indices"])] == info["next_indices"]
     plain = tmp_path / "elsewhere.pt"
     shutil.copy(ckpt / "latest.pt", plain)
     assert json.loads(run("inspect", str(plain), "--json").stdout)["training_step"] is None

@@ -11,6 +11,7 @@ import click
 from . import render as r
 from .errors import Failure
 from .options import (
+    Count,
     cli_storage_options,
     confirm,
     json_option,
@@ -125,7 +126,7 @@ def plot_cmd(url: str, out: str, as_json: bool, storage_options) -> None:
 @click.command("inspect")
 @click.argument("path")
 @click.option("--store", "store_url", help="Store URL, if not the one recorded in the state.")
-@click.option("-n", "rows", type=click.IntRange(min=1), help="Rows of the next batch to show.")
+@click.option("-n", "rows", type=Count(1), help="Rows of the next batch to show.")
 @json_option
 @store_command
 def inspect_cmd(path: str, store_url, rows: int | None, as_json: bool, storage_options) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from . import render as r
-from .options import json_option, open_store, store_command, version_arg
+from .options import Count, json_option, open_store, store_command, version_arg
 
 DEFAULT_TERMINAL_LIMIT = 20
 LINEAGE_LIMIT = 1000  # records `show` reads to describe a lineage: bounded, however long
@@ -44,7 +44,7 @@ def _tag_list(names: list[str], most: int = 4) -> str:
 @click.option("--all", "show_all", is_flag=True, help="Also list abandoned versions.")
 @click.option(
     "--limit",
-    type=click.IntRange(min=0),
+    type=Count(0),
     help=f"Show the newest N versions (default on a terminal: {DEFAULT_TERMINAL_LIMIT}; "
     "piped: all). 0 shows all.",
 )
@@ -167,7 +167,7 @@ def info_cmd(url: str, as_json: bool, storage_options) -> None:
 @click.command("show")
 @click.argument("url")
 @click.argument("version", required=False)
-@click.option("--max-shards", default=20, show_default=True, type=click.IntRange(min=0))
+@click.option("--max-shards", default=20, show_default=True, type=Count(0))
 @json_option
 @store_command
 def show_cmd(url, version, max_shards: int, as_json: bool, storage_options) -> None:
@@ -233,7 +233,7 @@ def show_cmd(url, version, max_shards: int, as_json: bool, storage_options) -> N
 @click.command("head")
 @click.argument("url")
 @click.argument("version", required=False)
-@click.option("-n", "rows", default=10, show_default=True, type=click.IntRange(min=0))
+@click.option("-n", "rows", default=10, show_default=True, type=Count(0))
 @click.option("--columns", help="Comma-separated columns to show.")
 @click.option("--jsonl", is_flag=True, help="One JSON object per row.")
 @json_option

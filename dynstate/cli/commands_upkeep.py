@@ -10,6 +10,7 @@ import click
 from . import render as r
 from .errors import Failure
 from .options import (
+    Count,
     Duration,
     Size,
     confirm,
@@ -93,7 +94,7 @@ def _gc_lines(result: Any, verb: str) -> list[str]:
 
 @click.command("gc")
 @click.argument("url")
-@click.option("--keep", type=click.IntRange(min=1), help="Keep the newest N versions.")
+@click.option("--keep", type=Count(1), help="Keep the newest N versions.")
 @click.option("--older-than", type=Duration(), help="Collect versions older than this (7d, 12h).")
 @click.option(
     "--grace", type=Duration(), default="1h", show_default=True,

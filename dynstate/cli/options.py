@@ -69,6 +69,18 @@ def version_arg(value: str | None) -> int | str | None:
     return None if value in (None, "head") else value
 
 
+class Count(click.IntRange):
+    """A whole number of at least ``min_value``; one larger than anything a machine can hold
+    (``--limit 99999999999999999999999``) means "all" and is clamped to ``sys.maxsize``, so
+    no overflow error from below ever reaches the user."""
+
+    def __init__(self, min_value: int = 0) -> None:
+        super().__init__(min=min_value)
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        return min(super().convert(value, param, ctx), sys.maxsize)
+
+
 class Duration(click.ParamType):
     """``90``, ``30s``, ``15m``, ``2h``, ``7d``, ``1w`` -> seconds; anything else is a usage
     error (exit 2)."""
@@ -103,7 +115,9 @@ class Size(click.ParamType):
                 f"cannot read size {value!r}; write e.g. 128MiB, 100MB or 1048576", param, ctx
             )
         power = " kmgt".index(match.group(2).lower() or " ")
-        return int(float(match.group(1)) * (1024 if match.group(3) else 1000) ** power)
+        size = float(match.group(1)) * (1024 if match.group(3) else 1000) ** power
+        # Larger than anything (even float infinity for 400 digits) means "no limit".
+        return int(size) if size < sys.maxsize else sys.maxsize
 
 
 def cli_storage_options(url: str, options: dict[str, Any]) -> dict[str, Any]:
