@@ -704,6 +704,31 @@ def test_s3_errors_say_what_to_do(s3_endpoint: str) -> None:
           "the S3 endpoint 'http://127.0.0.1:99999' is not a valid URL")  # fmt: skip
 
 
+@pytest.mark.s3
+def test_malformed_structured_storage_options_are_usage_errors(s3_endpoint: str) -> None:
+    url = s3_url()
+    build(url)
+    secret = "--storage-option", "secret=TopSecretValue9"
+    for value, message in [
+        (
+            "client_kwargs=5",
+            'client_kwargs must be a JSON object, e.g. client_kwargs={"region_name"',
+        ),
+        ("client_kwargs=[1]", "client_kwargs must be a JSON object"),
+        ("config_kwargs=7", 'config_kwargs must be a JSON object, e.g. config_kwargs={"retries"'),
+        ('config_kwargs={"retries": "x"}', 'the "retries" of config_kwargs must be a JSON object'),
+        ('config_kwargs={"retries": {"mode": "weird"}}', "config_kwargs is not a valid botocore"),
+        ('config_kwargs={"nope": 1}', "config_kwargs is not a valid botocore Config"),
+        ("s3_additional_kwargs=x", "s3_additional_kwargs must be a JSON object"),
+    ]:
+        result = run("ls", url, "--storage-option", value, *secret, code=2)
+        assert "Invalid value for --storage-option: " + message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr and "TopSecretValue9" not in result.stderr
+        assert "AttributeError" not in result.stderr and "TypeError" not in result.stderr
+    ok = run("ls", url, "--storage-option", 'config_kwargs={"retries": {"max_attempts": 3}}')
+    assert ok.stdout.startswith(f"store:    {url}\n")
+
+
 def test_every_command_has_help_with_example() -> None:
     for name in COMMANDS:
         text = run(name, "--help").stdout

@@ -61,7 +61,45 @@ def parse_storage_options(pairs: tuple[str, ...]) -> dict[str, Any]:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
             out[key] = value
+    for key, example in _STRUCTURED_OPTIONS.items():
+        if key in out and not isinstance(out[key], dict):
+            raise click.BadParameter(
+                f"{key} must be a JSON object, e.g. {key}={example}", param_hint="--storage-option"
+            )
+    if not isinstance(out.get("config_kwargs", {}).get("retries", {}), dict):
+        example = _STRUCTURED_OPTIONS["config_kwargs"]
+        raise click.BadParameter(
+            f'the "retries" of config_kwargs must be a JSON object, e.g. config_kwargs={example}',
+            param_hint="--storage-option",
+        )
+    if "config_kwargs" in out:
+        _check_botocore_config(out["config_kwargs"])
     return out
+
+
+# Options s3fs takes as dicts (anything else fails deep inside it with a raw AttributeError).
+_STRUCTURED_OPTIONS = {
+    "client_kwargs": '{"region_name": "eu-west-1"}',
+    "config_kwargs": '{"retries": {"max_attempts": 5}}',
+    "s3_additional_kwargs": '{"ServerSideEncryption": "AES256"}',
+}
+
+
+def _check_botocore_config(config: dict[str, Any]) -> None:
+    """config_kwargs become a botocore ``Config``: build one now, so that a bad value is a
+    usage error naming the option instead of a raw error from inside the first request."""
+    try:
+        from botocore.config import Config
+    except ImportError:
+        return  # no s3 extra: opening an s3:// URL says what to install
+    try:
+        Config(**config)
+    except Exception as exc:
+        raise click.BadParameter(
+            f"config_kwargs is not a valid botocore Config ({' '.join(str(exc).split())}); e.g. "
+            f"config_kwargs={_STRUCTURED_OPTIONS['config_kwargs']}",
+            param_hint="--storage-option",
+        ) from None
 
 
 def version_arg(value: str | None) -> int | str | None:
