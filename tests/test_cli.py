@@ -705,6 +705,33 @@ def test_s3_errors_say_what_to_do(s3_endpoint: str) -> None:
 
 
 @pytest.mark.s3
+def test_s3_endpoint_with_credentials_in_it_is_refused_at_once(s3_endpoint: str) -> None:
+    """botocore refuses to sign a request to http://user:secret@host on every attempt: a
+    configuration error told at once (no retries, no "retry later"), the secret never shown."""
+    url = s3_url()
+    build(url)
+    secret = "SuperSecretValue123"
+    with_creds = s3_endpoint.replace("://", f"://user:{secret}@")
+    shown = s3_endpoint.replace("://", "://***@")
+    expected = (
+        f"error: the S3 endpoint '{shown}' has credentials in it; pass them as AWS_ACCESS_KEY_ID "
+        "and AWS_SECRET_ACCESS_KEY (or --storage-option key=... --storage-option secret=...) "
+        "and the endpoint as http(s)://host:port\n"
+    )
+    client_kwargs = f'client_kwargs={{"endpoint_url": "{with_creds}"}}'
+    for args, env in (
+        (["ls", url], {**os.environ, "AWS_ENDPOINT_URL": with_creds}),
+        (["ls", url, "--storage-option", f"endpoint_url={with_creds}"], dict(os.environ)),
+        (["-v", "info", url, "--storage-option", client_kwargs], dict(os.environ)),
+    ):  # fmt: skip
+        proc = subprocess.run([console_script(), *args], capture_output=True, text=True, env=env,
+                              timeout=120)  # fmt: skip
+        assert (proc.returncode, proc.stdout) == (1, ""), proc.stderr
+        assert proc.stderr.endswith(expected) and secret not in proc.stderr
+        assert "retry" not in proc.stderr
+
+
+@pytest.mark.s3
 def test_malformed_structured_storage_options_are_usage_errors(s3_endpoint: str) -> None:
     url = s3_url()
     build(url)

@@ -189,23 +189,32 @@ def check_endpoint(url: str, options: dict[str, Any]) -> None:
     """Fail within seconds, in one line, when an explicitly set S3 endpoint is malformed or
     does not accept connections, instead of after minutes of retries."""
     from ..errors import InvalidDataError, StorageError
+    from ..storage.credentials import redact, split_userinfo
 
     if url.split("://", 1)[0].lower() not in ("s3", "s3a"):
         return
     endpoint = s3_endpoint(options)
     if endpoint is None:
         return
+    shown = redact(endpoint)
+    if split_userinfo(endpoint)[1] is not None:
+        # botocore refuses to sign such a request, on every attempt: not worth a retry.
+        raise InvalidDataError(
+            f"the S3 endpoint {shown!r} has credentials in it; pass them as AWS_ACCESS_KEY_ID "
+            "and AWS_SECRET_ACCESS_KEY (or --storage-option key=... --storage-option "
+            "secret=...) and the endpoint as http(s)://host:port"
+        )
     try:
         parts = urlsplit(endpoint)
         host, port = parts.hostname, parts.port
     except ValueError as exc:
         raise InvalidDataError(
-            f"the S3 endpoint {endpoint!r} is not a valid URL ({exc}); fix AWS_ENDPOINT_URL or "
+            f"the S3 endpoint {shown!r} is not a valid URL ({exc}); fix AWS_ENDPOINT_URL or "
             "--storage-option endpoint_url=http://host:port"
         ) from None
     if parts.scheme not in ("http", "https") or not host:
         raise InvalidDataError(
-            f"the S3 endpoint {endpoint!r} is not an http(s) URL; fix AWS_ENDPOINT_URL or "
+            f"the S3 endpoint {shown!r} is not an http(s) URL; fix AWS_ENDPOINT_URL or "
             "--storage-option endpoint_url=http://host:port"
         )
     port = port or (443 if parts.scheme == "https" else 80)
