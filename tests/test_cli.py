@@ -898,6 +898,21 @@ def test_gc_asks_on_a_terminal_and_deletes_only_on_yes(tmp_path) -> None:
     assert not any(os.path.exists(os.path.join(url, rel)) for rel in gone)
 
 
+def test_export_overwrite_asks_on_a_terminal_and_replaces_only_on_yes(tmp_path) -> None:
+    url = str(tmp_path / "store")
+    store = build(url)
+    out = tmp_path / "rows.parquet"
+    run("export", url, "1", str(out))
+    before = out.read_bytes()
+    code, text = _on_a_terminal(["export", url, str(out), "--overwrite"], b"n\n")
+    assert code == 1 and f"would replace {out} (a file of " in text
+    assert f"replace {out}? [y/N]" in text and "not replaced: pass --yes" in text
+    assert out.read_bytes() == before
+    code, text = _on_a_terminal(["export", url, str(out), "--overwrite"], b"y\n")
+    assert code == 0 and f"(8 rows) to {out}, replacing a file of " in text
+    assert pq.read_table(out).to_pylist() == store.snapshot().to_arrow().to_pylist()
+
+
 def test_ls_shows_the_newest_20_on_a_terminal_and_all_when_piped(tmp_path) -> None:
     url = str(tmp_path / "store")
     store = Store.open(url, create=True)
