@@ -49,11 +49,11 @@ def export(
         raise InvalidDataError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
     fs, path, local = _target(snap, out, storage_options)
     try:
-        existing = _existing(fs, path, out)
-        if existing is not None and not overwrite:
+        if not overwrite and fs.exists(path):
             raise StoreExistsError(
                 f"{out} exists; choose another path or pass overwrite=True to replace it"
             )
+        _existing(fs, path, out)  # refuses a directory that is not a datasets export
         parent = path.rsplit("/", 1)[0] if "/" in path else ""
         tmp = f"{parent}/.{uuid.uuid4().hex}.tmp" if parent else f".{uuid.uuid4().hex}.tmp"
         if local and parent:

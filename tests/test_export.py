@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from conftest import s3_url
 
 import dynstate
-from dynstate import InvalidDataError, Store
+from dynstate import InvalidDataError, Store, StoreExistsError
 from dynstate.cli import cli
 
 
@@ -152,8 +152,11 @@ def test_overwrite_replaces_a_datasets_export_but_never_another_folder(runs, tmp
             "(no dataset_info.json or state.json); choose another OUT, or remove it yourself\n"
         )
     assert (project / "train.py").read_text() == "print('hi')"
+    snap = Store.open(store_url).snapshot()
+    with pytest.raises(StoreExistsError, match="exists; choose another path"):
+        dynstate.export(snap, project)
     with pytest.raises(InvalidDataError, match="not a datasets export"):
-        dynstate.export(Store.open(store_url).snapshot(), project, overwrite=True)
+        dynstate.export(snap, project, overwrite=True)
     assert os.listdir(project) == ["train.py"]
 
 
