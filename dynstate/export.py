@@ -47,7 +47,7 @@ def export(
     out = os.fspath(out)
     if fmt not in FORMATS:
         raise InvalidDataError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
-    fs, path, local = _target(snap, out, storage_options)
+    fs, path, local = _target(snap.store, out, storage_options)
     try:
         if not overwrite and fs.exists(path):
             raise StoreExistsError(
@@ -86,8 +86,22 @@ def replace_plan(
     description (``"a file of 1.2 KiB"``), or None when ``out`` does not exist. Raises as
     :func:`export` would for an ``out`` that overlaps the store or cannot be replaced; nothing
     is written."""
+    return output_plan(snap.store, out, storage_options=storage_options)
+
+
+def output_plan(
+    store: Any,
+    out: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    action: str = "export to",
+) -> str | None:
+    """The one check every command that writes an OUT beside a store makes (export, plot):
+    refuses an ``out`` that is the store, lies inside it or contains it (InvalidDataError,
+    naming ``action``), and returns what writing ``out`` would replace (``"a file of 1.2
+    KiB"``), or None when nothing is there. Nothing is written."""
     out = os.fspath(out)
-    fs, path, _ = _target(snap, out, storage_options)
+    fs, path, _ = _target(store, out, storage_options, action)
     try:
         return _existing(fs, path, out)
     except DynstateError:
@@ -97,7 +111,7 @@ def replace_plan(
 
 
 def _target(
-    snap: Snapshot, out: str, storage_options: dict[str, Any] | None
+    store: Any, out: str, storage_options: dict[str, Any] | None, action: str = "export to"
 ) -> tuple[Any, str, bool]:
     """(filesystem, path, is local) of ``out``, refused where it overlaps the store."""
     import fsspec
@@ -114,7 +128,7 @@ def _target(
     local = _LOCAL in _protocols(fs)
     if local:
         path = os.path.abspath(path)
-    _refuse_overlap(snap, out, fs, path, storage_options or {})
+    _refuse_overlap(store, out, fs, path, storage_options or {}, action)
     return fs, path, local
 
 
@@ -139,10 +153,12 @@ def _location(fs: Any, path: str, options: dict[str, Any]) -> tuple[str, str, li
     return backend, str(endpoint or "").rstrip("/"), [p for p in path.split("/") if p]
 
 
-def _refuse_overlap(snap: Snapshot, out: str, fs: Any, path: str, options: dict[str, Any]) -> None:
-    """Exporting onto, into or around the store would replace (or pollute) the store itself:
-    one mistyped OUT with overwrite would destroy every version."""
-    storage = getattr(snap.store, "storage", None)
+def _refuse_overlap(
+    store: Any, out: str, fs: Any, path: str, options: dict[str, Any], action: str
+) -> None:
+    """Writing onto, into or around the store would replace (or pollute) the store itself:
+    one mistyped OUT would destroy its identity, a record or every version."""
+    storage = getattr(store, "storage", None)
     if storage is None:
         return
     backend, endpoint, parts = _location(fs, path, options)
@@ -162,7 +178,7 @@ def _refuse_overlap(snap: Snapshot, out: str, fs: Any, path: str, options: dict[
         else "contains the store"
     )
     raise InvalidDataError(
-        f"cannot export to {redact(out)}: it {where} at {snap.store.display_url}, which would "
+        f"cannot {action} {redact(out)}: it {where} at {store.display_url}, which would "
         "be destroyed or altered; choose an OUT outside the store"
     )
 

@@ -8,12 +8,14 @@ backend switch in the caller's process."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
+import uuid
 from typing import Any
 
-from .errors import MissingDependencyError, StorageError
+from .errors import MissingDependencyError, StorageError, StoreExistsError
 from .history import lineage
 from .store import Store
 
@@ -119,9 +121,20 @@ _STYLE = {
 }
 
 
-def plot_growth(store: Store, out: str | os.PathLike[str]) -> int:
+def plot_growth(store: Store, out: str | os.PathLike[str], *, overwrite: bool = False) -> int:
     """Draw rows added per round (bars) and total rows (line) over steps to ``out`` (PNG),
-    with resets, rollbacks and compactions marked; returns the number of versions plotted."""
+    with resets, rollbacks and compactions marked; returns the number of versions plotted.
+    ``out`` is never the store or inside it (InvalidDataError), and an existing ``out`` is
+    replaced only with ``overwrite`` (else StoreExistsError); the PNG appears complete or not
+    at all."""
+    from .export import output_plan
+
+    out = os.fspath(out)
+    # Checked before drawing: a mistyped OUT must not cost a store file or a user's file.
+    if output_plan(store, out, action="plot to") is not None and not overwrite:
+        raise StoreExistsError(
+            f"{out} exists; choose another path or pass overwrite=True to replace it"
+        )
     fig = _figure(figsize=(9, 6))
     label, points = growth_points(store)
     xs = [p["x"] for p in points]
@@ -167,9 +180,14 @@ def plot_growth(store: Store, out: str | os.PathLike[str]) -> int:
     if seen:
         bottom.legend(loc="upper left", fontsize="small")
     fig.tight_layout()
+    tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{uuid.uuid4().hex}.png.tmp")
     try:
-        fig.savefig(os.fspath(out), format="png")
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, out)
     except OSError as exc:
-        raise StorageError(f"cannot write the plot to {os.fspath(out)}: {exc}") from exc
+        raise StorageError(f"cannot write the plot to {out}: {exc}") from exc
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
     log.info("plotted %d versions of %s to %s", len(points), store.display_url, out)
     return len(points)

@@ -613,8 +613,59 @@ def test_plot_writes_png_and_marks_events(tmp_path) -> None:
     got = [(p["version"], p["x"], p["rows_added"], p["total_rows"], p["event"]) for p in points]
     assert got == [(1, 0, 3, 3, None), (2, 1, 3, 6, None), (5, 1, 0, 6, "reset"),
                    (6, 4, 2, 8, None), (7, 4, 0, 8, "compact")]  # fmt: skip
-    info = json.loads(run("plot", url, str(out), "--json").stdout)
+    info = json.loads(run("plot", url, str(tmp_path / "g2.png"), "--json").stdout)
     assert info["x"] == "step" and [p["version"] for p in info["points"]] == [1, 2, 5, 6, 7]
+
+
+def _tree(root) -> dict[str, bytes]:
+    return {
+        os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+        for d, _, files in os.walk(root)
+        for f in files
+    }
+
+
+RECORD = "_dynstate/log/00000000000000000001.json"
+
+
+@pytest.mark.parametrize("inside", ["_dynstate/store.json", RECORD, "_dynstate/new.png", ""])
+def test_plot_refuses_an_out_inside_the_store(tmp_path, inside) -> None:
+    url = str(tmp_path / "store")
+    build(url)
+    before = _tree(url)
+    out = os.path.join(url, inside) if inside else url
+    for extra in ((), ("--overwrite", "--yes")):
+        err = run("plot", url, out, *extra, code=2 if not inside else 1).stderr
+        if inside:  # the store root itself is a directory: click refuses it as OUT
+            assert err.startswith(f"error: cannot plot to {out}: it lies inside the store at {url}")
+            assert "choose an OUT outside the store" in err
+    assert _tree(url) == before
+    assert Store.open(url).refresh() == 6
+
+
+def test_plot_replaces_an_existing_out_only_with_overwrite_and_yes(tmp_path) -> None:
+    url = str(tmp_path / "store")
+    build(url)
+    out = tmp_path / "notes.png"
+    out.write_text("my notes")
+    err = run("plot", url, str(out), code=1).stderr
+    assert err == f"error: {out} exists; choose another path or pass --overwrite to replace it\n"
+    result = run("plot", url, str(out), "--overwrite", code=1)
+    assert result.stdout == f"would replace {out} (a file of 8 B)\n"
+    assert "not replaced: pass --yes (with --overwrite)" in result.stderr
+    assert out.read_text() == "my notes"
+    result = run("plot", url, str(out), "--overwrite", "--yes")
+    assert result.stdout.startswith(f"would replace {out} (a file of 8 B)\nwrote {out} (")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(tmp_path)) == ["notes.png", "store"]  # no temporary file left
+    # The Python API refuses the same way.
+    from dynstate.errors import InvalidDataError, StoreExistsError
+    from dynstate.plot import plot_growth
+
+    with pytest.raises(StoreExistsError, match="pass overwrite=True"):
+        plot_growth(Store.open(url), out)
+    with pytest.raises(InvalidDataError, match="lies inside the store"):
+        plot_growth(Store.open(url), os.path.join(url, "_dynstate", "store.json"), overwrite=True)
 
 
 def test_plot_marks_the_checkpoint_a_rollback_resumed_from(tmp_path) -> None:

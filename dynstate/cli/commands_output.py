@@ -22,6 +22,25 @@ from .options import (
 )
 
 
+def _consent_to_replace(
+    out: str, replaced: str | None, overwrite: bool, yes: bool, as_json: bool
+) -> None:
+    """docs/cli.md's rule for an existing OUT, shared by every command that writes one: refused
+    without --overwrite; with it, what is replaced is shown and replaced only with --yes (or a
+    yes typed on a terminal)."""
+    from ..errors import StoreExistsError
+
+    if replaced is None:
+        return
+    if not overwrite:
+        raise StoreExistsError(
+            f"{out} exists; choose another path or pass --overwrite to replace it"
+        )
+    click.echo(f"would replace {out} ({replaced})", err=as_json)
+    if not confirm(f"replace {out}?", yes):
+        raise Failure(f"{out} not replaced: pass --yes (with --overwrite) to replace it")
+
+
 @click.command("export")
 @click.argument("url")
 @click.argument("args", nargs=-1, required=True, metavar="[VERSION] OUT")
@@ -54,7 +73,6 @@ def export_cmd(
     Example:
       dynstate export s3://bucket/runs/run1 42 s3://bucket/exports/rows.parquet
     """
-    from ..errors import StoreExistsError
     from ..export import export, replace_plan
 
     if len(args) > 2:
@@ -66,14 +84,7 @@ def export_cmd(
     # Checked before anything is written: an OUT overlapping the store is refused, and an
     # existing OUT is replaced only after its plan is shown and confirmed.
     replaced = replace_plan(snap, out, storage_options=out_options)
-    if replaced is not None:
-        if not overwrite:
-            raise StoreExistsError(
-                f"{out} exists; choose another path or pass --overwrite to replace it"
-            )
-        click.echo(f"would replace {out} ({replaced})", err=as_json)
-        if not confirm(f"replace {out}?", yes):
-            raise Failure(f"{out} not replaced: pass --yes (with --overwrite) to replace it")
+    _consent_to_replace(out, replaced, overwrite, yes, as_json)
     with r.progress("exporting", "shards") as update:
         export(
             snap,
@@ -99,21 +110,33 @@ def export_cmd(
 @click.command("plot")
 @click.argument("url")
 @click.argument("out", type=click.Path(dir_okay=False))
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace OUT if it exists (shown first, done with --yes).",
+)
+@yes_option
 @json_option
 @store_command
-def plot_cmd(url: str, out: str, as_json: bool, storage_options) -> None:
+def plot_cmd(
+    url: str, out: str, overwrite: bool, yes: bool, as_json: bool, storage_options
+) -> None:
     """Plot rows added per round and total rows over training steps (the head's lineage) to a
     PNG, marking resets, rollbacks (with the checkpoint the run resumed from) and compactions.
-    Needs matplotlib (pip install 'dynstate[plot]').
+    Needs matplotlib (pip install 'dynstate[plot]'). OUT is never the store or inside it;
+    replacing an existing OUT needs --overwrite and, as for export, --yes (or a yes typed on a
+    terminal).
 
     \b
     Example:
       dynstate plot ./runs/run1 growth.png
     """
+    from ..export import output_plan
     from ..plot import growth_points, plot_growth
 
     store = open_store(url, storage_options)
-    count = plot_growth(store, out)
+    _consent_to_replace(out, output_plan(store, out, action="plot to"), overwrite, yes, as_json)
+    count = plot_growth(store, out, overwrite=overwrite)
     if as_json:
         label, points = growth_points(store)
         r.print_json({"url": store.display_url, "out": out, "x": label, "points": points})
