@@ -385,14 +385,19 @@ def _min_age(rel: str, grace_s: float) -> float:
 
 
 def _lease_files(store: Store, leases: dict[str, LeaseState], now: float) -> list[Removal]:
-    """Lease files of ended leases (removed after their shards). An ``expired`` or
-    ``discarded`` outcome stays as a tombstone for TOMBSTONE_S."""
+    """Lease files of ended leases (removed after their shards). Every outcome (``commit``,
+    ``expired``, ``discarded``) stays as a tombstone for TOMBSTONE_S: while it exists nobody
+    can claim the lease again."""
     out = []
     for state in leases.values():
         if state.protected:
             continue
         for rel in state.files:
-            tombstone = rel.endswith(".outcome.json") and state.outcome in ("expired", "discarded")
+            tombstone = rel.endswith(".outcome.json") and state.outcome in (
+                "expired",
+                "discarded",
+                "commit",
+            )
             if tombstone and not _old_enough(store, rel, now, TOMBSTONE_S):
                 continue
             out.append(Removal(rel, _size(store, rel), "orphan"))

@@ -36,6 +36,7 @@ class Staged:
     schema: pa.Schema | None
     validated: str | None  # schema fingerprint of the head they were checked against
     lease: str | None = None
+    store: str | None = None  # the id of the store it was staged in (None: an older dynstate)
 
     @property
     def num_rows(self) -> int:

@@ -244,7 +244,7 @@ class Store:
         valid commit. ``allow_new_columns`` lets a round add nullable columns."""
         meta = check_meta(meta, self.display_url)
         staged = self.stage(data, allow_new_columns=allow_new_columns, shard_bytes=shard_bytes)
-        return self.commit_staged([staged], meta=meta)
+        return self._writer.commit_staged([staged], meta=meta, private=True)
 
     def stage(
         self,

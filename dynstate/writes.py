@@ -21,6 +21,7 @@ from .errors import (
     LeaseExpiredError,
     MissingShardError,
     SchemaMismatchError,
+    StateMismatchError,
 )
 from .log import Log, shard_path
 from .manifest import Commit, ShardRef
@@ -72,24 +73,33 @@ class Writer:
         assert head is not None
         table, schema = self._conform_round(table, head, allow_new_columns)
         if table.num_rows == 0:
-            return Staged((), schema, head.schema)
+            return Staged((), schema, head.schema, None, self.store_id)
         lease = self.log.leases.acquire()
         try:
             shards = self._write_shards(table, shard_bytes, lease)
         except BaseException:
             self.log.leases.end({lease}, committed=False)
             raise
-        return Staged(tuple(shards), schema, head.schema, lease)
+        return Staged(tuple(shards), schema, head.schema, lease, self.store_id)
 
-    def commit_staged(self, parts: Sequence[Staged], *, meta: dict[str, Any] | None = None) -> int:
+    def commit_staged(
+        self,
+        parts: Sequence[Staged],
+        *,
+        meta: dict[str, Any] | None = None,
+        private: bool = False,
+    ) -> int:
         """Commit staged parts, in the given order, as one new version; returns its number.
         Staged files gc collected (their writer died or stalled past the lease) make this
         raise :class:`LeaseExpiredError`. A commit whose outcome is unknown (a lost reply, an
         interrupt during the write) is resolved by reading the record back; when nothing was
-        committed the parts' shards are removed."""
+        committed the parts' shards are removed. ``private``: the parts never left this
+        call (``append``), so their leases need no tombstone."""
+        self._check_parts(parts)
         shards = [s for part in parts for s in part.shards]
         leases = {p.lease for p in parts if p.lease}
         attempts: list[Commit] = []
+        nonce = uuid.uuid4().hex
         try:
             meta = check_meta(meta, self.display_url)
             schemas = {m.schema_fingerprint(p.schema) for p in parts if p.schema is not None}
@@ -102,7 +112,7 @@ class Writer:
             validated = next((p.validated for p in parts if p.schema is not None), None)
             self.log.require_writable()
             self.log.leases.adopt(leases)
-            self.log.leases.claim(leases, uuid.uuid4().hex)
+            self.log.leases.claim(leases, nonce)
             self._check_unleased(parts)
             if schema is not None:
                 self.log.put_schema(schema)
@@ -111,15 +121,45 @@ class Writer:
                 attempts=attempts,
             )
         except BaseException as exc:
-            landed = self._resolve_failed_commit(parts, leases, attempts, exc)
+            landed = self._resolve_failed_commit(parts, leases, attempts, exc, nonce, private)
             if landed is not None and isinstance(exc, Exception):
                 return landed  # the reply was lost, the commit was not
             raise
-        self.log.leases.end(leases, committed=True)
+        self.log.leases.end(leases, committed=True, tombstone=not private)
         return version
 
+    def _check_parts(self, parts: Sequence[Staged]) -> None:
+        """Refuse, before anything is written, parts of another store and parts (or shards)
+        given twice: each staged shard lands exactly once."""
+        seen: set[str] = set()
+        for part in parts:
+            if not isinstance(part, Staged):
+                raise InvalidDataError(
+                    f"commit_staged for {self.display_url} takes Staged parts (from "
+                    f"Store.stage), not {type(part).__name__}"
+                )
+            if part.store is not None and part.store != self.store_id:
+                raise StateMismatchError(
+                    f"a part was staged for store {part.store}, not {self.store_id} "
+                    f"({self.display_url}); commit it with the store it was staged in"
+                )
+            for shard in part.shards:
+                if shard.path in seen:
+                    raise InvalidDataError(
+                        f"staged shard {shard.path} of {self.display_url} is given twice "
+                        f"(lease {part.lease}); pass each staged part once — nothing was "
+                        "committed"
+                    )
+                seen.add(shard.path)
+
     def _resolve_failed_commit(
-        self, parts: Sequence[Staged], leases: set[str], attempts: list[Commit], exc: BaseException
+        self,
+        parts: Sequence[Staged],
+        leases: set[str],
+        attempts: list[Commit],
+        exc: BaseException,
+        nonce: str,
+        private: bool = False,
     ) -> int | None:
         """Find out, by reading back, whether a failed commit landed anyway; returns its
         version if so. Otherwise the parts' shards are removed — unless the store cannot be
@@ -128,7 +168,8 @@ class Writer:
             self.log.leases.forget(leases)  # another call holds these parts: its to decide
             return None
         if isinstance(exc, LeaseExpiredError) and not attempts:
-            self.discard(parts)  # the round cannot be committed; parts that ended stay as they are
+            # The round cannot be committed; parts that ended stay as they are.
+            self._discard(parts, nonce, strict=False, private=private)
             return None
         try:
             landed = self.log.landed(attempts)
@@ -136,33 +177,53 @@ class Writer:
             self.log.leases.forget(leases)
             return None
         if landed is not None:
-            self.log.leases.end(leases, committed=True)
+            self.log.leases.end(leases, committed=True, tombstone=not private)
             log.info("version %d of %s was committed before %r", landed, self.display_url, exc)
             return landed
-        self.discard(parts)
+        self._discard(parts, nonce, strict=False, private=private)
         return None
 
     def discard(self, parts: Sequence[Staged]) -> None:
-        """Remove the shards of staged parts that will not be committed. Parts whose lease
-        has ended are left alone: they may be committed already (gc handles the rest)."""
+        """Remove the shards of staged parts that will not be committed. Each lease is won
+        first, by the same exclusive outcome create a commit and gc race for: a part whose
+        lease ended (discarded or collected) is left alone, and a part committed (or being
+        committed) by another call raises :class:`CommitConflictError` — its files stay."""
+        self._discard(parts, uuid.uuid4().hex, strict=True)
+
+    def _discard(
+        self, parts: Sequence[Staged], nonce: str, *, strict: bool, private: bool = False
+    ) -> None:
+        committed: list[str] = []
         for part in parts:
-            if part.lease and self.log.leases.ended(part.lease):
-                log.warning(
-                    "not removing staged part of lease %s of %s: its lease ended (committed, "
-                    "discarded or collected)",
-                    part.lease,
-                    self.display_url,
-                )
-                continue
+            if part.lease:
+                try:
+                    self.log.leases.claim({part.lease}, nonce, outcome="discarded")
+                except CommitConflictError:
+                    committed.append(part.lease)
+                    continue
+                except LeaseExpiredError:
+                    log.warning(
+                        "not removing staged part of lease %s of %s: its lease ended (discarded "
+                        "or collected)",
+                        part.lease,
+                        self.display_url,
+                    )
+                    continue
             for shard in part.shards:
                 try:
                     self.storage.delete(shard.path)
                 except DynstateError as exc:
                     log.warning("could not remove %s: %s (gc will)", shard.path, exc)
-        self.log.leases.end(
-            {p.lease for p in parts if p.lease and not self.log.leases.ended(p.lease)},
-            committed=False,
-        )
+            if part.lease:
+                self.log.leases.end({part.lease}, committed=False, tombstone=not private)
+        if committed:
+            message = (
+                f"staged parts of lease(s) {', '.join(sorted(committed))} of {self.display_url} "
+                "were committed (or are being committed) by another call; their files were left"
+            )
+            if strict:
+                raise CommitConflictError(message)
+            log.warning("%s", message)
 
     def _check_unleased(self, parts: Sequence[Staged]) -> None:
         """Staged parts without a lease (pickled by an older dynstate) are checked one by one;

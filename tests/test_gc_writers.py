@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from dynstate import LeaseExpiredError, Store, VersionCollectedError
+from dynstate import CommitConflictError, LeaseExpiredError, Store, VersionCollectedError
 from dynstate import manifest as m
 from dynstate.gc import collect_garbage
 from dynstate.verify import verify_store
@@ -224,7 +224,10 @@ def test_a_live_writers_lease_outlasts_gc(tmp_path) -> None:
         assert result.kept_leased == len(part.shards) and result.removed == []
     assert writer.commit_staged([part]) == 1
     assert writer.snapshot().num_rows == 10
-    assert not writer.storage.list(f"{m.META_DIR}/leases")  # the lease ended with the commit
+    # The lease ended with the commit; its outcome stays as a tombstone against a second commit.
+    assert [n.endswith(".outcome.json") for n in writer.storage.list(f"{m.META_DIR}/leases")] == [
+        True
+    ]
 
 
 def test_a_stale_handle_cannot_reset_or_tag_a_collected_version(durable_url: str) -> None:
@@ -251,10 +254,10 @@ def test_commit_of_staged_parts_twice_is_refused(tmp_path) -> None:
     part = store.stage([{"id": 1}])
     assert store.commit_staged([part]) == 1
     other = Store.open(str(tmp_path / "store"))
-    # The lease ended with the first commit: a second commit of the same files, from this
-    # handle or another, is refused rather than committed twice.
+    # The lease ended with the first commit (its outcome stays as a tombstone): a second
+    # commit of the same files, from this handle or another, is refused, not committed twice.
     for handle in (store, other):
-        with pytest.raises(LeaseExpiredError, match="committed already"):
+        with pytest.raises(CommitConflictError, match="already committed"):
             handle.commit_staged([part])
     assert Store.open(str(tmp_path / "store")).head == 1
 

@@ -128,12 +128,18 @@ def test_values_arrow_cannot_hold(quick_store: Store, round_, meta) -> None:
     assert listing(store) == before
 
 
+def without_tombstones(files: dict[str, bytes]) -> dict[str, bytes]:
+    """A discarded lease's outcome stays as a tombstone (gc removes it after a week), so that
+    another process holding the part cannot commit it after all."""
+    return {k: v for k, v in files.items() if not k.endswith(".outcome.json")}
+
+
 def test_bad_meta_after_stage_leaves_no_shards(store: Store) -> None:
     before = listing(store)
     part = store.stage([{"id": 9, "text": "z"}])
     with pytest.raises(InvalidDataError):
         store.commit_staged([part], meta={"x": object()})
-    assert listing(store) == before
+    assert without_tombstones(listing(store)) == before
 
 
 def test_staged_parts_with_different_schemas(store: Store) -> None:
@@ -142,7 +148,7 @@ def test_staged_parts_with_different_schemas(store: Store) -> None:
     b = store.stage([{"id": 9, "text": "z", "more": 1.0}], allow_new_columns=True)
     with pytest.raises(SchemaMismatchError):
         store.commit_staged([a, b])
-    assert listing(store) == before
+    assert without_tombstones(listing(store)) == before
 
 
 # -- damaged stores: reading raises and repairs/removes nothing -------------------------------

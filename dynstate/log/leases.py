@@ -136,12 +136,13 @@ class Leases:
             with self._lock:
                 if lease in self._active:
                     continue  # ours, renewed by the heartbeat
+            # The outcome first: it outlives the lease file (a tombstone), so a lease that
+            # ended is never renewed back into existence by a late taker.
+            outcome = read_outcome(self.storage, lease)
+            if outcome is not None:
+                raise self._lost(lease, outcome)
             if not self.storage.exists(lease_path(lease)):
-                raise LeaseExpiredError(
-                    f"the lease {lease} of these staged files in {self.storage.display_url} "
-                    "has ended: they were committed already, discarded, or collected by gc; "
-                    "nothing was committed — stage the round again"
-                )
+                raise self._lost(lease, None)
             with self._lock:
                 self._active[lease] = time.monotonic()
             self.renew(lease)
@@ -155,11 +156,12 @@ class Leases:
             for lease in leases:
                 self._active.pop(lease, None)
 
-    def claim(self, leases: set[str], nonce: str) -> None:
-        """Win every lease for a commit (outcome ``commit``), or raise: gc expired one of
-        them (:class:`LeaseExpiredError`), or another commit holds it. On failure the leases
-        this call won are given up (outcome ``discarded``): the round cannot be committed."""
-        body = m.encode({"format": m.FORMAT, "outcome": "commit", "by": nonce})
+    def claim(self, leases: set[str], nonce: str, outcome: str = "commit") -> None:
+        """Win every lease for a commit (outcome ``commit``) or a discard (``discarded``), or
+        raise: gc expired one of them or a discard won it (:class:`LeaseExpiredError`), or a
+        commit holds it (:class:`CommitConflictError`). On failure the leases this call won
+        are given up (outcome ``discarded``, by ``nonce``): the round cannot be committed."""
+        body = m.encode({"format": m.FORMAT, "outcome": outcome, "by": nonce})
         won: list[str] = []
         try:
             for lease in sorted(leases):
@@ -167,29 +169,38 @@ class Leases:
                     # Not fsynced: the record created after it is, and it keeps the shards.
                     self.storage.create(outcome_path(lease), body, durable=False)
                 except FileExistsError:
-                    outcome = read_outcome(self.storage, lease)
-                    if outcome is None or outcome.get("by") != nonce:
-                        raise self._lost(lease, outcome) from None
+                    found = read_outcome(self.storage, lease)
+                    if found is None or found.get("by") != nonce:
+                        raise self._lost(lease, found) from None
+                    if found.get("outcome") != outcome:
+                        self.storage.put(outcome_path(lease), body)  # ours: we decide again
                 won.append(lease)
         except BaseException:
-            self._give_up(won)
+            self._give_up(won, nonce)
             raise
 
     def _lost(self, lease: str, outcome: dict[str, object] | None) -> DynstateError:
-        if outcome is not None and outcome.get("outcome") == "commit":
+        kind = outcome.get("outcome") if outcome is not None else None
+        where = f"lease {lease} of staged files in {self.storage.display_url}"
+        if kind == "commit":
             return CommitConflictError(
-                f"the staged parts of lease {lease} in {self.storage.display_url} were "
-                "already committed (or are being committed) by another call; commit each "
-                "staged part once"
+                f"the staged parts of {where} were already committed (or are being committed) "
+                "by another call; commit each staged part once"
+            )
+        if kind == "discarded":
+            return LeaseExpiredError(
+                f"the staged parts of {where} were discarded (or a failed commit gave them up); "
+                "nothing was committed — stage the round again"
             )
         return LeaseExpiredError(
-            f"the staged files of lease {lease} in {self.storage.display_url} were collected "
-            f"by gc (their writer stopped renewing the lease for {self.ttl_s:g} s); nothing "
-            "was committed — stage the round again"
+            f"the {where} has ended: its lease was not renewed for {self.ttl_s:g} s, or the "
+            "process holding it exited, and a gc expired it (or its files were committed or "
+            "discarded and the record of that is gone); nothing was committed — keep the "
+            "staging process alive until the commit, and stage the round again"
         )
 
-    def _give_up(self, leases: list[str]) -> None:
-        body = m.encode({"format": m.FORMAT, "outcome": "discarded"})
+    def _give_up(self, leases: list[str], nonce: str | None = None) -> None:
+        body = m.encode({"format": m.FORMAT, "outcome": "discarded", "by": nonce})
         self.forget(set(leases))
         for lease in leases:
             try:
@@ -198,19 +209,20 @@ class Leases:
             except DynstateError as exc:
                 log.warning("could not give up lease %s: %s (gc will)", lease, exc)
 
-    def end(self, leases: set[str], *, committed: bool) -> None:
+    def end(self, leases: set[str], *, committed: bool, tombstone: bool = True) -> None:
         """Finish leases after their commit landed (``committed``) or after their owner removed
-        their shards: the lease file goes first, so gc never sees a claim without a lease
-        and a live one. (Only gc's ``expired`` outcome stays behind, as a tombstone.)"""
+        their shards: the lease file goes; the outcome stays behind as a tombstone (gc removes
+        it after TOMBSTONE_S), so that nobody can claim the lease again — a second commit of
+        the same parts, or a discard of committed ones, fails on it. Without ``tombstone``
+        (parts that never left this call, as in ``append``) the outcome goes too."""
         self.forget(leases)
         for lease in leases:
             try:
                 self.storage.delete(lease_path(lease))
-                if not committed:
+                if not tombstone:
                     outcome = read_outcome(self.storage, lease)
-                    if outcome is not None and outcome.get("outcome") == "expired":
-                        continue  # gc's tombstone stays
-                self.storage.delete(outcome_path(lease))
+                    if outcome is None or outcome.get("outcome") != "expired":
+                        self.storage.delete(outcome_path(lease))  # gc's tombstone stays
             except DynstateError as exc:
                 log.warning("could not end lease %s: %s (gc will)", lease, exc)
 
@@ -246,11 +258,12 @@ class Leases:
         now = time.monotonic()
         for lease, since in active.items():
             try:
-                ended = not self.storage.exists(lease_path(lease))
+                # The outcome first: once it exists the lease is decided, and renewing
+                # would recreate a lease file its decider removed.
                 if (
-                    ended
+                    self.storage.exists(outcome_path(lease))
+                    or not self.storage.exists(lease_path(lease))
                     or now - since > MAX_LIFETIME_S
-                    or self.storage.exists(outcome_path(lease))
                 ):
                     self.forget({lease})  # committed, discarded or expired elsewhere
                     continue
