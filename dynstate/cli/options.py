@@ -263,10 +263,31 @@ def _missing_bucket(url: str, options: dict[str, Any]) -> str | None:
         return None
     bucket = rest.split("/", 1)[0].rsplit("@", 1)[-1]
     try:
-        exists = open_storage(f"{scheme}://{bucket}", options).exists("")
+        storage = open_storage(f"{scheme}://{bucket}", options)
+        if scheme.lower() in ("s3", "s3a"):
+            return bucket if _s3_says_no_such_bucket(storage.fs, bucket) else None
+        exists = storage.exists("")
     except (DynstateError, OSError):
         return None  # cannot tell: keep the original error
     return None if exists else bucket
+
+
+def _s3_says_no_such_bucket(fs: Any, bucket: str) -> bool:
+    """True only when the endpoint itself answers S3's NoSuchBucket. A bare 404 (whatever HTTP
+    server happens to listen at a mistyped endpoint), a refused connection or a timeout is not
+    evidence of a missing bucket."""
+    from fsspec.asyn import sync
+
+    from .errors import _chain
+
+    try:
+        sync(fs.loop, fs._call_s3, "list_objects_v2", Bucket=bucket, MaxKeys=1)
+    except Exception as exc:
+        return any(
+            (getattr(e, "response", None) or {}).get("Error", {}).get("Code") == "NoSuchBucket"
+            for e in _chain(exc)
+        )
+    return False
 
 
 def confirm(question: str, yes: bool) -> bool:
