@@ -486,6 +486,19 @@ def test_serve_without_the_extra_says_how_to_install_it(monkeypatch):
     assert "pip install 'dynstate[serve]'" in str(result.exception)
 
 
+def test_serve_parses_storage_options_as_every_other_command():
+    """serve takes --storage-option through the CLI's one parser: a malformed structured option
+    is the same usage error (exit 2) as for ls, before any store or web server is touched."""
+    from dynstate.cli import cli
+
+    args = ["memory://nothing", "--storage-option", "client_kwargs=5"]
+    served = CliRunner().invoke(serve_command, args)
+    listed = CliRunner().invoke(cli, ["ls", *args])
+    assert served.exit_code == listed.exit_code == 2
+    assert "client_kwargs must be a JSON object" in served.output
+    assert served.output.splitlines()[-1] == listed.output.splitlines()[-1]
+
+
 def test_serve_through_the_cli_says_how_to_install_the_extra(monkeypatch):
     from dynstate.cli import cli
 

@@ -1,17 +1,19 @@
-"""The ``serve`` click command. Imports only click at module level: ``dynstate`` registers it
-lazily, and without the ``serve`` extra it says how to install it."""
+"""The ``serve`` click command. Imports only click (and the CLI's click-only option helpers) at
+module level: ``dynstate`` registers it lazily, and without the ``serve`` extra it says how to
+install it."""
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import click
 
+# The CLI's own --storage-option (one parser, one set of checks); dynstate.cli imports only
+# click at module level, so this module stays light.
+from ..cli.options import store_command
 from ..errors import MissingDependencyError
 
 log = logging.getLogger("dynstate")
@@ -34,21 +36,6 @@ def require_web_stack() -> None:
             f"{'is' if len(missing) == 1 else 'are'} not installed; "
             "pip install 'dynstate[serve]'"
         )
-
-
-def _parse_storage_options(pairs: Sequence[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(
-                f"expected KEY=VALUE, got {pair!r}", param_hint="--storage-option"
-            )
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -87,21 +74,14 @@ def address(sock: socket.socket) -> str:
     type=click.Path(exists=True),
     help="A verl global_step_N folder or data.pt to show (repeatable).",
 )
-@click.option(
-    "--storage-option",
-    "storage_option",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="fsspec storage option (repeatable); VALUE is parsed as JSON where it can be. "
-    "Endpoint and credentials otherwise come from the standard AWS environment.",
-)
+@store_command
 def serve(
     url: str,
     port: int = 8000,
     host: str = "127.0.0.1",
     open_browser: bool = False,
     checkpoints: tuple[str, ...] = (),
-    storage_option: tuple[str, ...] = (),
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
     """Browse a store in a web browser: versions, rows with filters and search, where each row
     came from and what was derived from it, growth over training steps, diffs and checkpoints.
@@ -118,7 +98,7 @@ def serve(
     from .api import StoreView
     from .app import create_app
 
-    options = _parse_storage_options(storage_option)
+    options = storage_options or {}
     store = Store.open(url, storage_options=options)
     view = StoreView(store, checkpoints=checkpoints, url=url, storage_options=options)
     # On loopback only this machine's own names may be asked for (see create_app).
