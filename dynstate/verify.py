@@ -80,6 +80,8 @@ def verify_store(
         for version, record in sorted(records.items()):
             report.versions_checked.append(version)
             for shard in record.add:
+                if shard.path in shards:
+                    _duplicate(store, shard.path, version, report)
                 shards.setdefault(shard.path, (shard, version))
             if record.base is not None and version != floor:
                 _collect(store, version, shards, report)
@@ -102,8 +104,21 @@ def _collect(
     except DynstateError as exc:
         report.problems.append(f"version {version}: {exc}")
         return
+    seen: set[str] = set()
     for shard in snap.shards:
+        if shard.path in seen:
+            _duplicate(store, shard.path, version, report)
+        seen.add(shard.path)
         shards.setdefault(shard.path, (shard, version))
+
+
+def _duplicate(store: Store, path: str, version: int, report: VerifyReport) -> None:
+    problem = (
+        f"shard {path} of {store.display_url} is listed twice by version {version} (its rows "
+        "count twice); reset to a version before it or compact to rewrite it"
+    )
+    if problem not in report.problems:
+        report.problems.append(problem)
 
 
 def _check_records(

@@ -121,3 +121,31 @@ def test_part_of_another_store_names_both(tmp_path):
         y.commit_staged([part])
     assert x.store_id in str(info.value) and y.store_id in str(info.value)
     assert x.commit_staged([part]) == 1
+
+
+def test_verify_flags_a_shard_listed_twice(tmp_path):
+    import dataclasses
+    import json
+
+    from dynstate import manifest as m
+
+    url = str(tmp_path / "s")
+    store = Store.open(url, create=True)
+    store.append([{"id": 1}])
+    store.append([{"id": 2}])
+    assert verify_store(Store.open(url), all_versions=True).problems == []
+    # A record (written by an older dynstate) whose round re-adds the previous round's shard.
+    record = store.commit_record(2)
+    first = store.commit_record(1).add[0]
+    forged = dataclasses.replace(
+        record,
+        add=(first,),
+        num_rows=record.num_rows - record.add[0].rows + first.rows,
+        num_bytes=record.num_bytes - record.add[0].bytes + first.bytes,
+    )
+    path = tmp_path / "s" / m.log_path(2)
+    path.write_bytes(m.encode(forged.to_json()))
+    assert json.loads(path.read_bytes())  # a valid record
+    for all_versions in (False, True):
+        problems = verify_store(Store.open(url), all_versions=all_versions).problems
+        assert any("listed twice" in p for p in problems), problems
