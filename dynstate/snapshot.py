@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Protocol
 
 import pyarrow as pa
 
@@ -37,6 +37,36 @@ class Staged:
     validated: str | None  # schema fingerprint of the head they were checked against
     lease: str | None = None
     store: str | None = None  # the id of the store it was staged in (None: an older dynstate)
+
+    def keep_leased(self, storage: Any, ttl_s: float) -> Staged:
+        """Remember where the lease lives, so that a process unpickling this part takes the
+        lease over at once (see :meth:`__setstate__`)."""
+        object.__setattr__(self, "_keeper", (storage, ttl_s))
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        keeper = self.__dict__.get("_keeper")
+        if keeper is not None:
+            state["_keeper"] = keeper
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        keeper = state.pop("_keeper", None)
+        for f in fields(self):
+            object.__setattr__(self, f.name, state.get(f.name, f.default))
+            if f.name not in state and f.default is MISSING:
+                raise TypeError(f"a pickled Staged part without {f.name!r}")
+        if keeper is None:
+            return
+        object.__setattr__(self, "_keeper", keeper)
+        if self.lease:
+            # The receiving process (a pool's parent, a Ray driver) renews the lease from now
+            # on: the stager may exit right after handing the part over, and gc expires the
+            # lease of a process that no longer exists.
+            from .log.leases import keep_alive
+
+            keep_alive(keeper[0], keeper[1], self.lease)
 
     @property
     def num_rows(self) -> int:

@@ -256,7 +256,10 @@ class Store:
         """Validate ``data`` against the head's schema and write its shards, without
         committing. Several staged parts (from other processes too: a :class:`Staged` pickles)
         become one version with :meth:`commit_staged`. The shards are protected from gc by a
-        lease this process renews while it lives; uncommitted ones are removed by gc after."""
+        lease this process renews while it lives, and that any process unpickling the part
+        renews from then on; uncommitted ones are removed by gc after. Window: if this process
+        exits before a receiver unpickles the part, a gc in that gap ends the lease and the
+        commit raises :class:`LeaseExpiredError` (docs/format.md, "Leases")."""
         return self._writer.stage(
             data, allow_new_columns=allow_new_columns, shard_bytes=shard_bytes
         )

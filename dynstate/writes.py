@@ -80,7 +80,8 @@ class Writer:
         except BaseException:
             self.log.leases.end({lease}, committed=False)
             raise
-        return Staged(tuple(shards), schema, head.schema, lease, self.store_id)
+        staged = Staged(tuple(shards), schema, head.schema, lease, self.store_id)
+        return staged.keep_leased(self.storage, self.log.leases.ttl_s)
 
     def commit_staged(
         self,

@@ -149,3 +149,25 @@ def test_verify_flags_a_shard_listed_twice(tmp_path):
     for all_versions in (False, True):
         problems = verify_store(Store.open(url), all_versions=all_versions).problems
         assert any("listed twice" in p for p in problems), problems
+
+
+def _stage_in_worker(args):
+    url, i = args
+    return Store.open(url).stage([{"id": i}])
+
+
+@pytest.mark.slow
+def test_part_staged_by_an_exited_process_survives_gc(tmp_path):
+    """F8: the pool worker that staged exits; the parent that unpickled its parts renews
+    their leases, so a gc with the default grace keeps them and the commit lands."""
+    from dynstate.gc import collect_garbage
+
+    url = str(tmp_path / "s")
+    Store.open(url, create=True)
+    with mp.get_context("spawn").Pool(2) as pool:
+        parts = pool.map(_stage_in_worker, [(url, 1), (url, 2)])
+    collect_garbage(Store.open(url))  # the workers are gone
+    store = Store.open(url)
+    assert store.commit_staged(parts) == 1
+    assert _rows(store) == [1, 2]
+    assert verify_store(Store.open(url), all_versions=True).problems == []

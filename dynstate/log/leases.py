@@ -281,6 +281,23 @@ def _heartbeat(leases: Leases, interval_s: float) -> None:
             return
 
 
+_RECEIVED: dict[str, Leases] = {}
+_RECEIVED_LOCK = threading.Lock()
+
+
+def keep_alive(storage: Storage, ttl_s: float, lease: str) -> None:
+    """Renew ``lease`` from this process on (a :class:`Staged` part was unpickled here). A
+    lease that ended is left alone: committing the part then says why."""
+    with _RECEIVED_LOCK:
+        leases = _RECEIVED.get(storage.display_url)
+        if leases is None:
+            leases = _RECEIVED[storage.display_url] = Leases(storage, ttl_s)
+    try:
+        leases.adopt({lease})
+    except DynstateError as exc:
+        log.debug("not renewing lease %s of %s: %s", lease, storage.display_url, exc)
+
+
 def read_outcome(storage: Storage, lease: str) -> dict[str, object] | None:
     raw = storage.try_read(outcome_path(lease))
     if raw is None:
