@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from . import manifest as m
 from .errors import (
+    CorruptStoreError,
     InvalidDataError,
     MissingShardError,
     StoreExistsError,
@@ -218,7 +219,7 @@ class Store:
         where = f"{self.display_url}{at}"
         try:
             # Verified inside the read, so a body cut short in transit is fetched again.
-            return self.storage.read(
+            data = self.storage.read(
                 shard.path, check=lambda d: verify_shard_bytes(d, shard, where)
             )
         except FileNotFoundError:
@@ -228,6 +229,8 @@ class Store:
                 f"shard {shard.path} of {self.display_url}{at} is missing; restore it, or reset "
                 "the store to a version that does not use it"
             ) from None
+        _check_rows(data, shard, where)
+        return data
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -306,4 +309,21 @@ class Store:
         snap = self.snapshot(version)
         return self.commit_base(
             list(snap.shards), op="reset", schema=snap.schema, meta=meta, target=snap.version
+        )
+
+
+def _check_rows(data: bytes, shard: ShardRef, where: str) -> None:
+    """The record's row count must be the file's (from the Parquet footer, no data read):
+    offsets into a snapshot are computed from the record, so a mismatch would misplace rows."""
+    try:
+        rows = pq.ParquetFile(pa.BufferReader(data)).metadata.num_rows
+    except (pa.ArrowException, OSError) as exc:
+        raise CorruptStoreError(
+            f"shard {shard.path} of {where} is not a readable Parquet file ({exc}); restore it "
+            "or reset to a version without it"
+        ) from None
+    if rows != shard.rows:
+        raise CorruptStoreError(
+            f"shard {shard.path} of {where} holds {rows} rows but its commit record says "
+            f"{shard.rows}; the record is wrong — reset to a version without it"
         )

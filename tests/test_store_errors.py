@@ -421,3 +421,30 @@ def test_gc_file_without_floor_is_a_typed_error(store: Store) -> None:
     with pytest.raises(CorruptStoreError, match=r"gc\.json"):
         store.refresh()
     assert listing(store) == before
+
+
+def test_shard_row_count_differs_from_its_record(tmp_path) -> None:
+    """F2: a self-consistent record (checksum valid) whose shard entry says 5 rows for a
+    3-row file: reads raise CorruptStoreError naming the shard and version."""
+    import hashlib
+    import json
+
+    from dynstate import CorruptStoreError, VersionedDataset
+
+    url = str(tmp_path / "s")
+    store = Store.open(url, create=True)
+    for i in range(3):
+        store.append([{"id": i * 10 + j} for j in range(3)])
+    path = tmp_path / "s" / m.log_path(2)
+    obj = json.loads(path.read_text())
+    obj["add"][0]["rows"] = 5
+    obj["num_rows"] += 2
+    obj.pop("checksum")
+    obj["checksum"] = hashlib.sha256(m._canonical(obj)).hexdigest()
+    path.write_text(json.dumps(obj))
+    shard = obj["add"][0]["path"]
+    with pytest.raises(CorruptStoreError, match="version 3") as info:
+        Store.open(url).snapshot().to_arrow()
+    assert shard in str(info.value) and "5" in str(info.value)
+    with pytest.raises(CorruptStoreError, match=shard):
+        VersionedDataset(url)[3]
