@@ -448,3 +448,13 @@ def test_shard_row_count_differs_from_its_record(tmp_path) -> None:
     assert shard in str(info.value) and "5" in str(info.value)
     with pytest.raises(CorruptStoreError, match=shard):
         VersionedDataset(url)[3]
+
+
+@pytest.mark.parametrize("url", ["ftp://127.0.0.1:1/x", "ftp://no-such-host.invalid/x"])
+def test_filesystem_that_connects_in_its_constructor(url: str) -> None:
+    """F5: ftp:// connects when the filesystem is built; socket errors become StorageError."""
+    from dynstate import StorageError
+
+    with pytest.raises(StorageError, match="could not reach") as info:
+        Store.open(url)
+    assert url in str(info.value)

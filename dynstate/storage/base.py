@@ -11,6 +11,7 @@ on purpose because callers act on them: ``FileNotFoundError`` (object missing) a
 
 from __future__ import annotations
 
+import ftplib
 import hashlib
 import inspect
 import logging
@@ -27,6 +28,7 @@ import fsspec
 from ..errors import (
     ConcurrencyUnsupportedError,
     CorruptStoreError,
+    DynstateError,
     InvalidDataError,
     MissingDependencyError,
     StorageError,
@@ -120,6 +122,15 @@ class Storage:
             raise StorageError(
                 f"cannot open {self.display_url}: {self.scrub(str(exc))}; check the URL and "
                 "storage options"
+            ) from None
+        except DynstateError:
+            raise
+        except (OSError, EOFError, ftplib.Error) as exc:
+            # Filesystems that connect in their constructor (ftp://, sftp://, smb://) fail
+            # here with socket and protocol errors.
+            raise StorageError(
+                f"could not reach {self.display_url}: {type(exc).__name__}: "
+                f"{self.scrub(str(exc))}; check the URL and that the host is reachable"
             ) from None
 
     @property
