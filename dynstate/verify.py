@@ -13,8 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import manifest as m
-from .errors import DynstateError, VersionCollectedError
+from .errors import DynstateError, VersionCollectedError, VersionNotFoundError
 from .manifest import Commit, ShardRef
+from .storage import is_safe_name
 from .store import Store
 
 log = logging.getLogger("dynstate")
@@ -64,7 +65,7 @@ def verify_store(
     records = _check_records(store, floor, head, report, records_progress)
     _check_schemas(store, records, report)
     _check_checkpoints(store, floor, report)
-    for name, version in sorted(store.tags().items()):
+    for name, version in sorted(_read_tags(store, report).items()):
         if version < floor or version > head:
             report.problems.append(
                 f"tag {name!r} of {store.display_url} names version {version}, which is not "
@@ -79,9 +80,11 @@ def verify_store(
             _collect(store, floor, shards, report)
         for version, record in sorted(records.items()):
             report.versions_checked.append(version)
+            added: set[str] = set()
             for shard in record.add:
-                if shard.path in shards:
+                if shard.path in added:
                     _duplicate(store, shard.path, version, report)
+                added.add(shard.path)
                 shards.setdefault(shard.path, (shard, version))
             if record.base is not None and version != floor:
                 _collect(store, version, shards, report)
@@ -94,6 +97,31 @@ def verify_store(
         if progress is not None:
             progress(done, len(shards))
     return report
+
+
+def _read_tags(store: Store, report: VerifyReport) -> dict[str, int]:
+    """Every readable tag; each damaged tag file is a problem of its own, and the rest of the
+    store is still checked."""
+    tags = store._tags
+    try:
+        names = store.storage.list(f"{m.META_DIR}/tags")
+    except DynstateError as exc:
+        report.problems.append(f"the tags of {store.display_url} cannot be listed: {exc}")
+        return {}
+    out: dict[str, int] = {}
+    for name in sorted(names):
+        if not (name.endswith(".json") and is_safe_name(name[:-5])):
+            continue
+        try:
+            out[name[:-5]] = tags._read(name[:-5])
+        except VersionNotFoundError:
+            continue  # removed while we listed
+        except DynstateError as exc:
+            report.problems.append(
+                f"tag file {store.display_url}/{m.tag_path(name[:-5])}: {exc}; remove it with "
+                "`dynstate tag --delete` or restore it"
+            )
+    return out
 
 
 def _collect(

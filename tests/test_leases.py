@@ -171,3 +171,27 @@ def test_part_staged_by_an_exited_process_survives_gc(tmp_path):
     assert store.commit_staged(parts) == 1
     assert _rows(store) == [1, 2]
     assert verify_store(Store.open(url), all_versions=True).problems == []
+
+
+@pytest.mark.parametrize("damage", ["checksum", "not json", "directory"])
+def test_verify_lists_a_damaged_tag_and_checks_the_rest(tmp_path, damage):
+    """F1: a damaged tag file is a problem of its own; verify still checks everything else."""
+    url = str(tmp_path / "s")
+    store = Store.open(url, create=True)
+    store.append([{"id": 1}])
+    store.tag("good", 1)
+    store.tag("ckpt", 1)
+    tag = tmp_path / "s" / "_dynstate" / "tags" / "ckpt.json"
+    if damage == "checksum":
+        tag.write_text(tag.read_text().replace('"version": 1', '"version": 2'))
+    elif damage == "not json":
+        tag.write_text("{not json")
+    else:
+        tag.unlink()
+        tag.mkdir()
+    # ... and a shard is missing too: it must still be found.
+    shard = store.snapshot().shards[0].path
+    os.remove(tmp_path / "s" / shard)
+    report = verify_store(Store.open(url), all_versions=True)
+    assert any("ckpt.json" in p for p in report.problems), report.problems
+    assert any(shard in p for p in report.problems), report.problems
