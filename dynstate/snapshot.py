@@ -82,15 +82,18 @@ class Snapshot:
         commit: Commit,
         shards: Sequence[ShardRef],
         schema: pa.Schema | None,
+        *,
+        offsets: list[int] | None = None,
     ):
         self.store = store
         self.commit = commit
         self.shards: tuple[ShardRef, ...] = tuple(shards)
         self.schema = schema
-        offsets = [0]
-        for shard in self.shards:
-            offsets.append(offsets[-1] + shard.rows)
-        self.offsets: list[int] = offsets
+        if offsets is None:
+            offsets = [0]
+            for shard in self.shards:
+                offsets.append(offsets[-1] + shard.rows)
+        self.offsets: list[int] = offsets  # shared with the store's cache: never modified
 
     @property
     def version(self) -> int:

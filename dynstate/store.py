@@ -57,7 +57,9 @@ class Store:
         self.log = Log(storage, store_id, single_writer=single_writer, lease_ttl_s=lease_ttl_s)
         self._tags = Tags(self.log)
         self._writer = Writer(self.log)
-        self._snapshots: dict[int, Snapshot] = {}
+        self._snapshots: dict[
+            int, tuple[Commit, tuple[ShardRef, ...], pa.Schema | None, list[int]]
+        ] = {}
 
     @classmethod
     def open(
@@ -194,14 +196,19 @@ class Store:
     def snapshot(self, version: int | str | None = None) -> Snapshot:
         """An immutable view of ``version`` (a number, a tag, or None for the head)."""
         number = self.resolve(version)
-        snap = self._snapshots.get(number)
-        if snap is None:
+        cached = self._snapshots.get(number)
+        if cached is None:
             record = self.commit_record(number)
             snap = Snapshot(self, record, self.log.materialize(number), self.schema_of(record))
             if len(self._snapshots) > 64:
                 self._snapshots.pop(next(iter(self._snapshots)))
-            self._snapshots[number] = snap
-        return snap
+            # The cache keeps what a snapshot is made of, not the snapshot: a snapshot points
+            # at its store, and a store -> snapshot -> store cycle leaves Arrow objects to be
+            # freed at interpreter teardown, which aborts the process when torch is loaded.
+            self._snapshots[number] = (record, snap.shards, snap.schema, snap.offsets)
+            return snap
+        record, shards, schema, offsets = cached
+        return Snapshot(self, record, shards, schema, offsets=offsets)
 
     def schema_of(self, record: Commit) -> pa.Schema | None:
         return self.log.schema(record.schema, record.version)

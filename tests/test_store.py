@@ -317,3 +317,34 @@ def test_store_and_staged_parts_pickle(tmp_path) -> None:
     copy = pickle.loads(pickle.dumps(store))
     assert copy.commit_staged([pickle.loads(pickle.dumps(part))]) == 2
     assert copy.snapshot().to_arrow().column("id").to_pylist() == [1, 2]
+
+
+def test_a_store_and_its_snapshots_form_no_cycle(tmp_path) -> None:
+    """A store caching snapshots that point back at it formed a cycle, left to the cyclic
+    collector — at interpreter exit with torch loaded that aborted the process (exit 134).
+    Reference counting alone must free a store, its snapshots and their Arrow data."""
+    import gc
+    import weakref
+
+    url = str(tmp_path / "s")
+    store = Store.open(url, create=True)
+    store.append([{"id": 1}])
+    store.append([{"id": 2}])
+    gc.disable()
+    try:
+        store = Store.open(url)
+        snap = store.snapshot()
+        assert snap.to_arrow().num_rows == 2
+        assert store.snapshot(1).num_rows == 1 and store.snapshot().num_rows == 2
+        gone = weakref.ref(store)
+        del store, snap
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
+def test_a_cached_snapshot_outlives_its_store_handle(tmp_path) -> None:
+    url = str(tmp_path / "s")
+    Store.open(url, create=True).append([{"id": 1}])
+    snap = Store.open(url).snapshot()
+    assert snap.to_arrow().column("id").to_pylist() == [1]

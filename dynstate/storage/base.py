@@ -182,10 +182,15 @@ class Storage:
                     )
                     time.sleep(delay)
                     continue
-                err = self._translate(what, rel, exc, attempt + 1)
-                if err is exc:
-                    raise
-                raise err from None if self._is_secret_bearing(exc) else exc
+                err: Exception | None = self._translate(what, rel, exc, attempt + 1)
+                try:
+                    if err is exc:
+                        raise
+                    raise err from None if self._is_secret_bearing(exc) else exc  # type: ignore[misc]
+                finally:
+                    # This frame is in the error's traceback: holding the error here would
+                    # make a cycle that only the cyclic collector frees (at teardown, maybe).
+                    err = None
         raise AssertionError("unreachable")  # the loop always returns or raises
 
     def _is_secret_bearing(self, exc: BaseException) -> bool:

@@ -51,6 +51,15 @@ def redact(url: str) -> str:
     return f"{scheme}://{'***@' if userinfo is not None else ''}{rest}"
 
 
+def _secret_values(mapping: dict[str, object], found: list[str]) -> None:
+    # A module function, not a closure: a recursive closure is a reference cycle.
+    for name, value in mapping.items():
+        if isinstance(value, dict):
+            _secret_values(value, found)
+        elif isinstance(value, str) and any(w in name.lower() for w in _SECRET_WORDS):
+            found.append(value)
+
+
 def secrets_of(url: str, options: dict[str, object]) -> list[str]:
     """Every credential a location may use: the URL's userinfo (and its parts), option values
     whose names say key/secret/token/password (nested ones too), and the AWS environment."""
@@ -59,14 +68,7 @@ def secrets_of(url: str, options: dict[str, object]) -> list[str]:
     if userinfo:
         found += [userinfo, *userinfo.split(":", 1)]
 
-    def walk(mapping: dict[str, object]) -> None:
-        for name, value in mapping.items():
-            if isinstance(value, dict):
-                walk(value)
-            elif isinstance(value, str) and any(w in name.lower() for w in _SECRET_WORDS):
-                found.append(value)
-
-    walk(options)
+    _secret_values(options, found)
     found += [os.environ[name] for name in _ENV_SECRETS if os.environ.get(name)]
     # Longest first, so that a secret containing another is replaced whole.
     return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
