@@ -553,13 +553,22 @@ def items(spec: dict) -> None:
     from transformers import AutoTokenizer
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
+    import dynstate
+
     config = compose_config(spec)
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     ours, _ = _datasets(config, tokenizer)
     theirs = RLHFDataset(config.data.train_files, tokenizer, config.data, None)
-    problems = []
+    problems: list[str] = []
+    head = ours.store.refresh()
+    try:  # a plain row number is what verl's own samplers give: refused, not trained on
+        ours[0]
+        problems.append("a plain row number (no dynstate sampler) was not refused")
+    except dynstate.StateMismatchError as exc:
+        if "dynstate.verl.main_ppo" not in str(exc):
+            problems.append(f"refusal does not say what to run: {exc}")
     for i in range(len(theirs)):
-        a, b = dict(ours[i]), dict(theirs[i])
+        a, b = dict(ours[dynstate.encode_index(head, i)]), dict(theirs[i])
         if a.pop("dynstate_row") != i:
             problems.append(f"row {i}: wrong dynstate_row")
         ta, tb = a.pop("dummy_tensor"), b.pop("dummy_tensor")

@@ -252,9 +252,20 @@ class DynstateRLDataset(RLHFDataset):
         self._frame = StoreFrame(self._rows)
 
     def __getitem__(self, item: int) -> dict[str, Any]:
+        if not self.fixed:
+            version, row = decode_index(item)
+            if version is None:
+                # Only dynstate's sampler pins versions; any other one (verl's RandomSampler,
+                # e.g. under verl's own main_ppo) would train without rounds or exact resume.
+                raise StateMismatchError(
+                    f"row {row} of {self.store.display_url} was asked for without a version: the "
+                    "train loader is not using dynstate's sampler; run `python -m "
+                    "dynstate.verl.main_ppo` (or trainer.v1.trainer_mode=dynstate), see "
+                    "docs/verl.md"
+                )
         out = super().__getitem__(item)
         if not self.fixed:
-            out[ROW_KEY] = decode_index(item)[1]
+            out[ROW_KEY] = row
         return out
 
     def make_sampler(self, **loader: Any) -> VersionedSampler:
