@@ -7,6 +7,7 @@ lineage, leases) in :mod:`dynstate.log`, the filesystem in :mod:`dynstate.storag
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -64,7 +65,7 @@ class Store:
     @classmethod
     def open(
         cls,
-        url: str,
+        url: str | os.PathLike[str],
         *,
         create: bool = False,
         storage_options: dict[str, Any] | None = None,

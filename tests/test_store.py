@@ -348,3 +348,11 @@ def test_a_cached_snapshot_outlives_its_store_handle(tmp_path) -> None:
     Store.open(url, create=True).append([{"id": 1}])
     snap = Store.open(url).snapshot()
     assert snap.to_arrow().column("id").to_pylist() == [1]
+
+
+def test_open_takes_a_pathlib_path_and_refuses_a_non_path(tmp_path) -> None:
+    store = Store.open(tmp_path / "run", create=True)
+    store.append([{"a": 1}])
+    assert Store.open(tmp_path / "run").snapshot().to_arrow().to_pylist() == [{"a": 1}]
+    with pytest.raises(InvalidDataError, match="non-empty string or a path"):
+        Store.open(5)  # type: ignore[arg-type]

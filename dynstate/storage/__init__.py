@@ -7,8 +7,10 @@ else (``s3://``, ``gs://``...). Errors are translated and credentials scrubbed h
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from ..errors import InvalidDataError
 from .base import ShardSink, Storage, is_safe_name
 from .credentials import redact
 from .local import LocalStorage
@@ -29,8 +31,17 @@ __all__ = [
 ]
 
 
-def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Storage:
-    """The backend for ``url``."""
+def open_storage(
+    url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> Storage:
+    """The backend for ``url`` (a URL string or a local path, ``pathlib.Path`` included)."""
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if not isinstance(url, str) or not url:
+        raise InvalidDataError(
+            f"a store URL must be a non-empty string or a path, not {url!r}; pass e.g. "
+            "'runs/run1' or 's3://bucket/runs/run1'"
+        )
     scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
     if scheme in ("file", "local"):
         return LocalStorage(url, storage_options)
