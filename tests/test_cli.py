@@ -757,6 +757,12 @@ def test_s3_errors_say_what_to_do(s3_endpoint: str) -> None:
               f"cannot reach the S3 endpoint http://127.0.0.1:{port}")  # fmt: skip
     fails(["ls", url], {"AWS_ENDPOINT_URL": "http://127.0.0.1:99999"},
           "the S3 endpoint 'http://127.0.0.1:99999' is not a valid URL")  # fmt: skip
+    # No endpoint: AWS itself, in a region whose host does not exist anywhere.
+    unset = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "HTTPS_PROXY", "https_proxy", "ALL_PROXY")
+    no_endpoint: dict[str, str | None] = dict.fromkeys(unset)
+    no_endpoint["AWS_REGION"] = "dynstate-nowhere-1"
+    fails(["ls", "s3://some-bucket/run"], no_endpoint,
+          "cannot reach AWS S3 at https://s3.dynstate-nowhere-1.amazonaws.com")  # fmt: skip
 
 
 @contextlib.contextmanager

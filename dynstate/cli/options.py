@@ -195,6 +195,7 @@ def check_endpoint(url: str, options: dict[str, Any]) -> None:
         return
     endpoint = s3_endpoint(options)
     if endpoint is None:
+        _check_aws_reachable(options)
         return
     shown = redact(endpoint)
     if split_userinfo(endpoint)[1] is not None:
@@ -225,6 +226,32 @@ def check_endpoint(url: str, options: dict[str, Any]) -> None:
         raise StorageError(
             f"cannot reach the S3 endpoint {parts.scheme}://{host}:{port} ({reason}); check "
             "that it is up, and AWS_ENDPOINT_URL or --storage-option endpoint_url"
+        ) from None
+
+
+def _check_aws_reachable(options: dict[str, Any]) -> None:
+    """With no endpoint set, the store is on AWS S3: fail within seconds when its regional host
+    cannot be reached, rather than after botocore's connect retries. Behind a proxy the direct
+    connection proves nothing, so the check is left to botocore there."""
+    from ..errors import StorageError
+
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY")):
+        return
+    client = options.get("client_kwargs") or {}
+    region = (
+        (client.get("region_name") if isinstance(client, dict) else None)
+        or os.environ.get("AWS_REGION")
+        or os.environ.get("AWS_DEFAULT_REGION")
+    )
+    host = f"s3.{region}.amazonaws.com" if region else "s3.amazonaws.com"
+    try:
+        socket.create_connection((host, 443), timeout=PREFLIGHT_TIMEOUT_S).close()
+    except OSError as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise StorageError(
+            f"cannot reach AWS S3 at https://{host} ({reason}); check the network and the "
+            "region (AWS_REGION), or set AWS_ENDPOINT_URL / --storage-option endpoint_url for "
+            "another S3 service"
         ) from None
 
 
