@@ -18,11 +18,3 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install -q -e ".[test,s3,verl,ray,plot,serve]"
   touch "$stamp"
 fi
-# The browser tests of `dynstate serve` drive Debian's Chromium (Playwright never downloads a
-# browser here). Without it they fail, so say so now rather than skip them.
-if ! command -v chromium >/dev/null 2>&1; then
-  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null; then
-    echo "setup-venv: could not install the chromium package (the serve browser tests need it)" >&2
-    exit 1
-  fi
-fi

@@ -3,6 +3,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup-venv.sh
+# The browser tests of `dynstate serve` drive Debian's Chromium (Playwright never downloads a
+# browser here). Without it they fail, so say so now rather than skip them.
+if ! command -v chromium >/dev/null 2>&1; then
+  sudo=""
+  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then sudo="sudo"; fi
+  if ! { $sudo apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium; } >/dev/null; then
+    echo "test.sh: could not install the chromium package (the serve browser tests need it)" >&2
+    exit 1
+  fi
+fi
 # shellcheck disable=SC1091
 . "${DYNSTATE_VENV:-.venv}/bin/activate"
 ruff check dynstate tests tools examples
