@@ -1,9 +1,6 @@
 """dynstate: versioned, crash-safe data state for RL runs whose training data grows while
 they train. Everything public is importable from here; all other modules are private."""
 
-import sys
-import types
-
 from ._version import __version__
 from .errors import (
     ChecksumMismatchError,
@@ -44,26 +41,12 @@ _LAZY = {
     "version_at_step": "resume",
     "decode_index": "dataset",
     "encode_index": "dataset",
-    "find_sampler_state": "sampler",
+    "find_sampler_state": "sampler_state",
     "collect_garbage": "gc",
-    "compact": "compact",
-    "export": "export",
+    "compact": "compaction",
+    "export": "exporting",
     "verify_store": "verify",
 }
-
-
-class _Package(types.ModuleType):
-    """The import system binds each submodule on its package as it loads it. ``compact`` and
-    ``export`` are public functions living in modules of the same name: the function must
-    stay what ``dynstate.compact`` means, whichever was imported first."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in ("compact", "export") and isinstance(value, types.ModuleType):
-            return  # the module stays reachable as sys.modules["dynstate.<name>"]
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> object:

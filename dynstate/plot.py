@@ -127,7 +127,7 @@ def plot_growth(store: Store, out: str | os.PathLike[str], *, overwrite: bool = 
     ``out`` is never the store or inside it (InvalidDataError), and an existing ``out`` is
     replaced only with ``overwrite`` (else StoreExistsError); the PNG appears complete or not
     at all."""
-    from .export import output_plan
+    from .exporting import output_plan
 
     out = os.fspath(out)
     # Checked before drawing: a mistyped OUT must not cost a store file or a user's file.

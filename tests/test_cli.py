@@ -27,7 +27,7 @@ from dynstate import Store
 from dynstate import manifest as m
 from dynstate.cli import cli
 from dynstate.cli.render import human_size
-from dynstate.compact import compact
+from dynstate.compaction import compact
 from dynstate.plot import abandoned_points, growth_points
 
 COMMANDS = ["ls", "info", "show", "head", "diff", "tags", "verify", "gc", "tag", "reset",

@@ -3,7 +3,6 @@ writers that append while it runs."""
 
 from __future__ import annotations
 
-import importlib
 import random
 import signal
 import subprocess
@@ -18,11 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynstate import CommitConflictError, InvalidDataError, ShardRef, Store
-from dynstate.compact import compact, compact_if_needed, plan
-
-# `dynstate.compact` is the public function; the module behind it, for monkeypatching:
-compaction = importlib.import_module("dynstate.compact")
+from dynstate import CommitConflictError, InvalidDataError, ShardRef, Store, compaction
+from dynstate.compaction import compact, compact_if_needed, plan
 
 SMALL = 16384  # target bytes: about 15 tiny (~1 KiB) shards per compacted shard
 
@@ -281,7 +277,7 @@ def test_compact_if_needed_follows_the_policy() -> None:
 _CHILD = """
 import sys
 from dynstate import Store
-from dynstate.compact import compact
+from dynstate.compaction import compact
 
 store = Store.open(sys.argv[1])
 print("ready", flush=True)

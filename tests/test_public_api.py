@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import dynstate
@@ -37,13 +38,15 @@ def test_no_internals_in_all() -> None:
 
 
 def test_maintenance_functions_are_the_functions_whatever_was_imported_first() -> None:
-    # `dynstate.compact` and `dynstate.export` are functions even when their modules were
-    # imported first (the import system binds a submodule on its package).
+    # The import system binds each submodule on its package as it loads it; the modules behind
+    # `compact` and `export` have other names, so the functions are never shadowed.
     code = (
-        "import dynstate.compact, dynstate.export, dynstate.gc, dynstate.verify\n"
+        "import dynstate.compaction, dynstate.exporting, dynstate.gc, dynstate.verify\n"
         "import dynstate\n"
         "assert callable(dynstate.compact) and callable(dynstate.export), "
         "(dynstate.compact, dynstate.export)\n"
+        "assert dynstate.compact.__module__ == 'dynstate.compaction'\n"
+        "assert dynstate.export.__module__ == 'dynstate.exporting'\n"
         "assert dynstate.collect_garbage.__module__ == 'dynstate.gc'\n"
         "assert dynstate.verify_store.__module__ == 'dynstate.verify'\n"
     )
@@ -54,3 +57,26 @@ def test_maintenance_functions_are_the_functions_whatever_was_imported_first() -
     assert dynstate.compact(store) == 4
     assert dynstate.verify_store(store).ok
     assert dynstate.collect_garbage(store, keep=1, grace_s=0).floor_after == 4
+
+
+def test_modules_behind_compact_and_export_import_as_modules() -> None:
+    # A fresh interpreter: `import ... as` must give the module, and the package attribute of the
+    # same public name the function, in either import order.
+    code = (
+        "import types\n"
+        "import dynstate.compaction as m\n"
+        "import dynstate.exporting as e\n"
+        "import dynstate\n"
+        "assert isinstance(m, types.ModuleType) and m.__name__ == 'dynstate.compaction', m\n"
+        "assert isinstance(e, types.ModuleType) and e.__name__ == 'dynstate.exporting', e\n"
+        "assert dynstate.compaction is m and dynstate.exporting is e\n"
+        "assert dynstate.compact is m.compact and dynstate.export is e.export\n"
+        "assert not isinstance(dynstate.compact, types.ModuleType)\n"
+        "assert not isinstance(dynstate.export, types.ModuleType)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    import dynstate.compaction as m
+
+    assert isinstance(m, types.ModuleType)
+    assert dynstate.compact is m.compact
+    assert callable(dynstate.compact) and not isinstance(dynstate.compact, types.ModuleType)

@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from conftest import s3_url
 
 from dynstate import MissingDependencyError, Store
-from dynstate.compact import compact
+from dynstate.compaction import compact
 from dynstate.gc import collect_garbage
 from dynstate.serve.api import StoreView
 from dynstate.serve.app import create_app

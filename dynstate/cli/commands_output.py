@@ -73,7 +73,7 @@ def export_cmd(
     Example:
       dynstate export s3://bucket/runs/run1 42 s3://bucket/exports/rows.parquet
     """
-    from ..export import export, replace_plan
+    from ..exporting import export, replace_plan
 
     if len(args) > 2:
         raise click.UsageError("expected URL [VERSION] OUT")
@@ -131,7 +131,7 @@ def plot_cmd(
     Example:
       dynstate plot ./runs/run1 growth.png
     """
-    from ..export import output_plan
+    from ..exporting import output_plan
     from ..plot import growth_points, plot_growth
 
     store = open_store(url, storage_options)

@@ -266,7 +266,7 @@ def compact_cmd(url: str, target_size: int | None, as_json: bool, storage_option
     Example:
       dynstate compact s3://bucket/runs/run1 --target-size 256MiB
     """
-    from ..compact import compact
+    from ..compaction import compact
 
     store = open_store(url, storage_options)
     before = store.snapshot()

@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from dynstate import Store
 from dynstate import manifest as m
-from dynstate.compact import compact
+from dynstate.compaction import compact
 
 HERE = Path(__file__).resolve().parent
 
