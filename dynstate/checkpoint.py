@@ -12,7 +12,8 @@ from typing import Any
 
 from .dataset import VersionedDataset, decode_index
 from .errors import StateMismatchError, StoreNotFoundError
-from .sampler import VersionedSampler, check_state, find_sampler_state
+from .sampler import VersionedSampler
+from .sampler_state import check_state, find_sampler_state
 
 _GLOBAL_STEP = re.compile(r"global_step_(\d+)")
 

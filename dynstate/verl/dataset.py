@@ -25,7 +25,8 @@ from ..dataset import VersionedDataset, decode_index
 from ..errors import InvalidDataError, StateMismatchError
 from ..resume import rollback, walk_lineage
 from ..rounds import to_table
-from ..sampler import VersionedSampler, check_state, find_sampler_state
+from ..sampler import VersionedSampler
+from ..sampler_state import check_state, find_sampler_state
 from ..store import Store
 from .generator import (
     ROW_KEY,

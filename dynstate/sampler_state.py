@@ -1,0 +1,158 @@
+"""Sampler state validation: the plain, versioned dict that :class:`VersionedSampler`
+checkpoints, checked in full (keys, types, ranges, format) before anything uses it, and found
+wherever torchdata nested it inside a StatefulDataLoader state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import StateMismatchError, UnsupportedFormatError
+
+STATE_FORMAT = 2
+STATE_KIND = "dynstate.VersionedSampler"
+MODES = ("epoch", "mix")
+_MAX_ROWS = 2**40  # rows of one version; an index carries its row in 40 bits
+
+__all__ = ["check_state", "find_sampler_state"]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+_INT = "int"
+_FIELDS: dict[str, tuple[str, bool]] = {  # key: (type, may be None)
+    "store_id": ("str", False),
+    "store_url": ("str", False),
+    "mode": ("str", False),
+    "shuffle": ("bool", False),
+    "seed": (_INT, False),
+    "batch_size": (_INT, True),
+    "fresh_share": ("float", False),
+    "lag": (_INT, False),
+    "epoch": (_INT, False),
+    "version": (_INT, True),
+    "base_rows": (_INT, False),
+    "position": (_INT, False),
+    "step": (_INT, False),
+    "fresh_next": (_INT, False),
+    "fresh_version": (_INT, True),
+}
+_FIELDS_2: dict[str, tuple[str, bool]] = {
+    "drop_last": ("bool", False),
+    "num_replicas": (_INT, False),
+    "base_next": (_INT, False),
+}
+
+
+def _type_ok(value: Any, kind: str) -> bool:
+    if kind == _INT:
+        return _is_int(value)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, str)
+
+
+def check_state(state: Any, store_id: str, url: str) -> dict[str, Any]:
+    """Validate a sampler state dict in full (keys, types, ranges, format) against the store it
+    is loaded into; returns it in the current format. Raises :class:`StateMismatchError`
+    (:class:`UnsupportedFormatError` for a newer format) and changes nothing."""
+    if not isinstance(state, dict) or state.get("kind") != STATE_KIND:
+        raise StateMismatchError(
+            f"not a dynstate sampler state (for {url}); pass the dict VersionedSampler."
+            "state_dict() returned, or use dynstate.find_sampler_state(loader_state)"
+        )
+    fmt = state.get("format")
+    if not _is_int(fmt) or fmt < 1:
+        raise StateMismatchError(f"sampler state for {url} has no valid format number: {fmt!r}")
+    if fmt > STATE_FORMAT:
+        raise UnsupportedFormatError(
+            f"sampler state format {fmt} is newer than this dynstate supports "
+            f"({STATE_FORMAT}); upgrade dynstate to resume {url}"
+        )
+    fields = dict(_FIELDS, **(_FIELDS_2 if fmt >= 2 else {}))
+    missing = sorted(k for k in fields if k not in state)
+    if missing:
+        raise StateMismatchError(
+            f"sampler state for {url} lacks {', '.join(missing)}; it is damaged or was not "
+            "written by VersionedSampler.state_dict()"
+        )
+    for key, (kind, nullable) in fields.items():
+        value = state[key]
+        if not (value is None and nullable) and not _type_ok(value, kind):
+            raise StateMismatchError(
+                f"sampler state for {url} has {key}={value!r} ({type(value).__name__}); "
+                f"expected {kind}{' or None' if nullable else ''}"
+            )
+    if state["store_id"] != store_id:
+        raise StateMismatchError(
+            f"this state belongs to store {state['store_id']} ({state['store_url']}), not to "
+            f"{url} (store {store_id}); resume with the store the checkpoint was written for"
+        )
+    out = {k: state[k] for k in fields}
+    out["format"] = fmt
+    if fmt == 1:
+        # Format 1 counted only base rows in ``position``; slots include the fresh ones drawn.
+        fresh_drawn = state["fresh_next"] - state["base_rows"] if state["mode"] == "mix" else 0
+        out.update(
+            drop_last=False,
+            num_replicas=1,
+            base_next=state["position"],
+            position=min(state["base_rows"], state["position"] + max(0, fresh_drawn)),
+        )
+    if state["mode"] == "epoch":
+        out["base_next"] = out["position"]  # one counter in epoch mode: keep them in step
+    _check_ranges(out, url)
+    return out
+
+
+def _check_ranges(s: dict[str, Any], url: str) -> None:
+    def bad(what: str) -> StateMismatchError:
+        return StateMismatchError(f"sampler state for {url} is inconsistent: {what}")
+
+    if s["mode"] not in MODES:
+        raise bad(f"mode={s['mode']!r} is not one of {MODES}")
+    if s["batch_size"] is not None and s["batch_size"] < 1:
+        raise bad(f"batch_size={s['batch_size']} is below 1")
+    if s["num_replicas"] < 1:
+        raise bad(f"num_replicas={s['num_replicas']} is below 1")
+    if not 0.0 < s["fresh_share"] <= 1.0 or s["lag"] < 1:
+        raise bad(f"fresh_share={s['fresh_share']} / lag={s['lag']} out of range")
+    for key in ("epoch", "base_rows", "position", "base_next", "step", "fresh_next"):
+        if not 0 <= s[key] < _MAX_ROWS:
+            raise bad(f"{key}={s[key]} is out of range [0, 2**40)")
+    if s["version"] is None:
+        if s["position"] or s["base_rows"] or s["fresh_version"] is not None:
+            raise bad("no version is pinned, yet a position/base_rows/fresh_version is set")
+        return
+    if s["version"] < 0 or s["position"] > s["base_rows"] or s["base_next"] > s["position"]:
+        raise bad(
+            f"position={s['position']} / base_next={s['base_next']} do not fit version "
+            f"{s['version']} of {s['base_rows']} rows"
+        )
+    if s["fresh_version"] is None or s["fresh_version"] < s["version"]:
+        raise bad(f"fresh_version={s['fresh_version']} is older than version={s['version']}")
+    if s["fresh_next"] < s["base_rows"]:
+        raise bad(f"fresh_next={s['fresh_next']} is below base_rows={s['base_rows']}")
+
+
+def find_sampler_state(loader_state: Any) -> dict[str, Any] | None:
+    """The VersionedSampler state inside a StatefulDataLoader state dict (e.g. verl's
+    ``data.pt``), wherever torchdata nested it; None if there is none."""
+    if isinstance(loader_state, dict):
+        if loader_state.get("kind") == STATE_KIND:
+            return loader_state
+        for value in loader_state.values():
+            found = find_sampler_state(value)
+            if found is not None:
+                return found
+    elif isinstance(loader_state, (list, tuple)):
+        for value in loader_state:
+            found = find_sampler_state(value)
+            if found is not None:
+                return found
+    return None
