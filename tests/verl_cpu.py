@@ -62,57 +62,20 @@ def make_model_dir(folder: str) -> str:
     """A word-level tokenizer and a tiny model config, saved like a HF model folder (no
     weights: nothing here loads a model). verl's HFModelConfig, RewardLoopWorker and the agent
     loop read it with ``from_pretrained``, offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+    import verl_common
 
-    if os.path.exists(os.path.join(folder, "config.json")):
-        return folder
-    vocab = {w: i for i, w in enumerate(WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
-    )
-    hf.chat_template = CHAT_TEMPLATE
-    hf.save_pretrained(folder)
-    LlamaConfig(
-        vocab_size=len(WORDS),
-        hidden_size=8,
-        intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        pad_token_id=1,
-        eos_token_id=2,
-        bos_token_id=None,
-        architectures=["LlamaForCausalLM"],
-    ).save_pretrained(folder)
-    return folder
+    return verl_common.make_model_dir(folder, WORDS, CHAT_TEMPLATE, "Whitespace")
 
 
 def write_data(folder: str, n_train: int, n_val: int) -> tuple[str, str]:
     """Arithmetic tasks as verl's preprocessing writes them; a few are overlong (verl's filter
     drops them on import)."""
-    import numpy as np
-    import pandas as pd
+    import verl_common
 
     sys.path.insert(0, os.path.join(ROOT, "examples", "verl"))
     from arith_generator import make_task
 
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(n_train):
-        a, b = (int(x) for x in rng.integers(1, 60, size=2))
-        task = make_task(a, b, index=i)
-        if i % 7 == 3:
-            task["prompt"][0]["content"] += " and" * 40
-        rows.append(task)
-    val = [make_task(i, i + 1, index=i, split="test") for i in range(n_val)]
-    train_path = os.path.join(folder, "train.parquet")
-    val_path = os.path.join(folder, "val.parquet")
-    pd.DataFrame(rows).to_parquet(train_path)
-    pd.DataFrame(val).to_parquet(val_path)
-    return train_path, val_path
+    return verl_common.write_data(folder, n_train, n_val, make_task)
 
 
 # -- config ------------------------------------------------------------------------------------
