@@ -43,8 +43,8 @@ from dynstate import (
     VersionNotFoundError,
 )
 from dynstate import manifest as m
-from dynstate.checkpoint import describe_checkpoint
 from dynstate.cli import cli
+from dynstate.loading.checkpoint import describe_checkpoint
 
 ROWS = [{"id": 0, "text": "a"}, {"id": 1, "text": "b"}, {"id": 2, "text": "c"}]
 

@@ -27,8 +27,8 @@ from dynstate import Store
 from dynstate import manifest as m
 from dynstate.cli import cli
 from dynstate.cli.render import human_size
-from dynstate.compaction import compact
-from dynstate.plot import abandoned_points, growth_points
+from dynstate.maintenance.compact import compact
+from dynstate.maintenance.plot import abandoned_points, growth_points
 
 COMMANDS = ["ls", "info", "show", "head", "diff", "tags", "verify", "gc", "tag", "reset",
             "compact", "export", "plot", "inspect"]  # fmt: skip
@@ -664,7 +664,7 @@ def test_plot_replaces_an_existing_out_only_with_overwrite_and_yes(tmp_path) -> 
     assert sorted(os.listdir(tmp_path)) == ["notes.png", "store"]  # no temporary file left
     # The Python API refuses the same way.
     from dynstate.errors import InvalidDataError, StoreExistsError
-    from dynstate.plot import plot_growth
+    from dynstate.maintenance.plot import plot_growth
 
     with pytest.raises(StoreExistsError, match="pass overwrite=True"):
         plot_growth(Store.open(url), out)

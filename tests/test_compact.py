@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynstate import CommitConflictError, InvalidDataError, ShardRef, Store, compaction
-from dynstate.compaction import compact, compact_if_needed, plan
+from dynstate import CommitConflictError, InvalidDataError, ShardRef, Store
+from dynstate.maintenance import compact as compaction
+from dynstate.maintenance.compact import compact, compact_if_needed, plan
 
 SMALL = 16384  # target bytes: about 15 tiny (~1 KiB) shards per compacted shard
 
@@ -277,7 +278,7 @@ def test_compact_if_needed_follows_the_policy() -> None:
 _CHILD = """
 import sys
 from dynstate import Store
-from dynstate.compaction import compact
+from dynstate.maintenance.compact import compact
 
 store = Store.open(sys.argv[1])
 print("ready", flush=True)

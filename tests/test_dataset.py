@@ -275,7 +275,7 @@ def test_a_block_too_big_for_the_cache_is_never_formed(store_path, expected, mon
     """Planned runs rest on an estimate of decoded sizes; when the decoded shards of a run
     hold more than a quarter of the cache, the cache declines the block for good and reads
     stay per shard."""
-    import dynstate.dataset as dataset_module
+    import dynstate.loading.dataset as dataset_module
 
     # Estimate decoded shards at 0 bytes: runs are planned by count alone, up to 8 shards.
     monkeypatch.setattr(dataset_module, "_DECODED_PER_PARQUET_BYTE", 0)

@@ -1,4 +1,4 @@
-"""Garbage collection (`dynstate gc` and dynstate.gc): after SIGKILLed writers it removes
+"""Garbage collection (`dynstate gc`, dynstate.maintenance.gc): after SIGKILLed writers it removes
 exactly the orphans; retention never touches the head, tagged versions or shards a kept
 version still lists; an interrupted gc is finished by the next one."""
 
@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from dynstate import InvalidDataError, Store, VersionCollectedError
 from dynstate import manifest as m
 from dynstate.cli import cli
-from dynstate.gc import collect_garbage, parse_duration
+from dynstate.maintenance.gc import collect_garbage, parse_duration
 
 WRITER = textwrap.dedent(
     """

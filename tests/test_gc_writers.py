@@ -19,8 +19,8 @@ import pytest
 
 from dynstate import CommitConflictError, LeaseExpiredError, Store, VersionCollectedError
 from dynstate import manifest as m
-from dynstate.gc import collect_garbage
-from dynstate.verify import verify_store
+from dynstate.maintenance.gc import collect_garbage
+from dynstate.maintenance.verify import verify_store
 
 WRITER = textwrap.dedent(
     """

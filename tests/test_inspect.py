@@ -13,8 +13,8 @@ import torch
 from click.testing import CliRunner
 
 from dynstate import StateMismatchError, Store, find_sampler_state
-from dynstate.checkpoint import describe_checkpoint
 from dynstate.cli import cli
+from dynstate.loading.checkpoint import describe_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 import resume_harness as h

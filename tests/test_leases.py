@@ -18,7 +18,7 @@ from dynstate import (
     Store,
 )
 from dynstate.log.leases import outcome_path
-from dynstate.verify import verify_store
+from dynstate.maintenance.verify import verify_store
 
 
 def _rows(store: Store) -> list[int]:
@@ -160,7 +160,7 @@ def _stage_in_worker(args):
 def test_part_staged_by_an_exited_process_survives_gc(tmp_path):
     """F8: the pool worker that staged exits; the parent that unpickled its parts renews
     their leases, so a gc with the default grace keeps them and the commit lands."""
-    from dynstate.gc import collect_garbage
+    from dynstate.maintenance.gc import collect_garbage
 
     url = str(tmp_path / "s")
     Store.open(url, create=True)

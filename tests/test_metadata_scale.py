@@ -11,7 +11,7 @@ import pytest
 
 from dynstate import Store
 from dynstate import manifest as m
-from dynstate.compaction import compact
+from dynstate.maintenance.compact import compact
 from dynstate.storage import Storage
 
 N = 300  # versions; the store is grown to 3N (+ a partial checkpoint interval) once

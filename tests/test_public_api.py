@@ -41,14 +41,15 @@ def test_maintenance_functions_are_the_functions_whatever_was_imported_first() -
     # The import system binds each submodule on its package as it loads it; the modules behind
     # `compact` and `export` have other names, so the functions are never shadowed.
     code = (
-        "import dynstate.compaction, dynstate.exporting, dynstate.gc, dynstate.verify\n"
+        "import dynstate.maintenance.compact, dynstate.maintenance.export\n"
+        "import dynstate.maintenance.gc, dynstate.maintenance.verify\n"
         "import dynstate\n"
         "assert callable(dynstate.compact) and callable(dynstate.export), "
         "(dynstate.compact, dynstate.export)\n"
-        "assert dynstate.compact.__module__ == 'dynstate.compaction'\n"
-        "assert dynstate.export.__module__ == 'dynstate.exporting'\n"
-        "assert dynstate.collect_garbage.__module__ == 'dynstate.gc'\n"
-        "assert dynstate.verify_store.__module__ == 'dynstate.verify'\n"
+        "assert dynstate.compact.__module__ == 'dynstate.maintenance.compact'\n"
+        "assert dynstate.export.__module__ == 'dynstate.maintenance.export'\n"
+        "assert dynstate.collect_garbage.__module__ == 'dynstate.maintenance.gc'\n"
+        "assert dynstate.verify_store.__module__ == 'dynstate.maintenance.verify'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     store = dynstate.Store.open("memory://public-api/maintenance", create=True)
@@ -64,18 +65,20 @@ def test_modules_behind_compact_and_export_import_as_modules() -> None:
     # same public name the function, in either import order.
     code = (
         "import types\n"
-        "import dynstate.compaction as m\n"
-        "import dynstate.exporting as e\n"
+        "import dynstate.maintenance.compact as m\n"
+        "import dynstate.maintenance.export as e\n"
         "import dynstate\n"
-        "assert isinstance(m, types.ModuleType) and m.__name__ == 'dynstate.compaction', m\n"
-        "assert isinstance(e, types.ModuleType) and e.__name__ == 'dynstate.exporting', e\n"
-        "assert dynstate.compaction is m and dynstate.exporting is e\n"
+        "assert isinstance(m, types.ModuleType), m\n"
+        "assert m.__name__ == 'dynstate.maintenance.compact', m\n"
+        "assert isinstance(e, types.ModuleType), e\n"
+        "assert e.__name__ == 'dynstate.maintenance.export', e\n"
+        "assert dynstate.maintenance.compact is m and dynstate.maintenance.export is e\n"
         "assert dynstate.compact is m.compact and dynstate.export is e.export\n"
         "assert not isinstance(dynstate.compact, types.ModuleType)\n"
         "assert not isinstance(dynstate.export, types.ModuleType)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-    import dynstate.compaction as m
+    import dynstate.maintenance.compact as m
 
     assert isinstance(m, types.ModuleType)
     assert dynstate.compact is m.compact

@@ -290,7 +290,7 @@ def test_state_naming_a_collected_version_is_refused(tmp_path):
     state = sampler.state_dict()
     for i in range(3):
         store.append([{"id": 2 + i}])
-    from dynstate.gc import collect_garbage
+    from dynstate.maintenance.gc import collect_garbage
 
     collect_garbage(store, keep=1, grace_s=0)
     fresh = VersionedSampler(VersionedDataset(url))
@@ -340,7 +340,7 @@ def test_sampler_prefetches_the_next_shards_of_a_remote_store(s3_endpoint, tmp_p
     snap = store.snapshot()
     import numpy as np
 
-    from dynstate.sampler import FeistelPermutation
+    from dynstate.loading.sampler import FeistelPermutation
 
     following = FeistelPermutation(snap.num_rows, 5, 0)(np.arange(1024, 2048)).tolist()
     wanted = {snap.shards[snap.locate(i)[0]].sha256 for i in following}

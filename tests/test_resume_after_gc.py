@@ -10,7 +10,7 @@ import time
 import pytest
 
 from dynstate import Store, VersionCollectedError, lineage, rollback, version_at_step
-from dynstate.gc import collect_garbage
+from dynstate.maintenance.gc import collect_garbage
 
 
 def verl_round(store: Store, step: int) -> int:

@@ -397,8 +397,8 @@ def test_training_reads_at_most_one_request_per_batch_once_warm(proxy, tmp_path)
     the dataset's cache; warm epochs cost <= 1 request per batch and never a LIST."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from dynstate.dataset import VersionedDataset
-    from dynstate.sampler import VersionedSampler
+    from dynstate.loading.dataset import VersionedDataset
+    from dynstate.loading.sampler import VersionedSampler
 
     url = s3_url()
     store = Store.open(url, create=True, storage_options=_options(proxy))

@@ -24,8 +24,8 @@ from click.testing import CliRunner
 from conftest import s3_url
 
 from dynstate import MissingDependencyError, Store
-from dynstate.compaction import compact
-from dynstate.gc import collect_garbage
+from dynstate.maintenance.compact import compact
+from dynstate.maintenance.gc import collect_garbage
 from dynstate.serve.api import StoreView
 from dynstate.serve.app import create_app
 from dynstate.serve.command import address, bind

@@ -12,7 +12,7 @@ import verl  # noqa: F401 - no importorskip: a broken install must fail these te
 from conftest import s3_url
 
 from dynstate import StorageError, Store
-from dynstate.checkpoint import describe_checkpoint
+from dynstate.loading.checkpoint import describe_checkpoint
 from dynstate.verl.mirror import TRACKER, latest_step, pull, push
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -17,7 +17,7 @@ import pyarrow as pa
 import uvicorn
 
 from dynstate import Store, rollback
-from dynstate.compaction import compact
+from dynstate.maintenance.compact import compact
 from dynstate.serve.api import StoreView
 from dynstate.serve.app import create_app
 from dynstate.serve.command import address, bind

@@ -73,7 +73,7 @@ def export_cmd(
     Example:
       dynstate export s3://bucket/runs/run1 42 s3://bucket/exports/rows.parquet
     """
-    from ..exporting import export, replace_plan
+    from ..maintenance.export import export, replace_plan
 
     if len(args) > 2:
         raise click.UsageError("expected URL [VERSION] OUT")
@@ -131,8 +131,8 @@ def plot_cmd(
     Example:
       dynstate plot ./runs/run1 growth.png
     """
-    from ..exporting import output_plan
-    from ..plot import growth_points, plot_growth
+    from ..maintenance.export import output_plan
+    from ..maintenance.plot import growth_points, plot_growth
 
     store = open_store(url, storage_options)
     _consent_to_replace(out, output_plan(store, out, action="plot to"), overwrite, yes, as_json)
@@ -161,7 +161,7 @@ def inspect_cmd(path: str, store_url, rows: int | None, as_json: bool, storage_o
     Example:
       dynstate inspect checkpoints/global_step_40
     """
-    from ..checkpoint import describe_checkpoint
+    from ..loading.checkpoint import describe_checkpoint
 
     url = store_url
     options = storage_options if url is None else cli_storage_options(url, storage_options)

@@ -38,7 +38,7 @@ def verify_cmd(url: str, all_versions: bool, as_json: bool, storage_options) -> 
     Example:
       dynstate verify s3://bucket/runs/run1 --all
     """
-    from ..verify import verify_store
+    from ..maintenance.verify import verify_store
 
     store = open_store(url, storage_options)
     with r.bars() as add:
@@ -116,7 +116,7 @@ def gc_cmd(url, keep, older_than, grace: float, dry_run: bool, yes: bool, as_jso
       dynstate gc s3://bucket/runs/run1 --keep 50
       dynstate gc s3://bucket/runs/run1 --keep 50 --yes
     """
-    from ..gc import collect_garbage
+    from ..maintenance.gc import collect_garbage
 
     if keep is not None and older_than is not None:
         raise click.UsageError("give either --keep or --older-than, not both")
@@ -266,7 +266,7 @@ def compact_cmd(url: str, target_size: int | None, as_json: bool, storage_option
     Example:
       dynstate compact s3://bucket/runs/run1 --target-size 256MiB
     """
-    from ..compaction import compact
+    from ..maintenance.compact import compact
 
     store = open_store(url, storage_options)
     before = store.snapshot()

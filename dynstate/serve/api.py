@@ -17,9 +17,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import DynstateError, VersionNotFoundError
-from ..gc import gc_floor
 from ..history import _row as _version_row  # one row of `dynstate ls --json`: same keys
 from ..history import describe, diff, lineage
+from ..maintenance.gc import gc_floor
 from ..snapshot import Snapshot
 from ..store import Store
 from .chart import growth
@@ -342,7 +342,7 @@ class StoreView:
         cached = self._checkpoint_info.get(number)
         if cached is not None:
             return cached
-        from ..checkpoint import describe_checkpoint, load_checkpoint_state
+        from ..loading.checkpoint import describe_checkpoint, load_checkpoint_state
 
         path = self.checkpoints[number]
         _, state = load_checkpoint_state(path)

@@ -23,8 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..gc import gc_floor
 from ..history import lineage
+from ..maintenance.gc import gc_floor
 from ..manifest import Commit
 from ..store import Store
 

@@ -21,12 +21,12 @@ import torch
 from omegaconf import OmegaConf
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
-from ..dataset import VersionedDataset, decode_index
 from ..errors import InvalidDataError, StateMismatchError
+from ..loading.dataset import VersionedDataset, decode_index
+from ..loading.sampler import VersionedSampler
+from ..loading.state import check_state, find_sampler_state
 from ..resume import rollback, walk_lineage
 from ..rounds import to_table
-from ..sampler import VersionedSampler
-from ..sampler_state import check_state, find_sampler_state
 from ..store import Store
 from .generator import (
     ROW_KEY,

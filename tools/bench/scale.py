@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from dynstate import Store
 from dynstate import manifest as m
-from dynstate.compaction import compact
+from dynstate.maintenance.compact import compact
 
 HERE = Path(__file__).resolve().parent
 
@@ -142,7 +142,7 @@ def _random_reads(cases: list[tuple[str, str, int]], indices: list[int]) -> list
     try:
         from dynstate import VersionedDataset
     except ImportError:  # not exported yet while the lead finishes the public API
-        from dynstate.dataset import VersionedDataset
+        from dynstate.loading.dataset import VersionedDataset
 
     datasets = [VersionedDataset(url, version) for _, url, version in cases]
     cold = [_pass(ds, indices) for ds in datasets]

@@ -82,8 +82,8 @@ def main() -> int:
     try:
         from dynstate import VersionedDataset, VersionedSampler
     except ImportError:  # not exported yet while the lead finishes the public API
-        from dynstate.dataset import VersionedDataset
-        from dynstate.sampler import VersionedSampler
+        from dynstate.loading.dataset import VersionedDataset
+        from dynstate.loading.sampler import VersionedSampler
 
     before = _rss_mib()
     dataset = VersionedDataset(str(args.path), cache_bytes=args.cache_mib * 2**20)

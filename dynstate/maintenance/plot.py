@@ -15,9 +15,9 @@ import os
 import uuid
 from typing import Any
 
-from .errors import MissingDependencyError, StorageError, StoreExistsError
-from .history import lineage
-from .store import Store
+from ..errors import MissingDependencyError, StorageError, StoreExistsError
+from ..history import lineage
+from ..store import Store
 
 log = logging.getLogger("dynstate")
 
@@ -127,7 +127,7 @@ def plot_growth(store: Store, out: str | os.PathLike[str], *, overwrite: bool = 
     ``out`` is never the store or inside it (InvalidDataError), and an existing ``out`` is
     replaced only with ``overwrite`` (else StoreExistsError); the PNG appears complete or not
     at all."""
-    from .exporting import output_plan
+    from .export import output_plan
 
     out = os.fspath(out)
     # Checked before drawing: a mistyped OUT must not cost a store file or a user's file.

@@ -3,8 +3,8 @@ a growing dataset resumes exactly under torchdata's StatefulDataLoader, on one r
 
 The order depends only on the seed, the batch layout and the store's history, never on timing,
 worker count or prefetch depth. Shuffling uses a keyed Feistel permutation
-(:mod:`dynstate.permutation`), so position ``p`` of an epoch maps to its row in O(1): resuming
-at row 10M costs what resuming at row 0 costs.
+(:mod:`dynstate.loading.permutation`), so position ``p`` of an epoch maps to its row in O(1):
+resuming at row 10M costs what resuming at row 0 costs.
 
 Positions are global: a step hands out ``num_replicas * batch_size`` positions of the epoch,
 and rank ``r`` takes every ``num_replicas``-th of them from the ``r``-th on, as torch's
@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
+from ..errors import InvalidDataError, StateMismatchError
+from ..resume import walk_lineage
 from .dataset import VersionedDataset, encode_index
-from .errors import InvalidDataError, StateMismatchError
 from .permutation import FeistelPermutation
-from .resume import walk_lineage
-from .sampler_state import MODES, STATE_FORMAT, STATE_KIND, _is_int, check_state
+from .state import MODES, STATE_FORMAT, STATE_KIND, _is_int, check_state
 
 log = logging.getLogger("dynstate")
 

@@ -13,12 +13,12 @@ import numpy as np
 import pyarrow as pa
 from torch.utils.data import Dataset
 
-from . import manifest as m
+from .. import manifest as m
+from ..errors import InvalidDataError, RowOutOfRangeError
+from ..snapshot import Snapshot
+from ..store import Store
 from .batch import _merge_columns, _Piece, _row_maker, _rows, _split, _take
 from .cache import DEFAULT_CACHE_BYTES, ShardCache, _Shard
-from .errors import InvalidDataError, RowOutOfRangeError
-from .snapshot import Snapshot
-from .store import Store
 
 BATCH_FORMATS = ("rows", "columns", "arrow")
 # Decoded Arrow bytes per Parquet byte assumed when planning blocks (text compresses ~2-4x);

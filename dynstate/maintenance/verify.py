@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import manifest as m
-from .errors import DynstateError, VersionCollectedError, VersionNotFoundError
-from .manifest import Commit, ShardRef
-from .storage import is_safe_name
-from .store import Store
+from .. import manifest as m
+from ..errors import DynstateError, VersionCollectedError, VersionNotFoundError
+from ..manifest import Commit, ShardRef
+from ..storage import is_safe_name
+from ..store import Store
 
 log = logging.getLogger("dynstate")
 

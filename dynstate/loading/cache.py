@@ -15,11 +15,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import manifest as m
-from .errors import DynstateError
-from .rounds import conform
-from .snapshot import verify_shard_bytes
-from .store import Store
+from .. import manifest as m
+from ..errors import DynstateError
+from ..rounds import conform
+from ..snapshot import verify_shard_bytes
+from ..store import Store
 
 if TYPE_CHECKING:
     from .dataset import _View

@@ -26,10 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from . import manifest as m
-from .errors import CorruptStoreError, InvalidDataError
-from .log import LEASE_DIR, LeaseState, lease_of, survey
-from .store import Store
+from .. import manifest as m
+from ..errors import CorruptStoreError, InvalidDataError
+from ..log import LEASE_DIR, LeaseState, lease_of, survey
+from ..store import Store
 
 log = logging.getLogger("dynstate")
 

@@ -23,13 +23,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import manifest as m
-from .errors import CommitConflictError, DynstateError, InvalidDataError
-from .log import shard_path
-from .manifest import Commit, ShardRef
-from .rounds import check_meta
-from .snapshot import Snapshot
-from .store import Store
+from .. import manifest as m
+from ..errors import CommitConflictError, DynstateError, InvalidDataError
+from ..log import shard_path
+from ..manifest import Commit, ShardRef
+from ..rounds import check_meta
+from ..snapshot import Snapshot
+from ..store import Store
 
 log = logging.getLogger("dynstate")
 

@@ -18,15 +18,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import (
+from ..errors import (
     DynstateError,
     InvalidDataError,
     MissingDependencyError,
     StorageError,
     StoreExistsError,
 )
-from .snapshot import Snapshot
-from .storage import redact
+from ..snapshot import Snapshot
+from ..storage import redact
 
 FORMATS = ("parquet", "datasets")
 Progress = Callable[[int, int], None]

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import StateMismatchError, UnsupportedFormatError
+from ..errors import StateMismatchError, UnsupportedFormatError
 
 STATE_FORMAT = 2
 STATE_KIND = "dynstate.VersionedSampler"

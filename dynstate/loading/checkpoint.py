@@ -10,10 +10,10 @@ import os
 import re
 from typing import Any
 
+from ..errors import StateMismatchError, StoreNotFoundError
 from .dataset import VersionedDataset, decode_index
-from .errors import StateMismatchError, StoreNotFoundError
 from .sampler import VersionedSampler
-from .sampler_state import check_state, find_sampler_state
+from .state import check_state, find_sampler_state
 
 _GLOBAL_STEP = re.compile(r"global_step_(\d+)")
 
