@@ -55,11 +55,11 @@ def version_rows(
     by_version: dict[int, list[str]] = {}
     for name, v in sorted((store.tags() if tags is None else tags).items()):
         by_version.setdefault(v, []).append(name)
-    rows = [_row(store.commit_record(v), head, line, by_version.get(v, [])) for v in versions]
+    rows = [version_row(store.commit_record(v), head, line, by_version.get(v, [])) for v in versions]
     return rows if newest_first else rows[::-1]
 
 
-def _row(record: Commit, head: int, line: set[int], tags: list[str]) -> dict[str, Any]:
+def version_row(record: Commit, head: int, line: set[int], tags: list[str]) -> dict[str, Any]:
     status = "head" if record.version == head else None
     if record.version not in line:
         status = "abandoned"

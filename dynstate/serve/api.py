@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import DynstateError, VersionNotFoundError
-from ..history import _row as _version_row  # one row of `dynstate ls --json`: same keys
+from ..history import version_row as _version_row  # one row of `dynstate ls --json`: same keys
 from ..history import describe, diff, lineage
 from ..maintenance.gc import gc_floor
 from ..snapshot import Snapshot
@@ -35,6 +35,19 @@ _DIFF_PREVIEW = 10
 
 class RowNotFoundError(DynstateError, LookupError):
     """A row number outside a version's rows."""
+
+
+def chart_failed(floor: int, exc: BaseException) -> dict[str, Any]:
+    """The growth document when the chart cannot be built from what the records hold: no
+    points, and one line on why (the rest of the page is unaffected)."""
+    return {
+        "axis": "version",
+        "floor": floor,
+        "points": [],
+        "markers": [],
+        "error": f"the growth chart cannot be drawn from this store's records "
+        f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})",
+    }
 
 
 _ENV_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
@@ -108,7 +121,17 @@ class StoreView:
         with self._growth_lock:
             if self._growth is not None and self._growth[0] == head:
                 return self._growth[1]
-            data = growth(self.store, self.lineage.chain(head), gc_floor(self.store))
+            floor = gc_floor(self.store)
+            try:
+                data = growth(self.store, self.lineage.chain(head), floor)
+            except DynstateError:
+                raise
+            except (ArithmeticError, ValueError, TypeError, MemoryError) as exc:
+                # Record meta is whatever the writers put there (a step of 2**64, a float
+                # step of 1e308): a chart it breaks must not take the store page with it.
+                log.warning("growth chart of %s: %s: %s", self.store.display_url,
+                            type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
+                data = chart_failed(floor, exc)
             self._growth = (head, data)
             return data
 
