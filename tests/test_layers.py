@@ -1,0 +1,130 @@
+"""The import direction follows the layer map (docs/index.md, "Code layout"): a module imports
+only from its own layer or the layers below it, and a private name (``_x``) never crosses from
+one package to another. Function-level imports count too: a lazy import is still a dependency."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dynstate"
+
+# Bottom up. A module is placed by its longest matching prefix (a package or a module path).
+LAYERS: list[tuple[str, ...]] = [
+    ("errors", "_version"),
+    ("storage",),
+    ("manifest", "layout", "columns", "rounds", "outcomes"),
+    ("log",),
+    ("store", "writes", "snapshot", "history", "resume", "rollback"),
+    ("maintenance",),
+    ("loading",),
+    ("verl", "ray"),
+    ("cli", "serve"),
+]
+
+
+def _layer(module: str) -> int:
+    """``module`` is dotted, relative to the package (``log.commits``)."""
+    best, best_len = None, -1
+    for index, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best_len:
+                best, best_len = index, len(name)
+    if best is None:
+        raise AssertionError(f"dynstate.{module} is in no layer of tests/test_layers.py: place it")
+    return best
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts and parts[-1] == "__main__":
+            continue
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(module: str, path: Path) -> list[tuple[str, list[str], int]]:
+    """(imported module relative to the package, names imported, line) for dynstate imports."""
+    is_package = path.name == "__init__.py"
+    here = module.split(".") if module else []
+    package = here if is_package else here[:-1]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = [*base, *(node.module.split(".") if node.module else [])]
+            elif node.module and (node.module == "dynstate" or node.module.startswith("dynstate.")):
+                target = node.module.split(".")[1:]
+            else:
+                continue
+            names = [alias.name for alias in node.names]
+            if node.module is None or not target:
+                # `from . import x` / `from dynstate import x`: each name is a module or a name
+                for name in names:
+                    out.append((".".join([*target, name]), [], node.lineno))
+            else:
+                out.append((".".join(target), names, node.lineno))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("dynstate."):
+                    out.append((alias.name.split(".", 1)[1], [], node.lineno))
+    return out
+
+
+def _resolve(target: str, modules: dict[str, Path]) -> str:
+    # `from .log import survey` names the package; `from . import mirror` a module in it.
+    while target and target not in modules:
+        target = target.rsplit(".", 1)[0] if "." in target else ""
+    return target
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    modules = _modules()
+    upward = []
+    for module, path in modules.items():
+        if module == "":  # the facade re-exports everything, lazily
+            continue
+        mine = _layer(module)
+        for target, _, line in _imports(module, path):
+            resolved = _resolve(target, modules)
+            if resolved == "":
+                continue
+            if _layer(resolved) > mine:
+                upward.append(f"dynstate/{path.relative_to(PACKAGE)}:{line} imports {resolved}")
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def _package(module: str) -> str:
+    """The subpackage a module lives in; "" for the flat core (``store``, ``writes``, ...)."""
+    return module.split(".")[0] if "." in module or module in _SUBPACKAGES else ""
+
+
+_SUBPACKAGES = {"storage", "log", "maintenance", "loading", "verl", "cli", "serve"}
+
+
+def test_no_private_name_crosses_packages() -> None:
+    modules = _modules()
+    crossing = []
+    for module, path in modules.items():
+        if module == "":
+            continue
+        for target, names, line in _imports(module, path):
+            resolved = _resolve(target, modules)
+            if _package(resolved) == _package(module):
+                continue
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private:
+                where = f"dynstate/{path.relative_to(PACKAGE)}:{line}"
+                crossing.append(f"{where} takes {private} from dynstate.{resolved}")
+    assert not crossing, "private names across packages:\n" + "\n".join(crossing)
+
+
+def test_every_module_is_placed() -> None:
+    for module in _modules():
+        if module:
+            _layer(module)
