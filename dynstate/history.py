@@ -55,7 +55,9 @@ def version_rows(
     by_version: dict[int, list[str]] = {}
     for name, v in sorted((store.tags() if tags is None else tags).items()):
         by_version.setdefault(v, []).append(name)
-    rows = [version_row(store.commit_record(v), head, line, by_version.get(v, [])) for v in versions]
+    rows = [
+        version_row(store.commit_record(v), head, line, by_version.get(v, [])) for v in versions
+    ]
     return rows if newest_first else rows[::-1]
 
 
