@@ -1,6 +1,8 @@
 """dynstate: versioned, crash-safe data state for RL runs whose training data grows while
 they train. Everything public is importable from here; all other modules are private."""
 
+from typing import TYPE_CHECKING
+
 from ._version import __version__
 from .errors import (
     ChecksumMismatchError,
@@ -47,6 +49,19 @@ _LAZY = {
     "export": "maintenance.export",
     "verify_store": "maintenance.verify",
 }
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` loads these
+    from .loading.dataset import VersionedDataset, decode_index, encode_index
+    from .loading.sampler import VersionedSampler
+    from .loading.state import find_sampler_state
+    from .maintenance.compact import compact
+    from .maintenance.export import export
+    from .maintenance.gc import collect_garbage
+    from .maintenance.verify import verify_store
+    from .manifest import Commit, ShardRef
+    from .resume import lineage, rollback, version_at_step
+    from .snapshot import Snapshot, Staged
+    from .store import Store
 
 
 def __getattr__(name: str) -> object:
