@@ -137,8 +137,11 @@ def write_round(
     """
     ray = _ray()
     store = _resolve(store_or_url, storage_options)
-    options = {"max_retries": max_retries, "retry_exceptions": retry_exceptions}
-    options["num_cpus"] = num_cpus
+    options: dict[str, Any] = {
+        "max_retries": max_retries,
+        "retry_exceptions": retry_exceptions,
+        "num_cpus": num_cpus,
+    }
     options.update(ray_remote_args or {})
     task = _remote(ray, _stage_part, **options)
     target = _target(store)
