@@ -59,7 +59,7 @@ def _free_port() -> int:
 def _launch(world: int, url: str, folder: Path, *extra: str, ckpt: Path | None = None):
     port = _free_port()
     ckpt = ckpt or folder / "ckpt"
-    args = [EXAMPLE, "--store", url, "--ckpt", str(ckpt), "--log", str(folder / "log")]
+    args = [EXAMPLE, "--store", url, "--ckpt", str(ckpt), "--batch-log", str(folder / "log")]
     args += ["--steps", str(STEPS), "--batch-size", str(BATCH), "--initial-rows", str(INITIAL)]
     procs = []
     for rank in range(world):

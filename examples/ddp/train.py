@@ -8,6 +8,13 @@ checkpoint, which restores every rank at any world size::
     # kill it at any moment (kill -9), then resume with three ranks:
     torchrun --nproc-per-node 3 examples/ddp/train.py --store /tmp/ddp/store --ckpt /tmp/ddp/ckpt
 
+Rank 0 prints one line per start: fresh or resumed (from which checkpoint step and world
+size), the first step it runs, the world size and the store version it starts from.
+
+Options are named so that none is a prefix of one of torchrun's own (``--log`` would be taken
+as an abbreviation of ``--log-dir``/``--logs-specs`` and refused as ambiguous): torchrun parses
+every option on its command line, the script's included.
+
 CPU only (gloo). The "model" is a one-weight linear layer: DDP's gradient all-reduce keeps
 the ranks in lockstep, as in a real run. See docs/ddp.md.
 """
@@ -54,6 +61,25 @@ def save_checkpoint(path: str, state: dict) -> None:
     os.replace(tmp, path)  # a crash never leaves half a checkpoint
 
 
+def start_line(
+    args: argparse.Namespace, ckpt: dict | None, path: str, world: int, head: int, before: int
+) -> str:
+    """What this start does, in one line: a user who killed the run sees where it resumed."""
+    where = f"store version {head}"
+    if head != before:  # the killed run's rounds after its checkpoint: made again from here
+        back = dynstate.Store.open(args.store).commit_record(head).target
+        dropped = f"version {before}" if back + 1 == before else f"versions {back + 1}-{before}"
+        where += f" (rolled back to version {back}, dropping {dropped})"
+    where += f", {args.store}"
+    if ckpt is None:
+        return f"ddp example: fresh start at step 0 of {args.steps}, world size {world}, {where}"
+    written = f"world size {ckpt['world']}" if "world" in ckpt else "an earlier run"
+    return (
+        f"ddp example: resumed at step {ckpt['step'] + 1} of {args.steps} from {path} "
+        f"(step {ckpt['step']}, written at {written}), world size {world}, {where}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", required=True, help="store URL (a path, s3://...)")
@@ -69,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt-every", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--drop-last", action="store_true")
-    parser.add_argument("--log", help="folder for one JSON line per rank and step")
+    parser.add_argument(
+        "--batch-log", metavar="DIR", help="folder for one JSON line per rank and step (tests)"
+    )
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds of 'training'")
     args = parser.parse_args(argv)
 
@@ -89,10 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = torch.load(ckpt_path, weights_only=True) if os.path.exists(ckpt_path) else None
     if rank == 0:
         # rounds the killed run committed after its checkpoint are generated again
+        before = store.refresh()
         if ckpt is None:
-            dynstate.rollback(store, step=-1)
+            head = dynstate.rollback(store, step=-1)
         else:
-            dynstate.rollback(store, version=ckpt["head"])
+            head = dynstate.rollback(store, version=ckpt["head"])
+        print(start_line(args, ckpt, ckpt_path, world, head, before), flush=True)
     dist.barrier()
 
     dataset = dynstate.VersionedDataset(args.store)
@@ -123,10 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     log = None
-    if args.log:
-        os.makedirs(args.log, exist_ok=True)
+    if args.batch_log:
+        os.makedirs(args.batch_log, exist_ok=True)
         name = f"rank{rank}-of{world}-pid{os.getpid()}.jsonl"
-        log = open(os.path.join(args.log, name), "a")  # noqa: SIM115
+        log = open(os.path.join(args.batch_log, name), "a")  # noqa: SIM115
 
     while step < args.steps:
         for ids in loader:
@@ -152,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                             "model": model.module.state_dict(),
                             "step": step,
                             "head": store.head,
+                            "world": world,
                         },
                     )
             step += 1

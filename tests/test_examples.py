@@ -1,0 +1,158 @@
+"""Every example's documented commands, run as a user would type them (issue 24).
+
+The commands are parsed out of the example's README, so a README that drifts from the script
+(an option renamed, one torchrun refuses) fails here. The only change made to a command is
+its scratch folder (``/tmp/ddp`` becomes the test's own), so that runs never share state.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dynstate import Store, lineage
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+# Where each example's commands are run. The verl example needs GPUs, vllm and a model
+# download; its generator and config run through verl's real trainer on CPU in test_verl.py.
+COVERED = {
+    "ddp": "test_ddp_readme_commands_kill_and_resume_at_another_world_size",
+    "verl": "tests/test_verl.py (GPU command, not run here)",
+}
+
+
+def documented_commands(readme: Path) -> list[str]:
+    """The shell commands of a markdown file's ``bash`` blocks: continuation lines joined,
+    comments and blank lines dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", readme.read_text(), flags=re.S):
+        joined = re.sub(r"\\\n\s*", "", block)
+        for line in joined.splitlines():
+            line = line.split(" #", 1)[0].strip() if not line.lstrip().startswith("#") else ""
+            if line:
+                commands.append(line)
+    return commands
+
+
+def _argv(command: str, scratch: Path) -> list[str]:
+    argv = shlex.split(command.replace("/tmp/ddp", str(scratch)))
+    # The console scripts of the environment running the tests (a user has them on PATH).
+    local = Path(sys.executable).parent / argv[0]
+    return [str(local) if local.exists() else argv[0], *argv[1:]]
+
+
+def _env() -> dict[str, str]:
+    # Wide enough that `dynstate ls` prints whole cells (pytest may export a narrow COLUMNS).
+    return {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+
+
+def test_every_example_is_run_by_a_test() -> None:
+    assert sorted(p.name for p in EXAMPLES.iterdir() if (p / "README.md").exists()) == sorted(
+        COVERED
+    )
+    for name, runner in COVERED.items():
+        assert documented_commands(EXAMPLES / name / "README.md"), name
+        if runner.startswith("test_"):
+            assert callable(globals()[runner])
+
+
+def test_ddp_commands_pass_torchrun_s_own_parser() -> None:
+    """torchrun parses every option on its command line, the script's included: an option
+    that abbreviates several of torchrun's (``--log``) is refused before any rank starts."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    runs = [c for c in documented_commands(EXAMPLES / "ddp" / "README.md") if "torchrun" in c]
+    assert len(runs) == 2
+    for command in runs:
+        args = parser.parse_args(shlex.split(command)[1:])
+        assert args.training_script == "examples/ddp/train.py"
+        assert "--store" in args.training_script_args
+
+
+def _kill_tree(proc: subprocess.Popen) -> list[int]:
+    """SIGKILL torchrun's ranks (each in its own session) and torchrun, all at once."""
+    ranks = psutil.Process(proc.pid).children(recursive=True)
+    for p in ranks:
+        p.send_signal(signal.SIGKILL)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    psutil.wait_procs(ranks, timeout=30)
+    return [p.pid for p in ranks]
+
+
+def _head(url: str) -> int:
+    try:
+        return Store.open(url).refresh()
+    except Exception:  # not created yet
+        return -1
+
+
+@pytest.mark.slow
+def test_ddp_readme_commands_kill_and_resume_at_another_world_size(tmp_path) -> None:
+    commands = documented_commands(EXAMPLES / "ddp" / "README.md")
+    first, second, ls = (_argv(c, tmp_path) for c in commands)
+    assert first[0].endswith("torchrun") and "--nproc-per-node" in first
+    assert second[0].endswith("torchrun") and ls[0].endswith("dynstate")
+    url = str(tmp_path / "store")
+
+    out1 = open(tmp_path / "first.out", "w+")  # noqa: SIM115
+    proc = subprocess.Popen(first, cwd=ROOT, stdout=out1, stderr=subprocess.STDOUT, env=_env())
+    try:
+        deadline = time.monotonic() + 240
+        # Import, then the rounds of steps 0..5: a checkpoint (every 2 steps) was written.
+        while _head(url) < 8 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, (tmp_path / "first.out").read_text()
+        assert len(_kill_tree(proc)) == 2  # kill -9 the ranks, mid-run
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc)
+    text = (tmp_path / "first.out").read_text()
+    assert "torchrun: error" not in text, text
+    starts = [line for line in text.splitlines() if line.startswith("ddp example:")]
+    fresh = f"ddp example: fresh start at step 0 of 40, world size 2, store version 1, {url}"
+    assert starts == [fresh]
+    killed_head = _head(url)
+    assert killed_head < 1 + 40  # killed before the end
+
+    result = subprocess.run(
+        second, cwd=ROOT, capture_output=True, text=True, timeout=420, env=_env()
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    starts = [line for line in result.stdout.splitlines() if line.startswith("ddp example:")]
+    assert len(starts) == 1, result.stdout
+    match = re.fullmatch(
+        r"ddp example: resumed at step (\d+) of 40 from (\S+) \(step (\d+), written at world "
+        r"size 2\), world size 3, store version (\d+)(?: \(rolled back to version (\d+), "
+        r"dropping versions? [\d-]+\))?, (\S+)",
+        starts[0],
+    )
+    assert match, starts[0]
+    at, path, saved, version, back, where = match.groups()
+    assert int(at) == int(saved) + 1 and path == str(tmp_path / "ckpt" / "latest.pt")
+    assert where == url
+    if back is None:  # killed right after a checkpoint: nothing to roll back
+        assert int(version) == killed_head
+    else:  # the killed run committed rounds after its checkpoint: a reset drops them
+        assert int(back) == 1 + int(at) and int(version) == killed_head + 1
+
+    # One round per step, each once, in order, along the head's lineage.
+    store = Store.open(url)
+    steps = [store.commit_record(v).meta.get("step") for v in reversed(lineage(store))]
+    assert [s for s in steps if s is not None] == list(range(40))
+
+    listing = subprocess.run(ls, cwd=ROOT, capture_output=True, text=True, timeout=120, env=_env())
+    assert listing.returncode == 0, listing.stderr
+    assert f"store:    {url}" in listing.stdout and "ddp-example" in listing.stdout
