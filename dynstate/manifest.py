@@ -83,19 +83,76 @@ def encode(obj: dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, indent=1, ensure_ascii=False).encode()
 
 
+# Bounds on what any store file may hold. Records nest a few levels around a ``meta`` of at
+# most 32 (rounds.MAX_META_DEPTH); Python refuses to print ints longer than 4,300 digits by
+# default, so no writer produced one.
+MAX_JSON_DEPTH = 64
+MAX_INT_DIGITS = 4300
+# The largest count, version or size a record may name: what Arrow's int64 offsets can hold.
+MAX_COUNT = 2**63 - 1
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_LONG_INT = re.compile(rb"\d{%d,}" % (MAX_INT_DIGITS + 1))
+
+
+def _damaged(where: str, why: str) -> CorruptStoreError:
+    return CorruptStoreError(
+        f"{where} {why}; the file is damaged — run `dynstate verify` and restore it from a "
+        "backup or reset to an earlier version"
+    )
+
+
+def _nesting(data: bytes) -> int:
+    """How deep ``data``'s arrays and objects nest (brackets inside strings do not count),
+    found without recursion so that a file of 200,000 ``[`` cannot exhaust the stack."""
+    depth = peak = 0
+    for byte in _JSON_STRING.sub(b'""', data).translate(None, _NOT_BRACKETS):
+        if byte in b"[{":
+            depth += 1
+            if depth > peak:
+                peak = depth
+                if peak > MAX_JSON_DEPTH:
+                    break
+        else:
+            depth -= 1
+    return peak
+
+
+def _bounded_int(where: str) -> Any:
+    def parse(text: str) -> int:
+        if len(text.lstrip("-")) > MAX_INT_DIGITS:
+            raise _damaged(where, f"holds an integer of {len(text):,} digits")
+        return int(text)
+
+    return parse
+
+
+def load_json(data: bytes | str, where: str) -> Any:
+    """Parse any store file's JSON (records, tags, hints, ``gc.json``, leases, ``store.json``)
+    with bounded nesting and integer size: damage or hostile content is a CorruptStoreError
+    naming ``where``, never a RecursionError or ValueError."""
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    # Brackets are counted before anything recurses: most files have fewer than the limit.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _nesting(raw) > MAX_JSON_DEPTH:
+        raise _damaged(where, f"nests deeper than {MAX_JSON_DEPTH} levels")
+    # The per-integer hook costs a call per number: only files with a long digit run pay it.
+    parse_int = _bounded_int(where) if _LONG_INT.search(raw) else None
+    try:
+        return json.loads(raw, parse_int=parse_int)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _damaged(where, f"is not valid JSON ({exc})") from exc
+    except (RecursionError, ValueError) as exc:
+        raise _damaged(where, f"cannot be read as JSON ({exc})") from exc
+
+
 def decode(data: bytes, where: str) -> dict[str, Any]:
     """Parse and verify a record written by :func:`encode`; ``where`` names it in errors."""
-    try:
-        obj = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptStoreError(
-            f"{where} is not valid JSON ({exc}); the file is damaged — run `dynstate verify` "
-            "and restore it from a backup or reset to an earlier version"
-        ) from exc
+    obj = load_json(data, where)
     if not isinstance(obj, dict):
         raise CorruptStoreError(f"{where} does not hold a JSON object; the file is damaged")
     fmt = obj.get("format")
-    if not isinstance(fmt, int):
+    if isinstance(fmt, bool) or not isinstance(fmt, int):
         raise CorruptStoreError(f"{where} has no format number; it was not written by dynstate")
     if fmt > FORMAT:
         raise UnsupportedFormatError(
@@ -139,7 +196,12 @@ class ShardRef(NamedTuple):
                 f"{where} names shard {path!r}, which is outside the store's data/ folder; "
                 "the record was tampered with — do not read this version, reset past it"
             )
-        if not (type(rows) is int and type(nbytes) is int and rows >= 0 and nbytes >= 0):
+        if not (
+            type(rows) is int
+            and type(nbytes) is int
+            and 0 <= rows <= MAX_COUNT
+            and 0 <= nbytes <= MAX_COUNT
+        ):
             raise CorruptStoreError(f"{where} has a malformed shard entry for {path}")
         if not isinstance(digest, str) or not _HASH.match(digest):
             raise CorruptStoreError(f"{where} has a malformed checksum for {path}")
@@ -187,7 +249,9 @@ def decode_chunk(digest: str, data: bytes, where: str) -> list[ShardRef]:
             f"{where} does not match its content address; the chunk was modified — "
             "restore it or reset the store past the versions that use it"
         )
-    obj = json.loads(data)
+    obj = load_json(data, where)
+    if not isinstance(obj, dict) or type(obj.get("format", 0)) is not int:
+        raise CorruptStoreError(f"{where} is not a chunk of shard entries")
     if obj.get("format", 0) > FORMAT:
         raise UnsupportedFormatError(f"{where} uses format {obj['format']}; upgrade dynstate")
     try:
@@ -250,27 +314,77 @@ class Commit:
             if op not in OPS:
                 raise CorruptStoreError(f"{where} has unknown op {op!r}")
             base = obj.get("base")
+            meta = obj.get("meta")
+            if meta is not None and not isinstance(meta, dict):
+                raise _wrong(where, "meta", meta, "an object")
+            if not isinstance(obj["add"], list):
+                raise _wrong(where, "add", obj["add"], "a list of shard entries")
+            schema = obj["schema"]
+            if schema is not None and not isinstance(schema, str):
+                raise _wrong(where, "schema", schema, "a schema fingerprint")
+            parent, target = obj["parent"], obj.get("target")
             return cls(
-                store_id=str(obj["store_id"]),
-                version=int(obj["version"]),
-                parent=None if obj["parent"] is None else int(obj["parent"]),
+                store_id=_text(obj, "store_id", where),
+                version=_count(obj, "version", where),
+                parent=None if parent is None else _count(obj, "parent", where),
                 op=op,
-                created=str(obj["created"]),
-                schema=obj["schema"],
-                num_rows=int(obj["num_rows"]),
-                num_shards=int(obj["num_shards"]),
-                num_bytes=int(obj["num_bytes"]),
+                created=_timestamp(obj, "created", where),
+                schema=schema,
+                num_rows=_count(obj, "num_rows", where),
+                num_shards=_count(obj, "num_shards", where),
+                num_bytes=_count(obj, "num_bytes", where),
                 add=tuple(ShardRef.from_json(s, where) for s in obj["add"]),
                 base=None if base is None else ShardList.from_json(base, where),
-                target=obj.get("target"),
-                meta=dict(obj.get("meta") or {}),
+                target=None if target is None else _count(obj, "target", where),
+                meta=dict(meta or {}),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, CorruptStoreError):
-                raise
             raise CorruptStoreError(
-                f"{where} is missing field {exc}; the record is damaged"
+                f"{where} is missing field {exc}; the record is damaged — run `dynstate verify` "
+                "and restore it from a backup or reset to an earlier version"
             ) from exc
+
+
+def _wrong(where: str, name: str, value: Any, expected: str) -> CorruptStoreError:
+    shown = repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
+    return CorruptStoreError(
+        f"{where} has {name} {shown}, not {expected}; the record is damaged — run "
+        "`dynstate verify` and restore it from a backup or reset to an earlier version"
+    )
+
+
+def _count(obj: dict[str, Any], name: str, where: str) -> int:
+    value = obj[name]
+    if type(value) is not int or not 0 <= value <= MAX_COUNT:
+        raise _wrong(where, name, value, "a count from 0 to 2**63 - 1")
+    return value
+
+
+def _text(obj: dict[str, Any], name: str, where: str) -> str:
+    value = obj[name]
+    if not isinstance(value, str) or not value:
+        raise _wrong(where, name, value, "a non-empty string")
+    return value
+
+
+def _timestamp(obj: dict[str, Any], name: str, where: str) -> str:
+    value = obj[name]
+    try:
+        # every reader that judges an age parses it the same way
+        parsed = isinstance(value, str) and datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        parsed = False
+    if not parsed or parsed.tzinfo is None:
+        raise _wrong(where, name, value, "an ISO 8601 UTC time (2026-11-30T00:23:28.123Z)")
+    return value
+
+
+def store_identity(data: bytes, where: str) -> str:
+    """The store id ``store.json`` holds, or CorruptStoreError naming it."""
+    obj = decode(data, where)
+    if "store_id" not in obj:
+        raise CorruptStoreError(f"{where} names no store_id; the file is damaged")
+    return _text(obj, "store_id", where)
 
 
 # -- schemas -------------------------------------------------------------------------------

@@ -93,10 +93,8 @@ class Store:
                     "create=True to make a new store there"
                 )
             raw = cls._create(storage, single_writer)
-        ident = m.decode(raw, f"{storage.display_url}/{m.STORE_FILE}")
-        store = cls(
-            storage, str(ident["store_id"]), single_writer=single_writer, lease_ttl_s=lease_ttl_s
-        )
+        store_id = m.store_identity(raw, f"{storage.display_url}/{m.STORE_FILE}")
+        store = cls(storage, store_id, single_writer=single_writer, lease_ttl_s=lease_ttl_s)
         store.refresh()
         return store
 

@@ -113,8 +113,8 @@ class Log(Catalog):
         start = max(self._head, self._floor)
         if hint is not None:
             try:
-                start = max(start, int(json.loads(hint)["version"]))
-            except (ValueError, KeyError, TypeError):
+                start = max(start, int(m.load_json(hint, self.where(m.HEAD_HINT))["version"]))
+            except (ValueError, KeyError, TypeError, CorruptStoreError):
                 log.warning("ignoring unreadable head hint in %s", self.display_url)
         if self.record(start) is None:
             # Hints are advisory; fall back to the last version known to exist.

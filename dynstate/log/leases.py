@@ -34,6 +34,7 @@ log = logging.getLogger("dynstate")
 LEASE_DIR = f"{m.META_DIR}/leases"
 DEFAULT_TTL_S = 120.0
 MTIME_RESOLUTION_S = 1.0
+_MAX_PID = 2**31 - 1  # pid_t; os.kill overflows past it
 # A heartbeat stops renewing a lease nobody committed or discarded after this long.
 MAX_LIFETIME_S = 7 * 86400.0
 
@@ -362,9 +363,14 @@ def _fresh(storage: Storage, lease: str, here: str, now: float) -> tuple[bool, b
     try:
         body = m.decode(raw, lease_path(lease))
         ttl = float(body.get("ttl_s", DEFAULT_TTL_S))
-        if body.get("host") == here and process_gone(int(body.get("pid", -1))):
+        pid = body.get("pid")
+        # What no writer wrote (a pid past pid_t, 10**30, a bool; an infinite ttl) makes the
+        # lease damaged, not a reason for gc to fail: it is judged by age like an unreadable one.
+        if type(pid) is not int or not 0 < pid <= _MAX_PID or not ttl < float("inf"):
+            raise ValueError(f"lease {lease} names pid {pid!r}, ttl {ttl!r}")
+        if body.get("host") == here and process_gone(pid):
             return False, True
-    except (DynstateError, TypeError, ValueError):
+    except (DynstateError, TypeError, ValueError, OverflowError):
         ttl = DEFAULT_TTL_S  # unreadable: judge by age alone
     if modified is None:
         return True, False  # no clock to judge by: keep
