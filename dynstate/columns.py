@@ -57,6 +57,7 @@ def check_table(table: pa.Table, url: str) -> pa.Table:
     """``table`` if every column has a name, a type dynstate can store and read back, and no
     nulls where its field says non-nullable; InvalidDataError/SchemaMismatchError otherwise."""
     check_names(table.column_names, url)
+    table = _reserved_types(table)
     for field in table.schema:
         problem = _type_problem(field.type, 1)
         if problem is not None:
@@ -131,7 +132,7 @@ def _type_problem(t: pa.DataType, depth: int) -> str | None:
         return "interval types are not supported; use a duration or three int columns"
     if isinstance(t, pa.RunEndEncodedType):
         return "run-end encoded columns are not supported; pass the decoded values"
-    if isinstance(t, pa.ExtensionType):
+    if isinstance(t, pa.BaseExtensionType):
         return _type_problem(t.storage_type, depth)
     if pa.types.is_dictionary(t):
         return _type_problem(t.value_type, depth)
@@ -168,11 +169,92 @@ def _parquet_roundtrip(schema: pa.Schema) -> str | None:
     under :func:`_type_problem` for whatever pyarrow refuses that it does not name."""
     try:
         sink = pa.BufferOutputStream()
-        pq.write_table(schema.empty_table(), sink)
+        pq.write_table(_empty_table(schema), sink)
         pq.read_table(pa.BufferReader(sink.getvalue()))
-    except (pa.ArrowException, OSError, ValueError, TypeError) as exc:
+    except (pa.ArrowException, OSError, ValueError, TypeError, NotImplementedError) as exc:
         return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return None
+
+
+def _empty_table(schema: pa.Schema) -> pa.Table:
+    # Schema.empty_table cannot build some extension arrays (fixed_shape_tensor raises
+    # NotImplementedError); built from their storage, they write and read back like any other.
+    return pa.Table.from_arrays([_empty(f.type) for f in schema], schema=schema)
+
+
+def _empty(t: pa.DataType) -> pa.Array:
+    if isinstance(t, pa.BaseExtensionType):  # the canonical ones are not ExtensionType
+        return pa.ExtensionArray.from_storage(t, _empty(t.storage_type))
+    return pa.array([], type=t)
+
+
+# -- null columns of a first round ------------------------------------------------------------
+
+# Reserved columns whose type dynstate knows: a first round whose values are all None stores
+# them with this type, not null (verl's generators write row lineage as list<int64>).
+RESERVED_TYPES = {"_dynstate_source": pa.list_(pa.int64())}
+
+
+def has_null_type(t: pa.DataType) -> bool:
+    """Whether ``t`` is null or holds null somewhere (``list<null>`` from rows of ``[]``): a
+    type a first round gets when it has no values to infer from, which a later round may
+    make concrete (see :func:`promote`)."""
+    if pa.types.is_null(t):
+        return True
+    return any(has_null_type(f.type) for f in _child_fields(t))
+
+
+def promote(stored: pa.DataType, got: pa.DataType) -> pa.DataType | None:
+    """The type a column stored as ``stored`` takes when a round brings ``got``: ``got``'s
+    type in every place where ``stored`` is null and ``got`` is not; None when ``stored``
+    has no null there to make concrete, or the two differ elsewhere (that is a schema
+    mismatch, reported by the caller). Stored values (all null there) cast to the result."""
+    if pa.types.is_null(stored):
+        return None if pa.types.is_null(got) else got
+    if pa.types.is_null(got) or not has_null_type(stored):
+        return None
+    for is_kind, make in (
+        (pa.types.is_list, pa.list_),
+        (pa.types.is_large_list, pa.large_list),
+    ):
+        if is_kind(stored) and (pa.types.is_list(got) or pa.types.is_large_list(got)):
+            item = promote(stored.value_type, got.value_type)
+            if item is None:
+                return None
+            return make(pa.field(got.value_field.name, item, nullable=True))
+    if pa.types.is_struct(stored) and pa.types.is_struct(got):
+        if [f.name for f in stored] != [f.name for f in got]:
+            return None
+        fields, changed = [], False
+        for old, new in zip(stored, got, strict=True):
+            kind = promote(old.type, new.type)
+            changed = changed or kind is not None
+            fields.append(old if kind is None else old.with_type(kind))
+        return pa.struct(fields) if changed else None
+    return None
+
+
+def promote_schema(stored: pa.Schema, got: pa.Schema) -> pa.Schema:
+    """``stored`` with each column :func:`promote` makes concrete by ``got`` (same names).
+    A column keeps its nullability: it was null in every earlier row."""
+    out = stored
+    for i, field in enumerate(stored):
+        if field.name not in got.names or not has_null_type(field.type):
+            continue
+        kind = promote(field.type, got.field(field.name).type)
+        if kind is not None and field.nullable:
+            out = out.set(i, field.with_type(kind))
+    return out
+
+
+def _reserved_types(table: pa.Table) -> pa.Table:
+    for name, kind in RESERVED_TYPES.items():
+        if name in table.column_names:
+            i = table.column_names.index(name)
+            column = table.column(i)
+            if has_null_type(column.type) and promote(column.type, kind) is not None:
+                table = table.set_column(i, table.field(i).with_type(kind), column.cast(kind))
+    return table
 
 
 def check_required(table: pa.Table, schema: pa.Schema, url: str, version: int | None) -> None:

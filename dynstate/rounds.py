@@ -16,7 +16,13 @@ from typing import Any
 import pyarrow as pa
 
 from . import manifest as m
-from .columns import check_names, check_required, check_row_depth, check_table
+from .columns import (
+    check_names,
+    check_required,
+    check_row_depth,
+    check_table,
+    promote_schema,
+)
 from .errors import DynstateError, InvalidDataError, SchemaMismatchError
 
 MAX_META_DEPTH = 32
@@ -171,7 +177,9 @@ def _check_has_columns(rows: int, table: pa.Table, url: str) -> None:
 def conform_round(
     table: pa.Table, schema: pa.Schema, allow_new_columns: bool, url: str, version: int
 ) -> tuple[pa.Table, pa.Schema]:
-    """Reorder and cast a round to the store's schema, or SchemaMismatchError naming columns."""
+    """Reorder and cast a round to the store's schema, or SchemaMismatchError naming columns.
+    A column stored as null (all None so far) takes the type this round brings."""
+    schema = promote_schema(schema, table.schema)
     names = set(table.column_names)
     expected = {f.name: f for f in schema}
     bad = [
@@ -232,7 +240,13 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     if table.schema.equals(schema, check_metadata=False):
         return table
     columns = [
-        table.column(f.name) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+        _column(table, f) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
         for f in schema
     ]
     return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _column(table: pa.Table, field: pa.Field) -> pa.ChunkedArray:
+    # a shard written while its column was null, read at a version that gave it a type
+    column = table.column(field.name)
+    return column if column.type == field.type else column.cast(field.type)

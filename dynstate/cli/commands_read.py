@@ -262,7 +262,7 @@ def head_cmd(url, version, rows: int, columns, jsonl: bool, as_json: bool, stora
         if len(out) >= rows:
             break
         table = snap.read_shard(i).select(wanted)
-        out.extend(table.slice(0, rows - len(out)).to_pylist())
+        out.extend(r.python_rows(table.slice(0, rows - len(out))))
         del table
     if jsonl:
         for row in out:

@@ -1,0 +1,383 @@
+"""Hostile or odd inputs of issue 19 (point 7) that gave raw Python errors: store files nested
+200,000 deep or holding a 5,000-digit integer, records with values of the wrong JSON type or a
+`created` that is not a time, a lease naming pid 10**30, `fixed_shape_tensor` columns, a
+timestamp past year 9999 in `dynstate head`, and a first round whose column is all None.
+
+Each damaged file raises CorruptStoreError naming the file and what to do, and leaves every
+file of the store byte-identical; advisory files (the head hint, a lease) are judged without
+failing the reader or gc.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import uuid
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pytest
+from click.testing import CliRunner
+
+from dynstate import CorruptStoreError, SchemaMismatchError, Store, VersionedDataset
+from dynstate import manifest as m
+from dynstate.cli import cli
+from dynstate.log.leases import LEASE_DIR, host_id, lease_path
+from dynstate.maintenance.gc import collect_garbage
+from dynstate.maintenance.verify import verify_store
+
+ROWS = [{"id": 0, "text": "a"}, {"id": 1, "text": "b"}, {"id": 2, "text": "c"}]
+RECORD = m.log_path(1)
+DEEP = b"[" * 200_000 + b"]" * 200_000
+HUGE_INT = b'{"format": 1, "version": ' + b"7" * 5000 + b"}"
+
+
+def run(*args: str, code: int = 0):
+    result = CliRunner().invoke(cli, list(args), env={"COLUMNS": "200"}, catch_exceptions=False)
+    assert result.exit_code == code, (result.stdout, result.stderr)
+    return result
+
+
+@pytest.fixture(params=["memory", "local"])
+def url(request, tmp_path) -> str:
+    if request.param == "memory":
+        return f"memory://dynstate-hostile/{uuid.uuid4().hex}"
+    return str(tmp_path / "store")
+
+
+def filled(url: str) -> Store:
+    store = Store.open(url, create=True)
+    store.append(ROWS[:2], meta={"step": 0})
+    store.append(ROWS[2:], meta={"step": 1})
+    store.tag("t", 1)
+    return store
+
+
+def files(url: str) -> dict[str, str]:
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.invalidate_cache()
+    return {
+        path[len(root) :]: hashlib.sha256(fs.cat_file(path)).hexdigest()
+        for path in sorted(fs.find(root))
+    }
+
+
+def write(url: str, rel: str, data: bytes) -> None:
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.pipe_file(f"{root}/{rel}", data)
+
+
+def read(url: str, rel: str) -> bytes:
+    fs, root = fsspec.core.url_to_fs(url)
+    return fs.cat_file(f"{root}/{rel}")
+
+
+def tamper(url: str, rel: str, **fields) -> None:
+    """Rewrite a record with ``fields`` changed and a valid checksum (what an attacker or a
+    buggy tool that knows the format would write)."""
+    body = m.decode(read(url, rel), rel)
+    write(url, rel, m.encode({**body, **fields}))
+
+
+def check_refused(exc: BaseException, rel: str, *fragments: str) -> None:
+    message = str(exc)
+    assert "\n" not in message, message
+    assert rel in message, f"{rel!r} not named in {message!r}"
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+# -- store files nested 200k deep, or holding a 5000-digit integer --------------------------
+
+
+def _open_store(url: str) -> None:
+    Store.open(url)
+
+
+def _read_version_1(url: str) -> None:
+    Store.open(url).snapshot(1).to_arrow()
+
+
+def _read_tag(url: str) -> None:
+    Store.open(url).snapshot("t").to_arrow()
+
+
+READERS = {
+    m.STORE_FILE: _open_store,
+    RECORD: _read_version_1,
+    m.tag_path("t"): _read_tag,
+    m.GC_FILE: _open_store,
+}
+
+
+@pytest.mark.parametrize("payload", [DEEP, HUGE_INT], ids=["nested-200k", "5000-digits"])
+@pytest.mark.parametrize("rel", list(READERS), ids=lambda rel: rel.rsplit("/", 1)[-1])
+def test_a_hostile_store_file_is_a_corrupt_store_error(url, rel, payload) -> None:
+    filled(url)
+    write(url, rel, payload)
+    before = files(url)
+    with pytest.raises(CorruptStoreError) as info:
+        READERS[rel](url)
+    check_refused(info.value, rel, "damaged", "restore it")
+    assert "nests deeper than 64 levels" in str(info.value) or "5,000 digits" in str(info.value)
+    assert files(url) == before
+
+
+@pytest.mark.parametrize("payload", [DEEP, HUGE_INT], ids=["nested-200k", "5000-digits"])
+def test_cli_names_the_hostile_file(tmp_path, payload) -> None:
+    url = str(tmp_path / "store")
+    filled(url)
+    write(url, m.STORE_FILE, payload)
+    before = files(url)
+    err = run("ls", url, code=1).stderr
+    assert err.startswith(f"error: {url}/{m.STORE_FILE} ") and "damaged" in err
+    err = run("tags", url, code=1).stderr
+    assert err.startswith("error: ") and m.STORE_FILE in err
+    assert files(url) == before
+
+
+@pytest.mark.parametrize("payload", [DEEP, HUGE_INT], ids=["nested-200k", "5000-digits"])
+def test_a_hostile_head_hint_is_ignored(url, payload, caplog) -> None:
+    filled(url)
+    write(url, m.HEAD_HINT, payload)
+    with caplog.at_level(logging.WARNING, logger="dynstate"):
+        store = Store.open(url)
+    assert store.head == 2  # the hint is advisory: the head is found without it
+    assert store.snapshot().to_arrow().to_pylist() == ROWS
+    assert "ignoring unreadable head hint" in caplog.text
+
+
+@pytest.mark.parametrize("payload", [DEEP, HUGE_INT], ids=["nested-200k", "5000-digits"])
+def test_a_hostile_chunk_is_a_corrupt_store_error(payload) -> None:
+    digest = m.sha256(payload)  # content-addressed: the damage must pass the address check
+    with pytest.raises(CorruptStoreError) as info:
+        m.decode_chunk(digest, payload, m.chunk_path(digest))
+    check_refused(info.value, m.chunk_path(digest), "damaged")
+
+
+# -- records with values of the wrong JSON type ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"num_rows": 2.5}, "num_rows 2.5"),
+        ({"num_bytes": True}, "num_bytes True"),
+        ({"version": "1"}, "version '1'"),
+        ({"parent": 10**30}, "parent 1000000000000000000000000000000"),
+        ({"meta": [1, 2]}, "meta [1, 2]"),
+        ({"schema": 7}, "schema 7"),
+        ({"store_id": {"x": 1}}, "store_id {'x': 1}"),
+        ({"created": "yesterday"}, "created 'yesterday'"),
+        ({"created": 17}, "created 17"),
+        ({"add": {"path": "x"}}, "add {'path': 'x'}"),
+    ],
+    ids=lambda v: str(v) if isinstance(v, dict) else "",
+)
+def test_a_record_of_wrong_types_is_a_corrupt_store_error(url, fields, named) -> None:
+    filled(url)
+    tamper(url, RECORD, **fields)
+    before = files(url)
+    with pytest.raises(CorruptStoreError) as info:
+        _read_version_1(url)
+    check_refused(info.value, RECORD, named, "damaged", "dynstate verify")
+    assert files(url) == before
+
+
+def test_gc_older_than_with_a_created_that_is_no_time(tmp_path) -> None:
+    """gc --older-than parses every record's `created` (a raw ValueError before)."""
+    url = str(tmp_path / "store")
+    filled(url)
+    tamper(url, RECORD, created="not a time")
+    before = files(url)
+    with pytest.raises(CorruptStoreError) as info:
+        collect_garbage(Store.open(url), older_than_s=3600, grace_s=0)
+    check_refused(info.value, RECORD, "created 'not a time'", "ISO 8601")
+    err = run("gc", url, "--older-than", "1h", "--grace", "0", "--yes", code=1).stderr
+    assert err.startswith("error: ") and RECORD in err
+    assert files(url) == before
+
+
+def test_store_json_with_a_store_id_of_the_wrong_type(url) -> None:
+    filled(url)
+    for bad in ({"a": 1}, 12, "", None):
+        tamper(url, m.STORE_FILE, store_id=bad)
+        before = files(url)
+        with pytest.raises(CorruptStoreError) as info:
+            Store.open(url)
+        check_refused(info.value, m.STORE_FILE, "store_id")
+        assert files(url) == before
+
+
+# -- leases: a damaged lease is judged by its age, never blocks gc ------------------------------
+
+
+def _lease_of(store: Store) -> str:
+    names = store.storage.list(LEASE_DIR)
+    (name,) = [n for n in names if n.endswith(".json") and "outcome" not in n]
+    return name[: -len(".json")]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["pid-1e30", "ttl-1e400", "nested-200k", "5000-digits"],
+)
+def test_a_damaged_lease_does_not_block_gc(url, damage) -> None:
+    store = filled(url)
+    part = store.stage([{"id": 3, "text": "d"}])
+    lease = _lease_of(store)
+    body = m.decode(store.storage.read(lease_path(lease)), lease)
+    raw = {
+        "pid-1e30": m.encode({**body, "host": host_id(), "pid": 10**30}),
+        "ttl-1e400": m.encode({**body, "ttl_s": 10**400}),
+        "nested-200k": DEEP,
+        "5000-digits": HUGE_INT,
+    }[damage]
+    store.storage.put(lease_path(lease), raw)
+    result = collect_garbage(Store.open(url), grace_s=0)
+    # A fresh lease file, readable or not, protects its shards: judged by its age.
+    assert all(store.storage.exists(s.path) for s in part.shards), result
+    assert store.commit_staged([part]) == 3
+    assert [r["id"] for r in Store.open(url).snapshot().to_arrow().to_pylist()] == [0, 1, 2, 3]
+
+
+def test_cli_gc_with_a_lease_naming_pid_10_to_the_30(tmp_path) -> None:
+    """A lease of pid 10**30 on this host made every gc fail with OverflowError."""
+    url = str(tmp_path / "store")
+    store = filled(url)
+    part = store.stage([{"id": 3, "text": "d"}])
+    lease = _lease_of(store)
+    body = m.decode(store.storage.read(lease_path(lease)), lease)
+    store.storage.put(lease_path(lease), m.encode({**body, "host": host_id(), "pid": 10**30}))
+    run("gc", url, "--grace", "0", "--yes")
+    assert store.commit_staged([part]) == 3
+
+
+# -- fixed_shape_tensor columns ----------------------------------------------------------------
+
+
+def _tensors(n: int, shape=(2, 2)) -> pa.Array:
+    values = np.arange(n * int(np.prod(shape)), dtype=np.float32).reshape(n, *shape)
+    return pa.FixedShapeTensorArray.from_numpy_ndarray(values)
+
+
+def test_fixed_shape_tensor_columns_are_stored_and_read_back(url) -> None:
+    """Refused with a raw NotImplementedError before (an empty table of the type)."""
+    store = Store.open(url, create=True)
+    first = pa.table({"x": _tensors(3), "id": [0, 1, 2]})
+    store.append(first)
+    store.append(pa.table({"x": _tensors(2), "id": [3, 4]}))
+    snap = Store.open(url).snapshot()
+    table = snap.to_arrow()
+    assert table.schema.field("x").type == first.schema.field("x").type
+    assert table.column("x").chunk(0).to_numpy_ndarray().shape == (3, 2, 2)
+    assert table.slice(0, 3).equals(first)
+    assert VersionedDataset(url)[4] == {"x": [4.0, 5.0, 6.0, 7.0], "id": 4}
+    assert verify_store(Store.open(url)).problems == []
+    # Another shape is another type: a schema mismatch naming the column, nothing written.
+    before = files(url)
+    with pytest.raises(SchemaMismatchError, match="changed types: x"):
+        store.append(pa.table({"x": _tensors(1, (3, 2)), "id": [5]}))
+    assert files(url) == before
+
+
+# -- dynstate head of a timestamp past year 9999 ----------------------------------------------
+
+
+def test_head_shows_timestamps_past_year_9999(tmp_path) -> None:
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    far = 2**62  # microseconds: year 146,140
+    store.append(
+        pa.table(
+            {
+                "t": pa.array([far, 0], pa.timestamp("us")),
+                "d": pa.array([2**30, 0], pa.date32()),
+                "l": pa.array([[far], []], pa.list_(pa.timestamp("us"))),
+                "id": [0, 1],
+            }
+        )
+    )
+    out = run("head", url).stdout
+    assert f"<value out of range: {far}>" in out and "1970-01-01" in out
+    rows = json.loads(run("head", url, "--json").stdout)
+    assert rows[0] == {
+        "t": f"<value out of range: {far}>",
+        "d": f"<value out of range: {2**30}>",
+        "l": [f"<value out of range: {far}>"],
+        "id": 0,
+    }
+    assert rows[1]["id"] == 1 and rows[1]["t"].startswith("1970-01-01 00:00:00")
+    lines = run("head", url, "--jsonl").stdout.splitlines()
+    assert json.loads(lines[0])["t"] == f"<value out of range: {far}>"
+
+
+# -- a first round whose column is all None ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("empty", "later", "kind"),
+    [
+        (None, 5, pa.int64()),
+        ([], [1, 2], pa.list_(pa.int64())),
+        (None, [1, 2], pa.list_(pa.int64())),
+        ({"a": None}, {"a": "x"}, pa.struct([("a", pa.string())])),
+        ([None], [1.5], pa.list_(pa.float64())),
+    ],
+    ids=["none-int", "empty-list", "none-list", "struct-null-field", "list-of-none"],
+)
+def test_an_all_null_first_round_does_not_freeze_the_type(url, empty, later, kind) -> None:
+    store = Store.open(url, create=True)
+    store.append([{"id": 0, "c": empty}, {"id": 1, "c": None}])
+    assert store.append([{"id": 2, "c": later}]) == 2
+    store.append([{"id": 3, "c": None}])
+    reopened = Store.open(url)
+    snap = reopened.snapshot()
+    assert snap.schema.field("c").type == kind
+    assert snap.to_arrow().column("c").type == kind
+    expected_first = [empty, None] if empty != [None] else [[None], None]
+    assert snap.to_arrow().column("c").to_pylist() == [*expected_first, later, None]
+    # Version 1 keeps the schema it was committed with.
+    assert reopened.snapshot(1).to_arrow().column("c").to_pylist() == expected_first
+    assert VersionedDataset(url)[2]["c"] == later
+    assert verify_store(reopened).problems == []
+    # Once concrete, the type holds: another type is a mismatch naming the column.
+    with pytest.raises(SchemaMismatchError, match="c"):
+        store.append([{"id": 4, "c": "text"}])
+
+
+def test_reserved_source_column_accepts_nulls_in_the_first_round(url) -> None:
+    store = Store.open(url, create=True)
+    store.append([{"id": 0, "_dynstate_source": None}])
+    assert store.snapshot().schema.field("_dynstate_source").type == pa.list_(pa.int64())
+    store.append([{"id": 1, "_dynstate_source": [0]}])
+    column = Store.open(url).snapshot().to_arrow().column("_dynstate_source")
+    assert column.to_pylist() == [None, [0]]
+
+
+def test_a_promoted_column_survives_compaction(tmp_path) -> None:
+    from dynstate.maintenance.compact import compact
+
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    store.append([{"id": 0, "c": None}])
+    store.append([{"id": 1, "c": 7}])
+    compact(store)
+    snap = Store.open(url).snapshot()
+    assert snap.to_arrow().to_pylist() == [{"id": 0, "c": None}, {"id": 1, "c": 7}]
+    assert verify_store(Store.open(url)).problems == []
+
+
+def test_staged_parts_of_an_old_null_schema_after_promotion(tmp_path) -> None:
+    """A part staged while the column was still null, committed after another writer made
+    the column int64: refused with the typed error that names the schema change."""
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    store.append([{"id": 0, "c": None}])
+    part = store.stage([{"id": 1, "c": None}])
+    Store.open(url).append([{"id": 2, "c": 3}])
+    with pytest.raises(SchemaMismatchError, match=r"schema of .* changed at version 2"):
+        store.commit_staged([part])
+    assert Store.open(url).head == 2
