@@ -149,36 +149,56 @@ def plot_cmd(
 @click.command("inspect")
 @click.argument("path")
 @click.option("--store", "store_url", help="Store URL, if not the one recorded in the state.")
+@click.option(
+    "--open-store",
+    is_flag=True,
+    help="Open the store the checkpoint records even when it is not on this machine (s3://, "
+    "http(s)://, any remote fsspec URL).",
+)
 @click.option("-n", "rows", type=Count(1), help="Rows of the next batch to show.")
 @json_option
 @store_command
-def inspect_cmd(path: str, store_url, rows: int | None, as_json: bool, storage_options) -> None:
+def inspect_cmd(
+    path: str, store_url, open_store: bool, rows: int | None, as_json: bool, storage_options
+) -> None:
     """Show what a checkpoint refers to: its training step, the store and its head, the
     sampler's own counters (epoch, position, pinned version) and the rows the next step sees.
     PATH is a verl global_step_N directory or a data.pt file. Nothing is written.
 
+    A checkpoint may come from anywhere: a store it records that is not on this machine is
+    named but not opened (it would be read with your credentials) unless --open-store is
+    given or --store names the store.
+
     \b
     Example:
       dynstate inspect checkpoints/global_step_40
+      dynstate inspect checkpoints/global_step_40 --open-store
     """
-    from ..loading.checkpoint import describe_checkpoint
+    from ..loading.checkpoint import describe_checkpoint, is_local_url, load_checkpoint_state
 
     url = store_url
-    options = storage_options if url is None else cli_storage_options(url, storage_options)
-    info = describe_checkpoint(path, store_url=url, storage_options=options, rows=rows)
+    if url is None and open_store:
+        recorded = load_checkpoint_state(path)[1].get("store_url")
+        url_to_open = recorded if isinstance(recorded, str) else None
+    else:
+        url_to_open = url
+    options = (
+        storage_options
+        if url_to_open is None or is_local_url(url_to_open)
+        else cli_storage_options(url_to_open, storage_options)
+    )
+    info = describe_checkpoint(
+        path, store_url=url, storage_options=options, rows=rows, open_remote=open_store
+    )
     if as_json:
         r.print_json(info)
         return
-    step = info.get("training_step")
-    folder = os.path.basename(os.path.dirname(info["checkpoint"]))
+    if not info["opened"]:
+        _inspect_unopened(info)
+        return
     pairs = [
         ("checkpoint", info["checkpoint"]),
-        (
-            "training step",
-            f"{step} (folder {folder})"
-            if step is not None
-            else "unknown (not in a global_step_N folder)",
-        ),
+        ("training step", _step_line(info)),
         ("store", f"{info['store_url']} (id {info['store_id']})"),
         ("store head", f"version {info['head']}"),
         (
@@ -211,6 +231,39 @@ def inspect_cmd(path: str, store_url, rows: int | None, as_json: bool, storage_o
         r.echo()
         for line in r.table(cols, cells, r.width()):
             r.echo(line)
+
+
+def _step_line(info: dict[str, Any]) -> str:
+    step = info.get("training_step")
+    folder = os.path.basename(os.path.dirname(info["checkpoint"]))
+    if step is None:
+        return "unknown (not in a global_step_N folder)"
+    return f"{step} (folder {folder})"
+
+
+def _inspect_unopened(info: dict[str, Any]) -> None:
+    """What the checkpoint itself says, when its store was not opened."""
+    pairs = [
+        ("checkpoint", info["checkpoint"]),
+        ("training step", _step_line(info)),
+        ("store", f"{info['store_url']} (id {info['store_id']}), recorded; not opened"),
+        (
+            "sampler",
+            f"mode {info['mode']}, seed {info['seed']}, pinned version {info['version']}, "
+            f"base rows {info['base_rows']:,}",
+        ),
+        (
+            "sampler counters",
+            f"epoch {info['epoch']}, position {info['position']:,}, "
+            f"batches handed out {info['step']:,}",
+        ),
+    ]
+    for line in r.fields(pairs):
+        r.echo(line)
+    r.echo(
+        f"note: {info['not_opened']}; pass --open-store to open it, or --store URL to name "
+        "the store yourself"
+    )
 
 
 class _Serve(click.Command):

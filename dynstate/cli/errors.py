@@ -5,11 +5,10 @@ force=True"); here they name flags. Errors that reach the CLI from a client libr
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import click
-
-_USERINFO = re.compile(r"[^\s/@'\"]+:[^\s/@'\"]+@")
 
 # Library phrasing -> the command line's.
 _PHRASES = (
@@ -65,12 +64,6 @@ class Failure(click.ClickException):
         click.echo(f"error: {self.message}", err=True)
 
 
-def scrub(message: str) -> str:
-    """Credentials written into a URL (``s3://key:secret@bucket``) may come back inside a
-    backend's own error text; never print them."""
-    return _USERINFO.sub("***@", message)
-
-
 def _chain(exc: BaseException) -> list[BaseException]:
     seen: list[BaseException] = []
     current: BaseException | None = exc
@@ -95,9 +88,11 @@ def _client_error(exc: BaseException, url: str) -> str | None:
     return None
 
 
-def one_line(exc: BaseException, url: str | None = None) -> str:
-    """The message printed after ``error: ``."""
+def one_line(exc: BaseException, url: str | None = None, secrets: Iterable[str] = ()) -> str:
+    """The message printed after ``error: ``, without credentials (the package's one
+    scrubber, with the command's own ``secrets`` besides those the process knows)."""
     from ..errors import DynstateError
+    from ..storage.credentials import scrub
 
     known = _client_error(exc, url or "the store")
     text = known or str(exc) or type(exc).__name__
@@ -106,4 +101,4 @@ def one_line(exc: BaseException, url: str | None = None) -> str:
     for pattern, replacement in _PHRASES:
         text = pattern.sub(replacement, text)
     text = " ".join(text.split())  # one line, whatever the backend's message looked like
-    return scrub(text)
+    return scrub(text, secrets)

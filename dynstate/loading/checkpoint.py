@@ -61,6 +61,35 @@ def training_step(file: str) -> int | None:
     return None
 
 
+def _recorded(file: str, checked: dict[str, Any], shown_url: str) -> dict[str, Any]:
+    return {
+        "checkpoint": file,
+        "training_step": training_step(file),
+        "store_url": shown_url,
+        "store_id": checked["store_id"],
+        **{k: checked[k] for k in ("mode", "epoch", "version", "position", "base_rows", "step")},
+        "seed": checked["seed"],
+        "batch_size": checked["batch_size"],
+    }
+
+
+def _unopened(file: str, state: dict[str, Any], shown_url: str) -> dict[str, Any]:
+    """What the checkpoint says, without its store: the state is checked in full against
+    itself (its own store id), so nothing shown is unchecked."""
+    store_id = state.get("store_id")
+    try:
+        checked = check_state(state, store_id if isinstance(store_id, str) else "", shown_url)
+    except StateMismatchError as exc:
+        raise StateMismatchError(f"{file}: {exc}") from exc
+    return {
+        **_recorded(file, checked, shown_url),
+        "opened": False,
+        "not_opened": f"{shown_url} is not on this machine, so it was not opened: a "
+        "checkpoint from elsewhere may name any server or bucket, which opening would read "
+        "with your credentials",
+    }
+
+
 def _why(exc: BaseException) -> str:
     """One line on why torch.load failed (its messages run to many lines, or are empty)."""
     text = str(exc)
@@ -72,15 +101,37 @@ def _why(exc: BaseException) -> str:
     return f"not a torch.save file, or a damaged one: {type(exc).__name__}: {first}"
 
 
+# Schemes whose URLs name this machine's own files or memory: opening them sends nothing
+# anywhere. Every other fsspec URL (http(s), s3, gs, chained "a::b" URLs...) goes out.
+_LOCAL_SCHEMES = ("file", "local", "memory")
+
+
+def is_local_url(url: str) -> bool:
+    """Whether opening ``url`` stays on this machine (a path, ``file://``, ``memory://``)."""
+    if "::" in url:
+        return False  # a chained URL (simplecache::s3://...) reaches its last part's target
+    scheme, sep, _ = url.partition("://")
+    return not sep or scheme.lower() in _LOCAL_SCHEMES
+
+
 def describe_checkpoint(
     path: str,
     *,
     store_url: str | None = None,
     storage_options: dict[str, Any] | None = None,
     rows: int | None = None,
+    open_remote: bool = False,
 ) -> dict[str, Any]:
     """Where the checkpoint at ``path`` is in its store, and the rows of its next batch.
-    ``store_url`` overrides the (redacted) URL recorded in the state."""
+    ``store_url`` overrides the (redacted) URL recorded in the state.
+
+    A checkpoint may come from anywhere, and the URL it records could name any server or
+    bucket, which opening would read with this machine's credentials. So a recorded URL that
+    is not local is opened only with ``open_remote=True``; otherwise the result holds what the
+    checkpoint itself says (checked in full), ``"opened": False`` and ``"not_opened"``, why.
+    A ``store_url`` the caller passes is always opened."""
+    from ..storage.credentials import redact
+
     file, state = load_checkpoint_state(path)
     recorded = state.get("store_url")
     url = store_url or recorded
@@ -92,20 +143,15 @@ def describe_checkpoint(
         )
     if recorded is None:
         state = {**state, "store_url": url}  # the caller named the store; the id still checks
+    if store_url is None and not open_remote and not is_local_url(url):
+        return _unopened(file, state, redact(url))
     dataset = VersionedDataset(url, storage_options=storage_options)
     # Checked in full (keys, types, ranges, store id) before anything reads a value from it.
     try:
         checked = check_state(state, dataset.store_id, dataset.store.display_url)
     except StateMismatchError as exc:
         raise StateMismatchError(f"{file}: {exc}") from exc
-    info: dict[str, Any] = {
-        "checkpoint": file,
-        "training_step": training_step(file),
-        "store_url": checked["store_url"],
-        "store_id": checked["store_id"],
-        **{k: checked[k] for k in ("mode", "epoch", "version", "position", "base_rows", "step")},
-        "seed": checked["seed"],
-    }
+    info = {**_recorded(file, checked, redact(checked["store_url"])), "opened": True}
     sampler = VersionedSampler(
         dataset,
         shuffle=checked["shuffle"],

@@ -10,17 +10,16 @@ one version asked about, shard by shard, and stop once the page is full.
 from __future__ import annotations
 
 import logging
-import os
-import re
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import DynstateError, VersionNotFoundError
-from ..history import version_row as _version_row  # one row of `dynstate ls --json`: same keys
 from ..history import describe, diff, lineage
+from ..history import version_row as _version_row  # one row of `dynstate ls --json`: same keys
 from ..maintenance.gc import gc_floor
 from ..snapshot import Snapshot
+from ..storage.credentials import scrub, secrets_of
 from ..store import Store
 from .chart import growth
 from .lineage import SOURCE_COLUMN, LineageCache
@@ -50,21 +49,6 @@ def chart_failed(floor: int, exc: BaseException) -> dict[str, Any]:
     }
 
 
-_ENV_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-# Shorter values (test keys such as "demo") would blank out ordinary words in the rows.
-_MIN_SECRET = 8
-_USERINFO = re.compile(r"[^\s/@'\"]+:[^\s/@'\"]+@")
-
-
-def scrub(text: str, secrets: Sequence[str] = ()) -> str:
-    """``text`` without credentials: userinfo in URLs and any of ``secrets``."""
-    text = _USERINFO.sub("***@", text)
-    for secret in secrets:
-        if len(secret) >= _MIN_SECRET:
-            text = text.replace(secret, "***")
-    return text
-
-
 class StoreView:
     """Everything ``dynstate serve`` shows about one store, as JSON-able dicts."""
 
@@ -90,16 +74,9 @@ class StoreView:
 
     @property
     def secrets(self) -> list[str]:
-        """Values never to show: credentials in the URL, in storage options and in the AWS
-        environment variables."""
-        out = [str(v) for k, v in self.storage_options.items() if _secretish(k)]
-        out += [os.environ.get(name, "") for name in _ENV_SECRETS]
-        if "://" in self.url:
-            rest = self.url.split("://", 1)[1]
-            # A secret may hold "/" or "@": take everything up to the last "@" (more, not less).
-            userinfo = rest[: rest.rfind("@")] if "@" in rest else ""
-            out += [userinfo, *userinfo.split(":", 1)]
-        return [x for x in out if len(x) >= _MIN_SECRET]
+        """Values never to show besides those the scrubber always hides: credentials in the
+        URL and in the storage options."""
+        return secrets_of(self.url, self.storage_options)
 
     def resolve(self, version: int | str | None) -> int:
         if version in (None, "", "head"):
@@ -129,8 +106,9 @@ class StoreView:
             except (ArithmeticError, ValueError, TypeError, MemoryError) as exc:
                 # Record meta is whatever the writers put there (a step of 2**64, a float
                 # step of 1e308): a chart it breaks must not take the store page with it.
-                log.warning("growth chart of %s: %s: %s", self.store.display_url,
-                            type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
+                debug = log.isEnabledFor(logging.DEBUG)
+                what = f"{type(exc).__name__}: {exc}"
+                log.warning("growth chart of %s: %s", self.store.display_url, what, exc_info=debug)
                 data = chart_failed(floor, exc)
             self._growth = (head, data)
             return data
@@ -394,11 +372,6 @@ class StoreView:
                 info["version_rows"] = None
         self._checkpoint_info[number] = info
         return info
-
-
-def _secretish(key: str) -> bool:
-    key = key.lower()
-    return any(word in key for word in ("secret", "key", "token", "password", "session"))
 
 
 def _sources(values: Mapping[str, Any]) -> list[int]:

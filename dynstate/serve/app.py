@@ -31,7 +31,7 @@ from ..errors import (
     StoreNotFoundError,
     VersionNotFoundError,
 )
-from .api import RowNotFoundError, StoreView, scrub
+from .api import RowNotFoundError, StoreView, chart_failed, scrub
 from .chart import COLORS, graph_svg, growth_svg
 from .lineage import SOURCE_COLUMN
 from .rows import RESERVED
@@ -139,6 +139,16 @@ def create_app(
                 if status == 500:
                     log.warning("%s: %s", request.url.path, exc)
                 return error(request, status, str(exc))
+            except Exception as exc:
+                # A bug or a record no view expected: one line to the browser, the traceback
+                # only in the server's log (with -vv), never a page of Python.
+                what = type(exc).__name__
+                text = " ".join(str(exc).split())[:200]
+                what += f": {text}" if text else ""
+                debug = log.isEnabledFor(logging.DEBUG)
+                log.warning("%s failed: %s", request.url.path, what, exc_info=debug)
+                message = f"this page could not be built ({what}); other pages may still work"
+                return error(request, 500, message)
             finally:
                 warm_up()
 
@@ -203,7 +213,13 @@ def create_app(
         info = view.store_info()
         recent = view.versions_page(limit="15")
         base = request.scope.get("root_path", "")
-        chart = growth_svg(info["growth"], link=f"{base}/versions/")
+        try:
+            chart = growth_svg(info["growth"], link=f"{base}/versions/")
+        except (ArithmeticError, ValueError, TypeError, MemoryError) as exc:
+            log.warning("growth chart of %s: %s: %s", view.store.display_url,
+                        type(exc).__name__, exc)  # fmt: skip
+            info = {**info, "growth": chart_failed(info["growth"].get("floor", 0), exc)}
+            chart = ""
         return page(request, "store.html", "/api/store", info=info, recent=recent, chart=chart)
 
     def versions_page(request: Request) -> Response:

@@ -4,6 +4,7 @@ install it."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import threading
@@ -19,7 +20,39 @@ from ..errors import MissingDependencyError
 log = logging.getLogger("dynstate")
 
 _NEEDED = ("starlette", "uvicorn", "jinja2")
-LOOPBACK_NAMES = ("127.0.0.1", "localhost")
+# Host headers a browser on this machine sends for a loopback server (IPv6 in brackets).
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+
+
+def _bare(host: str) -> str:
+    """``[::1]`` as ``::1``: the form a socket binds."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv6 with or without brackets) is this
+    machine's loopback: ``localhost``, 127.0.0.0/8, ``::1`` or an IPv4-mapped 127.x."""
+    bare = _bare(host).strip().lower().rstrip(".")
+    if bare == "localhost" or bare.endswith(".localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(bare.split("%", 1)[0])  # a zone id (fe80::1%lo) is no help
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def allowed_hosts(host: str) -> list[str] | None:
+    """The Host headers a server bound to ``host`` answers, or None (any) off loopback.
+    On loopback only this machine's own names may be asked for: a page elsewhere whose
+    domain name resolves to 127.0.0.1 (DNS rebinding) is refused, whichever loopback
+    address or name was bound."""
+    if not is_loopback(host):
+        return None
+    bare = _bare(host).strip().lower().rstrip(".")
+    own = f"[{bare}]" if ":" in bare else bare
+    return sorted({*LOOPBACK_NAMES, own})
 
 
 def require_web_stack() -> None:
@@ -40,6 +73,7 @@ def require_web_stack() -> None:
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` (port 0: any free port)."""
+    host = _bare(host)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -60,7 +94,7 @@ def address(sock: socket.socket) -> str:
     return f"http://{shown}:{port}"
 
 
-@click.command("serve")
+@click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("url")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
               help="Port to listen on (0: any free port).")  # fmt: skip
@@ -101,15 +135,15 @@ def serve(
     options = storage_options or {}
     store = Store.open(url, storage_options=options)
     view = StoreView(store, checkpoints=checkpoints, url=url, storage_options=options)
-    # On loopback only this machine's own names may be asked for (see create_app).
-    loopback = host in ("127.0.0.1", "localhost")
-    app = create_app(view, allowed_hosts=LOOPBACK_NAMES if loopback else None)
+    app = create_app(view, allowed_hosts=allowed_hosts(host))
     sock = bind(host, port)
     where = address(sock)
     click.echo(f"serving {store.display_url} (head {store.head}) at {where}/  (Ctrl-C stops)")
-    if host not in ("127.0.0.1", "localhost", "::1"):
+    if not is_loopback(host):
         click.echo(
-            f"note: listening on {host}: anyone who can reach it can read the store", err=True
+            f"note: listening on {host}: anyone who can reach it can read the store, and any "
+            "Host name is answered; the default --host 127.0.0.1 serves this machine only",
+            err=True,
         )
     if open_browser:
         import webbrowser

@@ -1,10 +1,27 @@
-"""Keeping credentials out of every message and log line.
+"""Keeping credentials out of every message, log line, CLI output and served page: the one
+scrubber of the package (the CLI and ``dynstate serve`` call :func:`scrub` too).
 
 A store URL may carry credentials (``s3://KEY:SECRET@bucket/prefix``) and storage options or
 the environment hold keys and tokens. :func:`redact` gives the form of a URL that is safe to
-print; :class:`Scrubber` removes known secrets from any text; :func:`guard_loggers` installs
-a scrubber on the loggers of the S3 client libraries, whose debug output quotes request
-headers (``Authorization: ... Credential=AKID/...``, ``X-Amz-Security-Token``).
+print; :func:`scrub` removes credentials from any text; :class:`Scrubber` is the same rules
+with a set of known secrets, as a logging filter; :func:`guard_loggers` installs one on the
+loggers of the S3 client libraries, whose debug output quotes request headers
+(``Authorization: ... Credential=AKID/...``, ``X-Amz-Security-Token``).
+
+The rules, whatever characters a secret holds (AWS secret keys hold ``/`` and ``+``, session
+tokens ``=`` as well, passwords anything):
+
+* the userinfo of every URL in the text (``scheme://user:pass@host``), found the way
+  :func:`split_userinfo` finds it, so a password with ``/`` or ``@`` is hidden whole;
+* the values of query parameters that carry signatures or tokens (``X-Amz-Signature``,
+  ``X-Amz-Credential``, ``X-Amz-Security-Token``, ``Signature``, ``sig``, ``token``...);
+* signed-request fragments in headers (``Credential=``, ``Signature=``, the security token)
+  and ``name: value`` pairs of AWS credential fields (``aws_secret_access_key`` ...);
+* every known secret value of at least :data:`MIN_SECRET` characters, as written and
+  URL-encoded: the AWS environment variables, the secrets of every object-store location
+  opened in this process and those the caller names. Shorter values are hidden only where
+  the rules above find them: replacing a short word everywhere would blank ordinary text
+  (the loopback test server's key is ``testing``).
 """
 
 from __future__ import annotations
@@ -13,14 +30,29 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Iterable
+from urllib.parse import quote, quote_plus
 
 _CLIENT_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "aiohttp")
 _ENV_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 _SECRET_WORDS = ("secret", "key", "token", "password", "credential")
-# Signed-request fragments botocore logs at DEBUG level, whatever the key.
+#: Known secret values shorter than this are not replaced wherever they occur (see above).
+MIN_SECRET = 8
+# Signed-request fragments botocore logs at DEBUG level, whatever the key, and the AWS
+# credential fields as configuration files, reprs and JSON write them.
 _SIGNATURE = re.compile(
     r"(Credential=|Signature=|X-Amz-Security-Token['\"]?[:=]\s*b?['\"]?|"
-    r"X-Amz-Credential=|X-Amz-Signature=)[^\s,'\"&]+",
+    r"X-Amz-Credential=|X-Amz-Signature=|"
+    r"\b(?:aws_)?(?:secret_access_key|session_token|security_token)['\"]?\s*[:=]\s*b?['\"]?|"
+    r"\b(?:SecretAccessKey|SessionToken)['\"]?\s*[:=]\s*['\"]?)[^\s,'\"&}]+",
+    re.IGNORECASE,
+)
+# A URL in running text: scheme, then anything up to white space, a quote or a bracket.
+_URL = re.compile(r"\b([A-Za-z][A-Za-z0-9+.\-]*://)([^\s'\"<>()\[\]{}]+)")
+# Query parameters whose values are credentials (S3 and GCS presigned URLs, Azure SAS...).
+_QUERY_SECRET = re.compile(
+    r"([?&;](?:x-amz-(?:signature|credential|security-token)|x-goog-(?:signature|credential)|"
+    r"signature|sig|token|access_token|secret|password|api_?key)=)[^&;#\s'\"<>]+",
     re.IGNORECASE,
 )
 
@@ -51,6 +83,36 @@ def redact(url: str) -> str:
     return f"{scheme}://{'***@' if userinfo is not None else ''}{rest}"
 
 
+def _scrub_url(match: re.Match[str]) -> str:
+    scheme, text = match.group(1), match.group(2)
+    _, userinfo, rest = split_userinfo(scheme + text)
+    if userinfo is not None:
+        text = f"***@{rest}"
+    return scheme + _QUERY_SECRET.sub(r"\1***", text)
+
+
+def _forms(secret: str) -> set[str]:
+    """A secret as it may appear in text: as is and URL-encoded (``/`` as ``%2F``...)."""
+    return {secret, quote(secret, safe=""), quote_plus(secret, safe=""), quote(secret)}
+
+
+def _environment_secrets() -> list[str]:
+    return [os.environ[name] for name in _ENV_SECRETS if os.environ.get(name)]
+
+
+def scrub(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` without credentials (see the module's rules): ``secrets`` are values to hide
+    besides those this process knows (the AWS environment, opened object-store locations)."""
+    known = {*secrets, *_environment_secrets(), *_GUARD.secrets}
+    forms = {f for s in known if len(s) >= MIN_SECRET for f in _forms(s)}
+    # Longest first, so that a secret containing another is replaced whole.
+    for secret in sorted(forms, key=len, reverse=True):
+        if secret in text:
+            text = text.replace(secret, "***")
+    text = _URL.sub(_scrub_url, text)
+    return _SIGNATURE.sub(lambda m: m.group(1) + "***", text)
+
+
 def _secret_values(mapping: dict[str, object], found: list[str]) -> None:
     # A module function, not a closure: a recursive closure is a reference cycle.
     for name, value in mapping.items():
@@ -69,9 +131,9 @@ def secrets_of(url: str, options: dict[str, object]) -> list[str]:
         found += [userinfo, *userinfo.split(":", 1)]
 
     _secret_values(options, found)
-    found += [os.environ[name] for name in _ENV_SECRETS if os.environ.get(name)]
+    found += _environment_secrets()
     # Longest first, so that a secret containing another is replaced whole.
-    return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)
+    return sorted({s for s in found if s}, key=len, reverse=True)
 
 
 class Scrubber(logging.Filter):
@@ -95,11 +157,13 @@ class Scrubber(logging.Filter):
             merged = set(self._secrets) | set(secrets)
             self._secrets = sorted(merged, key=len, reverse=True)
 
+    @property
+    def secrets(self) -> list[str]:
+        return self._secrets
+
     def scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            if secret in text:
-                text = text.replace(secret, "***")
-        return _SIGNATURE.sub(lambda m: m.group(1) + "***", text)
+        """:func:`scrub` with this filter's secrets."""
+        return scrub(text, self._secrets)
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
