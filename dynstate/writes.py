@@ -22,8 +22,10 @@ from .errors import (
     MissingShardError,
     SchemaMismatchError,
     StateMismatchError,
+    StorageError,
 )
 from .log import Log, shard_path
+from .log.leases import host_id, process_gone
 from .manifest import Commit, ShardRef
 from .rounds import check_meta, conform_round, to_table
 from .snapshot import Staged
@@ -112,8 +114,11 @@ class Writer:
             schema = next((p.schema for p in parts if p.schema is not None), None)
             validated = next((p.validated for p in parts if p.schema is not None), None)
             self.log.require_writable()
-            self.log.leases.adopt(leases)
-            self.log.leases.claim(leases, nonce)
+            try:
+                self.log.leases.adopt(leases)
+                self.log.leases.claim(leases, nonce, head=self.log.head)
+            except CommitConflictError as exc:
+                raise self._claimed_elsewhere(exc, parts) from None
             self._check_unleased(parts)
             if schema is not None:
                 self.log.put_schema(schema)
@@ -168,6 +173,9 @@ class Writer:
         if isinstance(exc, CommitConflictError) and not attempts:
             self.log.leases.forget(leases)  # another call holds these parts: its to decide
             return None
+        if getattr(exc, "dead_claim", False):
+            self.log.leases.forget(leases)  # a dead committer's claim: gc removes its files
+            return None
         if isinstance(exc, LeaseExpiredError) and not attempts:
             # The round cannot be committed; parts that ended stay as they are.
             self._discard(parts, nonce, strict=False, private=private)
@@ -177,12 +185,78 @@ class Writer:
         except BaseException:
             self.log.leases.forget(leases)
             return None
+        if landed is None and attempts and not (self.storage.local or self.storage.memory):
+            # On an object store a PUT the client gave up on may still reach the server later
+            # and create the record: its shards may go only once that provably cannot happen.
+            settled = self.log.settle(attempts[-1])
+            if settled is None:
+                self._keep_unsettled(leases, nonce, attempts[-1], exc)
+            if settled:
+                landed = attempts[-1].version
         if landed is not None:
             self.log.leases.end(leases, committed=True, tombstone=not private)
             log.info("version %d of %s was committed before %r", landed, self.display_url, exc)
             return landed
         self._discard(parts, nonce, strict=False, private=private)
         return None
+
+    def _keep_unsettled(
+        self, leases: set[str], nonce: str, record: Commit, exc: BaseException
+    ) -> None:
+        """The record's create may still land and nothing can tell now: keep the shards (their
+        claim marked unsettled, which gc honours for an hour, longer than S3 accepts a signed
+        request) and say so instead of the bare storage error."""
+        self.log.leases.keep_unsettled(leases, nonce, record.version)
+        if not isinstance(exc, Exception):
+            return  # an interrupt stays an interrupt; the log says what happened
+        log.warning("commit of version %d of %s is unsettled", record.version, self.display_url)
+        raise StorageError(
+            f"the commit record of version {record.version} of {self.display_url} was sent but "
+            f"no reply came ({exc}); the request may still reach the store, so the round's "
+            "shards were kept. Once the store is reachable, check version "
+            f"{record.version} (`dynstate show`): if it holds this round, the round is "
+            "committed; if another round or nothing is there, append it again"
+        ) from exc
+
+    def _claimed_elsewhere(self, exc: CommitConflictError, parts: Sequence[Staged]) -> Exception:
+        """The error for parts whose lease another commit claimed, saying what is true: the
+        round is committed (in which version), it was NOT stored (its committer died before
+        its record, or the claim is stale: gc removes its files), or it is being committed."""
+        claim: dict[str, Any] | None = getattr(exc, "claim", None)
+        lease: str | None = getattr(exc, "lease", None)
+        if claim is None or lease is None:
+            return exc
+        paths = {s.path for p in parts if p.lease == lease for s in p.shards}
+        head = self.refresh()
+        floor = self.log.floor
+        since = claim.get("head")
+        start = since + 1 if isinstance(since, int) and not isinstance(since, bool) else floor
+        for version in range(max(start, floor), head + 1):
+            record = self.log.record(version)
+            if record is not None and any(s.path in paths for s in record.add):
+                return CommitConflictError(
+                    f"the staged parts of lease {lease} of {self.display_url} were already "
+                    f"committed as version {version}; commit each staged part once"
+                )
+        where = f"the staged parts of lease {lease} of {self.display_url}"
+        cut = " (or in a version gc has collected since)" if start < floor else ""
+        pid, host = claim.get("pid"), claim.get("host")
+        if host == host_id() and isinstance(pid, int) and 0 < pid < 2**31 and process_gone(pid):
+            err = LeaseExpiredError(
+                f"{where} were claimed for a commit by process {pid} of this machine, which "
+                f"exited before creating its record: no kept version holds them{cut}, so the "
+                "round was NOT stored and gc removes its files — stage the round again"
+            )
+            err.dead_claim = True  # type: ignore[attr-defined]
+            return err
+        owner = f"process {pid} on {host}" if pid is not None else "another call"
+        return CommitConflictError(
+            f"{where} are claimed for a commit by {owner}, and no version up to {head} holds "
+            f"them yet{cut}: if that commit is still running, it will store the round; if its "
+            "process died before creating its record, the round was NOT stored and gc removes "
+            "its files within an hour — then stage the round again. Commit each staged part "
+            "once"
+        )
 
     def discard(self, parts: Sequence[Staged]) -> None:
         """Remove the shards of staged parts that will not be committed. Each lease is won

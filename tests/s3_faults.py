@@ -14,6 +14,11 @@ is the n-th of the proxy's life, so a sequential client sees the same faults on 
 
 :meth:`FaultProxy.force` queues exact faults for the next matching requests. The proxy counts
 requests by operation (GET, PUT, HEAD, DELETE, POST, and LIST for a GET with ``list-type``).
+
+:meth:`FaultProxy.hold` makes matching requests *late*: each is kept (not forwarded) and its
+connection reset, so the client sees a request whose outcome it cannot know and gives up;
+:meth:`FaultProxy.release` delivers a held request to the server afterwards, as a request
+stuck in the network would arrive.
 """
 
 from __future__ import annotations
@@ -94,6 +99,9 @@ class FaultProxy:
         self.log: list[tuple[str, str]] = []  # (operation, path) of every request received
         self._random = random.Random(seed)
         self._forced: list[tuple[str, str | None, str | None]] = []
+        self._hold: tuple[str | None, str | None] | None = None
+        # (method, path, headers, body) of every request held, in arrival order
+        self.held: list[tuple[str, str, list[tuple[str, str]], bytes]] = []
         self._lock = threading.Lock()
         self._server = _Server(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -124,6 +132,36 @@ class FaultProxy:
             raise ValueError(f"unknown fault kind {kind!r}; known: {KINDS}")
         with self._lock:
             self._forced.append((kind, method, path_contains))
+
+    def hold(self, *, method: str | None = None, path_contains: str | None = None) -> None:
+        """From now on, keep every request of ``method`` whose path contains ``path_contains``
+        instead of forwarding it, and reset its connection (see :meth:`release`)."""
+        with self._lock:
+            self._hold = (method, path_contains)
+
+    def stop_holding(self) -> None:
+        with self._lock:
+            self._hold = None
+
+    def release(self, index: int = 0) -> int:
+        """Deliver the ``index``-th held request to the server now; returns its status."""
+        method, path, headers, body = self.held[index]
+        status, _, _ = _send(self.upstream, method, path, headers, body, self.ignore_conditional)
+        return status
+
+    def _holds(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes) -> bool:
+        with self._lock:
+            if self._hold is None:
+                return False
+            want_method, want_path = self._hold
+            if (want_method is None or want_method == method) and (
+                want_path is None or want_path in path
+            ):
+                self.counts[operation(method, path)] += 1
+                self.log.append((operation(method, path), path))
+                self.held.append((method, path, headers, body))
+                return True
+            return False
 
     def reset_counts(self) -> None:
         with self._lock:
@@ -188,24 +226,14 @@ class FaultProxy:
                 self.connection.close()
 
             def _forward(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
-                conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
-                try:
-                    conn.putrequest(
-                        self.command, self.path, skip_host=True, skip_accept_encoding=True
-                    )
-                    for key, value in self.headers.items():
-                        if proxy.ignore_conditional and key.lower() == "if-none-match":
-                            continue
-                        if key.lower() not in _HOP_BY_HOP and key.lower() != "content-length":
-                            conn.putheader(key, value)
-                    if body or self.command in ("PUT", "POST"):
-                        conn.putheader("Content-Length", str(len(body)))
-                    conn.endheaders(body or None)
-                    resp = conn.getresponse()
-                    data = resp.read()
-                    return resp.status, resp.getheaders(), data
-                finally:
-                    conn.close()
+                return _send(
+                    proxy.upstream,
+                    self.command,
+                    self.path,
+                    list(self.headers.items()),
+                    body,
+                    proxy.ignore_conditional,
+                )
 
             def _reply(
                 self, status: int, headers: list[tuple[str, str]], data: bytes, cut: bool = False
@@ -236,6 +264,9 @@ class FaultProxy:
 
             def _handle(self) -> None:
                 body = self._body()
+                if proxy._holds(self.command, self.path, list(self.headers.items()), body):
+                    self._reset()
+                    return
                 fault = proxy._decide(self.command, self.path)
                 if fault == "drop_request":
                     self._reset()
@@ -261,3 +292,30 @@ class FaultProxy:
             do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _handle
 
         return Handler
+
+
+def _send(
+    upstream: tuple[str, int],
+    method: str,
+    path: str,
+    headers: list[tuple[str, str]],
+    body: bytes,
+    ignore_conditional: bool,
+) -> tuple[int, list[tuple[str, str]], bytes]:
+    """Send one request to ``upstream`` as received (signed headers unchanged)."""
+    conn = http.client.HTTPConnection(*upstream, timeout=60)
+    try:
+        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        for key, value in headers:
+            if ignore_conditional and key.lower() == "if-none-match":
+                continue
+            if key.lower() not in _HOP_BY_HOP and key.lower() != "content-length":
+                conn.putheader(key, value)
+        if body or method in ("PUT", "POST"):
+            conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body or None)
+        resp = conn.getresponse()
+        data = resp.read()
+        return resp.status, resp.getheaders(), data
+    finally:
+        conn.close()

@@ -4,12 +4,16 @@ on it."""
 
 from __future__ import annotations
 
+import logging
+
 import pyarrow as pa
 
 from .. import manifest as m
 from ..errors import ChecksumMismatchError, CorruptStoreError
 from ..manifest import Commit, ShardRef
 from ..storage import Storage
+
+log = logging.getLogger("dynstate")
 
 
 class Catalog:
@@ -57,10 +61,14 @@ class Catalog:
         return out
 
     def put_shard_list(self, shards: list[ShardRef]) -> m.ShardList:
+        """Cut ``shards`` into chunks and write every chunk, also one this handle wrote or read
+        before: the cache says only that the file existed once, and gc may have collected it
+        since (a reset and ``gc --keep`` between two calls); rewriting it restores it and
+        refreshes the time by which gc judges it."""
         files, shard_list = m.split_chunks(shards)
         for digest, data in files:
+            self._touch(m.chunk_path(digest), data)
             if digest not in self._chunks:
-                self._touch(m.chunk_path(digest), data)
                 self._chunks[digest] = m.decode_chunk(digest, data, digest)
         return shard_list
 
@@ -86,10 +94,40 @@ class Catalog:
         return schema
 
     def put_schema(self, schema: pa.Schema) -> None:
+        """Write the schema file before a record names it, every time (see
+        :meth:`put_shard_list`: a cached schema may have been collected since)."""
         fp = m.schema_fingerprint(schema)
-        if fp not in self._schemas:
-            self._touch(m.schema_path(fp), m.encode(m.schema_to_json(schema)))
-            self._schemas[fp] = schema
+        self._touch(m.schema_path(fp), m.encode(m.schema_to_json(schema)))
+        self._schemas.setdefault(fp, schema)
+
+    def restore_named(self, record: Commit) -> None:
+        """After ``record`` was created: make sure the schema and chunks it names exist,
+        rewriting any that a gc removed between our write and the record's create (a gc that
+        read the head before the record existed counts them as unreferenced). Rewriting is
+        safe: they are content-addressed, and this handle holds their content."""
+        if record.schema is not None and not self.storage.exists(m.schema_path(record.schema)):
+            schema = self._schemas.get(record.schema)
+            if schema is not None:
+                log.warning(
+                    "schema %s of version %d of %s was removed by a concurrent gc; rewritten",
+                    record.schema[:12],
+                    record.version,
+                    self.display_url,
+                )
+                self._touch(m.schema_path(record.schema), m.encode(m.schema_to_json(schema)))
+        for digest in record.base.chunks if record.base is not None else ():
+            rel = m.chunk_path(digest)
+            entries = self._chunks.get(digest)
+            if entries is None or self.storage.exists(rel):
+                continue
+            files, _ = m.split_chunks(entries)
+            log.warning(
+                "chunk %s of version %d of %s was removed by a concurrent gc; rewritten",
+                digest[:12],
+                record.version,
+                self.display_url,
+            )
+            self._touch(rel, files[0][1])
 
     def _touch(self, rel: str, data: bytes) -> None:
         """Write a content-addressed file, whether or not it exists (same name, same bytes):

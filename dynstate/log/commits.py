@@ -20,6 +20,7 @@ from ..errors import (
     CommitConflictError,
     CorruptStoreError,
     DynstateError,
+    LeaseExpiredError,
     VersionCollectedError,
     VersionNotFoundError,
 )
@@ -269,9 +270,15 @@ class Log(Catalog):
             try:
                 self._publish(record)
             except FileExistsError:
+                # Another writer's record holds the name: ours can never land there.
+                if attempts is not None:
+                    attempts.pop()
                 self.refresh()
                 time.sleep(random.uniform(0, min(0.05, 0.001 * 2 ** min(attempt, 6))))
                 continue
+            if self._stray(record, sources):
+                continue  # created below a floor a gc published meanwhile: commit above it
+            self.restore_named(record)
             if sources:
                 self._recheck_sources(record, sources)
             self._upkeep(record)
@@ -280,6 +287,59 @@ class Log(Catalog):
             f"gave up committing to {self.display_url} after {MAX_COMMIT_ATTEMPTS} lost races; "
             "too many concurrent writers — retry, or write rounds from fewer processes"
         )
+
+    def _stray(self, record: Commit, sources: list[int]) -> bool:
+        """Whether ``record``, just created, lies below the gc floor where no reader looks.
+
+        The floor is read before each attempt, but a writer paused between that read and its
+        create can meet a gc that moved the floor past its parent and removed the records there,
+        freeing the name: the create then succeeds below the floor. Reading the floor again
+        after the create settles it, because gc publishes its floor before it removes a record:
+        a record created below the floor is seen here. Such a record was either seen by that gc
+        (it existed when gc read the head, so later versions carry its rows, and it was
+        collected with the rest — a committed round) or created after gc freed its name (in no
+        lineage). Appends tell the two apart by their shards: in the head's list, or not. A
+        stray append is committed again above the floor (True); a stray reset or compaction
+        raises: its source is below the floor too."""
+        floor = self.read_floor()
+        if record.version >= floor:
+            return False
+        if record.add and self._in_head(record.add[0].path):
+            log.info(
+                "version %d of %s was collected by a concurrent gc right after its commit; its "
+                "rows are in the head",
+                record.version,
+                self.display_url,
+            )
+            return False
+        self._records.pop(record.version, None)
+        if sources or record.op != "append":
+            raise VersionCollectedError(
+                f"the {record.op} of {self.display_url} was created as version "
+                f"{record.version}, below the gc floor {floor} that a concurrent gc published "
+                f"meanwhile: it is not the head (latest is {self.refresh()}); check the head "
+                "and run it again"
+            )
+        for shard in record.add:
+            if not self.storage.exists(shard.path):
+                raise LeaseExpiredError(
+                    f"version {record.version} of {self.display_url} was created below the gc "
+                    f"floor {floor} (a gc ran while this writer was paused) and its shard "
+                    f"{shard.path} is gone; the round was NOT stored — append it again"
+                )
+        log.warning(
+            "version %d of %s was created below the gc floor %d (the writer was paused while "
+            "a gc ran); committing the round again above it",
+            record.version,
+            self.display_url,
+            floor,
+        )
+        self.refresh()
+        return True
+
+    def _in_head(self, path: str) -> bool:
+        head = self.refresh()
+        return any(s.path == path for s in self.materialize(head))
 
     def _recheck_sources(self, record: Commit, sources: list[int]) -> None:
         """A gc that published its floor while this record was being created may not have
@@ -343,7 +403,34 @@ class Log(Catalog):
             rel = m.log_path(record.version)
             raw = self.storage.try_read(rel)
             if raw is not None and m.decode(raw, self.where(rel)) == record.to_json():
+                if record.version < self.read_floor() and not (
+                    record.add and self._in_head(record.add[0].path)
+                ):
+                    continue  # a stray below the floor (see _stray): in no lineage
                 self._records[record.version] = record
                 self._head = max(self._head, record.version)
                 return record.version
         return None
+
+    def settle(self, record: Commit) -> bool | None:
+        """For a record whose create failed with its outcome unknown on a backend where a
+        request may still arrive later (an object store): create the same bytes again, so
+        that the name holds either our record or another's, and a late copy of ours can only
+        meet a 412. True: ours is there (committed); False: another record holds the name (ours
+        never will); None: still unknown (the store cannot be reached)."""
+        try:
+            self._publish(record)  # identical bytes met at the name count as ours
+        except FileExistsError:
+            return False
+        except DynstateError:
+            return None
+        try:
+            if record.version < self.read_floor() and not (
+                record.add and self._in_head(record.add[0].path)
+            ):
+                return False  # ours, but a stray below the floor (see _stray)
+            self.restore_named(record)
+        except DynstateError:
+            return None
+        self._upkeep(record)
+        return True

@@ -157,12 +157,16 @@ class Leases:
             for lease in leases:
                 self._active.pop(lease, None)
 
-    def claim(self, leases: set[str], nonce: str, outcome: str = "commit") -> None:
+    def claim(
+        self, leases: set[str], nonce: str, outcome: str = "commit", *, head: int | None = None
+    ) -> None:
         """Win every lease for a commit (outcome ``commit``) or a discard (``discarded``), or
         raise: gc expired one of them or a discard won it (:class:`LeaseExpiredError`), or a
         commit holds it (:class:`CommitConflictError`). On failure the leases this call won
-        are given up (outcome ``discarded``, by ``nonce``): the round cannot be committed."""
-        body = m.encode({"format": m.FORMAT, "outcome": outcome, "by": nonce})
+        are given up (outcome ``discarded``, by ``nonce``): the round cannot be committed.
+        The claim names its process and the committer's ``head``, so that a later caller can
+        tell a dead claimant (whose record never landed) from a live one."""
+        body = self._claim_body(outcome, nonce, head)
         won: list[str] = []
         try:
             for lease in sorted(leases):
@@ -180,14 +184,36 @@ class Leases:
             self._give_up(won, nonce)
             raise
 
+    def _claim_body(self, outcome: str, nonce: str | None, head: int | None, **extra) -> bytes:
+        body: dict[str, object] = {"format": m.FORMAT, "outcome": outcome, "by": nonce}
+        body.update(host=self._host, pid=os.getpid(), **extra)
+        if head is not None:
+            body["head"] = head
+        return m.encode(body)
+
+    def keep_unsettled(self, leases: set[str], nonce: str, version: int) -> None:
+        """A commit whose record may still land later (its create's outcome is unknown on an
+        object store): keep the leases claimed, marked ``unsettled``, so that gc keeps their
+        shards for its stale-claim period even after this process exits; the lease files stay."""
+        self.forget(leases)
+        body = self._claim_body("commit", nonce, None, unsettled=version)
+        for lease in leases:
+            try:
+                self.storage.put(outcome_path(lease), body)
+            except DynstateError as exc:
+                log.warning("could not mark lease %s unsettled: %s", lease, exc)
+
     def _lost(self, lease: str, outcome: dict[str, object] | None) -> DynstateError:
         kind = outcome.get("outcome") if outcome is not None else None
         where = f"lease {lease} of staged files in {self.storage.display_url}"
         if kind == "commit":
-            return CommitConflictError(
+            err = CommitConflictError(
                 f"the staged parts of {where} were already committed (or are being committed) "
                 "by another call; commit each staged part once"
             )
+            # The caller (the writer) can read the log and say which of the two it is.
+            err.claim, err.lease = outcome, lease  # type: ignore[attr-defined]
+            return err
         if kind == "discarded":
             return LeaseExpiredError(
                 f"the staged parts of {where} were discarded (or a failed commit gave them up); "
@@ -201,7 +227,7 @@ class Leases:
         )
 
     def _give_up(self, leases: list[str], nonce: str | None = None) -> None:
-        body = m.encode({"format": m.FORMAT, "outcome": "discarded", "by": nonce})
+        body = self._claim_body("discarded", nonce, None)
         self.forget(set(leases))
         for lease in leases:
             try:
@@ -403,7 +429,9 @@ def _protected(
         if kind == "commit":
             if alive:
                 return True, "commit"  # the commit is in flight
-            if gone or not storage.exists(lease_path(lease)):
+            # An unsettled claim's record may still land (a late PUT) after its process exited.
+            unsettled = outcome.get("unsettled") is not None
+            if (gone and not unsettled) or not storage.exists(lease_path(lease)):
                 # The committer is gone, or published and cleaned up (lease file first).
                 return False, "commit"
             try:

@@ -1,0 +1,316 @@
+"""Nothing acknowledged is ever lost (issue 19, points 1, 2, 4 and 5): a version ``append`` or
+``commit_staged`` returned is readable for as long as it is kept, whatever ran in between — a
+reset and ``gc --keep 1`` behind a long-lived handle's caches, a gc while a writer is paused
+(SIGSTOP) between its floor read and its record, a record PUT that lands after the client gave
+up, a committer killed between its claim and its record.
+
+The pauses are real: writer subprocesses stop themselves with SIGSTOP at the named point (a
+wrapper around the one method that creates records) and are continued by the test."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from conftest import s3_url
+from s3_faults import FaultProxy
+
+from dynstate import (
+    CommitConflictError,
+    LeaseExpiredError,
+    StorageError,
+    Store,
+    collect_garbage,
+)
+from dynstate import manifest as m
+from dynstate.maintenance import gc as gc_module
+from dynstate.maintenance.verify import verify_store
+
+
+def _rows(store: Store, version: int | None = None) -> list[dict]:
+    return store.snapshot(version).to_arrow().to_pylist()
+
+
+def _fresh(url: str) -> Store:
+    """A new handle: nothing cached from the operations under test."""
+    return Store.open(url)
+
+
+# -- point 1: the schema and chunk caches ------------------------------------------------------
+
+
+def test_schema_cached_by_a_long_lived_handle_survives_reset_and_gc(store_url: str) -> None:
+    """reset to 0, then gc --keep 1 collects the schema with the old versions; the handle that
+    wrote it appends the same columns again: its version must name a schema that exists."""
+    store = Store.open(store_url, create=True)
+    assert store.append([{"a": 1}]) == 1
+    operator = Store.open(store_url)
+    operator.reset(0)
+    result = collect_garbage(operator, keep=1, grace_s=0)
+    assert any(r.path.startswith(f"{m.META_DIR}/schemas/") for r in result.removed)
+    assert store.append([{"a": 2}]) == 3
+    assert _rows(_fresh(store_url)) == [{"a": 2}]
+    assert _fresh(store_url).append([{"a": 3}]) == 4  # every later append works too
+    assert _rows(_fresh(store_url)) == [{"a": 2}, {"a": 3}]
+    assert verify_store(_fresh(store_url), all_versions=True).ok
+
+
+def test_chunk_cached_by_a_long_lived_handle_survives_gc(tmp_path, monkeypatch) -> None:
+    """A handle writes a chunk for a reset that loses its race (no record names the chunk);
+    an hour later gc removes it as an orphan; the handle's next reset names the same chunk."""
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    store.append([{"i": i} for i in range(300)], shard_bytes=1)  # 300 shards: one full chunk
+    shards = list(store.snapshot(1).shards)
+    schema = store.snapshot(1).schema
+    with pytest.raises(CommitConflictError):
+        store.commit_base(shards, op="reset", schema=schema, target=1, expected_parent=99)
+    chunks = store.storage.list(f"{m.META_DIR}/chunks")
+    assert len(chunks) == 1
+    monkeypatch.setattr(gc_module, "BUSY_S", 0.0)  # as if the hour had passed
+    result = collect_garbage(Store.open(url), grace_s=0)
+    assert f"{m.META_DIR}/chunks/{chunks[0]}" in {r.path for r in result.removed}
+    assert store.reset(1) == 2
+    assert [r["i"] for r in _rows(_fresh(url), 2)] == list(range(300))
+    assert verify_store(_fresh(url), all_versions=True).ok
+
+
+# -- writer subprocesses that stop themselves just before their record is created -------------
+
+WRITER = textwrap.dedent(
+    """
+    import base64, json, os, pickle, signal, sys
+    from dynstate import DynstateError, Store
+    url, mode, rows = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    store = Store.open(url)
+    publish = store.log._publish
+
+    def pause_before_record(record):
+        if mode == "kill-after-record":
+            publish(record)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if not pause_before_record.done:
+            pause_before_record.done = True
+            print(json.dumps({"paused": record.version}), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
+        publish(record)
+
+    pause_before_record.done = False
+    store.log._publish = pause_before_record
+    try:
+        if mode == "append":
+            out = {"version": store.append(rows)}
+        else:
+            part = store.stage(rows)
+            print(json.dumps({"part": base64.b64encode(pickle.dumps(part)).decode()}), flush=True)
+            out = {"version": store.commit_staged([part])}
+    except DynstateError as exc:
+        out = {"error": type(exc).__name__, "message": str(exc)}
+    print(json.dumps(out), flush=True)
+    """
+)
+
+
+def _writer(url: str, mode: str, rows: list[dict]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", WRITER, url, mode, json.dumps(rows)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _line(proc: subprocess.Popen) -> dict:
+    line = proc.stdout.readline()
+    assert line, f"writer exited with {proc.wait()}"
+    return json.loads(line)
+
+
+def _wait_stopped(proc: subprocess.Popen) -> None:
+    for _ in range(500):
+        with open(f"/proc/{proc.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError("the writer did not stop")
+
+
+def _continue(proc: subprocess.Popen) -> dict:
+    os.kill(proc.pid, signal.SIGCONT)
+    out = _line(proc)
+    proc.wait(timeout=60)
+    return out
+
+
+def test_schema_collected_while_its_committer_is_paused(durable_url: str) -> None:
+    """The writer has written the schema and stops before its record; gc --keep 1 collects the
+    schema (only collected versions named it); the writer's version must still read."""
+    store = Store.open(durable_url, create=True)
+    store.append([{"a": 1}])
+    store.reset(0)  # the head has no schema: the one of version 1 is garbage after a gc
+    proc = _writer(durable_url, "append", [{"a": 7}])
+    try:
+        assert _line(proc) == {"paused": 3}
+        _wait_stopped(proc)
+        result = collect_garbage(Store.open(durable_url), keep=1, grace_s=0)
+        assert any(r.path.startswith(f"{m.META_DIR}/schemas/") for r in result.removed)
+        out = _continue(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert out == {"version": 3}
+    assert _rows(_fresh(durable_url), 3) == [{"a": 7}]
+    assert _fresh(durable_url).append([{"a": 8}]) == 4
+    assert verify_store(_fresh(durable_url), all_versions=True).ok
+
+
+# -- point 4: a gc passes the parent of a paused writer ----------------------------------------
+
+
+def test_writer_paused_while_gc_passes_its_parent_lands_above_the_floor(durable_url: str) -> None:
+    """The writer read the floor (0) and stops before creating version 2; others commit 2..4 and
+    gc --keep 1 moves the floor to 4, removing the records below (so the name 2 is free again).
+    The writer's round must be in the head under the version it returns, never below the floor."""
+    store = Store.open(durable_url, create=True)
+    store.append([{"w": "base"}])
+    proc = _writer(durable_url, "append", [{"w": "paused"}])
+    try:
+        assert _line(proc) == {"paused": 2}
+        _wait_stopped(proc)
+        for step in range(3):
+            store.append([{"w": f"other-{step}"}])
+        collect_garbage(store, keep=1, grace_s=0)
+        assert store.log.read_floor() == 4
+        out = _continue(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "version" in out, out
+    version = out["version"]
+    reader = _fresh(durable_url)
+    assert version >= reader.log.read_floor()
+    assert version == reader.head == 5
+    assert [r["w"] for r in _rows(reader, version)] == [
+        "base",
+        "other-0",
+        "other-1",
+        "other-2",
+        "paused",
+    ]
+    assert verify_store(reader).ok
+
+
+# -- point 5: a committer killed between its claim and its record ------------------------------
+
+
+def _staged_then_killed(url: str, mode: str) -> object:
+    proc = _writer(url, mode, [{"x": 1}, {"x": 2}])
+    try:
+        part = pickle.loads(base64.b64decode(_line(proc)["part"]))
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return part
+
+
+def test_part_of_a_committer_killed_before_its_record_is_not_stored(durable_url: str) -> None:
+    store = Store.open(durable_url, create=True)
+    store.append([{"x": 0}])
+    part = _staged_then_killed(durable_url, "kill")
+    with pytest.raises(LeaseExpiredError, match="NOT stored") as info:
+        store.commit_staged([part])
+    assert "exited before creating its record" in str(info.value)
+    assert "already committed" not in str(info.value)
+    assert _fresh(durable_url).head == 1
+    # What the message says is what gc does: the shards go, nothing kept names them.
+    result = collect_garbage(Store.open(durable_url), grace_s=0)
+    assert {s.path for s in part.shards} <= {r.path for r in result.removed}
+    assert verify_store(_fresh(durable_url), all_versions=True).ok
+
+
+def test_part_of_a_committer_killed_after_its_record_is_committed(durable_url: str) -> None:
+    store = Store.open(durable_url, create=True)
+    store.append([{"x": 0}])
+    part = _staged_then_killed(durable_url, "kill-after-record")
+    with pytest.raises(CommitConflictError, match="already committed as version 2"):
+        store.commit_staged([part])
+    assert _rows(_fresh(durable_url), 2) == [{"x": 0}, {"x": 1}, {"x": 2}]
+    collect_garbage(Store.open(durable_url), grace_s=0)
+    assert verify_store(_fresh(durable_url), all_versions=True).ok
+
+
+# -- point 2: a record PUT that lands after the client gave up (S3) ----------------------------
+
+
+@pytest.fixture
+def late_proxy(s3_endpoint):
+    with FaultProxy(s3_endpoint) as proxy:
+        yield proxy
+
+
+def _s3_store(proxy: FaultProxy, url: str, create: bool = False) -> Store:
+    options = {"endpoint_url": proxy.url, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    store = Store.open(url, create=create, storage_options=options)
+    store.storage.retry_base_s = 0.001
+    return store
+
+
+@pytest.mark.s3
+def test_record_put_delivered_late_finds_its_shards(late_proxy, s3_endpoint) -> None:
+    url = s3_url()
+    store = _s3_store(late_proxy, url, create=True)
+    store.append([{"r": 1}])
+    late_proxy.hold(method="PUT", path_contains=f"/{m.META_DIR}/log/")
+    with pytest.raises(StorageError, match="may still reach the store") as info:
+        store.append([{"r": 2}])
+    assert "version 2" in str(info.value)
+    late_proxy.stop_holding()
+    direct = Store.open(url, storage_options={"endpoint_url": s3_endpoint})
+    # gc meanwhile keeps the shards of a commit whose record may still land...
+    result = collect_garbage(direct, grace_s=0)
+    assert not any(r.path.startswith("data/") for r in result.removed), result.removed
+    assert late_proxy.held
+    assert late_proxy.release(0) == 200  # ...and here it does, late
+    direct = Store.open(url, storage_options={"endpoint_url": s3_endpoint})
+    assert direct.head == 2
+    assert _rows(direct, 2) == [{"r": 1}, {"r": 2}]
+    assert direct.append([{"r": 3}]) == 3
+    assert _rows(direct) == [{"r": 1}, {"r": 2}, {"r": 3}]
+    assert verify_store(direct, all_versions=True).ok
+
+
+@pytest.mark.s3
+def test_record_put_that_can_no_longer_land_lets_its_shards_go(late_proxy, s3_endpoint) -> None:
+    """Every PUT of the round's record is held; before the writer settles, another writer takes
+    version 2. A held PUT can only meet a 412 now, so the failed round's shards may go, and
+    the late PUT changes nothing."""
+    url = s3_url()
+    store = _s3_store(late_proxy, url, create=True)
+    store.append([{"r": 1}])
+    other = Store.open(url, storage_options={"endpoint_url": s3_endpoint})
+    settle = store.log.settle
+
+    def other_writer_first(record):
+        late_proxy.stop_holding()
+        assert other.append([{"r": 99}]) == 2
+        return settle(record)
+
+    store.log.settle = other_writer_first
+    late_proxy.hold(method="PUT", path_contains=f"/{m.META_DIR}/log/")
+    with pytest.raises(StorageError) as info:
+        store.append([{"r": 2}])
+    assert "may still reach" not in str(info.value)
+    assert late_proxy.held and late_proxy.release(0) == 412
+    direct = Store.open(url, storage_options={"endpoint_url": s3_endpoint})
+    assert direct.head == 2 and [r["r"] for r in _rows(direct)] == [1, 99]
+    kept = sorted(s.path.split("/", 1)[1] for s in direct.snapshot().shards)
+    assert direct.storage.list("data") == kept  # the failed round's shard is gone
+    assert verify_store(direct, all_versions=True).ok
