@@ -1,6 +1,8 @@
 """Growth plot of a store: rows added per round and total rows over training steps, with the
 events that shape a run marked: resets and rollbacks (and the checkpoint a rollback resumed
-from, and the rounds it rolled back: what a crash cost), and compactions.
+from, the rounds it rolled back and where the run crashed: what a crash cost), compactions,
+lost, empty and missing rounds. It draws the growth model of :func:`dynstate.history.growth`,
+the one ``dynstate serve`` draws too.
 
 matplotlib is an optional extra (``dynstate[plot]``), imported only when a plot is drawn, and
 used through its object API (a ``Figure`` on the Agg canvas): no pyplot state, no global
@@ -16,7 +18,7 @@ import uuid
 from typing import Any
 
 from ..errors import MissingDependencyError, StorageError, StoreExistsError
-from ..history import lineage
+from ..history import growth
 from ..store import Store
 
 log = logging.getLogger("dynstate")
@@ -36,89 +38,150 @@ def _figure(**kwargs: Any) -> Any:
 
 
 def growth_points(store: Store) -> tuple[str, list[dict[str, Any]]]:
-    """The x-axis label and one point per version of the head's lineage, oldest first: ``x``
-    is ``meta["step"]`` where every append has one ("step"), else the version ("version").
-    ``event`` is None, ``"reset"``, ``"rollback"`` (a reset that resumed a run from a
-    checkpoint) or ``"compact"``; ``label`` says what it was."""
-    head = store.refresh()
-    versions = sorted(lineage(store, head, store.log.floor))
-    records = [store.commit_record(v) for v in versions]
-    by_version = {r.version: r for r in records}
-    # Resets and compactions usually carry no step: they sit at the step of the round before.
-    appends = [r for r in records if r.op == "append"]
-    by_step = bool(appends) and all(_is_number(r.meta.get("step")) for r in appends)
+    """The x-axis label and one point per version of the head's lineage, oldest first, as
+    ``dynstate plot --json`` lists them: the points of the growth model
+    (:func:`dynstate.history.growth`) with ``event`` None, ``"reset"``, ``"rollback"`` (a
+    reset that resumed a run from a checkpoint) or ``"compact"``, and ``label`` saying what it
+    was."""
+    model = growth(store)
+    resets = {m["version"]: m for m in model["markers"] if m["kind"] == "reset"}
     points = []
-    x: float = 0
-    for record in records:
-        if record.version == 0 and record.num_rows == 0:
-            continue  # the empty root version has nothing to plot
-        step = record.meta.get("step")
-        x = (step if _is_number(step) else x) if by_step else record.version
+    for p in model["points"]:
         event, label = None, None
-        if record.op == "reset":
-            target = by_version.get(record.target) if record.target is not None else None
-            at = target.meta.get("step") if target is not None else None
-            if "rollback_from" in record.meta:
-                event = "rollback"
-                where = f"step {at}" if _is_number(at) else f"version {record.target}"
-                label = f"resumed from the checkpoint at {where}"
+        if p["op"] == "reset":
+            m = resets[p["version"]]
+            if m["rollback"]:
+                at = m["checkpoint_step"]
+                where = f"step {at}" if at is not None else f"version {m['target']}"
+                event, label = "rollback", f"resumed from the checkpoint at {where}"
             else:
-                event, label = "reset", f"reset to version {record.target}"
-        elif record.op == "compact":
+                event, label = "reset", f"reset to version {m['target']}"
+        elif p["op"] == "compact":
             event, label = "compact", "compaction"
-        points.append(
-            {
-                "version": record.version,
-                "x": x,
-                "rows_added": record.rows_added,
-                "total_rows": record.num_rows,
-                "op": record.op,
-                "event": event,
-                "label": label,
-            }
-        )
-    return ("step" if by_step else "version"), points
+        points.append({**p, "event": event, "label": label})
+    return model["axis"], points
 
 
-def abandoned_points(store: Store, points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rounds a reset or rollback left behind (committed after its target, before it: for a
-    rollback, the rounds a crashed run committed after its checkpoint), as points like
-    :func:`growth_points`' with ``event="abandoned"``. Reads only those records."""
-    kept = {p["version"] for p in points}
+def abandoned_points(store: Store, points: list[dict[str, Any]] | None = None) -> list[dict]:
+    """Rounds a reset or rollback left behind (for a rollback, the rounds a crashed run
+    committed after its checkpoint), from the growth model, with ``event="abandoned"`` and
+    ``cause`` the reset's event. ``points`` is accepted for callers of the earlier form."""
     out = []
-    for point in points:
-        if point["event"] not in ("reset", "rollback"):
-            continue
-        record = store.commit_record(point["version"])
-        for v in range((record.target or 0) + 1, record.version):
-            if v in kept or v < store.log.floor:
-                continue
-            lost = store.commit_record(v)
-            step = lost.meta.get("step")
+    for m in growth(store)["markers"]:
+        for g in m.get("abandoned_points") or []:
             out.append(
                 {
-                    "version": v,
-                    "x": step if _is_number(step) else v,
-                    "rows_added": lost.rows_added,
-                    "total_rows": lost.num_rows,
-                    "op": lost.op,
+                    **g,
                     "event": "abandoned",
-                    "label": f"rolled back by version {record.version}",
-                    "cause": point["event"],
+                    "label": f"rolled back by version {m['version']}",
+                    "cause": "rollback" if m["rollback"] else "reset",
                 }
             )
     return out
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 _STYLE = {
     "rollback": {"color": "tab:red", "linestyle": "--"},
     "reset": {"color": "tab:orange", "linestyle": "--"},
     "compact": {"color": "tab:gray", "linestyle": ":"},
+    "crash": {"color": "black", "linestyle": ":"},
 }
+
+
+def _draw(fig: Any, title: str, model: dict[str, Any]) -> None:
+    """The growth model on two axes: rows added per round (bars, on the model's scale: a large
+    import is cut, with its number) and total rows (line), markers on both."""
+    from matplotlib.ticker import MaxNLocator
+
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    points, scale = model["points"], model["scale"]
+    ghosts = [(g, m) for m in model["markers"] for g in m.get("abandoned_points") or []]
+    xs = sorted({p["x"] for p in points} | {g["x"] for g, _ in ghosts})
+    gaps = [b - a for a, b in itertools.pairwise(xs) if b > a]
+    width = 0.8 * min(gaps) if gaps else 0.8
+    ceiling = scale["bars"] * 1.1
+    by_x: dict[float, list[tuple[dict[str, Any], Any]]] = {}
+    for item in [(p, None) for p in points if p["rows_added"] > 0] + [
+        (g, m) for g, m in ghosts if g["rows_added"] > 0
+    ]:
+        by_x.setdefault(item[0]["x"], []).append(item)
+    bars: dict[str, list[list[float]]] = {"round": [[], [], []], "import": [[], [], []]}
+    lost: list[list[float]] = [[], [], []]
+    for x, group in by_x.items():
+        w = width / len(group)  # rounds sharing an x side by side
+        for k, (p, reset) in enumerate(group):
+            at = x - width / 2 + (k + 0.5) * w
+            cut = reset is None and p["version"] in scale["clipped"]
+            target = (
+                lost if reset is not None else bars["import" if p["kind"] == "import" else "round"]
+            )
+            target[0].append(at)
+            target[1].append(ceiling if cut else p["rows_added"])
+            target[2].append(w)
+            if cut:
+                text = f"{p['rows_added']:,} rows (import, cut)"
+                top.annotate(text, (at, ceiling), xytext=(4, -12), textcoords="offset points",
+                             fontsize="small")  # fmt: skip
+    top.bar(bars["round"][0], bars["round"][1], width=bars["round"][2], color="tab:blue")
+    if bars["import"][0]:
+        top.bar(bars["import"][0], bars["import"][1], width=bars["import"][2],
+                color="lightsteelblue", label="import")  # fmt: skip
+    if lost[0]:
+        # What the crash cost: rounds committed after the checkpoint and rolled back on resume.
+        top.bar(lost[0], lost[1], width=lost[2], color="none", edgecolor="tab:red", hatch="//",
+                label="rounds rolled back (committed after the checkpoint)")  # fmt: skip
+    top.set_ylim(0, ceiling)
+    top.set_ylabel("rows added" + (" (import cut)" if scale["clipped"] else ""))
+    top.set_title(f"{title}: growth")
+    bottom.plot([p["x"] for p in points], [p["total_rows"] for p in points], marker="o",
+                markersize=3, color="tab:green")  # fmt: skip
+    totals = {p["version"]: p["total_rows"] for p in points}
+    lo, hi = scale["total"]
+    bottom.set_ylim(lo, hi + max(1, hi - lo) * 0.05)
+    bottom.set_ylabel("total rows")
+    bottom.set_xlabel(model["axis"])
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+    seen: set[str] = set()
+    for m in model["markers"]:
+        kind = m["kind"]
+        if kind == "missing":
+            for ax in (top, bottom):
+                ax.axvspan(m["x"] - 0.4, m["x_end"] + 0.4, color="peachpuff", alpha=0.6)
+            continue
+        if kind in ("lost", "empty"):
+            top.plot([m["x"]], [0], marker="^" if kind == "lost" else "o", linestyle="none",
+                     color="tab:orange" if kind == "lost" else "tab:purple",
+                     label=None if kind in seen else f"{kind} round", clip_on=False)  # fmt: skip
+            seen.add(kind)
+            continue
+        event = "rollback" if m.get("rollback") else kind
+        style = _STYLE[event]
+        for ax in (top, bottom):
+            ax.axvline(m["x"], **style, linewidth=1.2)
+        branch = m.get("abandoned_points") or []
+        if branch:
+            start = totals.get(m["version"], branch[0]["total_rows"] - branch[0]["rows_added"])
+            bottom.plot([m["x"], *(g["x"] for g in branch)],
+                        [start, *(g["total_rows"] for g in branch)],
+                        color="tab:red", linestyle="--", linewidth=1)  # fmt: skip
+        if event == "rollback":
+            at = m["checkpoint_step"]
+            name = f"rollback: resumed from the checkpoint at step {at}" if at is not None else (
+                f"rollback to version {m['target']}")  # fmt: skip
+            bottom.plot([m["x"]], [totals.get(m["version"], lo)], marker="*", markersize=14,
+                        color="tab:red", linestyle="none")  # fmt: skip
+        elif event == "crash":
+            name = m["label"].split(";")[0]
+        else:
+            name = event
+        # One legend entry per kind of event; a rollback's and a crash's text say where.
+        if event not in seen or event in ("rollback", "crash"):
+            bottom.plot([], [], **style, label=name)
+            seen.add(event)
+    if lost[0] or bars["import"][0] or "lost" in seen or "empty" in seen:
+        top.legend(loc="upper right", fontsize="small")
+    if seen - {"lost", "empty"}:
+        bottom.legend(loc="upper left", fontsize="small")
 
 
 def plot_growth(store: Store, out: str | os.PathLike[str], *, overwrite: bool = False) -> int:
@@ -136,49 +199,8 @@ def plot_growth(store: Store, out: str | os.PathLike[str], *, overwrite: bool = 
             f"{out} exists; choose another path or pass overwrite=True to replace it"
         )
     fig = _figure(figsize=(9, 6))
-    label, points = growth_points(store)
-    xs = [p["x"] for p in points]
-    top, bottom = fig.subplots(2, 1, sharex=True)
-    gaps = [b - a for a, b in itertools.pairwise(xs) if b > a]
-    width = 0.8 * min(gaps) if gaps else 0.8
-    top.bar(xs, [p["rows_added"] for p in points], width=width, color="tab:blue")
-    lost = abandoned_points(store, points) if label == "step" else []
-    if lost:
-        # What the crash cost: rounds committed after the checkpoint and rolled back on resume.
-        top.bar([p["x"] for p in lost], [p["rows_added"] for p in lost], width=width,
-                color="none", edgecolor="tab:red", hatch="//",
-                label="rounds rolled back (committed after the checkpoint)")  # fmt: skip
-        top.legend(loc="upper right", fontsize="small")
-        crashed = [p["x"] for p in lost if "rollback" in str(p.get("cause"))]
-        if crashed:
-            # The run died after its last rolled-back round and before the rollback.
-            at = max(crashed) + 0.5
-            for ax in (top, bottom):
-                ax.axvline(at, color="black", linestyle=":", linewidth=1.2)
-            bottom.plot([], [], color="black", linestyle=":",
-                        label=f"crash (after step {max(crashed)})")  # fmt: skip
-    top.set_ylabel("rows added")
-    top.set_title(f"{store.display_url}: growth")
-    bottom.plot(xs, [p["total_rows"] for p in points], marker="o", color="tab:green")
-    bottom.set_ylabel("total rows")
-    bottom.set_xlabel(label)
-    seen: set[str] = set()
-    for p in points:
-        if p["event"] is None:
-            continue
-        style = _STYLE[p["event"]]
-        for ax in (top, bottom):
-            ax.axvline(p["x"], **style, linewidth=1.2)
-        # One legend entry per kind of event; the rollback's text names its checkpoint.
-        name = p["label"] if p["event"] == "rollback" else p["event"]
-        if p["event"] not in seen or p["event"] == "rollback":
-            bottom.plot([], [], **style, label=name)
-            seen.add(p["event"])
-        if p["event"] == "rollback":
-            bottom.plot([p["x"]], [p["total_rows"]], marker="*", markersize=14,
-                        color="tab:red", linestyle="none")  # fmt: skip
-    if seen:
-        bottom.legend(loc="upper left", fontsize="small")
+    model = growth(store)
+    _draw(fig, store.display_url, model)
     fig.tight_layout()
     tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{uuid.uuid4().hex}.png.tmp")
     try:
@@ -189,5 +211,5 @@ def plot_growth(store: Store, out: str | os.PathLike[str], *, overwrite: bool = 
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
-    log.info("plotted %d versions of %s to %s", len(points), store.display_url, out)
-    return len(points)
+    log.info("plotted %d versions of %s to %s", len(model["points"]), store.display_url, out)
+    return len(model["points"])
