@@ -25,6 +25,11 @@ from .errors import (
 )
 
 FORMAT = 1
+# Records and stores that hold outcomes or a generator state are written with format 2, so
+# that a dynstate which knows no outcomes refuses them instead of misreading the store; this
+# dynstate reads both (dynstate/log/outcomes.py).
+OUTCOMES_FORMAT = 2
+READ_FORMAT = 2
 # A checkpoint every K versions bounds the log records read to open any version to K - 1.
 CHECKPOINT_INTERVAL = 100
 # Entries per chunk: shard lists are stored as runs of this many entries so that consecutive
@@ -154,10 +159,10 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
     fmt = obj.get("format")
     if isinstance(fmt, bool) or not isinstance(fmt, int):
         raise CorruptStoreError(f"{where} has no format number; it was not written by dynstate")
-    if fmt > FORMAT:
+    if fmt > READ_FORMAT:
         raise UnsupportedFormatError(
-            f"{where} uses store format {fmt} but this dynstate reads formats up to {FORMAT}; "
-            "upgrade dynstate (pip install -U dynstate)"
+            f"{where} uses store format {fmt} but this dynstate reads formats up to "
+            f"{READ_FORMAT}; upgrade dynstate (pip install -U dynstate)"
         )
     expected = obj.get("checksum")
     body = {k: v for k, v in obj.items() if k != "checksum"}
@@ -281,6 +286,11 @@ class Commit:
     base: ShardList | None = None
     target: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    # The round's outcomes (an append) or the lineage's (a reset, a compaction), and the
+    # generator state: plain JSON, interpreted by dynstate.log.outcomes. Either makes the
+    # record format 2.
+    outcomes: dict[str, Any] | None = None
+    generator_state: Any = None
 
     @property
     def rows_added(self) -> int:
@@ -305,6 +315,12 @@ class Commit:
             obj["base"] = self.base.to_json()
         if self.target is not None:
             obj["target"] = self.target
+        if self.outcomes is not None:
+            obj["outcomes"] = self.outcomes
+        if self.generator_state is not None:
+            obj["generator_state"] = self.generator_state
+        if self.outcomes is not None or self.generator_state is not None:
+            obj["format"] = OUTCOMES_FORMAT
         return obj
 
     @classmethod
@@ -337,12 +353,21 @@ class Commit:
                 base=None if base is None else ShardList.from_json(base, where),
                 target=None if target is None else _count(obj, "target", where),
                 meta=dict(meta or {}),
+                outcomes=_outcomes_field(obj, where),
+                generator_state=obj.get("generator_state"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptStoreError(
                 f"{where} is missing field {exc}; the record is damaged — run `dynstate verify` "
                 "and restore it from a backup or reset to an earlier version"
             ) from exc
+
+
+def _outcomes_field(obj: dict[str, Any], where: str) -> dict[str, Any] | None:
+    value = obj.get("outcomes")
+    if value is not None and not isinstance(value, dict):
+        raise _wrong(where, "outcomes", value, "an object")
+    return value
 
 
 def _wrong(where: str, name: str, value: Any, expected: str) -> CorruptStoreError:

@@ -1,0 +1,668 @@
+"""Outcome files, their lineage and the per-row aggregates: the only code that reads or
+writes them. :class:`Outcomes` (one per commit log, :func:`outcomes_of`) is what the store,
+the writer, compaction, gc and verify ask.
+
+Every version has an ordered *outcome file list*, like its shard list: an append adds the
+files of its round's outcomes (``outcomes.add`` in its record); a reset or a compaction
+carries the complete list of its source (``outcomes.base``); ``_dynstate/outcomes/<v>.json``
+(an *outcome checkpoint*, written after every 100th commit and for each gc floor) repeats the
+complete list of ``v`` with a per-row aggregate over it. So the outcomes of any version are
+found by walking at most 99 records back, exactly as its shards are, and the statistics at
+a version cost one aggregate plus the files appended since it — never the whole history.
+Outcome files live in ``data/`` under the writer's lease, so gc, leases and symlink checks
+treat them exactly as shards. See docs/format.md, "Outcomes".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .. import manifest as m
+from ..errors import (
+    ChecksumMismatchError,
+    CorruptStoreError,
+    DynstateError,
+    InvalidDataError,
+    MissingShardError,
+)
+from ..manifest import Commit, ShardRef
+from ..outcomes import (
+    DEFAULT_HALF_LIFE,
+    DEFAULT_SUCCESS_ABOVE,
+    Aggregate,
+    Ranges,
+    check_generator_state,
+    check_outcomes,
+    overlap,
+    to_ranges,
+    union,
+    valid_ranges,
+)
+from .leases import shard_path
+
+if TYPE_CHECKING:
+    from .commits import Log
+
+log = logging.getLogger("dynstate")
+
+OUTCOME_DIR = f"{m.META_DIR}/outcomes"
+AGGREGATE_DIR = f"{m.META_DIR}/aggregates"
+# gc's matchers for the two folders (makers: checkpoint_path, aggregate_path)
+CHECKPOINT_FILE = re.compile(r"^(\d{20})\.json$")
+AGGREGATE_FILE = re.compile(r"^([0-9a-f]{64})\.parquet$")
+_AGGREGATE_PATH = re.compile(r"^_dynstate/aggregates/([0-9a-f]{64})\.parquet$")
+
+OUTCOME_SCHEMA = pa.schema([("row", pa.int64()), ("step", pa.int64()), ("score", pa.float64())])
+
+
+def checkpoint_path(version: int) -> str:
+    return f"{OUTCOME_DIR}/{version:020d}.json"
+
+
+def aggregate_path(digest: str) -> str:
+    return f"{AGGREGATE_DIR}/{digest}.parquet"
+
+
+@dataclass(frozen=True)
+class AggregateRef:
+    """A stored per-row aggregate over the first ``files`` files of an outcome list."""
+
+    path: str
+    bytes: int
+    sha256: str
+    files: int
+    success_above: float
+    half_life: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "bytes": self.bytes,
+            "sha256": self.sha256,
+            "files": self.files,
+            "success_above": self.success_above,
+            "half_life": self.half_life,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> AggregateRef:
+        try:
+            path, digest = obj["path"], obj["sha256"]
+            match = _AGGREGATE_PATH.match(path) if isinstance(path, str) else None
+            if match is None or match.group(1) != digest:
+                from ..errors import UnsafePathError
+
+                raise UnsafePathError(
+                    f"{where} names aggregate {path!r}, which is not an aggregate of this store; "
+                    "the record was tampered with — reset past it"
+                )
+            nbytes, files = obj["bytes"], obj["files"]
+            above, half = obj["success_above"], obj["half_life"]
+            if not (
+                type(nbytes) is int
+                and type(files) is int
+                and nbytes >= 0
+                and files >= 0
+                and isinstance(above, (int, float))
+                and isinstance(half, (int, float))
+                and half > 0
+            ):
+                raise TypeError("malformed aggregate entry")
+            return cls(path, nbytes, digest, files, float(above), float(half))
+        except (KeyError, TypeError) as exc:
+            raise CorruptStoreError(f"{where} has a malformed aggregate entry ({exc})") from exc
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """What a version's lineage holds: its outcome files in order, the steps they cover, the
+    number of records, the newest stored aggregate over a prefix of the files, and the
+    generator state committed last (None: none)."""
+
+    version: int
+    files: tuple[ShardRef, ...] = ()
+    steps: tuple[tuple[int, int], ...] = ()
+    records: int = 0
+    aggregate: AggregateRef | None = None
+    state: Any = None
+
+    @property
+    def step_ranges(self) -> Ranges:
+        return [list(r) for r in self.steps]
+
+
+@dataclass(frozen=True)
+class Pending:
+    """One commit's checked outcomes and state; ``ref``/``lease`` once the file is written."""
+
+    table: pa.Table | None
+    steps: Ranges
+    state: Any
+    checked_at: int
+    ref: ShardRef | None = None
+    lease: str | None = None
+
+
+_CACHE_FILES = 512
+_CACHE_DENSE = 2
+
+
+class Outcomes:
+    """Outcome lineages, files and aggregates of one store, with caches of what never
+    changes once written (records, checkpoints, files, aggregates)."""
+
+    def __init__(self, log_: Log) -> None:
+        self.log = log_
+        self.storage = log_.storage
+        self._lineages: OrderedDict[int, Lineage] = OrderedDict()
+        self._files: OrderedDict[str, pa.Table] = OrderedDict()
+        self._dense: list[tuple[tuple[float, float], tuple[str, ...], Aggregate]] = []
+
+    @property
+    def display_url(self) -> str:
+        return self.log.display_url
+
+    # -- lineage ---------------------------------------------------------------------------
+
+    def lineage(self, version: int) -> Lineage:
+        """The outcomes of ``version``'s lineage: walk back to the nearest base record
+        (create, reset, compaction), outcome checkpoint or the gc floor — at most K - 1
+        records, as for shards."""
+        cached = self._lineages.get(version)
+        if cached is not None:
+            return cached
+        adds: list[tuple[list[ShardRef], Ranges, int]] = []
+        state: Any = None
+        floor = self.log.floor
+        v = version
+        while True:
+            record = self.log.commit_record(v)
+            if state is None and record.generator_state is not None:
+                state = record.generator_state
+            if record.base is not None or record.op != "append":
+                base = self._base_of(record)
+                break
+            if v == floor or v % m.CHECKPOINT_INTERVAL == 0:
+                found = self.read_checkpoint(v)
+                if found is not None:
+                    base = found
+                    break
+                if v == floor:
+                    # A floor without an outcome checkpoint was published by a dynstate that
+                    # knew no outcomes; nothing below it held any (such a dynstate refuses a
+                    # store that does).
+                    adds.append(self._add_of(record))
+                    base = Lineage(v)
+                    break
+            adds.append(self._add_of(record))
+            v -= 1
+        files = list(base.files)
+        steps = base.step_ranges
+        records = base.records
+        for add_files, add_steps, add_records in reversed(adds):
+            files.extend(add_files)
+            if add_steps:
+                steps = union(steps, add_steps)
+            records += add_records
+        result = Lineage(
+            version,
+            tuple(files),
+            tuple((a, b) for a, b in steps),
+            records,
+            base.aggregate,
+            state if state is not None else base.state,
+        )
+        self._lineages[version] = result
+        if len(self._lineages) > 256:
+            self._lineages.popitem(last=False)
+        return result
+
+    def _where(self, record: Commit) -> str:
+        return self.log.where(m.log_path(record.version))
+
+    def _add_of(self, record: Commit) -> tuple[list[ShardRef], Ranges, int]:
+        field = record.outcomes
+        if field is None:
+            return [], [], 0
+        where = self._where(record)
+        if not isinstance(field.get("add"), list):
+            raise CorruptStoreError(f"{where} has malformed outcomes (no add list)")
+        files = [ShardRef.from_json(s, where) for s in field["add"]]
+        return files, _steps(field, where), _count(field, "records", where)
+
+    def _base_of(self, record: Commit) -> Lineage:
+        field = record.outcomes
+        if field is None:
+            return Lineage(record.version)
+        where = self._where(record)
+        if "base" not in field:
+            raise CorruptStoreError(f"{where} has malformed outcomes (a {record.op} needs base)")
+        files = self.log.expand(m.ShardList.from_json(field["base"], where), where)
+        aggregate = field.get("aggregate")
+        return Lineage(
+            record.version,
+            tuple(files),
+            tuple((a, b) for a, b in _steps(field, where)),
+            _count(field, "records", where),
+            None if aggregate is None else AggregateRef.from_json(aggregate, where),
+        )
+
+    def read_checkpoint(self, version: int) -> Lineage | None:
+        rel = checkpoint_path(version)
+        raw = self.storage.try_read(rel)
+        if raw is None:
+            return None
+        where = self.log.where(rel)
+        obj = m.decode(raw, where)
+        if obj.get("store_id") != self.log.store_id or obj.get("version") != version:
+            raise CorruptStoreError(
+                f"{where} belongs to version {obj.get('version')!r} of store "
+                f"{obj.get('store_id')!r}; it was copied from elsewhere — remove it"
+            )
+        files = self.log.expand(m.ShardList.from_json(obj.get("files"), where), where)
+        aggregate = obj.get("aggregate")
+        return Lineage(
+            version,
+            tuple(files),
+            tuple((a, b) for a, b in _steps(obj, where)),
+            _count(obj, "records", where),
+            None if aggregate is None else AggregateRef.from_json(aggregate, where),
+            obj.get("generator_state"),
+        )
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def read_file(self, ref: ShardRef, version: int | None = None) -> pa.Table:
+        """One outcome file, verified against its recorded size and checksum."""
+        cached = self._files.get(ref.path)
+        if cached is not None:
+            self._files.move_to_end(ref.path)
+            return cached
+        at = f" (version {version})" if version is not None else ""
+        where = f"{self.display_url}{at}"
+
+        def check(data: bytes) -> None:
+            if len(data) != ref.bytes or m.sha256(data) != ref.sha256:
+                raise ChecksumMismatchError(
+                    f"outcome file {ref.path} of {where} does not match its checksum; restore "
+                    "it or reset to a version without it"
+                )
+
+        try:
+            data = self.storage.read(ref.path, check=check)
+        except FileNotFoundError:
+            raise MissingShardError(
+                f"outcome file {ref.path} of {where} is missing; restore it, or reset the "
+                "store to a version that does not use it"
+            ) from None
+        try:
+            table = pq.read_table(pa.BufferReader(data))
+        except (pa.ArrowException, OSError) as exc:
+            raise CorruptStoreError(
+                f"outcome file {ref.path} of {where} is not readable Parquet ({exc})"
+            ) from None
+        if table.num_rows != ref.rows or table.schema.names[:3] != list(OUTCOME_SCHEMA.names):
+            raise CorruptStoreError(
+                f"outcome file {ref.path} of {where} does not hold the {ref.rows} outcome "
+                "records its commit record names"
+            )
+        self._files[ref.path] = table
+        if len(self._files) > _CACHE_FILES:
+            self._files.popitem(last=False)
+        return table
+
+    def _read_files(self, refs: list[ShardRef], version: int) -> list[pa.Table]:
+        if len(refs) <= 2:
+            return [self.read_file(r, version) for r in refs]
+        # Object stores answer many small GETs at once far faster than one after another.
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            return list(pool.map(lambda r: self.read_file(r, version), refs))
+
+    def records(self, version: int) -> pa.Table:
+        """Every outcome record of ``version``'s lineage, oldest commit first; extra columns
+        a commit lacks are null there."""
+        lineage = self.lineage(version)
+        tables = self._read_files(list(lineage.files), version)
+        if not tables:
+            return OUTCOME_SCHEMA.empty_table()
+        return pa.concat_tables(tables, promote_options="permissive")
+
+    def read_aggregate(self, ref: AggregateRef) -> Aggregate:
+        where = self.log.where(ref.path)
+        data = self.storage.read(ref.path)
+        if len(data) != ref.bytes or m.sha256(data) != ref.sha256:
+            raise ChecksumMismatchError(f"{where} does not match its checksum; it was modified")
+        try:
+            table = pq.read_table(pa.BufferReader(data))
+        except (pa.ArrowException, OSError) as exc:
+            raise CorruptStoreError(f"{where} is not readable Parquet ({exc})") from None
+        return Aggregate.from_table(table, where)
+
+    def aggregate(
+        self,
+        version: int,
+        success_above: float = DEFAULT_SUCCESS_ABOVE,
+        half_life: float = DEFAULT_HALF_LIFE,
+    ) -> Aggregate:
+        """The per-row aggregate of ``version``: from the newest stored aggregate (or one this
+        handle computed) over a prefix of its outcome list, plus the files after it."""
+        lineage = self.lineage(version)
+        num_rows = self.log.commit_record(version).num_rows
+        params = (success_above, half_life)
+        paths = tuple(f.path for f in lineage.files)
+        start, agg = 0, None
+        for cached_params, cached_paths, cached in self._dense:
+            k = len(cached_paths)
+            if cached_params == params and k > start and paths[:k] == cached_paths:
+                start, agg = k, cached
+        stored = lineage.aggregate
+        if (
+            stored is not None
+            and stored.files > start
+            and (stored.success_above, stored.half_life) == params
+        ):
+            try:
+                agg, start = self.read_aggregate(stored), stored.files
+            except (FileNotFoundError, DynstateError) as exc:
+                # Aggregates only repeat what the files say: fold the files instead.
+                log.warning("outcome aggregate of %s unusable (%s)", self.display_url, exc)
+        if agg is None:
+            agg, start = Aggregate.empty(num_rows, success_above, half_life), 0
+        else:
+            agg = agg.copy()
+        agg = agg.grow(num_rows)
+        for table in self._read_files(list(lineage.files[start:]), version):
+            agg.fold(table)
+        self._dense = [e for e in self._dense if e[0] != params or e[1] != paths]
+        self._dense.append((params, paths, agg))
+        del self._dense[:-_CACHE_DENSE]
+        return agg.copy()
+
+    def stats(self, version: int, success_above: float, half_life: float) -> pa.Table:
+        return self.aggregate(version, success_above, half_life).stats()
+
+    def generator_state(self, version: int) -> Any:
+        state = self.lineage(version).state
+        return None if state is None else json.loads(json.dumps(state))
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def check(self, outcomes: Any, generator_state: Any, head: Commit) -> Pending | None:
+        """Validate a commit's outcomes and state against the head it will be appended to,
+        before anything is written."""
+        if outcomes is None and generator_state is None:
+            return None
+        url = self.display_url
+        table, steps = None, []
+        if outcomes is not None:
+            table = check_outcomes(outcomes, url, head.num_rows, head.version)
+            steps = to_ranges(table.column("step").to_numpy().tolist())
+            self._check_new_steps(steps, head)
+            if table.num_rows == 0:
+                table = None
+        state = None if generator_state is None else check_generator_state(generator_state, url)
+        if table is None and state is None:
+            return None
+        return Pending(table, steps, state, head.version)
+
+    def _check_new_steps(self, steps: Ranges, parent: Commit) -> None:
+        if not steps:
+            return
+        dup = overlap(self.lineage(parent.version).step_ranges, steps)
+        if dup:
+            raise InvalidDataError(
+                f"outcomes for {self.display_url}: step(s) {', '.join(map(str, dup))} already "
+                f"have outcomes in the lineage of version {parent.version}; each step's outcomes "
+                "are committed once (roll back to before that step to record them again)"
+            )
+
+    def write(self, pending: Pending) -> Pending:
+        """Write the outcome file under a lease of its own (gc leaves it alone until the
+        commit names it, as it does a round's shards)."""
+        self._mark_store()
+        if pending.table is None:
+            return pending
+        lease = self.log.leases.acquire()
+        path = shard_path(lease)
+        try:
+            with self.storage.new_shard(path) as sink:
+                pq.write_table(pending.table, sink)
+            self.storage.sync_dir(m.DATA_DIR)
+        except BaseException:
+            try:
+                self.storage.delete(path)
+            except DynstateError as exc:
+                log.warning("could not remove %s: %s (gc will)", path, exc)
+            self.log.leases.end({lease}, committed=False, tombstone=False)
+            raise
+        ref = ShardRef(path, pending.table.num_rows, sink.size, sink.sha256)
+        return replace(pending, ref=ref, lease=lease)
+
+    def _mark_store(self) -> None:
+        """Before the first commit with outcomes, ``store.json`` goes to format 2, so that a
+        dynstate that knows no outcomes refuses the store (its gc would remove outcome files
+        as orphans, its compaction and reset would drop them) instead of misreading it."""
+        where = self.log.where(m.STORE_FILE)
+        obj = m.decode(self.storage.read(m.STORE_FILE), where)
+        if obj.get("format", 1) >= m.OUTCOMES_FORMAT:
+            return
+        obj["format"] = m.OUTCOMES_FORMAT
+        self.storage.put(m.STORE_FILE, m.encode(obj))
+        log.info("%s now holds outcomes (store format %d)", self.display_url, m.OUTCOMES_FORMAT)
+
+    def append_fields(self, pending: Pending | None, parent: Commit) -> tuple[Any, Any]:
+        """(``outcomes``, ``generator_state``) of an append record on ``parent``; the checks
+        run again when another writer committed after :meth:`check`."""
+        if pending is None:
+            return None, None
+        field = None
+        if pending.table is not None and pending.ref is not None:
+            if parent.version != pending.checked_at:
+                top = int(pending.table.column("row").to_numpy().max())
+                if top >= parent.num_rows:
+                    raise InvalidDataError(
+                        f"outcomes for {self.display_url} name row {top}, but version "
+                        f"{parent.version} (committed meanwhile) has {parent.num_rows} rows; "
+                        "nothing was committed"
+                    )
+                self._check_new_steps(pending.steps, parent)
+            field = {
+                "add": [pending.ref.to_json()],
+                "steps": pending.steps,
+                "records": pending.ref.rows,
+            }
+        return field, pending.state
+
+    def carry(self, version: int) -> tuple[Any, Any]:
+        """(``outcomes``, ``generator_state``) of a reset to, or a compaction of, ``version``:
+        its complete outcome list (chunks written now), so the new record stands alone like
+        its shard list does."""
+        lineage = self.lineage(version)
+        if not lineage.files and lineage.state is None:
+            return None, None
+        field = {
+            "base": self.log.put_shard_list(list(lineage.files)).to_json(),
+            "steps": lineage.step_ranges,
+            "records": lineage.records,
+            "aggregate": None if lineage.aggregate is None else lineage.aggregate.to_json(),
+        }
+        return field, lineage.state
+
+    def write_checkpoint(self, record: Commit) -> None:
+        """The outcome checkpoint of ``record``'s version: its complete outcome list and an
+        aggregate over all of it (after every 100th commit, and for a gc floor)."""
+        rel = checkpoint_path(record.version)
+        if self.storage.exists(rel):
+            return
+        lineage = self.lineage(record.version)
+        aggregate = None
+        if lineage.files:
+            agg = self.aggregate(record.version)
+            aggregate = self._put_aggregate(agg, len(lineage.files))
+        body: dict[str, Any] = {
+            "format": m.OUTCOMES_FORMAT,
+            "store_id": self.log.store_id,
+            "version": record.version,
+            "files": self.log.put_shard_list(list(lineage.files)).to_json(),
+            "steps": lineage.step_ranges,
+            "records": lineage.records,
+            "aggregate": None if aggregate is None else aggregate.to_json(),
+        }
+        if lineage.state is not None:
+            body["generator_state"] = lineage.state
+        self.storage.create_if_absent(rel, m.encode(body))
+        # The next lineage walks stop here, with the aggregate.
+        self._lineages.pop(record.version, None)
+
+    def _put_aggregate(self, agg: Aggregate, files: int) -> AggregateRef:
+        sink = pa.BufferOutputStream()
+        pq.write_table(agg.to_table(), sink)
+        data = sink.getvalue().to_pybytes()
+        digest = m.sha256(data)
+        # Rewritten even if present (content-addressed): its fresh time tells gc it is in use.
+        self.storage.put(aggregate_path(digest), data)
+        return AggregateRef(
+            aggregate_path(digest), len(data), digest, files, agg.success_above, agg.half_life
+        )
+
+
+def _steps(obj: dict[str, Any], where: str) -> Ranges:
+    steps = obj.get("steps")
+    if not valid_ranges(steps):
+        raise CorruptStoreError(f"{where} has a malformed step list in its outcomes")
+    return [list(r) for r in steps]
+
+
+def _count(obj: dict[str, Any], name: str, where: str) -> int:
+    value = obj.get(name)
+    if type(value) is not int or value < 0:
+        raise CorruptStoreError(f"{where} has a malformed {name} count in its outcomes")
+    return value
+
+
+_BY_LOG: weakref.WeakKeyDictionary[Any, Outcomes] = weakref.WeakKeyDictionary()
+
+
+def outcomes_of(log_: Log) -> Outcomes:
+    """The :class:`Outcomes` of a commit log (one per log, so its caches are shared)."""
+    found = _BY_LOG.get(log_)
+    if found is None:
+        found = _BY_LOG[log_] = Outcomes(log_)
+    return found
+
+
+# -- gc and verify -------------------------------------------------------------------------
+
+
+class References:
+    """Outcome files, chunks and aggregates kept versions need (gc): the floor's complete
+    list, what every kept record names, and what outcome checkpoints from the floor on name."""
+
+    def __init__(self, log_: Log, floor: int) -> None:
+        self.log = log_
+        self.data: set[str] = set()
+        self.chunks: set[str] = set()
+        self.aggregates: set[str] = set()
+        outcomes = outcomes_of(log_)
+        lineage = outcomes.lineage(floor)
+        self.data.update(f.path for f in lineage.files)
+        if lineage.aggregate is not None:
+            self.aggregates.add(lineage.aggregate.path)
+        for name in log_.storage.list(OUTCOME_DIR):
+            match = CHECKPOINT_FILE.match(name)
+            if match is None or int(match.group(1)) < floor:
+                continue
+            rel = f"{OUTCOME_DIR}/{name}"
+            raw = log_.storage.try_read(rel)
+            if raw is None:
+                continue
+            obj = m.decode(raw, log_.where(rel))
+            self.chunks.update(m.ShardList.from_json(obj.get("files"), rel).chunks)
+            if obj.get("aggregate") is not None:
+                self.aggregates.add(AggregateRef.from_json(obj["aggregate"], rel).path)
+
+    def add_record(self, record: Commit, full: bool) -> None:
+        """Add what ``record`` names; ``full``: expand a base list (versions above the floor)."""
+        field = record.outcomes
+        if field is None:
+            return
+        where = self.log.where(m.log_path(record.version))
+        for entry in field.get("add", []):
+            self.data.add(ShardRef.from_json(entry, where).path)
+        if "base" in field:
+            shard_list = m.ShardList.from_json(field["base"], where)
+            self.chunks.update(shard_list.chunks)
+            if full:
+                self.data.update(f.path for f in self.log.expand(shard_list, where))
+            if field.get("aggregate") is not None:
+                self.aggregates.add(AggregateRef.from_json(field["aggregate"], where).path)
+
+    def needs(self, rel: str) -> bool:
+        if rel in self.data or rel in self.aggregates:
+            return True
+        directory, name = rel.rsplit("/", 1)
+        return directory == f"{m.META_DIR}/chunks" and name[:-5] in self.chunks
+
+
+def verify(log_: Log, versions: Iterable[int], all_versions: bool) -> list[str]:
+    """Problems with the outcomes of ``versions`` (their files read back against their
+    checksums) and with every outcome checkpoint and aggregate from the floor on."""
+    problems: list[str] = []
+    outcomes = outcomes_of(log_)
+    files: dict[str, tuple[ShardRef, int]] = {}
+    aggregates: dict[str, AggregateRef] = {}
+    for version in versions:
+        try:
+            if all_versions:
+                record = log_.commit_record(version)
+                add, _, _ = outcomes._add_of(record)
+                base = outcomes._base_of(record) if record.base is not None else Lineage(version)
+                named = [*base.files, *add]
+                if version == log_.floor:
+                    named.extend(outcomes.lineage(version).files)
+                agg = base.aggregate
+            else:
+                lineage = outcomes.lineage(version)
+                named, agg = list(lineage.files), lineage.aggregate
+        except DynstateError as exc:
+            problems.append(f"outcomes of version {version}: {exc}")
+            continue
+        for ref in named:
+            files.setdefault(ref.path, (ref, version))
+        if agg is not None:
+            aggregates[agg.path] = agg
+    for name in sorted(log_.storage.list(OUTCOME_DIR)):
+        match = CHECKPOINT_FILE.match(name)
+        if match is None or int(match.group(1)) < log_.floor:
+            continue
+        try:
+            found = outcomes.read_checkpoint(int(match.group(1)))
+        except DynstateError as exc:
+            problems.append(str(exc))
+            continue
+        if found is not None and found.aggregate is not None:
+            aggregates[found.aggregate.path] = found.aggregate
+    for ref, version in files.values():
+        try:
+            outcomes.read_file(ref, version)
+        except DynstateError as exc:
+            problems.append(str(exc))
+    for ref in aggregates.values():
+        try:
+            outcomes.read_aggregate(ref)
+        except FileNotFoundError:
+            problems.append(f"outcome aggregate {log_.where(ref.path)} is missing")
+        except DynstateError as exc:
+            problems.append(str(exc))
+    return problems

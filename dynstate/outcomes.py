@@ -1,0 +1,490 @@
+"""Outcomes: what the policy scored on the rows it trained on, as data state. Pure: no I/O.
+
+A round may be committed with the outcomes of one or more training steps (per sample: the
+store row, the step, a score and optional numeric fields) and with its generator's state.
+This module decides what such input may be (:func:`check_outcomes`,
+:func:`check_generator_state`), the Arrow schema outcome files have, the step sets a lineage
+holds (as sorted ranges) and the per-row aggregate from which statistics are computed
+(:class:`Aggregate`). Reading and writing the files is :mod:`dynstate.log.outcomes`.
+
+Statistics of a row (over every outcome of the version's lineage that names it):
+
+* ``attempts`` — how many outcomes; ``successes`` — how many with ``score > success_above``;
+* ``mean_score`` — their mean; ``first_step`` / ``last_step`` — the steps it was trained at;
+* ``ewma_score`` — the mean weighted by ``2 ** ((step - last_step) / half_life)``: an outcome
+  ``half_life`` steps older than the row's latest weighs half as much (outcomes of one step
+  weigh alike). The weights are relative to the row's own latest step, so the value does not
+  depend on when it is asked for, and two partial aggregates merge exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .errors import InvalidDataError
+
+# The parameters the stored aggregates are built with: statistics asked for with these are
+# incremental; with others they are computed from every outcome record of the lineage.
+DEFAULT_SUCCESS_ABOVE = 0.5
+DEFAULT_HALF_LIFE = 10.0
+
+REQUIRED = ("row", "step", "score")
+# Bounds on one commit's outcomes and state: both are read back with the version.
+MAX_OUTCOMES = 2**24
+MAX_EXTRA_COLUMNS = 32
+MAX_STEP = 2**53  # steps and rows must survive a round trip through JSON and float64
+MAX_STATE_BYTES = 2**20
+MAX_STATE_DEPTH = 32
+
+_AGG_META = b"dynstate.outcomes.aggregate"
+
+
+# -- input -----------------------------------------------------------------------------------
+
+
+def _as_table(data: Any, url: str) -> pa.Table:
+    if isinstance(data, pa.RecordBatch):
+        return pa.Table.from_batches([data])
+    if isinstance(data, pa.Table):
+        return data
+    if isinstance(data, Mapping):
+        if not all(isinstance(k, str) for k in data):
+            raise InvalidDataError(f"outcomes for {url}: column names must be str")
+        columns = {}
+        for name, values in data.items():
+            columns[name] = _array(values, name, url)
+        lengths = {len(c) for c in columns.values()}
+        if len(lengths) > 1:
+            raise InvalidDataError(
+                f"outcomes for {url}: columns have different lengths "
+                + ", ".join(f"{k}={len(v)}" for k, v in columns.items())
+            )
+        return pa.table(columns)
+    if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
+        if not all(isinstance(r, Mapping) for r in data):
+            raise InvalidDataError(
+                f"outcomes for {url} as a list must hold dicts ({{'row': 3, 'step': 7, "
+                "'score': 1.0}}), one per sample"
+            )
+        names: dict[str, None] = {}
+        for r in data:
+            for k in r:
+                if not isinstance(k, str):
+                    raise InvalidDataError(f"outcomes for {url}: field names must be str")
+                names.setdefault(k, None)
+        return pa.table({n: _array([r.get(n) for r in data], n, url) for n in names})
+    if hasattr(data, "to_arrow") or type(data).__name__ == "DataFrame":
+        try:
+            return pa.Table.from_pandas(data, preserve_index=False)
+        except (TypeError, ValueError, pa.ArrowException) as exc:
+            raise InvalidDataError(f"outcomes for {url} cannot be read as a table: {exc}") from exc
+    raise InvalidDataError(
+        f"outcomes for {url} must be a pyarrow Table, a list of dicts or a dict of columns "
+        f"with row, step and score, not {type(data).__name__}"
+    )
+
+
+def _array(values: Any, name: str, url: str) -> pa.Array:
+    if isinstance(values, (pa.Array, pa.ChunkedArray)):
+        return values
+    if isinstance(values, np.ndarray):
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidDataError(f"outcomes for {url}: column {name!r} must be a list of numbers")
+    values = list(values)
+    for v in values:
+        if v is None or (isinstance(v, bool) and name not in REQUIRED):
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise InvalidDataError(
+                f"outcomes for {url}: column {name!r} holds {v!r} "
+                f"({type(v).__name__}); outcome fields must be numbers"
+            )
+    try:
+        return pa.array(values)
+    except (pa.ArrowException, OverflowError) as exc:
+        raise InvalidDataError(f"outcomes for {url}: column {name!r}: {exc}") from exc
+
+
+def check_outcomes(data: Any, url: str, num_rows: int, version: int) -> pa.Table:
+    """``data`` as the table an outcome file holds — ``row`` and ``step`` int64, ``score``
+    float64, then the extra numeric columns in the caller's order — or InvalidDataError.
+    Rows must exist in ``version`` (``num_rows`` rows)."""
+    table = _as_table(data, url)
+    names = table.column_names
+    if len(set(names)) != len(names) or any(not n for n in names):
+        raise InvalidDataError(f"outcomes for {url}: column names must be unique and non-empty")
+    missing = [n for n in REQUIRED if n not in names]
+    if missing:
+        raise InvalidDataError(
+            f"outcomes for {url} lack column(s) {', '.join(missing)}; each sample needs its "
+            "store row, the training step and a score"
+        )
+    extras = [n for n in names if n not in REQUIRED]
+    if len(extras) > MAX_EXTRA_COLUMNS:
+        raise InvalidDataError(
+            f"outcomes for {url} have {len(extras)} extra columns, over the limit of "
+            f"{MAX_EXTRA_COLUMNS}; keep per-sample details in the round's rows"
+        )
+    if table.num_rows > MAX_OUTCOMES:
+        raise InvalidDataError(
+            f"outcomes for {url} hold {table.num_rows:,} records, over the limit of "
+            f"{MAX_OUTCOMES:,} per commit; commit them with several rounds"
+        )
+    columns: dict[str, pa.ChunkedArray] = {}
+    for name in ("row", "step"):
+        col = table.column(name)
+        if not pa.types.is_integer(col.type):
+            raise InvalidDataError(
+                f"outcomes for {url}: column {name!r} must hold integers, not {col.type}"
+            )
+        if col.null_count:
+            raise InvalidDataError(f"outcomes for {url}: column {name!r} holds nulls")
+        col = col.cast(pa.int64()) if col.type != pa.uint64() else _uint(col, name, url)
+        if len(col) and (pc.min(col).as_py() < 0 or pc.max(col).as_py() >= MAX_STEP):
+            raise InvalidDataError(
+                f"outcomes for {url}: column {name!r} holds values outside 0..2**53"
+            )
+        columns[name] = col
+    if table.num_rows:
+        top = pc.max(columns["row"]).as_py()
+        if top >= num_rows:
+            raise InvalidDataError(
+                f"outcomes for {url} name row {top}, but version {version} has {num_rows} "
+                "rows; outcomes may name only rows of the version the round is appended to "
+                "(the round's own new rows have not been trained on yet)"
+            )
+    columns["score"] = _numeric(table.column("score"), "score", url, nulls=False)
+    for name in extras:
+        columns[name] = _numeric(table.column(name), name, url, nulls=True)
+    return pa.table(columns)
+
+
+def _uint(col: pa.ChunkedArray, name: str, url: str) -> pa.ChunkedArray:
+    if len(col) and pc.max(col).as_py() >= MAX_STEP:
+        raise InvalidDataError(f"outcomes for {url}: column {name!r} holds values over 2**53")
+    return col.cast(pa.int64())
+
+
+def _numeric(col: pa.ChunkedArray, name: str, url: str, *, nulls: bool) -> pa.ChunkedArray:
+    t = col.type
+    if pa.types.is_boolean(t) and name != "score":
+        return col
+    if not (pa.types.is_integer(t) or pa.types.is_floating(t)) or pa.types.is_null(t):
+        if pa.types.is_null(t) and nulls:
+            return col.cast(pa.float64())
+        raise InvalidDataError(
+            f"outcomes for {url}: column {name!r} must be numeric, not {t}"
+            + (" (a score is a float: 1.0 for a pass, 0.0 for a fail)" if name == "score" else "")
+        )
+    if col.null_count and not nulls:
+        raise InvalidDataError(f"outcomes for {url}: column {name!r} holds nulls")
+    if pa.types.is_floating(t):
+        col = col.cast(pa.float64())
+        finite = pc.is_finite(col)
+        if not pc.all(pc.fill_null(finite, True)).as_py():
+            raise InvalidDataError(
+                f"outcomes for {url}: column {name!r} holds NaN or infinity; "
+                "scores and fields must be finite numbers"
+            )
+        return col
+    if name == "score":
+        return col.cast(pa.float64())
+    return col.cast(pa.int64()) if t != pa.uint64() else _uint(col, name, url)
+
+
+def check_generator_state(state: Any, url: str) -> Any:
+    """``state`` as stored (a copy through JSON), or InvalidDataError: plain types only —
+    dict with str keys, list, str, int, finite float, bool, None — at most 32 levels deep and
+    1 MiB of JSON. ``None`` means no state; tuples are refused (they would come back lists)."""
+    _check_plain(state, url, "generator_state", MAX_STATE_DEPTH)
+    try:
+        text = json.dumps(state, allow_nan=False, ensure_ascii=False)
+        size = len(text.encode())
+    except (TypeError, ValueError, OverflowError, UnicodeEncodeError) as exc:
+        raise InvalidDataError(
+            f"generator_state for {url} must be plain JSON types (dict, list, str, numbers, "
+            f"bool, None): {exc}"
+        ) from exc
+    if size > MAX_STATE_BYTES:
+        raise InvalidDataError(
+            f"generator_state for {url} is {size:,} bytes of JSON, over the limit of "
+            f"{MAX_STATE_BYTES:,}; keep large state in the round's rows or beside the store"
+        )
+    return json.loads(text)
+
+
+def _check_plain(value: Any, url: str, where: str, budget: int) -> None:
+    at = where if len(where) <= 60 else where[:57] + "..."
+    if isinstance(value, (dict, list)) and budget == 0:
+        raise InvalidDataError(
+            f"generator_state for {url} nests deeper than {MAX_STATE_DEPTH} levels (at {at})"
+        )
+    if type(value) is dict:
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise InvalidDataError(
+                    f"generator_state for {url} has key {key!r} ({type(key).__name__}) at {at}; "
+                    "keys must be str"
+                )
+            _check_plain(item, url, f"{where}[{key!r}]", budget - 1)
+    elif type(value) is list:
+        for i, item in enumerate(value):
+            _check_plain(item, url, f"{where}[{i}]", budget - 1)
+    elif type(value) is float:
+        if not math.isfinite(value):
+            raise InvalidDataError(f"generator_state for {url} holds {value} at {at}")
+    elif value is not None and type(value) not in (str, int, bool):
+        raise InvalidDataError(
+            f"generator_state for {url} holds a {type(value).__name__} at {at}; use plain "
+            "types (dict, list, str, int, float, bool, None) — convert tensors and arrays "
+            "with .tolist()"
+        )
+
+
+# -- step sets -------------------------------------------------------------------------------
+
+Ranges = list[list[int]]  # sorted, disjoint, non-adjacent [first, last] pairs (inclusive)
+
+
+def to_ranges(steps: Iterable[int]) -> Ranges:
+    out: Ranges = []
+    for s in sorted(set(steps)):
+        if out and s == out[-1][1] + 1:
+            out[-1][1] = s
+        else:
+            out.append([s, s])
+    return out
+
+
+def union(*sets: Ranges) -> Ranges:
+    pairs = sorted((a, b) for ranges in sets for a, b in ranges)
+    out: Ranges = []
+    for a, b in pairs:
+        if out and a <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def overlap(a: Ranges, b: Ranges) -> list[int]:
+    """A few steps in both (for messages), empty if the sets are disjoint."""
+    found: list[int] = []
+    i = j = 0
+    while i < len(a) and j < len(b) and len(found) < 5:
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo <= hi:
+            found.extend(range(lo, min(hi, lo + 5 - len(found)) + 1))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return found[:5]
+
+
+def count_steps(ranges: Ranges) -> int:
+    return sum(b - a + 1 for a, b in ranges)
+
+
+def valid_ranges(obj: Any) -> bool:
+    """Whether ``obj`` (read from a store file) is a step set as :func:`to_ranges` writes it."""
+    if not isinstance(obj, list):
+        return False
+    previous: int | None = None
+    for pair in obj:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(type(x) is int for x in pair)):
+            return False
+        a, b = pair
+        if not 0 <= a <= b < MAX_STEP or (previous is not None and a <= previous + 1):
+            return False
+        previous = b
+    return True
+
+
+# -- the per-row aggregate ---------------------------------------------------------------------
+
+
+@dataclass
+class Aggregate:
+    """Per-row sums over outcome records, dense over the rows of a version; merging more
+    records in is exact (the EWMA state is kept relative to each row's latest step)."""
+
+    success_above: float
+    half_life: float
+    attempts: np.ndarray
+    score_sum: np.ndarray
+    successes: np.ndarray
+    first_step: np.ndarray  # -1: never trained
+    last_step: np.ndarray
+    ewma_num: np.ndarray
+    ewma_den: np.ndarray
+
+    @classmethod
+    def empty(cls, num_rows: int, success_above: float, half_life: float) -> Aggregate:
+        return cls(
+            success_above,
+            half_life,
+            np.zeros(num_rows, np.int64),
+            np.zeros(num_rows, np.float64),
+            np.zeros(num_rows, np.int64),
+            np.full(num_rows, -1, np.int64),
+            np.full(num_rows, -1, np.int64),
+            np.zeros(num_rows, np.float64),
+            np.zeros(num_rows, np.float64),
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.attempts)
+
+    def copy(self) -> Aggregate:
+        return Aggregate(
+            self.success_above,
+            self.half_life,
+            *(a.copy() for a in self._arrays()),
+        )
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return (
+            self.attempts,
+            self.score_sum,
+            self.successes,
+            self.first_step,
+            self.last_step,
+            self.ewma_num,
+            self.ewma_den,
+        )
+
+    def grow(self, num_rows: int) -> Aggregate:
+        """The same sums over ``num_rows`` rows (rows appended since are untrained)."""
+        if num_rows <= self.num_rows:
+            return self
+        wider = Aggregate.empty(num_rows, self.success_above, self.half_life)
+        for src, dst in zip(self._arrays(), wider._arrays(), strict=True):
+            dst[: self.num_rows] = src
+        return wider
+
+    def fold(self, table: pa.Table) -> None:
+        """Add the records of an outcome table (rows within range), in place."""
+        if table.num_rows == 0:
+            return
+        n = self.num_rows
+        rows = table.column("row").to_numpy()
+        steps = table.column("step").to_numpy()
+        scores = table.column("score").to_numpy()
+        self.attempts += np.bincount(rows, minlength=n)
+        self.score_sum += np.bincount(rows, weights=scores, minlength=n)
+        passed = (scores > self.success_above).astype(np.float64)
+        self.successes += np.bincount(rows, weights=passed, minlength=n).astype(np.int64)
+        first = np.full(n, np.iinfo(np.int64).max, np.int64)
+        np.minimum.at(first, rows, steps)
+        last = np.full(n, -1, np.int64)
+        np.maximum.at(last, rows, steps)
+        # the batch's own EWMA state, relative to each row's latest step in the batch
+        weight = np.exp2((steps - last[rows]) / self.half_life)
+        num = np.bincount(rows, weights=weight * scores, minlength=n)
+        den = np.bincount(rows, weights=weight, minlength=n)
+        hit = last >= 0
+        old = self.last_step >= 0
+        first_old = np.where(old, self.first_step, np.iinfo(np.int64).max)
+        self.first_step = np.where(hit, np.minimum(first_old, first), self.first_step)
+        latest = np.maximum(self.last_step, last)
+        scale_old = np.where(old, np.exp2((self.last_step - latest) / self.half_life), 0.0)
+        scale_new = np.where(hit, np.exp2((last - latest) / self.half_life), 0.0)
+        self.ewma_num = self.ewma_num * scale_old + num * scale_new
+        self.ewma_den = self.ewma_den * scale_old + den * scale_new
+        self.last_step = latest
+
+    def stats(self) -> pa.Table:
+        """One row per store row: the statistics of :mod:`dynstate.outcomes`."""
+        trained = self.attempts > 0
+        untrained = ~trained
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = self.score_sum / self.attempts
+            ewma = self.ewma_num / self.ewma_den
+        return pa.table(
+            {
+                "row": pa.array(np.arange(self.num_rows, dtype=np.int64)),
+                "attempts": pa.array(self.attempts),
+                "successes": pa.array(self.successes),
+                "mean_score": pa.array(mean, mask=untrained),
+                "ewma_score": pa.array(ewma, mask=untrained),
+                "first_step": pa.array(self.first_step, mask=untrained),
+                "last_step": pa.array(self.last_step, mask=untrained),
+            }
+        )
+
+    # -- stored form: sparse (trained rows only), parameters in the schema metadata --------
+
+    def to_table(self) -> pa.Table:
+        idx = np.flatnonzero(self.attempts > 0)
+        table = pa.table(
+            {
+                "row": pa.array(idx.astype(np.int64)),
+                "attempts": pa.array(self.attempts[idx]),
+                "score_sum": pa.array(self.score_sum[idx]),
+                "successes": pa.array(self.successes[idx]),
+                "first_step": pa.array(self.first_step[idx]),
+                "last_step": pa.array(self.last_step[idx]),
+                "ewma_num": pa.array(self.ewma_num[idx]),
+                "ewma_den": pa.array(self.ewma_den[idx]),
+            }
+        )
+        params = {
+            "success_above": self.success_above,
+            "half_life": self.half_life,
+            "num_rows": self.num_rows,
+        }
+        return table.replace_schema_metadata({_AGG_META: json.dumps(params).encode()})
+
+    @classmethod
+    def from_table(cls, table: pa.Table, where: str) -> Aggregate:
+        from .errors import CorruptStoreError
+
+        try:
+            params = json.loads((table.schema.metadata or {})[_AGG_META])
+            agg = cls.empty(int(params["num_rows"]), params["success_above"], params["half_life"])
+            idx = table.column("row").to_numpy()
+            if len(idx) and (idx.min() < 0 or idx.max() >= agg.num_rows):
+                raise ValueError("row out of range")
+            for name in (
+                "attempts",
+                "score_sum",
+                "successes",
+                "first_step",
+                "last_step",
+                "ewma_num",
+                "ewma_den",
+            ):
+                getattr(agg, name)[idx] = table.column(name).to_numpy()
+        except (KeyError, TypeError, ValueError, pa.ArrowException) as exc:
+            raise CorruptStoreError(
+                f"{where} is not an outcome aggregate ({exc}); run `dynstate verify`"
+            ) from exc
+        return agg
+
+
+def check_stats_params(success_above: Any, half_life: Any, url: str) -> tuple[float, float]:
+    if isinstance(success_above, bool) or not isinstance(success_above, (int, float)):
+        raise InvalidDataError(f"success_above for {url} must be a number, not {success_above!r}")
+    if not math.isfinite(success_above):
+        raise InvalidDataError(f"success_above for {url} must be finite, not {success_above}")
+    if (
+        isinstance(half_life, bool)
+        or not isinstance(half_life, (int, float))
+        or not math.isfinite(half_life)
+        or half_life <= 0
+    ):
+        raise InvalidDataError(
+            f"half_life for {url} must be a positive number of steps, not {half_life!r}"
+        )
+    return float(success_above), float(half_life)
