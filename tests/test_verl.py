@@ -325,7 +325,9 @@ def test_mix_lag_below_the_loaders_prefetch_is_refused_at_start(world):
     spec = new_run(world, "lag", num_workers=2, dynstate={"mode": "mix", "lag": 1})
     assert call(world, spec) == 1
     out = output(spec, tail=10**8)
-    assert "InvalidDataError" in out and "lag=1 is too small for num_workers=2" in out
+    assert "InvalidDataError" in out
+    assert "data.dynstate.lag=1 is too small for data.dataloader_num_workers=2" in out
+    assert "set data.dynstate.lag=5 or more" in out
     assert os.path.getsize(spec["log"]) == 0  # refused before any step or checkpoint
     assert not os.path.exists(spec["ckpt"])
 
@@ -364,6 +366,162 @@ def test_resume_refuses_a_foreign_or_roundless_checkpoint(world, reference, tmp_
     result = json.loads((tmp_path / "b.json").read_text())
     assert result["error"] == "StateMismatchError" and "no round of step 4" in result["message"]
     assert result["head_before"] == result["head_after"] == head
+
+
+# -- every resume check before anything is committed ---------------------------------------
+
+
+def store_files(url: str) -> dict[str, int]:
+    """Every file of a local store with its size: what "left exactly as it was" compares."""
+    out = {}
+    for folder, _, names in os.walk(url):
+        for name in names:
+            path = os.path.join(folder, name)
+            out[os.path.relpath(path, url)] = os.path.getsize(path)
+    return out
+
+
+def versions(spec: dict) -> list[tuple]:
+    store = dynstate.Store.open(spec["store"], storage_options=spec.get("storage_options"))
+    return [(c.version, c.op, json.dumps(c.meta, sort_keys=True)) for c in store.versions()]
+
+
+def resumed_copy(world, name: str, source: dict, step: int, **extra) -> dict:
+    """A new run over a copy of ``source``'s store and checkpoints whose tracker names
+    ``global_step_<step>``, so verl's ``resume_mode=auto`` resumes there, with ``source``'s
+    later rounds in the store: a resume that goes ahead rolls them back by a new commit."""
+    spec = new_run(world, name, **extra)
+    shutil.copytree(source["store"], spec["store"])
+    shutil.copytree(source["ckpt"], spec["ckpt"])
+    with open(os.path.join(spec["ckpt"], "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(step))
+    return spec
+
+
+def assert_refused_unchanged(world, spec: dict, step: int, *needles: str) -> str:
+    """verl's fit() resuming from ``global_step_<step>`` stops in _load_checkpoint with every
+    needle in its error, before any step, and the store is exactly as it was: same versions,
+    same files (it holds later rounds, so a resume that went ahead would commit a reset)."""
+    files, before = store_files(spec["store"]), versions(spec)
+    assert max(rounds(spec)) > step
+    assert call(world, spec) == 1, output(spec)
+    out = output(spec, tail=10**8)
+    for needle in needles:
+        assert needle in out, out[-3000:]
+    assert versions(spec) == before
+    assert store_files(spec["store"]) == files
+    assert events(spec) == []  # no "start": refused inside verl's _load_checkpoint
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "needle"),
+    [
+        ("seed", {"seed": 8}, "seed=7"),
+        ("shuffle", {"shuffle": False}, "shuffle=True"),
+        ("batch", {"batch_size": 4}, "batch_size=6"),
+        ("mode", {"dynstate": {"mode": "mix", "lag": 1}}, "mode='epoch'"),
+    ],
+)
+def test_resume_with_changed_settings_is_refused_before_the_rollback(
+    world, reference, name, change, needle
+):
+    """Checkpoint 4 of the reference run, its store holding rounds up to 7: with data.seed,
+    data.shuffle, the batch size or data.dynstate.mode changed, verl's fit() is refused in
+    _load_checkpoint with the setting named, and no reset is committed."""
+    spec = resumed_copy(world, f"changed-{name}", reference[0], 4, **{**EPOCH, **change})
+    assert_refused_unchanged(world, spec, 4, "StateMismatchError", needle, "global_step_4")
+
+
+@pytest.fixture(scope="module")
+def mix_reference(world):
+    return run_reference(world, "mix-local", steps=3, dynstate={"mode": "mix", "fresh_share": 0.5})
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "needle"),
+    [("lag", {"lag": 2}, "lag=1"), ("share", {"fresh_share": 0.25}, "fresh_share=0.5")],
+)
+def test_mix_resume_with_changed_lag_or_share_is_refused_before_the_rollback(
+    world, mix_reference, name, change, needle
+):
+    mix = {"mode": "mix", "fresh_share": 0.5, **change}
+    spec = resumed_copy(world, f"mix-{name}", mix_reference[0], 2, dynstate=mix)
+    assert_refused_unchanged(world, spec, 2, "StateMismatchError", needle)
+
+
+def test_resume_from_another_steps_data_pt_is_refused(world, reference):
+    """Step 2's data.pt copied into global_step_4/ would train step 5 from step 3's place."""
+    spec = resumed_copy(world, "copied-data-pt", reference[0], 4, **EPOCH)
+    shutil.copy(
+        os.path.join(spec["ckpt"], "global_step_2", "data.pt"),
+        os.path.join(spec["ckpt"], "global_step_4", "data.pt"),
+    )
+    assert_refused_unchanged(
+        world, spec, 4, "StateMismatchError", "position after step 2, not after step 4"
+    )
+
+
+def test_resume_with_another_worker_count_is_exact(world, reference):
+    """Checkpoint 4 written without loader workers, resumed with 2; that run's checkpoint 6
+    (written with 2) resumed without: both continue with the uninterrupted run's batches and
+    end with its store."""
+    ref_spec, ref_batches, ref_final = reference
+    spec = resumed_copy(world, "workers-0-to-2", ref_spec, 4, num_workers=2, **EPOCH)
+    assert call(world, spec) == 0, output(spec)
+    back = resumed_copy(world, "workers-2-to-0", spec, 6, num_workers=0, **EPOCH)
+    assert call(world, back) == 0, output(back)
+    for run_spec, first in ((spec, 4), (back, 6)):
+        (run,) = events(run_spec)
+        assert run[0]["resumed_from"] == first
+        got = batches(run)
+        assert sorted(got) == list(range(first + 1, STEPS + 1))
+        for step, b in got.items():
+            ref = ref_batches[step]
+            assert (b["rows"], b["prompts"], b["scores"]) == (
+                ref["rows"],
+                ref["prompts"],
+                ref["scores"],
+            ), f"step {step} differs from the uninterrupted run"
+        assert content(run_spec) == ref_final
+        assert {s: m["rows"] for s, m in rounds(run_spec).items()} == {
+            s: m["rows"] for s, m in rounds(ref_spec).items()
+        }
+    # The rounds of steps 5-7 the copy held were rolled back by a reset, then made again.
+    store = dynstate.Store.open(spec["store"])
+    resets = [c for c in store.versions() if c.meta.get("verl_resume_step") == 4]
+    assert len(resets) == 1
+
+
+def test_resuming_a_finished_run_trains_one_more_step_in_the_legacy_loop(world, reference):
+    """verl's legacy fit() increments global_steps after loading checkpoint N and runs that
+    step before it checks the end (docs/verl.md); the V1 loop runs none (test_verl_v1.py)."""
+    spec = resumed_copy(world, "finished", reference[0], STEPS, **EPOCH)
+    assert call(world, spec) == 0, output(spec)
+    (run,) = events(spec)
+    assert run[0]["resumed_from"] == STEPS
+    assert sorted(batches(run)) == [STEPS + 1]
+    assert sorted(rounds(spec)) == list(range(1, STEPS + 2))
+
+
+def test_verl_05_curriculum_sampler_keys_are_refused_at_start(world):
+    """data.sampler.class_path/class_name (verl <= 0.5's curriculum sampler) are not read by
+    verl 0.9.1; a run with them would train without the curriculum, so it is refused."""
+    spec = new_run(
+        world,
+        "curriculum",
+        overrides=[
+            "+data.sampler.class_path=pkg://my_curriculum",
+            "+data.sampler.class_name=MyCurriculum",
+        ],
+    )
+    assert call(world, spec) == 1
+    out = output(spec, tail=10**8)
+    assert "InvalidDataError" in out
+    assert "data.sampler.class_path=pkg://my_curriculum" in out
+    assert "data.sampler.class_name=MyCurriculum" in out
+    assert "remove the data.sampler keys" in out
+    assert not os.path.exists(spec["store"]) and events(spec) == []
 
 
 OLD_GENERATOR = '''

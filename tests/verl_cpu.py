@@ -130,9 +130,10 @@ def compose_config(spec: dict) -> Any:
         "data.max_response_length=8",
         "data.filter_overlong_prompts=true",
         "data.filter_overlong_prompts_workers=1",
-        "data.shuffle=true",
-        "data.seed=7",
+        f"data.shuffle={str(spec.get('shuffle', True)).lower()}",
+        f"data.seed={spec.get('seed', 7)}",
         f"data.dataloader_num_workers={spec.get('num_workers', 0)}",
+        *spec.get("overrides", []),
     ]
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         config = compose(config_name="arith", overrides=overrides)

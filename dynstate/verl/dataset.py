@@ -28,6 +28,7 @@ from ..loading.state import check_state, find_sampler_state
 from ..resume import rollback, walk_lineage
 from ..rounds import to_table
 from ..store import Store
+from . import loader_state
 from .generator import (
     ROW_KEY,
     SOURCE_COLUMN,
@@ -60,6 +61,7 @@ class Settings:
 
     @classmethod
     def from_config(cls, config: Any) -> Settings:
+        check_data_config(config)
         section = config.get("dynstate")
         if section is None or not section.get("url"):
             raise InvalidDataError(
@@ -87,6 +89,24 @@ class Settings:
             shuffle=bool(config.get("shuffle", True)),
             seed=int(config.get("seed") or 0),
             checkpoint_mirror=plain.get("checkpoint_mirror"),
+        )
+
+
+def check_data_config(config: Any) -> None:
+    """Refuse ``data`` settings that a dynstate train set would otherwise silently ignore."""
+    sampler = config.get("sampler", None)
+    if sampler is None or not hasattr(sampler, "get"):
+        return
+    keys = {k: sampler.get(k, None) for k in ("class_path", "class_name")}
+    keys = {k: v for k, v in keys.items() if v}
+    if keys:
+        named = ", ".join(f"data.sampler.{k}={v}" for k, v in keys.items())
+        raise InvalidDataError(
+            f"{named} is not supported with a dynstate train set: it is verl <= 0.5's curriculum "
+            "sampler, which verl 0.9 no longer reads, and dynstate installs its own sampler, so "
+            "the run would train without your curriculum; remove the data.sampler keys (a "
+            "curriculum that selects tasks by their outcomes is planned under data.dynstate, "
+            "see docs/verl.md)"
         )
 
 
@@ -261,8 +281,8 @@ class DynstateRLDataset(RLHFDataset):
                 raise StateMismatchError(
                     f"row {row} of {self.store.display_url} was asked for without a version: the "
                     "train loader is not using dynstate's sampler; run `python -m "
-                    "dynstate.verl.main_ppo` (or trainer.v1.trainer_mode=dynstate), see "
-                    "docs/verl.md"
+                    "dynstate.verl.main_ppo` with the same overrides as verl's main_ppo (it "
+                    "installs the sampler for trainer.use_v1=true and false), see docs/verl.md"
                 )
         out = super().__getitem__(item)
         if not self.fixed:
@@ -287,6 +307,24 @@ class DynstateRLDataset(RLHFDataset):
         }
         options.update(loader)
         return VersionedSampler(self._rows, **options)
+
+    def check_loader(self, sampler: VersionedSampler, loader: Any) -> None:
+        """Check the train ``loader`` verl built around ``sampler`` (at start-up, before any
+        step): mix mode's ``lag`` must exceed the loader's prefetch depth, said in the config
+        keys a verl user sets; then :meth:`VersionedSampler.check_loader`."""
+        workers = int(getattr(loader, "num_workers", 0) or 0)
+        factor = int(getattr(loader, "prefetch_factor", None) or 0) if workers else 0
+        depth = workers * factor
+        if sampler.mode == "mix" and sampler.lag < depth + 1:
+            raise InvalidDataError(
+                f"data.dynstate.lag={sampler.lag} is too small for "
+                f"data.dataloader_num_workers={workers}: verl's train loader prepares "
+                f"{depth} batches ahead (num_workers * prefetch_factor {factor}), so the batch of "
+                f"step t is drawn while step t - {depth} trains, and the round of step t - lag "
+                f"it waits for cannot exist yet; set data.dynstate.lag={depth + 1} or more, or "
+                "lower data.dataloader_num_workers (lag 1 works without workers)"
+            )
+        sampler.check_loader(loader)
 
     # -- one round per step ------------------------------------------------------------------
 
@@ -379,12 +417,18 @@ class DynstateRLDataset(RLHFDataset):
     def resume(self, checkpoint_dir: str | None, loader: Any, step: int) -> None:
         """Bring store, loader and step counter to what ``global_step_<step>`` saw.
 
-        The round of ``step`` is on the head's lineage (the trainer integration commits it
-        before it writes the checkpoint); a checkpoint without it was not written through
-        dynstate and is refused with ``StateMismatchError``, the store left as it was. Rounds
-        of later steps are rolled back (a new reset commit; they stay listed). The loader state
-        is always loaded here, also where verl skips it (``global_steps`` a multiple of the
-        loader length, which means nothing for a growing dataset)."""
+        Everything is checked before anything is committed, so a refused resume leaves the
+        store exactly as it was (``StateMismatchError``): ``data.pt`` must belong to this store
+        and to this very checkpoint (the sampler's step count is ``step``'s), its sampler state
+        must match the config (``data.seed``, ``data.shuffle``, the batch size,
+        ``data.dynstate.mode``, and in mix mode ``lag`` and ``fresh_share``), the round of
+        ``step`` must be on the head's lineage (the trainer integration commits it before it
+        writes the checkpoint), and the loader state must load with this run's
+        ``data.dataloader_num_workers`` (rewritten for another worker count,
+        :mod:`dynstate.verl.loader_state`). Then rounds of later steps are rolled back (a new
+        reset commit; they stay listed) and the loader state is loaded — also where verl
+        skips it (``global_steps`` a multiple of the loader length, which means nothing for a
+        growing dataset)."""
         if self.fixed:
             return
         store = self.store
@@ -392,7 +436,11 @@ class DynstateRLDataset(RLHFDataset):
             step = 0
         state = None
         if checkpoint_dir is not None and step > 0:
-            state = read_loader_state(os.path.join(checkpoint_dir, "data.pt"), store)
+            path = os.path.join(checkpoint_dir, "data.pt")
+            state = read_loader_state(path, store)
+            sampler_state = find_sampler_state(state)
+            assert sampler_state is not None  # read_loader_state refuses a state without one
+            _check_checkpoint_step(sampler_state, step, path, store.display_url)
             if self.round_of(step) is None:
                 raise StateMismatchError(
                     f"{checkpoint_dir} is a checkpoint of step {step}, but {store.display_url} "
@@ -400,6 +448,20 @@ class DynstateRLDataset(RLHFDataset):
                     "by dynstate's trainer integration (which commits the round first) — resume "
                     "from a checkpoint written with DynstateTrainerMixin"
                 )
+            sampler = _sampler_of(loader)
+            try:
+                # the loader's own sampler checks the state against this run's settings (and
+                # the versions it pins) and refuses, unchanged, what does not match
+                sampler.load_state_dict(sampler_state)
+            except StateMismatchError as exc:
+                raise StateMismatchError(
+                    f"cannot resume from {path}: {exc}. In verl's config these are data.seed, "
+                    "data.shuffle, data.train_batch_size and data.dynstate.mode / .lag / "
+                    ".fresh_share: set them as they were when the checkpoint was written"
+                ) from exc
+            state = loader_state.for_workers(
+                state, int(loader.num_workers or 0), path, store.display_url
+            )
         # Rounds of later steps leave the lineage (empty ones too: the resumed run would
         # otherwise take them for its own and skip those steps).
         rollback(store, step=step, meta={"verl_resume_step": step})
@@ -408,6 +470,33 @@ class DynstateRLDataset(RLHFDataset):
         self.step = step
         self._committed = None
         self._rows.refresh()  # type: ignore[union-attr]
+
+
+def _sampler_of(loader: Any) -> VersionedSampler:
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, VersionedSampler):
+        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    if not isinstance(sampler, VersionedSampler):
+        raise StateMismatchError(
+            "the train loader does not draw from dynstate's sampler, so a dynstate checkpoint "
+            "cannot be resumed with it; run `python -m dynstate.verl.main_ppo` (see docs/verl.md)"
+        )
+    return sampler
+
+
+def _check_checkpoint_step(state: dict[str, Any], step: int, path: str, url: str) -> None:
+    """``data.pt`` of ``global_step_<step>`` holds the position after ``step`` batches: the
+    sampler (numbering verl's steps from 1) is at step ``step + 1``. Another step's ``data.pt``
+    (copied, or a folder renamed) would train from the wrong place."""
+    saved = state.get("step")
+    if state.get("batch_size") is None or saved == step + 1:
+        return
+    after = saved - 1 if isinstance(saved, int) else saved
+    raise StateMismatchError(
+        f"{path} holds the train loader's position after step {after}, not after step {step} "
+        f"(its folder's step); it was copied from another checkpoint of {url} — resume from "
+        f"global_step_{after} itself, or restore this folder's own data.pt"
+    )
 
 
 def read_loader_state(path: str, store: Store) -> dict[str, Any]:

@@ -88,7 +88,7 @@ class DynstateTrainerMixin:
         if dataset is not None:
             # the loader verl built counts steps as the sampler does; mix mode's lag covers
             # its prefetch (else a clear error now instead of a hang at step 1)
-            train_sampler.check_loader(self.train_dataloader)
+            dataset.check_loader(train_sampler, self.train_dataloader)
             log.info(
                 "dynstate train sampler installed (mode %s, replacing %s; legacy trainer)",
                 train_sampler.mode,

@@ -69,8 +69,8 @@ def check_config(config: Any) -> None:
         )
         raise InvalidDataError(
             f"trainer.v1.trainer_mode={mode} is not supported with a dynstate dataset: {why}; "
-            f"supported: {', '.join(SUPPORTED_MODES)} (run as trainer.v1.trainer_mode="
-            f"{TRAINER_MODE}), or trainer.use_v1=false for verl's legacy trainer"
+            f"supported: {', '.join(SUPPORTED_MODES)} (`python -m dynstate.verl.main_ppo` runs "
+            "it as dynstate's trainer), or trainer.use_v1=false for verl's legacy trainer"
         )
     train_batch_size = config.data.get("train_batch_size")
     gen_batch_size = config.data.get("gen_batch_size", None)
@@ -221,7 +221,7 @@ class DynstatePPOTrainer(PPOTrainerSync):
             sampler=sampler,
             **kwargs,
         )
-        sampler.check_loader(self.train_dataloader)
+        dataset.check_loader(sampler, self.train_dataloader)
         self.train_dataloader_it = None
         # verl derives the epoch length from len(dataset), which grows as rounds commit; take
         # the imported rows instead, so a resumed run counts epochs (and, without
