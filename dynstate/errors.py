@@ -19,6 +19,7 @@ also inherit a built-in exception so that ordinary ``except`` clauses keep worki
     ├── CommitConflictError                            lost too many commit races in a row
     ├── LeaseExpiredError                              gc collected staged files before commit
     ├── RoundFailedError                               a part of a multi-worker round failed
+    ├── RoundTimeoutError         (TimeoutError)       the round of a step did not appear in time
     ├── ConcurrencyUnsupportedError                    backend cannot create files exclusively
     ├── StateMismatchError        (ValueError)         sampler/dataset state of another store
     ├── StorageError              (OSError)            the filesystem / object store failed
@@ -40,6 +41,7 @@ __all__ = [
     "MissingDependencyError",
     "MissingShardError",
     "RoundFailedError",
+    "RoundTimeoutError",
     "RowOutOfRangeError",
     "SchemaMismatchError",
     "StateMismatchError",
@@ -121,6 +123,10 @@ class RoundFailedError(DynstateError):
     """Nothing was committed; ``failures`` maps each failed part's index to its exception."""
 
     failures: dict[int, BaseException]
+
+
+class RoundTimeoutError(DynstateError, TimeoutError):
+    """The round of a step the sampler waits for was not committed within its timeout."""
 
 
 class ConcurrencyUnsupportedError(DynstateError):

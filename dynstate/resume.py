@@ -11,7 +11,8 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from .errors import InvalidDataError, VersionCollectedError
+from .errors import InvalidDataError
+from .log import steps
 from .store import Store
 
 log = logging.getLogger("dynstate")
@@ -31,42 +32,11 @@ def lineage(store: Store, version: int | str | None = None) -> list[int]:
 
 def version_at_step(store: Store, step: int) -> int:
     """The newest version in the head's lineage made by a round of ``step`` or earlier.
-    Versions without a step (the initial import, resets) belong to the step before them.
-    When gc collected the versions that ``step`` needs, :class:`VersionCollectedError` names
-    the oldest kept version."""
-    chain = lineage(store)[::-1]  # oldest first
-    cut = store.log.lineage_cut(chain[0])
-    effective: int | None = None
-    best: int | None = None if cut else chain[0]
-    for v in chain:
-        record_step = _own_step(store, v)
-        if record_step is not None:
-            effective = record_step
-        # Below the floor's cut the step of versions without one is unknown: they count
-        # only once a version with a step was seen.
-        known = effective is not None or not cut
-        if known and (effective is None or effective <= step):
-            best = v
-    if best is None:
-        first = next((s for s in map(lambda v: _own_step(store, v), chain) if s is not None), None)
-        raise VersionCollectedError(
-            f"step {step} of {store.display_url} is older than what gc kept: the oldest kept "
-            f"version of the head's lineage is {chain[0]} (oldest kept is {store.log.floor}, "
-            f"first kept step {first}); resume from a later checkpoint, or tag the version "
-            "a checkpoint's sampler state pins so that gc keeps it"
-        )
-    return best
-
-
-def _own_step(store: Store, version: int) -> int | None:
-    """The step a version's round belongs to, if its record says: ``meta["step"]``, or for a
-    rollback's reset the step it rolled back to (so that the step survives gc collecting the
-    reset's target)."""
-    meta = store.commit_record(version).meta
-    step = meta.get("step")
-    if step is None and store.commit_record(version).op == "reset":
-        step = meta.get("rollback_step")
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+    Versions without a step (the initial import, resets) belong to the step before them; a
+    rollback's reset stands for the step it rolled back to. When gc collected the versions
+    that ``step`` needs, :class:`VersionCollectedError` names the oldest kept version. The
+    one answer for every caller: :func:`dynstate.log.steps.version_at_step`."""
+    return steps.version_at_step(store.log, store.resolve(None), step)
 
 
 def rollback(

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from . import manifest as m
-from .errors import ChecksumMismatchError
+from .errors import ChecksumMismatchError, RowOutOfRangeError
 from .manifest import Commit, ShardRef
 
 
@@ -115,9 +115,10 @@ class Snapshot:
     def locate(self, row: int) -> tuple[int, int]:
         """(shard index, row within that shard) of logical row ``row``."""
         if not 0 <= row < self.num_rows:
-            raise IndexError(
+            raise RowOutOfRangeError(
                 f"row {row} out of range for version {self.version} of "
-                f"{self.store.display_url} ({self.num_rows} rows)"
+                f"{self.store.display_url} ({self.num_rows} rows); ask for a row below "
+                f"{self.num_rows}, or read a later version"
             )
         shard = bisect.bisect_right(self.offsets, row) - 1
         return shard, row - self.offsets[shard]

@@ -39,6 +39,7 @@ class Config:
     snapshot_every: int = 1  # StatefulDataLoader's snapshot_every_n_steps
     lag: int | None = None  # mix mode; None: the smallest the loader allows
     num_replicas: int = 1  # ranks, simulated in one process by rank_batches()
+    sampler_batch_size: bool = True  # False: VersionedSampler(ds, seed=...) as the README builds it
     # rounds of steps after this one get other rows, as a non-deterministic generator would:
     # a crashed run's abandoned rounds then differ from the resumed run's
     salt_after: int | None = None
@@ -73,10 +74,10 @@ def make_loader(cfg: Config, rank: int = 0) -> tuple[VersionedSampler, StatefulD
         dataset,
         seed=cfg.seed,
         mode=cfg.mode,
-        batch_size=cfg.batch_size,
+        batch_size=cfg.batch_size if cfg.sampler_batch_size else None,
         fresh_share=cfg.fresh_share,
         lag=cfg.lag if cfg.lag is not None else depth + 1,
-        drop_last=cfg.drop_last,
+        drop_last=cfg.drop_last if cfg.sampler_batch_size else False,
         num_replicas=cfg.num_replicas,
         rank=rank,
         wait_timeout=60.0,
@@ -90,6 +91,8 @@ def make_loader(cfg: Config, rank: int = 0) -> tuple[VersionedSampler, StatefulD
         drop_last=cfg.drop_last,
         **extra,
     )
+    if not cfg.sampler_batch_size:
+        return sampler, loader  # as the README builds it: the sampler learns the loader's batches
     return sampler, sampler.check_loader(loader)
 
 

@@ -6,29 +6,31 @@ worker count or prefetch depth. Shuffling uses a keyed Feistel permutation
 (:mod:`dynstate.loading.permutation`), so position ``p`` of an epoch maps to its row in O(1):
 resuming at row 10M costs what resuming at row 0 costs.
 
-Positions are global: a step hands out ``num_replicas * batch_size`` positions of the epoch,
-and rank ``r`` takes every ``num_replicas``-th of them from the ``r``-th on, as torch's
-``DistributedSampler`` does. The state is the same on every rank, so one checkpoint restores
-all of them, at any world size.
+The sampler composes three things kept elsewhere: its position, one immutable value
+(:class:`dynstate.loading.state.Position`); the rank and step math
+(:mod:`dynstate.loading.layout`); and the "round of step N" query (:mod:`dynstate.log.steps`),
+by which each epoch pins its version and mix mode draws fresh rows.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-import time
+import sys
 from collections.abc import Callable, Iterator
+from dataclasses import replace
+from types import FrameType
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
 
 from ..errors import InvalidDataError, StateMismatchError
-from ..resume import walk_lineage
+from ..log import steps
+from . import layout
 from .dataset import VersionedDataset, encode_index
 from .permutation import FeistelPermutation
-from .state import MODES, STATE_FORMAT, STATE_KIND, _is_int, check_state
+from .state import MODES, STATE_FORMAT, STATE_KIND, Position, _is_int, check_state
 
 log = logging.getLogger("dynstate")
 
@@ -46,6 +48,32 @@ def _dist_world() -> tuple[int, int] | None:
     return None
 
 
+def _drawing_batcher(sampler: Any, frame: FrameType | None) -> tuple[int, bool] | None:
+    """``(batch_size, drop_last)`` of the batch sampler that is drawing from ``sampler``, found
+    among the frames from ``frame`` up; None when no batch sampler draws (the sampler is
+    iterated directly) or it does not say.
+
+    Why the frames: a DataLoader given ``sampler=`` and ``batch_size=`` builds its batch sampler
+    itself (torch's ``BatchSampler``; torchdata's, whose iterator draws) and tells the sampler
+    nothing, yet the epoch rule needs the loader's steps. The object drawing is the one that
+    knows them, and it holds the sampler as ``.sampler``."""
+    for _ in range(4):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if (
+            owner is not None
+            and owner is not sampler
+            and getattr(owner, "sampler", None) is sampler
+        ):
+            size, drop = getattr(owner, "batch_size", None), getattr(owner, "drop_last", None)
+            if _is_int(size) and size >= 1 and isinstance(drop, bool):
+                return int(size), drop
+            return None
+        frame = frame.f_back
+    return None
+
+
 class VersionedSampler(Sampler[int]):
     """Stateful sampler over a :class:`VersionedDataset`, for one rank or many.
 
@@ -60,21 +88,22 @@ class VersionedSampler(Sampler[int]):
       step (an empty one if nothing was generated). ``lag`` must exceed the loader's prefetch
       depth: ``lag >= num_workers * prefetch_factor + 1`` (1 without workers).
 
-    Steps: with ``batch_size`` (the per-rank batch size of the loader), the sampler counts the
-    loader's steps, from ``first_step`` (0; 1 for a trainer whose first step is step 1, as
-    verl's ``global_steps``), in the numbering of the rounds' ``meta["step"]``. Epoch
-    ``e + 1``, which starts at step ``S``, pins the version of the round of step ``S - 1``
-    (the newest version of the head's lineage whose ``meta["step"]`` is at most ``S - 1``), a
-    rule on the store's history, so every rank and every resumed run pins
-    the same version. Mix mode waits for that round; epoch mode pins the head when the run
-    commits no rounds. The first epoch pins the head (rank 0's, broadcast to every rank when
+    Steps: the sampler counts the loader's steps, from ``first_step`` (0; 1 for a trainer
+    whose first step is step 1, as verl's ``global_steps``), in the numbering of the rounds'
+    ``meta["step"]``. It learns the loader's batch size and ``drop_last`` from the batch
+    sampler drawing from it (a DataLoader built with ``sampler=`` and ``batch_size=``), or
+    takes ``batch_size`` (the per-rank batch size of the loader; mix mode needs it) and then
+    refuses a loader that batches otherwise at the first draw. Epoch ``e + 1``, which starts at
+    step ``S``, pins the version of the round of step ``S - 1`` (:mod:`dynstate.log.steps`), a
+    rule on the store's history, so every rank and every resumed run pins the same version.
+    Mix mode waits for that round; epoch mode pins the head when the run commits no rounds.
+    The first epoch pins the head (rank 0's, broadcast to every rank when
     ``torch.distributed`` is initialized).
 
     Ranks follow torch's ``DistributedSampler``: ``num_replicas``/``rank`` default to the
     initialized process group's (else 1 and 0); ``drop_last=True`` drops the end of an epoch
     that does not fill a whole step on every rank, ``drop_last=False`` repeats rows from the
-    start of the epoch so that every rank gets as many. Pass the loader's ``drop_last`` here
-    too, and call :meth:`check_loader` on the loader you build.
+    start of the epoch so that every rank gets as many.
 
     ``state_dict()`` returns plain types (loadable with ``torch.load(weights_only=True)``);
     ``load_state_dict()`` continues exactly where the state was taken, with any number of
@@ -128,94 +157,82 @@ class VersionedSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = int(seed)
         self.mode = mode
+        # The batch size steps are counted in: given, learned from the loader, or taken from a
+        # loaded state (then checked against the loader at the first draw). None: not known.
         self.batch_size = None if batch_size is None else int(batch_size)
-        self.fresh_share = fresh_share
-        self.lag = lag
+        self._size_given = batch_size is not None
+        self._drop_asked = drop_last
+        # plain types for the state (a numpy scalar accepted here would be refused on load)
+        self.fresh_share = float(fresh_share) if isinstance(fresh_share, float) else fresh_share
+        self.lag = int(lag) if _is_int(lag) else lag
         self.num_replicas = int(num_replicas)
         self.rank = int(rank)
         self.drop_last = drop_last
         self.wait_timeout = wait_timeout
         self.prefetch = prefetch
-        # The position, the same on every rank: which epoch, over which version, how far in.
-        self.epoch = 0
-        self.version: int | None = None
-        self.base_rows = 0
-        self.position = 0  # slots of the epoch handed out, all ranks together
-        self.base_next = 0  # next position of the epoch's permutation (mix: <= position)
         self.first_step = int(first_step)
-        self.step = self.first_step  # the next step's number (counted with batch_size)
-        self.fresh_next = 0  # next fresh row to hand out (mix mode)
-        self.fresh_version: int | None = None
+        self.pos = Position(step=self.first_step)
         self._perm_key: tuple[int, int] | None = None
         self._perm_start = 0
         self._perm_rows: list[int] = []
         self._prefetched = -1
         self._open = False  # an epoch is under way: it started and not all its indices left
 
+    # The position, read-only: it changes only as one value (self.pos).
+    epoch = property(lambda self: self.pos.epoch)
+    version = property(lambda self: self.pos.version)
+    base_rows = property(lambda self: self.pos.base_rows)
+    position = property(lambda self: self.pos.slot)
+    base_next = property(lambda self: self.pos.base_next)
+    step = property(lambda self: self.pos.step)
+    fresh_next = property(lambda self: self.pos.fresh_next)
+    fresh_version = property(lambda self: self.pos.fresh_version)
+
     # -- layout ------------------------------------------------------------------------------
 
     def _step_shape(self) -> tuple[int, int] | None:
-        """(slots, indices per rank) of the step at ``position``; None when the epoch is over."""
-        left = self.base_rows - self.position
-        if left <= 0:
-            return None
-        per_rank = self.batch_size or 1
-        full = per_rank * self.num_replicas
-        if left >= full:
-            return full, per_rank
-        if self.drop_last:
-            return None
-        return left, -(-left // self.num_replicas)
-
-    def _share(self, rows: int) -> int:
-        """Indices one rank gets from an epoch of ``rows`` rows."""
-        per_rank = self.batch_size or 1
-        steps, left = divmod(rows, per_rank * self.num_replicas)
-        if self.drop_last or left == 0:
-            return steps * per_rank
-        return steps * per_rank + -(-left // self.num_replicas)
+        """(slots, indices per rank) of the step at the position; None when the epoch is over."""
+        left = self.pos.base_rows - self.pos.slot
+        return layout.step_shape(left, self.batch_size or 1, self.num_replicas, self.drop_last)
 
     def __len__(self) -> int:
         """Indices this rank gets in the current epoch (the next one's, from the head, if none
         is under way): what ``len(loader)`` needs, in both modes."""
-        if self.version is not None and self._open:
-            return self._share(self.base_rows)
-        return self._share(self.dataset.store.snapshot().num_rows)
+        rows = self.pos.base_rows
+        if self.pos.version is None or not self._open:
+            rows = self.dataset.store.snapshot().num_rows
+        return layout.share(rows, self.batch_size or 1, self.num_replicas, self.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         """Accepted for ``DistributedSampler`` compatibility. The sampler numbers epochs itself
         (its state carries the number), so a resumed loop need not pass the right one."""
-        if (
-            _is_int(epoch)
-            and self.version is not None
-            and epoch not in (self.epoch, self.epoch + 1)
-        ):
-            log.debug("set_epoch(%d) ignored: the sampler is in epoch %d", epoch, self.epoch)
+        if _is_int(epoch) and self.pos.version is not None and epoch - self.pos.epoch not in (0, 1):
+            log.debug("set_epoch(%d) ignored: the sampler is in epoch %d", epoch, self.pos.epoch)
+
+    # -- the loader --------------------------------------------------------------------------
 
     def check_loader(self, loader: Any) -> Any:
         """Check that ``loader`` batches as this sampler counts, and that mix mode's ``lag`` is
-        deeper than its prefetch; returns the loader. Call it when the loader is built."""
+        deeper than its prefetch; returns the loader. The batch checks also run by themselves
+        at the first draw of every epoch; the ``lag`` check needs this call."""
         batch_sampler = getattr(loader, "batch_sampler", None)
         if getattr(loader, "sampler", None) is not self and (
             getattr(batch_sampler, "sampler", None) is not self
         ):
             raise InvalidDataError("this loader does not draw from this VersionedSampler")
         url = self.dataset.store.display_url
-        size, drop = getattr(loader, "batch_size", None), bool(getattr(loader, "drop_last", False))
-        if self.batch_size is not None and size != self.batch_size:
+        size, drop = getattr(loader, "batch_size", None), getattr(loader, "drop_last", False)
+        if size is None:  # built with batch_sampler=: that one batches
+            size, drop = (
+                getattr(batch_sampler, "batch_size", None),
+                getattr(batch_sampler, "drop_last", False),
+            )
+        if _is_int(size):
+            self._meet_loader(int(size), bool(drop))
+        elif self._size_given:
             raise InvalidDataError(
                 f"the loader's batch_size is {size} but the VersionedSampler for {url} counts "
                 f"steps of {self.batch_size}; pass the loader's batch_size to both"
-            )
-        if size is not None and self.batch_size is None and self.num_replicas > 1:
-            raise InvalidDataError(
-                f"pass batch_size={size} to the VersionedSampler for {url}: with several ranks "
-                "it counts the loader's steps"
-            )
-        if drop and not self.drop_last and self.batch_size is not None:
-            raise InvalidDataError(
-                f"the loader drops the partial last batch (drop_last=True) but the "
-                f"VersionedSampler for {url} counts it as a step; pass drop_last=True to both"
             )
         workers = int(getattr(loader, "num_workers", 0) or 0)
         factor = int(getattr(loader, "prefetch_factor", None) or 0) if workers else 0
@@ -234,12 +251,52 @@ class VersionedSampler(Sampler[int]):
                 )
         return loader
 
+    def _meet_loader(self, size: int, drop: bool) -> None:
+        """Take the batch size and ``drop_last`` of the loader drawing from this sampler, or
+        refuse a loader that batches otherwise than the steps this sampler counts."""
+        url = self.dataset.store.display_url
+        if self._size_given:
+            if size != self.batch_size:
+                raise InvalidDataError(
+                    f"the loader's batch_size is {size} but the VersionedSampler for {url} "
+                    f"counts steps of {self.batch_size}; pass the loader's batch_size to both"
+                )
+            if drop and not self.drop_last:
+                raise InvalidDataError(
+                    "the loader drops the partial last batch (drop_last=True) but the "
+                    f"VersionedSampler for {url} has drop_last=False and counts it as a step; "
+                    "pass drop_last=True to both"
+                )
+            return
+        drop = drop or self._drop_asked
+        if self.batch_size is None:
+            self.batch_size, self.drop_last = size, drop
+            if self.pos.version is not None:
+                # Drawn before its steps were known: count on from the newest round.
+                self.pos = replace(self.pos, step=self._steps_taken_up())
+            return
+        if (size, drop) != (self.batch_size, self.drop_last):
+            raise StateMismatchError(
+                f"the sampler state for {url} counts steps of batch_size={self.batch_size} "
+                f"(drop_last={self.drop_last}), but the loader now batches {size} "
+                f"(drop_last={drop}); resume with the loader's batch_size and drop_last as "
+                "they were"
+            )
+
+    def _steps_taken_up(self) -> int:
+        store = self.dataset.store
+        last = steps.latest_step(store.log, store.refresh())
+        return self.first_step if last is None else max(self.first_step, last + 1)
+
     # -- iteration ---------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[int]:
         # A generator: nothing happens until the first index is requested, so the extra
         # iter() calls StatefulDataLoader makes while restoring have no effect.
-        if self.version is None or self._step_shape() is None:
+        found = _drawing_batcher(self, sys._getframe().f_back)
+        if found is not None:
+            self._meet_loader(*found)
+        if self.pos.version is None or self._step_shape() is None:
             self._start_epoch()
         if self.mode == "epoch":
             yield from self._iter_epoch()
@@ -248,22 +305,17 @@ class VersionedSampler(Sampler[int]):
         self._open = False
 
     def _start_epoch(self) -> None:
-        first = self.version is None
+        first = self.pos.version is None
         version = self._agree(lambda: self._epoch_version(first))
         snap = self.dataset.store.snapshot(version)
-        self.epoch = self.epoch if first else self.epoch + 1
-        self.version = snap.version
-        self.base_rows = snap.num_rows
-        self.position = self.base_next = 0
-        self.fresh_next = snap.num_rows
-        self.fresh_version = snap.version
+        self.pos = self.pos.started(snap.version, snap.num_rows, next_epoch=not first)
         self._open = True
         log.debug(
             "epoch %d pins version %d (%d rows) at step %d",
-            self.epoch,
-            self.version,
-            self.base_rows,
-            self.step,
+            self.pos.epoch,
+            snap.version,
+            snap.num_rows,
+            self.pos.step,
         )
 
     def _agree(self, decide: Callable[[], int]) -> int:
@@ -280,86 +332,93 @@ class VersionedSampler(Sampler[int]):
 
     def _epoch_version(self, first: bool) -> int:
         """The version the epoch starting now pins (see the class docstring)."""
-        store = self.dataset.store
-        deadline = time.monotonic() + self.wait_timeout
-        while True:
-            head = store.refresh()
-            if first or self.batch_size is None or self.step <= self.first_step:
-                return head  # no step has run: no round to pin by
-            found = _round_version(store, head, self.version, self.step - 1)  # type: ignore[arg-type]
-            if found is not None:
-                return found
-            if self.mode == "epoch":
-                return head  # a run that commits no rounds: the head, as it always was
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the round of step {self.step - 1} did not appear in {store.display_url} "
-                    f"within {self.wait_timeout}s, so epoch {self.epoch + 1} cannot pin its "
-                    "version; commit one round (possibly empty) with meta={'step': ...} per step"
+        store, pinned = self.dataset.store, self.pos.version
+        head = store.refresh()
+        if first or pinned is None or self.pos.step <= self.first_step:
+            return head  # no step has run: no round to pin by
+        if self.batch_size is None:
+            if any(own is not None for _, own in steps.steps_after(store.log, head, pinned)):
+                raise InvalidDataError(
+                    f"epoch {self.pos.epoch + 1} over {store.display_url} pins the version of "
+                    "the round of the step before it, but this VersionedSampler does not know "
+                    "the loader's steps (no batch sampler draws from it); pass batch_size (the "
+                    "loader's) to VersionedSampler, or draw through a DataLoader built with "
+                    "sampler= and batch_size="
                 )
-            time.sleep(0.01)
+            return head  # no rounds: the head, as it always was
+        target = self.pos.step - 1
+        if self.mode == "epoch":
+            found = steps.round_version(store.log, head, target, pinned)
+            return head if found is None else found  # a run that commits no rounds: the head
+        return steps.wait_round(
+            store.log,
+            target,
+            pinned,
+            timeout=self.wait_timeout,
+            advice=f"epoch {self.pos.epoch + 1} cannot pin its version; commit one round "
+            "(possibly empty) with meta={'step': ...} per step",
+        )
 
     def _rows(self, start: int, count: int) -> list[int]:
         """Rows at positions ``start .. start + count`` of the epoch's permutation."""
         if count <= 0:
             return []
-        key = (self.epoch, self.base_rows)
+        rows = self.pos.base_rows
+        key = (self.pos.epoch, rows)
         offset = start - self._perm_start
         if key != self._perm_key or offset < 0 or offset + count > len(self._perm_rows):
-            stop = min(self.base_rows, start + max(count, _BLOCK))
+            stop = min(rows, start + max(count, _BLOCK))
             positions = np.arange(start, stop, dtype=np.int64)
             if self.shuffle:
-                positions = FeistelPermutation(self.base_rows, self.seed, self.epoch)(positions)
+                positions = FeistelPermutation(rows, self.seed, self.pos.epoch)(positions)
             self._perm_key, self._perm_start, self._perm_rows = key, start, positions.tolist()
             offset = 0
         return self._perm_rows[offset : offset + count]
 
     def _prefetch(self) -> None:
         """Warm the shards of the block after the one being consumed (remote stores)."""
-        block = self.base_next // _BLOCK
+        block = self.pos.base_next // _BLOCK
         if not self.prefetch or block == self._prefetched or self.dataset.store.storage.local:
             return  # local shards are read where they lie: nothing to warm
         self._prefetched = block
+        rows = self.pos.base_rows
         start = (block + 1) * _BLOCK
-        if start < self.base_rows:
-            stop = min(start + _BLOCK, self.base_rows)
-            positions = np.arange(start, stop, dtype=np.int64)
+        if start < rows:
+            positions = np.arange(start, min(start + _BLOCK, rows), dtype=np.int64)
             if self.shuffle:
-                positions = FeistelPermutation(self.base_rows, self.seed, self.epoch)(positions)
-            self.dataset.prefetch(self.version, positions.tolist())  # type: ignore[arg-type]
+                positions = FeistelPermutation(rows, self.seed, self.pos.epoch)(positions)
+            self.dataset.prefetch(self.pos.version, positions.tolist())  # type: ignore[arg-type]
 
     def _padding(self, count: int) -> list[int]:
         # Rows repeated from the start of the epoch so that every rank gets as many; they may
         # repeat more than once only in an epoch with fewer rows than ranks.
-        if count <= 0 or self.base_rows == 0:
+        if count <= 0 or self.pos.base_rows == 0:
             return []
-        reps = self._rows(0, min(count, self.base_rows))
+        reps = self._rows(0, min(count, self.pos.base_rows))
         return (reps * math.ceil(count / len(reps)))[:count]
 
     def _iter_epoch(self) -> Iterator[int]:
-        tag = encode_index(self.version, 0)  # type: ignore[arg-type]
+        tag = encode_index(self.pos.version, 0)  # type: ignore[arg-type]
         replicas, rank = self.num_replicas, self.rank
         if replicas == 1 and self.batch_size is None:
             # One index per step: the position moves index by index, in blocks.
-            while self.position < self.base_rows:
+            while (start := self.pos.slot) < self.pos.base_rows:
                 self._prefetch()
-                stop = min(self.position + _BLOCK, self.base_rows)
-                for row in self._rows(self.position, stop - self.position):
-                    self.position += 1
+                stop = min(start + _BLOCK, self.pos.base_rows)
+                for slot, row in enumerate(self._rows(start, stop - start), start + 1):
+                    self.pos = replace(self.pos, slot=slot, base_next=slot)
                     yield tag | row
-                self.base_next = self.position
             return
         while (shape := self._step_shape()) is not None:
             slots, per_rank = shape
             self._prefetch()
-            rows = self._rows(self.position, slots)
+            rows = self._rows(self.pos.slot, slots)
             rows += self._padding(per_rank * replicas - slots)
             # State moves a whole step before its indices leave: the loader snapshots it once
             # the batch is complete, and every rank must hold the same state.
-            self.position += slots
-            self.base_next = self.position
-            if self.batch_size is not None:
-                self.step += 1
+            slot = self.pos.slot + slots
+            counted = self.batch_size is not None
+            self.pos = replace(self.pos, slot=slot, base_next=slot, step=self.pos.step + counted)
             yield from [tag | row for row in (rows[rank::replicas] if replicas > 1 else rows)]
 
     def _iter_mix(self) -> Iterator[int]:
@@ -369,56 +428,44 @@ class VersionedSampler(Sampler[int]):
         while (shape := self._step_shape()) is not None:
             slots, per_rank = shape
             self._prefetch()
-            fresh_version, fresh_rows = self._visible(self.step - self.lag)
-            n_fresh = min(min(want, per_rank) * replicas, slots, fresh_rows - self.fresh_next)
-            n_fresh = max(0, n_fresh)
+            fresh_version, fresh_rows = self._visible(self.pos.step - self.lag)
+            p = self.pos
+            n_fresh = max(0, min(min(want, per_rank) * replicas, slots, fresh_rows - p.fresh_next))
             n_base = slots - n_fresh
-            base_tag, fresh_tag = encode_index(self.version, 0), encode_index(fresh_version, 0)  # type: ignore[arg-type]
-            batch = [base_tag | row for row in self._rows(self.base_next, n_base)]
-            batch += [fresh_tag | row for row in range(self.fresh_next, self.fresh_next + n_fresh)]
+            base_tag, fresh_tag = encode_index(p.version, 0), encode_index(fresh_version, 0)  # type: ignore[arg-type]
+            batch = [base_tag | row for row in self._rows(p.base_next, n_base)]
+            batch += [fresh_tag | row for row in range(p.fresh_next, p.fresh_next + n_fresh)]
             batch += [base_tag | row for row in self._padding(per_rank * replicas - slots)]
-            self.position += slots
-            self.base_next += n_base
-            self.fresh_next += n_fresh
-            self.step += 1
+            self.pos = replace(
+                p,
+                slot=p.slot + slots,
+                base_next=p.base_next + n_base,
+                fresh_next=p.fresh_next + n_fresh,
+                fresh_version=fresh_version,
+                step=p.step + 1,
+            )
             yield from batch[rank::replicas] if replicas > 1 else batch
 
     def _visible(self, step: int) -> tuple[int, int]:
-        """(version, rows) of the newest version whose round belongs to a step <= ``step``.
-        Waits, up to ``wait_timeout``, until the round of ``step`` is committed, so the answer
-        never depends on how far the loader prefetches."""
+        """(version, rows) of the round of ``step`` (the newest version whose round belongs to
+        a step <= ``step``; only the head's lineage counts, so rounds a rollback abandoned
+        never become fresh). Waits, up to ``wait_timeout``, until that round is committed, so
+        the answer never depends on how far the loader prefetches."""
         store = self.dataset.store
-        current = self.fresh_version if self.fresh_version is not None else self.version
+        current = self.pos.fresh_version if self.pos.fresh_version is not None else self.pos.version
         assert current is not None
-        deadline = time.monotonic() + self.wait_timeout
-        while True:
-            version = current
-            last = _latest_step(store, current)
-            done = step < self.first_step or (last is not None and last >= step)
-            # Only the head's lineage counts: rounds a rollback abandoned never become fresh.
-            for v in _lineage_after(store, store.refresh(), current):
-                record_step = store.commit_record(v).meta.get("step")
-                if record_step is None:
-                    continue
-                if record_step > step:
-                    done = True
-                    break
-                version = v
-                if record_step == step:
-                    done = True  # one round per step: step's round is in
-                    break
-            current = version
-            if done:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the round of step {step} did not appear in {store.display_url} within "
-                    f"{self.wait_timeout}s; commit one round (possibly empty) with "
-                    "meta={'step': ...} per step, and check the loader with "
-                    "VersionedSampler.check_loader (lag must exceed its prefetch depth)"
-                )
-            time.sleep(0.01)
-        self.fresh_version = version
+        if step < self.first_step:
+            version = current  # no step has run yet: nothing fresh to wait for
+        else:
+            version = steps.wait_round(
+                store.log,
+                step,
+                current,
+                timeout=self.wait_timeout,
+                advice="commit one round (possibly empty) with meta={'step': ...} per step, "
+                "and check the loader with VersionedSampler.check_loader (lag must exceed its "
+                "prefetch depth)",
+            )
         return version, store.snapshot(version).num_rows
 
     # -- state -------------------------------------------------------------------------------
@@ -437,14 +484,7 @@ class VersionedSampler(Sampler[int]):
             "lag": self.lag,
             "drop_last": self.drop_last,
             "num_replicas": self.num_replicas,
-            "epoch": self.epoch,
-            "version": self.version,
-            "base_rows": self.base_rows,
-            "position": self.position,
-            "base_next": self.position if self.mode == "epoch" else self.base_next,
-            "step": self.step,
-            "fresh_next": self.fresh_next,
-            "fresh_version": self.fresh_version,
+            **self.pos.state(self.mode),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -453,7 +493,9 @@ class VersionedSampler(Sampler[int]):
         url = self.dataset.store.display_url
         state = check_state(state, self.dataset.store_id, url)
         # lag and share shape the stream only in mix mode; epoch mode may change them freely
-        keys = ["mode", "shuffle", "seed", "drop_last", "batch_size"]
+        keys = ["mode", "shuffle", "seed"]
+        if self._size_given:
+            keys += ["drop_last", "batch_size"]
         if self.mode == "mix":
             keys += ["fresh_share", "lag"]
         for key in keys:
@@ -463,8 +505,23 @@ class VersionedSampler(Sampler[int]):
                     f"sampler has {key}={getattr(self, key)!r}; construct the sampler with "
                     "the same settings to resume exactly"
                 )
+        batching = (self.batch_size, self.drop_last)
+        if not self._size_given and state["batch_size"] is not None:
+            # Steps counted in the loader's batches: a loader met already must batch so; one
+            # met later is checked at its first draw.
+            if self.batch_size is not None and batching != (
+                state["batch_size"],
+                state["drop_last"],
+            ):
+                raise StateMismatchError(
+                    f"the sampler state for {url} counts steps of batch_size="
+                    f"{state['batch_size']} (drop_last={state['drop_last']}), but the loader "
+                    f"batches {self.batch_size} (drop_last={self.drop_last}); resume with the "
+                    "loader's batch_size and drop_last as they were"
+                )
+            batching = (state["batch_size"], state["drop_last"])
+        store = self.dataset.store
         if state["version"] is not None:
-            store = self.dataset.store
             snap = store.snapshot(state["version"])  # raises if collected
             if snap.num_rows != state["base_rows"]:
                 raise StateMismatchError(
@@ -477,43 +534,12 @@ class VersionedSampler(Sampler[int]):
                     f"sampler state for {url} expects row {state['fresh_next']} of version "
                     f"{fresh.version}, which has {fresh.num_rows} rows"
                 )
-        if state["format"] == 1 and state["mode"] == "epoch" and state["version"] is not None:
-            # Format 1 counted no steps in epoch mode: take them up after the newest round.
-            last = _latest_step(self.dataset.store, self.dataset.store.refresh())
-            state["step"] = 0 if last is None else last + 1
-        for key in ("epoch", "version", "base_rows", "position", "base_next", "step"):
-            setattr(self, key, state[key])
-        self.fresh_next = state["fresh_next"]
-        self.fresh_version = state["fresh_version"]
-        self._open = self.version is not None and self._step_shape() is not None
-
-
-def _round_version(store: Any, head: int, floor: int, step: int) -> int | None:
-    """The newest version of ``head``'s lineage after ``floor`` whose round belongs to a step
-    <= ``step`` (``floor`` if none); None while no round of ``step`` or later is there."""
-    best = floor
-    for v in _lineage_after(store, head, floor):
-        record_step = store.commit_record(v).meta.get("step")
-        if record_step is None:
-            continue
-        if record_step > step:
-            return best
-        best = v
-        if record_step == step:
-            return best
-    return None
-
-
-def _latest_step(store: Any, version: int, horizon: int = 1000) -> int | None:
-    """The step of the newest round in ``version``'s lineage that records one."""
-    for v in itertools.islice(walk_lineage(store, version), horizon):
-        step = store.commit_record(v).meta.get("step")
-        if step is not None:
-            return step
-    return None
-
-
-def _lineage_after(store: Any, head: int, floor: int) -> list[int]:
-    """The versions of ``head``'s lineage newer than ``floor``, oldest first."""
-    out = list(itertools.takewhile(lambda v: v > floor, walk_lineage(store, head)))
-    return out[::-1]
+        position = Position.from_state(state)
+        uncounted = state["format"] == 1 or state["batch_size"] is None
+        if uncounted and state["mode"] == "epoch" and state["version"] is not None:
+            # Written while the sampler counted no steps: take them up after the newest round.
+            last = steps.latest_step(store.log, store.refresh())
+            position = replace(position, step=0 if last is None else last + 1)
+        self.batch_size, self.drop_last = batching
+        self.pos = position
+        self._open = self.pos.version is not None and self._step_shape() is not None

@@ -4,6 +4,7 @@ wherever torchdata nested it inside a StatefulDataLoader state."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ STATE_KIND = "dynstate.VersionedSampler"
 MODES = ("epoch", "mix")
 _MAX_ROWS = 2**40  # rows of one version; an index carries its row in 40 bits
 
-__all__ = ["check_state", "find_sampler_state"]
+__all__ = ["Position", "check_state", "find_sampler_state"]
 
 
 def _is_int(value: Any) -> bool:
@@ -156,3 +157,61 @@ def find_sampler_state(loader_state: Any) -> dict[str, Any] | None:
             if found is not None:
                 return found
     return None
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a sampler is, as one immutable value — the same on every rank: which epoch, over
+    which pinned version (and its row count), how far in, which step comes next and, in mix
+    mode, the next fresh row and the newest version read for fresh rows. Its plain-types form
+    is the position part of the sampler state (:meth:`state`, :meth:`from_state`)."""
+
+    epoch: int = 0
+    version: int | None = None
+    base_rows: int = 0
+    slot: int = 0  # slots of the epoch handed out, all ranks together (state key "position")
+    base_next: int = 0  # next position of the epoch's permutation (mix mode: <= slot)
+    step: int = 0  # the next step's number
+    fresh_next: int = 0
+    fresh_version: int | None = None
+
+    def started(self, version: int, rows: int, *, next_epoch: bool) -> Position:
+        """The position at the start of an epoch pinning ``version`` of ``rows`` rows."""
+        epoch = self.epoch + 1 if next_epoch else self.epoch
+        return replace(
+            self,
+            epoch=epoch,
+            version=version,
+            base_rows=rows,
+            slot=0,
+            base_next=0,
+            fresh_next=rows,
+            fresh_version=version,
+        )
+
+    def state(self, mode: str) -> dict[str, Any]:
+        """The position's keys of the sampler state, plain types."""
+        return {
+            "epoch": self.epoch,
+            "version": self.version,
+            "base_rows": self.base_rows,
+            "position": self.slot,
+            "base_next": self.slot if mode == "epoch" else self.base_next,
+            "step": self.step,
+            "fresh_next": self.fresh_next,
+            "fresh_version": self.fresh_version,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Position:
+        """The position of a state :func:`check_state` accepted."""
+        return cls(
+            epoch=state["epoch"],
+            version=state["version"],
+            base_rows=state["base_rows"],
+            slot=state["position"],
+            base_next=state["base_next"],
+            step=state["step"],
+            fresh_next=state["fresh_next"],
+            fresh_version=state["fresh_version"],
+        )
