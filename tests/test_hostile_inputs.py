@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import uuid
 
 import fsspec
@@ -381,3 +382,124 @@ def test_staged_parts_of_an_old_null_schema_after_promotion(tmp_path) -> None:
     with pytest.raises(SchemaMismatchError, match=r"schema of .* changed at version 2"):
         store.commit_staged([part])
     assert Store.open(url).head == 2
+
+
+# -- sampler states with values that are not plain Python types -------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("epoch", np.int64(0)),
+        ("position", np.int32(0)),
+        ("seed", np.uint64(1)),
+        ("fresh_share", np.float64(0.25)),
+        ("shuffle", np.bool_(True)),
+        ("format", np.int64(2)),
+    ],
+    ids=lambda v: type(v).__name__ if not isinstance(v, str) else v,
+)
+def test_a_sampler_state_of_numpy_values_is_refused(tmp_path, key, value) -> None:
+    """np.int64(0) passed the check and overflowed later (a numpy int counts modulo 2**64)."""
+    from dynstate import StateMismatchError, VersionedSampler
+
+    url = str(tmp_path / "store")
+    filled(url)
+    sampler = VersionedSampler(VersionedDataset(url), seed=1)
+    list(sampler)
+    good = sampler.state_dict()
+    assert all(type(v) in (int, float, str, bool, type(None)) for v in good.values())
+    fresh = VersionedSampler(VersionedDataset(url), seed=1)
+    before = fresh.state_dict()
+    with pytest.raises(StateMismatchError) as info:
+        fresh.load_state_dict({**good, key: value})
+    message = str(info.value)
+    assert f"{key}=" in message and "numpy." in message and "plain" in message, message
+    assert fresh.state_dict() == before
+    fresh.load_state_dict(good)  # the same state with plain values loads
+
+
+def test_numpy_settings_give_a_plain_state(tmp_path) -> None:
+    from dynstate import VersionedSampler
+
+    url = str(tmp_path / "store")
+    filled(url)
+    sampler = VersionedSampler(
+        VersionedDataset(url), seed=np.int64(3), batch_size=np.int64(2), mode="mix",
+        lag=np.int64(2), fresh_share=np.float64(0.5),
+    )  # fmt: skip
+    list(sampler)
+    state = sampler.state_dict()
+    assert all(type(v) in (int, float, str, bool, type(None)) for v in state.values()), state
+    VersionedSampler(
+        VersionedDataset(url), seed=3, batch_size=2, mode="mix", lag=2, fresh_share=0.5
+    ).load_state_dict(state)
+
+
+# -- export / plot never write into another store ----------------------------------------------
+
+
+@pytest.fixture
+def two_stores(tmp_path) -> tuple[str, str]:
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    filled(a)
+    filled(b)
+    return a, b
+
+
+def _shard(url: str) -> str:
+    return os.path.join(url, "data", sorted(os.listdir(os.path.join(url, "data")))[0])
+
+
+@pytest.mark.parametrize("command", ["export", "plot"])
+@pytest.mark.parametrize(
+    ("target", "where"),
+    [
+        (lambda b: os.path.join(b, m.STORE_FILE), "lies inside"),
+        (_shard, "lies inside"),
+        (lambda b: os.path.join(b, RECORD), "lies inside"),
+        (lambda b: os.path.join(b, "new.png"), "lies inside"),
+        (lambda b: os.path.join(b, "data", "sub", "x.png"), "lies inside"),
+    ],
+    ids=["store.json", "shard", "record", "new-file", "new-folder"],
+)
+def test_export_and_plot_never_write_into_another_store(two_stores, command, target, where):
+    a, b = two_stores
+    before_a, before_b = files(a), files(b)
+    out = target(b)
+    for extra in ((), ("--overwrite", "--yes")):
+        err = run(command, a, out, *extra, code=1).stderr
+        assert err.startswith(f"error: cannot {command} to {out}: it {where} the dynstate store "
+                              f"at {b}"), err  # fmt: skip
+        assert "choose an OUT outside every store" in err
+    assert files(a) == before_a and files(b) == before_b
+    assert not os.path.exists(os.path.join(b, "data", "sub"))
+    assert Store.open(b).snapshot().to_arrow().to_pylist() == ROWS
+
+
+def test_export_onto_another_store_root_is_refused(two_stores) -> None:
+    import dynstate
+
+    a, b = two_stores
+    before = files(b)
+    for fmt in ("parquet", "datasets"):
+        err = run("export", a, b, "--format", fmt, "--overwrite", "--yes", code=1).stderr
+        assert err.startswith(f"error: cannot export to {b}: it is the dynstate store at {b}")
+        with pytest.raises(dynstate.InvalidDataError, match="it is the dynstate store"):
+            dynstate.export(Store.open(a).snapshot(), b, fmt=fmt, overwrite=True)
+    assert files(b) == before
+
+
+def test_overwrite_of_a_datasets_export_that_holds_a_store_is_refused(two_stores, tmp_path):
+    """A datasets export directory may be replaced, unless a store was put inside it."""
+    a, _ = two_stores
+    out = tmp_path / "export"
+    run("export", a, str(out), "--format", "datasets")
+    inner = str(out / "inner")
+    filled(inner)
+    before = files(str(out))
+    err = run("export", a, str(out), "--format", "datasets", "--overwrite", "--yes", code=1)
+    assert err.stderr.startswith(
+        f"error: cannot replace {out}: it contains the dynstate store at {inner}"
+    ), err.stderr
+    assert files(str(out)) == before

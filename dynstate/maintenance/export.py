@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .. import manifest as m
 from ..errors import (
     DynstateError,
     InvalidDataError,
@@ -129,7 +130,33 @@ def _target(
     if local:
         path = os.path.abspath(path)
     _refuse_overlap(store, out, fs, path, storage_options or {}, action)
+    _refuse_any_store(fs, path, out, local, action)
     return fs, path, local
+
+
+def _refuse_any_store(fs: Any, path: str, out: str, local: bool, action: str) -> None:
+    """An OUT inside *another* store (or one that is a store) would replace its shards or its
+    ``store.json`` just as surely as one inside the exported store: OUT and every folder
+    above it are looked at for a store's ``_dynstate/store.json``."""
+    place = os.path.realpath(path) if local else path.rstrip("/")
+    sep = os.sep if local else "/"
+    kind = "is"
+    try:
+        while place:
+            if fs.exists(f"{place.rstrip(sep)}{sep}{m.STORE_FILE.replace('/', sep)}"):
+                raise InvalidDataError(
+                    f"cannot {action} {redact(out)}: it {kind} the dynstate store at "
+                    f"{redact(place)}, whose files it would replace or alter; choose an OUT "
+                    "outside every store"
+                )
+            parent = os.path.dirname(place) if local else place.rpartition("/")[0]
+            if parent == place:
+                break
+            place, kind = parent, "lies inside"
+    except DynstateError:
+        raise
+    except Exception as exc:
+        raise StorageError(f"cannot check {redact(out)} for a store around it: {exc}") from exc
 
 
 _LOCAL = "file"
@@ -199,6 +226,13 @@ def _existing(fs: Any, path: str, out: str) -> str | None:
             "remove it yourself"
         )
     files = fs.find(path, detail=True)
+    stores = sorted(str(p)[: -len(m.STORE_FILE)] for p in files if str(p).endswith(m.STORE_FILE))
+    if stores:
+        # replacing the directory would remove a whole store inside it
+        raise InvalidDataError(
+            f"cannot replace {redact(out)}: it contains the dynstate store at "
+            f"{redact(stores[0].rstrip('/'))}; choose another OUT, or move the store out first"
+        )
     total = sum(int(info.get("size") or 0) for info in files.values())
     return f"a datasets directory of {len(files)} files, {_size(total)}"
 
