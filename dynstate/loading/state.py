@@ -49,13 +49,20 @@ _FIELDS_2: dict[str, tuple[str, bool]] = {
 
 
 def _type_ok(value: Any, kind: str) -> bool:
+    # Exact plain types: a state is loaded with torch.load(weights_only=True) and compared and
+    # counted with Python's ints; np.int64(0) would pass a check and overflow later.
     if kind == _INT:
-        return _is_int(value)
+        return type(value) is int
     if kind == "bool":
-        return isinstance(value, bool)
+        return type(value) is bool
     if kind == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, str)
+        return type(value) in (int, float)
+    return type(value) is str
+
+
+def _type_name(value: Any) -> str:
+    module = type(value).__module__.split(".")[0]
+    return type(value).__name__ if module == "builtins" else f"{module}.{type(value).__name__}"
 
 
 def check_state(state: Any, store_id: str, url: str) -> dict[str, Any]:
@@ -68,8 +75,11 @@ def check_state(state: Any, store_id: str, url: str) -> dict[str, Any]:
             "state_dict() returned, or use dynstate.find_sampler_state(loader_state)"
         )
     fmt = state.get("format")
-    if not _is_int(fmt) or fmt < 1:
-        raise StateMismatchError(f"sampler state for {url} has no valid format number: {fmt!r}")
+    if type(fmt) is not int or fmt < 1:
+        raise StateMismatchError(
+            f"sampler state for {url} has format={fmt!r} ({_type_name(fmt)}), not a valid "
+            "format number (a plain int >= 1); it was not written by VersionedSampler"
+        )
     if fmt > STATE_FORMAT:
         raise UnsupportedFormatError(
             f"sampler state format {fmt} is newer than this dynstate supports "
@@ -86,8 +96,10 @@ def check_state(state: Any, store_id: str, url: str) -> dict[str, Any]:
         value = state[key]
         if not (value is None and nullable) and not _type_ok(value, kind):
             raise StateMismatchError(
-                f"sampler state for {url} has {key}={value!r} ({type(value).__name__}); "
-                f"expected {kind}{' or None' if nullable else ''}"
+                f"sampler state for {url} has {key}={value!r} ({_type_name(value)}); expected "
+                f"a plain {kind}{' or None' if nullable else ''} — pass the dict "
+                "VersionedSampler.state_dict() returned, with plain Python values "
+                "(numpy values: .item())"
             )
     if state["store_id"] != store_id:
         raise StateMismatchError(
