@@ -52,7 +52,8 @@ class _Group(click.Group):
             # store did not translate) is still one line. The traceback only with -vv.
             kind = "failed" if isinstance(exc, DynstateError) else "failed unexpectedly"
             log.debug("command %s", kind, exc_info=True)
-            click.echo(f"error: {one_line(exc, ctx.meta.get('dynstate.url'))}", err=True)
+            url, known = ctx.meta.get("dynstate.url"), ctx.meta.get("dynstate.secrets", ())
+            click.echo(f"error: {one_line(exc, url, known)}", err=True)
             ctx.exit(1)
 
 

@@ -36,7 +36,7 @@ def _consent_to_replace(
         raise StoreExistsError(
             f"{out} exists; choose another path or pass --overwrite to replace it"
         )
-    click.echo(f"would replace {out} ({replaced})", err=as_json)
+    click.echo(r.clean(f"would replace {out} ({replaced})"), err=as_json)
     if not confirm(f"replace {out}?", yes):
         raise Failure(f"{out} not replaced: pass --yes (with --overwrite) to replace it")
 

@@ -266,7 +266,7 @@ def head_cmd(url, version, rows: int, columns, jsonl: bool, as_json: bool, stora
         del table
     if jsonl:
         for row in out:
-            click.echo(json.dumps(row, default=str, ensure_ascii=False))
+            r.echo(json.dumps(row, default=str, ensure_ascii=False))
         return
     if as_json:
         r.print_json(out)

@@ -61,7 +61,9 @@ class Failure(click.ClickException):
     """A command that ran and found a problem (``verify``): ``error: <message>``, exit 1."""
 
     def show(self, file: Any = None) -> None:
-        click.echo(f"error: {self.message}", err=True)
+        from .render import clean
+
+        click.echo(f"error: {clean(self.message)}", err=True)
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

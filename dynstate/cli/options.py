@@ -37,7 +37,9 @@ def store_command(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, storage_option: tuple[str, ...], **kwargs: Any) -> Any:
-        return fn(*args, storage_options=parse_storage_options(storage_option), **kwargs)
+        options = parse_storage_options(storage_option)
+        remember_secrets("", options)
+        return fn(*args, storage_options=options, **kwargs)
 
     return click.option(
         "--storage-option",
@@ -47,6 +49,23 @@ def store_command(fn: Callable[..., Any]) -> Callable[..., Any]:
         help="fsspec storage option (repeatable); VALUE is parsed as JSON where it can be. "
         "Endpoint and credentials otherwise come from the standard AWS environment.",
     )(wrapper)
+
+
+def remember_secrets(url: str, options: dict[str, Any]) -> None:
+    """Note the credentials of ``url`` and ``options`` on the command's context: everything
+    the command prints (output and errors) goes through the one scrubber with them."""
+    from ..storage.credentials import secrets_of
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        known = ctx.meta.setdefault("dynstate.secrets", [])
+        known.extend(s for s in secrets_of(url, options) if s not in known)
+
+
+def secrets() -> list[str]:
+    """The credentials :func:`remember_secrets` noted for the running command."""
+    ctx = click.get_current_context(silent=True)
+    return list(ctx.meta.get("dynstate.secrets", ())) if ctx is not None else []
 
 
 def parse_storage_options(pairs: tuple[str, ...]) -> dict[str, Any]:
@@ -265,6 +284,7 @@ def open_store(url: str, storage_options: dict[str, Any]) -> Store:
     ctx = click.get_current_context(silent=True)
     if ctx is not None:
         ctx.meta["dynstate.url"] = redact(url)  # for errors raised below the store
+    remember_secrets(url, storage_options)
     options = cli_storage_options(url, storage_options)
     check_endpoint(url, options)
     try:

@@ -20,12 +20,23 @@ import click
 GAP = "  "
 
 
+def clean(text: str) -> str:
+    """``text`` through the package's one scrubber, with the running command's credentials:
+    every line the CLI prints goes through here."""
+    if not text:
+        return text
+    from ..storage.credentials import scrub
+    from .options import secrets
+
+    return scrub(text, secrets())
+
+
 def echo(line: str = "") -> None:
-    click.echo(line)
+    click.echo(clean(line))
 
 
 def print_json(obj: Any) -> None:
-    click.echo(json.dumps(obj, indent=2, default=str, ensure_ascii=False))
+    click.echo(clean(json.dumps(obj, indent=2, default=str, ensure_ascii=False)))
 
 
 def human_size(n: int | None) -> str:
