@@ -25,7 +25,9 @@ from .errors import (
     VersionNotFoundError,
 )
 from .log import DEFAULT_TTL_S, Log, Tags, checkpoint_bytes
+from .log.outcomes import outcomes_of
 from .manifest import Commit, ShardRef
+from .outcomes import DEFAULT_HALF_LIFE, DEFAULT_SUCCESS_ABOVE, check_stats_params
 from .rounds import check_meta, conform
 from .snapshot import Snapshot, Staged, verify_shard_bytes
 from .storage import Storage, is_safe_name, open_storage
@@ -247,13 +249,28 @@ class Store:
         meta: dict[str, Any] | None = None,
         allow_new_columns: bool = False,
         shard_bytes: int = DEFAULT_SHARD_BYTES,
+        outcomes: Any = None,
+        generator_state: Any = None,
     ) -> int:
         """Commit ``data`` (a pyarrow Table, a list of dicts, a pandas DataFrame or a
         ``datasets.Dataset``) as one new version; returns its number. An empty round is a
-        valid commit. ``allow_new_columns`` lets a round add nullable columns."""
+        valid commit. ``allow_new_columns`` lets a round add nullable columns.
+
+        ``outcomes``: what the policy scored on rows it trained on — a pyarrow Table, a list
+        of dicts or a dict of columns with ``row`` (a row of the current head), ``step``,
+        ``score`` and optional numeric columns — committed in the same version as the round
+        (one record: never one without the other). ``generator_state``: plain JSON types, the
+        generator's state after this round (:meth:`generator_state` reads it back). Both are
+        checked before anything is written (:class:`InvalidDataError`)."""
         meta = check_meta(meta, self.display_url)
+        checked = None
+        if outcomes is not None or generator_state is not None:
+            self.log.require_writable()
+            head = self.log.record(self.refresh())
+            assert head is not None
+            checked = outcomes_of(self.log).check(outcomes, generator_state, head)
         staged = self.stage(data, allow_new_columns=allow_new_columns, shard_bytes=shard_bytes)
-        return self._writer.commit_staged([staged], meta=meta, private=True)
+        return self._writer.commit_staged([staged], meta=meta, private=True, checked=checked)
 
     def stage(
         self,
@@ -273,13 +290,51 @@ class Store:
             data, allow_new_columns=allow_new_columns, shard_bytes=shard_bytes
         )
 
-    def commit_staged(self, parts: Sequence[Staged], *, meta: dict[str, Any] | None = None) -> int:
+    def commit_staged(
+        self,
+        parts: Sequence[Staged],
+        *,
+        meta: dict[str, Any] | None = None,
+        outcomes: Any = None,
+        generator_state: Any = None,
+    ) -> int:
         """Commit staged parts, in the given order, as one new version; returns its number.
         Staged files gc collected (their writer died or stalled past the lease) make this
         raise :class:`LeaseExpiredError`. A commit whose outcome is unknown (a lost reply, an
         interrupt during the write) is resolved by reading the record back; when nothing was
-        committed the parts' shards are removed."""
-        return self._writer.commit_staged(parts, meta=meta)
+        committed the parts' shards are removed. ``outcomes`` and ``generator_state`` as for
+        :meth:`append`, in the same record."""
+        return self._writer.commit_staged(
+            parts, meta=meta, outcomes=outcomes, generator_state=generator_state
+        )
+
+    # -- outcomes ----------------------------------------------------------------------------
+
+    def outcome_stats(
+        self,
+        version: int | str | None = None,
+        *,
+        success_above: float = DEFAULT_SUCCESS_ABOVE,
+        half_life: float = DEFAULT_HALF_LIFE,
+    ) -> pa.Table:
+        """Per-row statistics of ``version``'s outcomes (a number, a tag, None for the head):
+        one row per store row — ``row``, ``attempts``, ``successes`` (scores above
+        ``success_above``), ``mean_score``, ``ewma_score`` (weights halve every ``half_life``
+        steps back from the row's latest), ``first_step``, ``last_step`` (null for rows never
+        trained). Only outcomes of the version's lineage count: after a reset or rollback to
+        N these are N's. Incremental for the default ``success_above`` and ``half_life``
+        (stored aggregates); other values read every outcome record of the lineage."""
+        above, half = check_stats_params(success_above, half_life, self.display_url)
+        return outcomes_of(self.log).stats(self.resolve(version), above, half)
+
+    def outcome_records(self, version: int | str | None = None) -> pa.Table:
+        """Every outcome record of ``version``'s lineage (``row``, ``step``, ``score`` and the
+        extra columns), oldest commit first."""
+        return outcomes_of(self.log).records(self.resolve(version))
+
+    def generator_state(self, version: int | str | None = None) -> Any:
+        """The generator state committed last in ``version``'s lineage, or None."""
+        return outcomes_of(self.log).generator_state(self.resolve(version))
 
     def discard(self, parts: Sequence[Staged]) -> None:
         """Remove the shards of staged parts that will not be committed."""

@@ -26,6 +26,7 @@ from .errors import (
 )
 from .log import Log, shard_path
 from .log.leases import host_id, process_gone
+from .log.outcomes import Pending, outcomes_of
 from .manifest import Commit, ShardRef
 from .rounds import check_meta, conform_round, to_table
 from .snapshot import Staged
@@ -91,8 +92,13 @@ class Writer:
         *,
         meta: dict[str, Any] | None = None,
         private: bool = False,
+        outcomes: Any = None,
+        generator_state: Any = None,
+        checked: Pending | None = None,
     ) -> int:
         """Commit staged parts, in the given order, as one new version; returns its number.
+        ``outcomes`` and ``generator_state`` are committed in the same record (see
+        :mod:`dynstate.log.outcomes`); ``checked``: both, validated already (``append``).
         Staged files gc collected (their writer died or stalled past the lease) make this
         raise :class:`LeaseExpiredError`. A commit whose outcome is unknown (a lost reply, an
         interrupt during the write) is resolved by reading the record back; when nothing was
@@ -103,8 +109,18 @@ class Writer:
         leases = {p.lease for p in parts if p.lease}
         attempts: list[Commit] = []
         nonce = uuid.uuid4().hex
+        pending: Pending | None = None
         try:
             meta = check_meta(meta, self.display_url)
+            if checked is None and (outcomes is not None or generator_state is not None):
+                self.log.require_writable()
+                head = self.log.record(self.refresh())
+                assert head is not None
+                checked = outcomes_of(self.log).check(outcomes, generator_state, head)
+            if checked is not None:
+                pending = outcomes_of(self.log).write(checked)
+                if pending.lease:
+                    leases.add(pending.lease)
             schemas = {m.schema_fingerprint(p.schema) for p in parts if p.schema is not None}
             if len(schemas) > 1:
                 raise SchemaMismatchError(
@@ -123,10 +139,15 @@ class Writer:
             if schema is not None:
                 self.log.put_schema(schema)
             version = self.log.commit(
-                lambda parent: self._append_record(parent, shards, schema, validated, meta),
+                lambda parent: self._append_record(
+                    parent, shards, schema, validated, meta, pending
+                ),
                 attempts=attempts,
             )
         except BaseException as exc:
+            if pending is not None and pending.ref is not None:
+                # the outcome file goes (or stays) with the round's shards
+                parts = [*parts, Staged((pending.ref,), None, None, pending.lease, self.store_id)]
             landed = self._resolve_failed_commit(parts, leases, attempts, exc, nonce, private)
             if landed is not None and isinstance(exc, Exception):
                 return landed  # the reply was lost, the commit was not
@@ -331,6 +352,7 @@ class Writer:
         schema: pa.Schema | None,
         validated: str | None,
         meta: dict[str, Any],
+        pending: Pending | None = None,
     ) -> Commit:
         fp = m.schema_fingerprint(schema) if schema is not None else parent.schema
         if parent.schema != validated and schema is not None:
@@ -344,6 +366,7 @@ class Writer:
                     + m.describe_schema_diff(parent_schema, schema)
                     + "; convert the round and append again"
                 )
+        outcomes, state = outcomes_of(self.log).append_fields(pending, parent)
         return Commit(
             store_id=self.store_id,
             version=parent.version + 1,
@@ -356,6 +379,8 @@ class Writer:
             num_bytes=parent.num_bytes + sum(s.bytes for s in shards),
             add=tuple(shards),
             meta=meta,
+            outcomes=outcomes,
+            generator_state=state,
         )
 
     def _write_shards(self, table: pa.Table, shard_bytes: int, lease: str) -> list[ShardRef]:
@@ -397,6 +422,8 @@ class Writer:
         if schema is not None:
             self.log.put_schema(schema)
         fp = m.schema_fingerprint(schema) if schema is not None else None
+        # A reset brings back its target's outcomes and generator state with its rows.
+        carried = outcomes_of(self.log).carry(target) if target is not None else (None, None)
 
         def make(parent: Commit) -> Commit:
             if expected_parent is not None and parent.version != expected_parent:
@@ -417,6 +444,8 @@ class Writer:
                 base=shard_list,
                 target=target,
                 meta=meta,
+                outcomes=carried[0],
+                generator_state=carried[1],
             )
 
         self.refresh()

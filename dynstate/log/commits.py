@@ -28,6 +28,7 @@ from ..manifest import Commit, ShardRef
 from ..storage import Storage
 from .catalog import Catalog, checkpoint_bytes
 from .leases import DEFAULT_TTL_S, Leases
+from .outcomes import outcomes_of
 
 log = logging.getLogger("dynstate")
 
@@ -101,6 +102,7 @@ class Log(Catalog):
         self.storage.create_if_absent(
             m.checkpoint_path(floor), checkpoint_bytes(record, shard_list)
         )
+        outcomes_of(self).write_checkpoint(record)  # the floor's outcomes stand alone too
         self.storage.put(m.GC_FILE, m.encode({"format": m.FORMAT, "floor": floor}))
         self._floor = floor
 
@@ -354,6 +356,7 @@ class Log(Catalog):
             return
         parent = self.commit_record(record.parent or 0)
         shard_list = self.put_shard_list(self.materialize(parent.version))
+        carried = outcomes_of(self).carry(parent.version)
 
         def make(head: Commit) -> Commit:
             return Commit(
@@ -369,6 +372,8 @@ class Log(Catalog):
                 base=shard_list,
                 target=parent.version,
                 meta={"undo": record.version},
+                outcomes=carried[0],
+                generator_state=carried[1],
             )
 
         self.commit(make)
@@ -388,6 +393,7 @@ class Log(Catalog):
                 self.storage.create_if_absent(
                     m.checkpoint_path(record.version), checkpoint_bytes(record, shard_list)
                 )
+                outcomes_of(self).write_checkpoint(record)
             # No fsync: the hint only ever names a version already durable, and a hint lost
             # or torn by a power cut is ignored by refresh(), which then probes.
             hint = json.dumps({"version": record.version}).encode()

@@ -168,6 +168,7 @@ class Outcomes:
         self._lineages: OrderedDict[int, Lineage] = OrderedDict()
         self._files: OrderedDict[str, pa.Table] = OrderedDict()
         self._dense: list[tuple[tuple[float, float], tuple[str, ...], Aggregate]] = []
+        self._since: int | None = None  # set once store.json says the store holds outcomes
 
     @property
     def display_url(self) -> str:
@@ -182,11 +183,20 @@ class Outcomes:
         cached = self._lineages.get(version)
         if cached is not None:
             return cached
+        since = self.outcomes_since()
+        if since is None or version <= since:
+            return Lineage(version)  # nothing in this lineage was committed with outcomes
         adds: list[tuple[list[ShardRef], Ranges, int]] = []
         state: Any = None
         floor = self.log.floor
         v = version
         while True:
+            if v <= since:
+                base = Lineage(v)
+                break
+            if v != version and v in self._lineages:
+                base = self._lineages[v]
+                break
             record = self.log.commit_record(v)
             if state is None and record.generator_state is not None:
                 state = record.generator_state
@@ -227,6 +237,20 @@ class Outcomes:
         if len(self._lineages) > 256:
             self._lineages.popitem(last=False)
         return result
+
+    def outcomes_since(self) -> int | None:
+        """None while the store holds no outcomes (``store.json`` at format 1); else the
+        newest version that cannot hold any (the head when the store was marked). Read after
+        the version asked about was resolved: a store is marked before its first record with
+        outcomes is created, so a version that holds them is never missed."""
+        if self._since is not None:
+            return self._since
+        obj = m.decode(self.storage.read(m.STORE_FILE), self.log.where(m.STORE_FILE))
+        if obj.get("format", 1) < m.OUTCOMES_FORMAT:
+            return None
+        since = obj.get("outcomes_since", -1)
+        self._since = since if type(since) is int and since >= -1 else -1
+        return self._since
 
     def _where(self, record: Commit) -> str:
         return self.log.where(m.log_path(record.version))
@@ -452,12 +476,18 @@ class Outcomes:
     def _mark_store(self) -> None:
         """Before the first commit with outcomes, ``store.json`` goes to format 2, so that a
         dynstate that knows no outcomes refuses the store (its gc would remove outcome files
-        as orphans, its compaction and reset would drop them) instead of misreading it."""
+        as orphans, its compaction and reset would drop them) instead of misreading it. It
+        also names ``outcomes_since``: a head read *before* store.json was found unmarked,
+        so no version up to it holds outcomes (lineage walks stop there)."""
+        if self._since is not None:
+            return
+        head = self.log.refresh()
         where = self.log.where(m.STORE_FILE)
         obj = m.decode(self.storage.read(m.STORE_FILE), where)
         if obj.get("format", 1) >= m.OUTCOMES_FORMAT:
             return
         obj["format"] = m.OUTCOMES_FORMAT
+        obj["outcomes_since"] = head
         self.storage.put(m.STORE_FILE, m.encode(obj))
         log.info("%s now holds outcomes (store format %d)", self.display_url, m.OUTCOMES_FORMAT)
 
@@ -503,7 +533,7 @@ class Outcomes:
         """The outcome checkpoint of ``record``'s version: its complete outcome list and an
         aggregate over all of it (after every 100th commit, and for a gc floor)."""
         rel = checkpoint_path(record.version)
-        if self.storage.exists(rel):
+        if self.outcomes_since() is None or self.storage.exists(rel):
             return
         lineage = self.lineage(record.version)
         aggregate = None
@@ -654,6 +684,7 @@ def verify(log_: Log, versions: Iterable[int], all_versions: bool) -> list[str]:
         if found is not None and found.aggregate is not None:
             aggregates[found.aggregate.path] = found.aggregate
     for ref, version in files.values():
+        outcomes._files.pop(ref.path, None)  # read the bytes again, not this handle's copy
         try:
             outcomes.read_file(ref, version)
         except DynstateError as exc:

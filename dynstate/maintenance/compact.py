@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from .. import manifest as m
 from ..errors import CommitConflictError, DynstateError, InvalidDataError
 from ..log import shard_path
+from ..log.outcomes import outcomes_of
 from ..manifest import Commit, ShardRef
 from ..rounds import check_meta
 from ..snapshot import Snapshot
@@ -233,6 +234,8 @@ def _compact_record(
 ) -> Commit:
     shards = compacted + _appended_since(store, base, parent.version)
     shard_list = store.log.put_shard_list(shards)
+    # The new record stands alone like its shard list: it carries the lineage's outcomes.
+    outcomes, state = outcomes_of(store.log).carry(parent.version)
     if parent.num_rows != sum(s.rows for s in shards):  # pragma: no cover - invariant
         raise CommitConflictError(
             f"compaction of {store.display_url} does not match version {parent.version} "
@@ -253,6 +256,8 @@ def _compact_record(
         base=shard_list,
         target=base,
         meta=meta,
+        outcomes=outcomes,
+        generator_state=state,
     )
 
 

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 
 from .. import manifest as m
 from ..errors import DynstateError, VersionCollectedError, VersionNotFoundError
+from ..log.outcomes import verify as verify_outcomes
 from ..manifest import Commit, ShardRef
 from ..storage import is_safe_name
 from ..store import Store
@@ -96,6 +97,8 @@ def verify_store(
         _check_shard(store, shard, version, report)
         if progress is not None:
             progress(done, len(shards))
+    checked = sorted(records) if all_versions else [v for v in (head,) if v in records]
+    report.problems.extend(verify_outcomes(store.log, checked, all_versions))
     return report
 
 
