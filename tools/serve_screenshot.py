@@ -1,5 +1,7 @@
-"""Screenshots of `dynstate serve` for docs/serve.md: a 40-step run with two generators, a
-crash rolled back, a lost round, empty rounds and a compaction, shown in headless Chromium.
+"""Screenshots of `dynstate serve` for docs/serve.md, from a store shaped like a verl run's: a
+2,000-row import, 40 steps of rounds of 1-40 rows from two generators, a crash rolled back, a
+lost round, empty rounds and a compaction, shown in headless Chromium (Debian's chromium at
+/usr/bin/chromium, or $DYNSTATE_CHROMIUM).
 
     python tools/serve_screenshot.py docs/           # writes serve-store.png, serve-row.png
 """
@@ -22,50 +24,78 @@ from dynstate.serve.api import StoreView
 from dynstate.serve.app import create_app
 from dynstate.serve.command import address, bind
 
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 SCHEMA = pa.schema(
     [
-        ("prompt", pa.string()),
-        ("answer", pa.string()),
-        ("difficulty", pa.int64()),
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(MESSAGE)),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
         ("_dynstate_source", pa.list_(pa.int64())),
     ]
 )
+IMPORT_ROWS, STEPS, MAX_ROUND = 2000, 40, 40
 
 
-def build(url: str) -> Store:
+def _row(question: str, answer: str, source: list[int] | None) -> dict:
+    return {
+        "data_source": "arith",
+        "prompt": [{"role": "user", "content": question}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "_dynstate_source": source,
+    }
+
+
+def build(url: str, *, import_rows: int = IMPORT_ROWS, steps: int = STEPS) -> Store:
+    """A store shaped like a verl run's (what dynstate.verl writes): an import of
+    ``import_rows`` rows with no step (verl's parquet files), then one round per training step
+    from step 1, of 1-40 rows each with its ``_dynstate_source``; the run crashes after step 25
+    and resumes from its checkpoint at step 21 (a rollback), step 22's first round is recorded
+    as lost, steps 9 and 17 generate nothing, and a compaction runs at step 31."""
     rng = random.Random(7)
     store = Store.open(url, create=True)
-    seed = [
-        {"prompt": f"What is {a} + {b}?", "answer": str(a + b), "difficulty": 1,
-         "_dynstate_source": None}
-        for a, b in ((rng.randrange(100), rng.randrange(100)) for _ in range(48))
-    ]  # fmt: skip
-    store.append(pa.Table.from_pylist(seed, SCHEMA), meta={"step": -1, "generator": "initial"})
-    step, crashed = 0, False
-    while step < 40:
+    seed = []
+    for _ in range(import_rows):
+        a, b = rng.randrange(100), rng.randrange(100)
+        seed.append(_row(f"What is {a} + {b}?", str(a + b), None))
+    files = ["~/data/arith/train.parquet"]
+    store.append(pa.Table.from_pylist(seed, SCHEMA), meta={"verl_import": True, "files": files})
+    step, crashed = 1, False
+    while step <= steps:
         if step == 26 and not crashed:
             crashed = True  # the run died after step 25; its last checkpoint is step 21
-            rollback(store, step=21, meta={"reason": "resume from global_step_21"})
+            rollback(store, step=21, meta={"verl_resume_step": 21})
             store.append([], meta={"step": 22, "generator": "lost:proposer", "lost": True})
             step = 23
         if step == 31:
             compact(store, target_bytes=2**20)
         n = store.snapshot().num_rows
-        size = 0 if step in (9, 17) else rng.randrange(3, 14)
+        size = 0 if step in (9, 17) else rng.randrange(1, MAX_ROUND + 1)
         gen = "proposer" if step % 3 else "mutator"
         rows = []
         for _ in range(size):
-            src = sorted(rng.sample(range(max(0, n - 40), n), rng.randrange(1, 3)))
+            src = sorted(rng.sample(range(max(0, n - 400), n), rng.randrange(1, 3)))
             a, b = rng.randrange(1000), rng.randrange(1000)
-            rows.append(
-                {"prompt": f"What is {a} * {b}? (harder variant of {src})",
-                 "answer": str(a * b), "difficulty": 2 + len(src), "_dynstate_source": src}
-            )  # fmt: skip
-        store.append(pa.Table.from_pylist(rows, SCHEMA), meta={"step": step, "generator": gen})
-        if step == 20:
+            rows.append(_row(f"What is {a} * {b}? (a harder variant of {src})", str(a * b), src))
+        meta = {"step": step, "generator": gen, "rows": size}
+        store.append(pa.Table.from_pylist(rows, SCHEMA), meta=meta)
+        if step == 21:
             store.tag("global_step_21", store.head)
         step += 1
     return store
+
+
+def pick_row(view: StoreView) -> int:
+    """A generated row with both ancestors and descendants, for the lineage screenshot."""
+    head = view.store.snapshot()
+    best, score = head.num_rows - 1, -1
+    for row in range(IMPORT_ROWS + 300, min(head.num_rows, IMPORT_ROWS + 500), 5):
+        detail = view.row_detail("head", row)
+        up, down = len(detail["ancestors"]), len(detail["descendants"])
+        if up and down and min(up, 4) + min(down, 6) > score:
+            best, score = row, min(up, 4) + min(down, 6)
+    return best
 
 
 def main(out_dir: str) -> None:
@@ -75,8 +105,9 @@ def main(out_dir: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)
         store = build("runs/run1")
+        view = StoreView(store)
         sock = bind("127.0.0.1", 0)
-        server = uvicorn.Server(uvicorn.Config(create_app(StoreView(store)), log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(create_app(view), log_level="warning"))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         while not server.started:
@@ -90,7 +121,7 @@ def main(out_dir: str) -> None:
             page = browser.new_page(viewport={"width": 1240, "height": 900})
             page.goto(base + "/")
             page.screenshot(path=os.path.join(out_dir, "serve-store.png"), full_page=True)
-            row = store.snapshot().num_rows - 30
+            row = pick_row(view)
             page.goto(f"{base}/versions/head/rows/{row}")
             page.screenshot(path=os.path.join(out_dir, "serve-row.png"))
             browser.close()

@@ -178,10 +178,14 @@ def _draw(fig: Any, title: str, model: dict[str, Any]) -> None:
         if event not in seen or event in ("rollback", "crash"):
             bottom.plot([], [], **style, label=name)
             seen.add(event)
-    if lost[0] or bars["import"][0] or "lost" in seen or "empty" in seen:
-        top.legend(loc="upper right", fontsize="small")
-    if seen - {"lost", "empty"}:
-        bottom.legend(loc="upper left", fontsize="small")
+    # One legend under both axes: inside, it would hide the newest rounds.
+    handles, labels = [], []
+    for ax in (top, bottom):
+        h, lab = ax.get_legend_handles_labels()
+        handles += h
+        labels += lab
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=3, fontsize="small", frameon=False)
 
 
 def plot_growth(store: Store, out: str | os.PathLike[str], *, overwrite: bool = False) -> int:
@@ -201,7 +205,8 @@ def plot_growth(store: Store, out: str | os.PathLike[str], *, overwrite: bool = 
     fig = _figure(figsize=(9, 6))
     model = growth(store)
     _draw(fig, store.display_url, model)
-    fig.tight_layout()
+    rows = -(-len(fig.legends[0].get_texts()) // 3) if fig.legends else 0
+    fig.tight_layout(rect=(0, 0.035 * rows, 1, 1))
     tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{uuid.uuid4().hex}.png.tmp")
     try:
         fig.savefig(tmp, format="png")

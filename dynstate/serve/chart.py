@@ -111,7 +111,7 @@ def growth_svg(data: dict[str, Any], *, width: int = 960, link: str = "versions/
     for t in _ticks(0, bar_top, 4):
         y = y_bars + panel - t / bar_top * panel
         out.append(_grid(left, width - right, y, t))
-    for t in _ticks(lo, hi, 4):
+    for t in _ticks(lo, hi, 5):
         out.append(_grid(left, width - right, sy_total(t), t))
     for y0, label in ((y_bars, "rows added"), (y_line, "total rows")):
         out.append(
@@ -140,7 +140,6 @@ def growth_svg(data: dict[str, Any], *, width: int = 960, link: str = "versions/
     gaps = [b - a for a, b in itertools.pairwise(distinct) if b > a]
     unit = min(gaps) if gaps else 1
     bar_w = max(1.0, min(24.0, 0.8 * unit / (x1 - x0) * plot_w))
-    clipped = set(scale["clipped"])
     if len(points) + len(ghosts) > plot_w // 2:
         out.extend(_bucket_bars(data, sx, x0, x1, plot_w, y_bars, panel, bar_top, link))
     else:
@@ -168,12 +167,6 @@ def growth_svg(data: dict[str, Any], *, width: int = 960, link: str = "versions/
                 f'stroke="{COLORS["reset"]}" stroke-width="1.5" stroke-dasharray="4,3" '
                 'opacity="0.8"/>'
             )
-    if clipped:
-        out.append(
-            f'<text class="scale-note" x="{width - right}" y="{y_line - 8}" text-anchor="end">'
-            "rows-added scale set by the rounds; the import is cut (its number on the bar)"
-            "</text>"
-        )
     out.extend(_marks(data, sx, top, y_bars, panel, base_y, link))
     out.append("</svg>")
     return "".join(out)
@@ -205,7 +198,8 @@ def _bars(
     by_x: dict[float, list[tuple[dict[str, Any], Any]]] = {}
     for item in drawn:
         by_x.setdefault(item[0]["x"], []).append(item)
-    out = []
+    out: list[str] = []
+    labels: list[str] = []  # drawn last, over the bars they may cross
     for x, group in by_x.items():
         w = bar_w / len(group)
         for k, (p, reset) in enumerate(group):
@@ -236,10 +230,13 @@ def _bars(
                     f'<path class="clip" d="M{left - 2:.1f},{yb + 3:.1f} L{left + w + 2:.1f},'
                     f'{yb - 3:.1f} M{left - 2:.1f},{yb + 8:.1f} L{left + w + 2:.1f},{yb + 2:.1f}" '
                     'stroke="white" stroke-width="2.5"/>'
-                    f'<text class="clip-label" x="{left + w + 4:.1f}" y="{y0 + 10}">'
+                )
+                labels.append(
+                    f'<text class="mark-label clip-label" x="{left + w + 4:.1f}" y="{y0 + 10}" '
+                    'stroke="white" stroke-width="3" paint-order="stroke">'
                     f"{p['rows_added']:,} rows (import, cut)</text>"
                 )
-    return out
+    return out + labels
 
 
 def _bucket_bars(
@@ -267,7 +264,8 @@ def _bucket_bars(
                 f'x="{sx(p["x"]) - 1:.1f}" y="{y0}" width="2.4" height="{panel}" '
                 f'fill="{COLORS["import"]}" data-version="{p["version"]}" '
                 f'data-rows="{p["rows_added"]}"><title>{escape(_tip(p, data["axis"]))}</title>'
-                f'</rect></a><text class="clip-label" x="{sx(p["x"]) + 4:.1f}" y="{y0 + 10}">'
+                f'</rect></a><text class="mark-label clip-label" x="{sx(p["x"]) + 4:.1f}" '
+                f'y="{y0 + 10}">'
                 f"{p['rows_added']:,} rows (import, cut)</text>"
             )
             continue
