@@ -29,6 +29,7 @@ from datetime import datetime
 from .. import manifest as m
 from ..errors import CorruptStoreError, InvalidDataError
 from ..log import LEASE_DIR, LeaseState, lease_of, survey
+from ..log import outcomes as outcome_log
 from ..store import Store
 
 log = logging.getLogger("dynstate")
@@ -51,7 +52,17 @@ _HASH_FILE = re.compile(r"^([0-9a-f]{64})\.json$")
 _SHARD_FILE = re.compile(r"^[0-9a-f]{32}(-[0-9a-f]{32})?\.parquet$")
 _TMP_FILE = re.compile(r"^\.tmp-[0-9a-f]{32}$")
 _PROBE_FILE = re.compile(r"^[0-9a-f]{32}$")
-_META_SUBDIRS = ("log", "checkpoints", "chunks", "schemas", "tags", "probe", "leases")
+_META_SUBDIRS = (
+    "log",
+    "checkpoints",
+    "chunks",
+    "schemas",
+    "tags",
+    "probe",
+    "leases",
+    "outcomes",
+    "aggregates",
+)
 
 
 def parse_duration(text: str) -> float:
@@ -246,6 +257,7 @@ class _References:
         self.store = store
         self.floor = floor
         self.shards = {s.path for s in store.log.materialize(floor)}
+        self.outcomes = outcome_log.References(store.log, floor)
         self.chunks: set[str] = set()
         self.schemas: set[str] = set()
         for name in store.storage.list(f"{m.META_DIR}/checkpoints"):
@@ -264,12 +276,15 @@ class _References:
             if record.schema is not None:
                 self.schemas.add(record.schema)
             self.shards.update(s.path for s in record.add)
+            self.outcomes.add_record(record, full=version > self.floor)
             if record.base is not None:
                 self.chunks.update(record.base.chunks)
                 if version > self.floor:
                     self.shards.update(s.path for s in self.store.log.materialize(version))
 
     def needs(self, rel: str) -> bool:
+        if self.outcomes.needs(rel):
+            return True
         directory, name = rel.rsplit("/", 1)
         if directory == m.DATA_DIR:
             return rel in self.shards
@@ -326,8 +341,10 @@ def _ours(directory: str, name: str) -> bool:
     if _TMP_FILE.match(name):
         return True
     sub = directory[len(m.META_DIR) + 1 :] if directory.startswith(m.META_DIR + "/") else None
-    if sub in ("log", "checkpoints"):
+    if sub in ("log", "checkpoints", "outcomes"):
         return bool(_VERSION_FILE.match(name))
+    if sub == "aggregates":
+        return bool(outcome_log.AGGREGATE_FILE.match(name))
     if sub in ("chunks", "schemas"):
         return bool(_HASH_FILE.match(name))
     if sub == "probe":
@@ -364,7 +381,7 @@ def _classify(
 ) -> str | None:
     """Why ``rel`` may go ("orphan" / "collected"), or None if it stays."""
     directory, name = rel.rsplit("/", 1)
-    if directory in (f"{m.META_DIR}/log", f"{m.META_DIR}/checkpoints"):
+    if directory in (f"{m.META_DIR}/log", f"{m.META_DIR}/checkpoints", outcome_log.OUTCOME_DIR):
         match = _VERSION_FILE.match(name)
         return "collected" if match and int(match.group(1)) < floor else None
     if refs.needs(rel):
