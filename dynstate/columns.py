@@ -72,7 +72,53 @@ def check_table(table: pa.Table, url: str) -> pa.Table:
             f"dynstate stores {SUPPORTED_TYPES}"
         )
     check_required(table, table.schema, url, None)
+    _check_second_timestamps(table, url)
     return _stable_schema(table, url)
+
+
+def _check_second_timestamps(table: pa.Table, url: str) -> None:
+    """Parquet has no seconds unit: the writer stores timestamp[s] in milliseconds and fails
+    with a bare ArrowInvalid, after the round's lease is taken, on a value past ±2.9e8 years."""
+    for field in table.schema:
+        ms = _in_milliseconds(field.type)
+        if ms is None:
+            continue
+        try:
+            table.column(field.name).cast(ms)
+        except (pa.ArrowInvalid, OverflowError) as exc:
+            raise InvalidDataError(
+                f"column {field.name!r} of this round for {url} has a timestamp[s] value that "
+                f"Parquet cannot store (it keeps seconds as milliseconds: {exc}); use values "
+                "within ±292 million years, or store them as int64"
+            ) from exc
+
+
+def _in_milliseconds(t: pa.DataType) -> pa.DataType | None:
+    """``t`` with every timestamp[s] in it as timestamp[ms]; None if it holds none."""
+    if pa.types.is_timestamp(t):
+        return pa.timestamp("ms", t.tz) if t.unit == "s" else None
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        item = _in_milliseconds(t.value_type)
+        make = pa.list_ if pa.types.is_list(t) else pa.large_list
+        return None if item is None else make(t.value_field.with_type(item))
+    if pa.types.is_fixed_size_list(t):
+        item = _in_milliseconds(t.value_type)
+        return None if item is None else pa.list_(t.value_field.with_type(item), t.list_size)
+    if pa.types.is_struct(t):
+        kinds = [_in_milliseconds(f.type) for f in t]
+        if all(k is None for k in kinds):
+            return None
+        return pa.struct(
+            [f if k is None else f.with_type(k) for f, k in zip(t, kinds, strict=True)]
+        )
+    if pa.types.is_map(t):
+        key, item = _in_milliseconds(t.key_type), _in_milliseconds(t.item_type)
+        if key is None and item is None:
+            return None
+        return pa.map_(
+            t.key_field.with_type(key or t.key_type), t.item_field.with_type(item or t.item_type)
+        )
+    return None
 
 
 def _stable_schema(table: pa.Table, url: str) -> pa.Table:

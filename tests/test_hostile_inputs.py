@@ -503,3 +503,25 @@ def test_overwrite_of_a_datasets_export_that_holds_a_store_is_refused(two_stores
         f"error: cannot replace {out}: it contains the dynstate store at {inner}"
     ), err.stderr
     assert files(str(out)) == before
+
+
+@pytest.mark.parametrize(
+    "column",
+    [
+        pa.array([2**62], pa.timestamp("s")),
+        pa.array([[2**62]], pa.list_(pa.timestamp("s", tz="UTC"))),
+        pa.array([{"a": -(2**62)}], pa.struct([("a", pa.timestamp("s"))])),
+    ],
+    ids=["timestamp", "list", "struct"],
+)
+def test_a_seconds_timestamp_parquet_cannot_store_is_refused_before_writing(url, column):
+    """Parquet keeps timestamp[s] as milliseconds: the writer failed with a bare ArrowInvalid
+    after the round's lease was taken."""
+    from dynstate import InvalidDataError
+
+    store = Store.open(url, create=True)
+    before = files(url)
+    with pytest.raises(InvalidDataError, match=r"column 't' of this round .* timestamp\[s\]"):
+        store.append(pa.table({"id": [9], "t": column}))
+    assert files(url) == before
+    assert Store.open(url).head == 0
