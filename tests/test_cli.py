@@ -1027,3 +1027,41 @@ def test_ls_shows_the_newest_20_on_a_terminal_and_all_when_piped(tmp_path) -> No
     assert listed == [str(v) for v in range(25, 5, -1)]
     piped = json.loads(run("ls", url, "--json").stdout)
     assert [r["version"] for r in piped] == list(range(25, -1, -1))
+
+
+# -- secrets -----------------------------------------------------------------------------------
+
+SLASH_SECRET = "wJalrXUtnFEMI/K7MDENG+bPxRfiCY/CLIKEY01"
+
+
+def test_a_secret_with_a_slash_never_appears_in_output_or_errors(tmp_path) -> None:
+    """Through the installed command: a secret holding "/" and "+" (AWS secret keys do), from
+    the environment, a storage option or a URL's userinfo, is in no output and no error."""
+    from urllib.parse import quote
+
+    option_secret = "Opt/Secret+Value/42"
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    store.append(
+        [{"text": f"a row quoting {SLASH_SECRET}", "link": "https://u:pa/ss@h/x"}],
+        meta={"step": 0, "note": f"http://AKID:{SLASH_SECRET}@h/x", "opt": option_secret,
+              "signed": "https://b/k?X-Amz-Signature=0ddba11/x&X-Amz-Credential=AK/1"},
+    )  # fmt: skip
+    env = {**os.environ, "AWS_SECRET_ACCESS_KEY": SLASH_SECRET, "COLUMNS": "100"}
+    opt = ["--storage-option", f"secret={option_secret}"]
+    outputs = []
+    for args in (["show", url, *opt], ["show", url, "--json", *opt], ["head", url, *opt],
+                 ["head", url, "--jsonl", *opt], ["ls", url, *opt],
+                 ["ls", f"{tmp_path}/{SLASH_SECRET}", *opt],
+                 ["ls", f"{tmp_path}/{option_secret}", *opt],
+                 ["ls", f"sftp://user:{SLASH_SECRET}@127.0.0.1:1/x"],
+                 ["ls", f"http://user:{quote(option_secret, safe='')}@127.0.0.1:1/x"]):  # fmt: skip
+        proc = subprocess.run([console_script(), *args], capture_output=True, text=True,
+                              env=env, timeout=120)  # fmt: skip
+        outputs.append(proc.stdout + proc.stderr)
+        assert proc.returncode in (0, 1), (args, proc.stderr)
+    joined = "\n".join(outputs)
+    assert "***" in joined and "error: " in joined
+    for part in (SLASH_SECRET, quote(SLASH_SECRET, safe=""), "K7MDENG", option_secret,
+                 quote(option_secret, safe=""), "Opt/Secret", "pa/ss", "0ddba11"):  # fmt: skip
+        assert part not in joined, part

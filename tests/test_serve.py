@@ -455,6 +455,11 @@ def test_checkpoint_page_shows_the_pinned_version_and_next_batches(tmp_path):
         assert client.json("/api/store")["checkpoints"] == [{"id": 0, "path": str(folder)}]
         status, body = client.get("/checkpoints/0")
         assert status == 200 and "Next batches" in body and "version 14" in body
+        # The trainer's step is the folder's (as `dynstate inspect` says), not the sampler's
+        # count of batches handed out.
+        assert info["training_step"] == 2
+        assert "<dt>training step</dt><dd>2</dd>" in body
+        assert f"batches handed out {info['step']}" in body
 
     other = build_run(str(tmp_path / "other"), {})
     view = StoreView(other.store, checkpoints=[str(folder)], url=other.url)
@@ -598,3 +603,184 @@ def test_rounds_committed_while_serving_appear_on_reload(tmp_path):
         assert client.json("/api/versions?limit=1")["versions"][0]["status"] == "head"
         after = client.json("/api/versions/head/rows/24")
         assert after["version"] == 15 and [d["row"] for d in after["descendants"]] == [27]
+
+
+# -- binding, hostile records, secrets ---------------------------------------------------------
+
+
+def _bindable(host: str) -> bool:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+    except OSError:
+        return False
+    return True
+
+
+def test_every_loopback_address_and_name_is_loopback():
+    from dynstate.serve.command import allowed_hosts, is_loopback
+
+    for host in ("127.0.0.1", "127.0.0.2", "127.255.0.9", "localhost", "LOCALHOST.", "::1",
+                 "[::1]", "::ffff:127.0.0.1", "app.localhost"):  # fmt: skip
+        assert is_loopback(host), host
+        allowed = allowed_hosts(host)
+        assert allowed is not None and {"127.0.0.1", "localhost", "[::1]"} <= set(allowed)
+    assert "127.0.0.2" in allowed_hosts("127.0.0.2") and "[::1]" in allowed_hosts("::1")
+    for host in ("0.0.0.0", "::", "[::]", "192.168.1.5", "10.0.0.1", "example.com", "fe80::1"):
+        assert not is_loopback(host) and allowed_hosts(host) is None, host
+
+
+def _serve_process(url: str, host: str) -> tuple[subprocess.Popen, str]:
+    dynstate = os.path.join(os.path.dirname(sys.executable), "dynstate")
+    proc = subprocess.Popen(
+        [dynstate, "serve", url, "--host", host, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    assert "serving" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+    return proc, line.split(" at ")[1].split()[0].rstrip("/")
+
+
+def _status_with_host(base: str, host_header: str) -> int:
+    req = urllib.request.Request(base + "/api/store", headers={"Host": host_header})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]", "127.0.0.2", "localhost"])
+def test_installed_serve_checks_the_host_header_on_every_loopback_bind(tmp_path, host):
+    """DNS rebinding: a page elsewhere whose name resolves to the loopback address must get
+    nothing, whichever loopback address or name the server was bound to."""
+    bare = host.strip("[]")
+    if not _bindable("127.0.0.1" if bare == "localhost" else bare):
+        pytest.skip(f"cannot bind {host} here")
+    store = Store.open(str(tmp_path / "store"), create=True)
+    store.append([{"x": 1}], meta={"step": 0})
+    proc, base = _serve_process(store.url, host)
+    try:
+        port = base.rsplit(":", 1)[1]
+        own = base.split("//", 1)[1]
+        assert _status_with_host(base, own) == 200
+        assert _status_with_host(base, f"localhost:{port}") == 200
+        for evil in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example"):
+            assert _status_with_host(base, evil) == 400, evil
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "note:" not in err  # loopback: nothing to warn about
+
+
+def test_installed_serve_on_a_non_loopback_bind_prints_the_note(tmp_path):
+    store = Store.open(str(tmp_path / "store"), create=True)
+    proc, base = _serve_process(store.url, "0.0.0.0")
+    try:
+        port = base.rsplit(":", 1)[1]
+        assert _status_with_host(f"http://127.0.0.1:{port}", "any.name.example") == 200
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert err.startswith(
+        "note: listening on 0.0.0.0: anyone who can reach it can read the store, and any Host "
+        "name is answered; the default --host 127.0.0.1 serves this machine only"
+    )
+
+
+def test_serve_dash_h_prints_help():
+    from dynstate.cli import cli
+
+    for args in (["serve", "-h"], ["serve", "--help"]):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 0, result.output
+        assert result.output.startswith("Usage: ") and "--checkpoint" in result.output
+        assert "-h, --help" in result.output
+
+
+def test_steps_past_2_63_and_odd_meta_never_break_a_page(tmp_path):
+    store = Store.open(str(tmp_path / "store"), create=True)
+    store.append([{"x": 1}], meta={"step": 1, "generator": "g"})
+    store.append([{"x": 2}], meta={"step": 2**64, "generator": "g"})
+    store.append([{"x": 3}], meta={"step": 2**70, "generator": "g"})
+    store.append([], meta={"step": 2**70 + 1, "error": "boom"})
+    store.append([{"x": 4}], meta={"step": -(2**80), "generator": 2**65})
+    big = str(2**64)
+    with served(StoreView(store)) as base:
+        client = Client(base)
+        paths = ["/", "/versions", "/versions/2", "/versions/2/rows/0", "/diff/1/5",
+                 f"/versions/head?step={big}", "/api/store", "/api/versions", "/api/versions/2",
+                 "/api/versions/head/rows", f"/api/versions/head/rows?step={big}",
+                 f"/api/versions/head/rows?round={big}", "/api/versions/2/rows/0",
+                 "/api/diff/1/5", f"/api/versions?before={big}"]  # fmt: skip
+        for path in paths:
+            status, body = client.get(path)
+            assert status == 200, (path, body[:300])
+            assert "Traceback" not in body
+        info = client.json("/api/store")
+        assert info["head"] == 5 and "growth" in info
+        if info["growth"].get("error"):  # the chart may refuse such steps; the page says why
+            assert info["growth"]["error"].startswith("the growth chart cannot be drawn")
+            assert info["growth"]["error"] in client.get("/")[1]
+        for path in (f"/api/versions/{big}", f"/api/versions/2/rows/{big}", f"/versions/{big}"):
+            status, body = client.get(path)
+            assert status == 404 and "Traceback" not in body, (path, body[:300])
+
+
+def test_an_unexpected_error_is_one_line_not_a_traceback(tmp_path, monkeypatch):
+    store = Store.open(str(tmp_path / "store"), create=True)
+    store.append([{"x": 1}], meta={"step": 0})
+    view = StoreView(store)
+
+    def broken(*args, **kwargs):
+        raise OverflowError("Python int too large to convert to C ssize_t")
+
+    monkeypatch.setattr(view, "version_info", broken)
+    with served(view) as base:
+        client = Client(base)
+        body = client.json("/api/versions/1", status=500)
+        assert body["error"] == (
+            "this page could not be built (OverflowError: Python int too large to convert to C "
+            "ssize_t); other pages may still work"
+        )
+        status, html = client.get("/versions/1")
+        assert status == 500 and "Traceback" not in html and "other pages may still work" in html
+        assert client.json("/api/store")["head"] == 1
+
+
+SLASH_SECRET = "wJalrXUtnFEMI/K7MDENG+bPxRfiCY/SERVEKEY"
+
+
+def test_no_secret_with_a_slash_on_any_page_json_or_error(tmp_path, monkeypatch):
+    """The one scrubber on every response: a secret holding "/" (AWS secret keys do), whether
+    in the environment, in a storage option or inside a URL's userinfo, appears nowhere."""
+    from urllib.parse import quote
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SLASH_SECRET)
+    option_secret = "Opt/Secret+Value/1234"
+    store = Store.open(str(tmp_path / "store"), create=True)
+    leak = f"http://AKID:{SLASH_SECRET}@host/x s3://u:{option_secret}@b/p pw=Sh/rt"
+    store.append(
+        [{"prompt": f"rows may quote it: {SLASH_SECRET}", "url": f"https://u:pa/ss@h/{1}"}],
+        meta={"step": 0, "generator": "g", "note": leak, "opt": option_secret},
+    )
+    view = StoreView(store, url=store.url, storage_options={"secret": option_secret})
+    with served(view) as base:
+        client = Client(base)
+        for path in ("/", "/versions", "/versions/1", "/versions/1/rows/0", "/diff/0/1",
+                     "/api/store", "/api/versions", "/api/versions/1", "/api/versions/1/rows",
+                     "/api/versions/1/rows/0", "/api/diff/0/1",
+                     f"/api/versions/{quote(SLASH_SECRET, safe='')}",
+                     f"/versions/{quote(option_secret, safe='')}",
+                     f"/nothing/{SLASH_SECRET}"):  # fmt: skip
+            client.get(path)
+        joined = "\n".join(client.bodies)
+        assert "***" in joined
+        for part in (SLASH_SECRET, quote(SLASH_SECRET, safe=""), "K7MDENG", option_secret,
+                     quote(option_secret, safe=""), "Opt/Secret", "pa/ss"):  # fmt: skip
+            assert part not in joined, part

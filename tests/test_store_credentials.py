@@ -89,3 +89,79 @@ def test_options_s3fs_hands_on_to_botocore_are_accepted(s3_endpoint) -> None:
     open_storage(s3_url(), {"profile": "default", "anon": False})  # no error: both are known
     with pytest.raises(InvalidDataError, match="unknown storage option 'no_such_option'"):
         open_storage(s3_url(), {"no_such_option": 1})
+
+
+# -- the one scrubber ------------------------------------------------------------------------
+
+AWS_SECRET = "wJalrXUtnFEMI/K7MDENG+bPxRfiCY/EXAMPLE1"  # AWS secret keys hold "/" and "+"
+SESSION = "IQoJb3JpZ2luX2VjEH8aCXVzLWVhc3QtMSJHMEUCIQD/abc+def/ghi=="
+
+
+@pytest.mark.parametrize(
+    ("text", "hidden"),
+    [
+        (f"s3://{KEY}:{AWS_SECRET}@bucket/run", (AWS_SECRET, "K7MDENG", "EXAMPLE1")),
+        ("sftp://user:p@ss/w:rd@host:22/data failed", ("p@ss", "w:rd")),
+        ("see http://u:Zq9/Xw7@h/x.", ("Zq9", "Xw7")),
+        (
+            "GET https://b.s3.amazonaws.com/k?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential="
+            "AKIDSHORT%2F20261201%2Fus-east-1%2Fs3%2Faws4_request&X-Amz-Signature=ab12cd34"
+            "&X-Amz-Security-Token=FwoG/zz+yy",
+            ("AKIDSHORT", "ab12cd34", "FwoG", "zz+yy"),
+        ),
+        ("https://acct.blob.core.windows.net/c/b?sv=2020&sig=Sh0rt%2Fsig", ("Sh0rt",)),
+        ("Authorization: AWS4-HMAC-SHA256 Credential=AKID/2026, Signature=f00d", ("AKID/", "f00d")),
+        ("aws_secret_access_key = sh/rt+1", ("sh/rt+1",)),
+        ('{"SessionToken": "Tok/en+short"}', ("Tok/en",)),
+        (f"{{'aws_session_token': '{SESSION}'}}", (SESSION, "abc+def")),
+    ],
+)
+def test_scrub_hides_every_shape_of_secret(text: str, hidden: tuple[str, ...]) -> None:
+    from dynstate.storage.credentials import scrub
+
+    clean = scrub(text)
+    assert "***" in clean
+    for part in hidden:
+        assert part not in clean, (part, clean)
+
+
+def test_scrub_hides_known_secrets_as_written_and_url_encoded(monkeypatch) -> None:
+    from urllib.parse import quote, quote_plus
+
+    from dynstate.storage.credentials import scrub
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", AWS_SECRET)
+    monkeypatch.setenv("AWS_SESSION_TOKEN", SESSION)
+    for form in (AWS_SECRET, quote(AWS_SECRET, safe=""), quote_plus(AWS_SECRET), SESSION):
+        assert scrub(f"the value {form} was here") == "the value *** was here"
+    # A secret passed by the caller (a storage option) too, and a short one only where a rule
+    # finds it: a short word is not blanked everywhere.
+    assert scrub("opt MyOwnS3cret/Value here", ["MyOwnS3cret/Value"]) == "opt *** here"
+    assert scrub("testing is testing", ["testing"]) == "testing is testing"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "s3://bucket/runs/a@b has no store",
+        "/local/path@1 and http://127.0.0.1:8000/versions?step=3&limit=50&before=9",
+        "version 12 not found in s3://bucket/run1 (latest is 9)",
+        "token_count=5 and key points",
+    ],
+)
+def test_scrub_leaves_ordinary_text_alone(text: str) -> None:
+    from dynstate.storage.credentials import scrub
+
+    assert scrub(text) == text
+
+
+def test_there_is_one_scrubber() -> None:
+    """The CLI and serve call the storage package's scrubber; no copy with its own rules."""
+    import dynstate.cli.errors as cli_errors
+    import dynstate.serve.api as serve_api
+    import dynstate.serve.app as serve_app
+    from dynstate.storage import credentials
+
+    assert not hasattr(cli_errors, "scrub") and not hasattr(cli_errors, "_USERINFO")
+    assert serve_api.scrub is credentials.scrub and serve_app.scrub is credentials.scrub
+    assert not hasattr(serve_api, "_USERINFO") and not hasattr(serve_api, "_MIN_SECRET")
