@@ -230,8 +230,10 @@ class ShardList:
         for digest in obj["chunks"]:
             if not isinstance(digest, str) or not _HASH.match(digest):
                 raise UnsafePathError(f"{where} names chunk {digest!r}, which is not a chunk id")
-        tail = tuple(ShardRef.from_json(s, where) for s in obj.get("tail", []))
-        return cls(tuple(obj["chunks"]), tail)
+        tail = obj.get("tail", [])
+        if not isinstance(tail, list):
+            raise _wrong(where, "shard list tail", tail, "a list of shard entries")
+        return cls(tuple(obj["chunks"]), tuple(ShardRef.from_json(s, where) for s in tail))
 
 
 def split_chunks(shards: list[ShardRef]) -> tuple[list[tuple[str, bytes]], ShardList]:
@@ -437,7 +439,7 @@ def schema_to_json(schema: pa.Schema) -> dict[str, Any]:
 def schema_from_json(obj: dict[str, Any], where: str) -> pa.Schema:
     try:
         schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(obj["arrow"])))
-    except (KeyError, ValueError, pa.ArrowException) as exc:
+    except (KeyError, TypeError, ValueError, pa.ArrowException) as exc:
         raise CorruptStoreError(f"{where} does not hold a readable Arrow schema") from exc
     if schema_fingerprint(schema) != obj.get("fingerprint"):
         raise ChecksumMismatchError(f"{where} does not match its fingerprint; it was modified")

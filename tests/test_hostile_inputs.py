@@ -525,3 +525,35 @@ def test_a_seconds_timestamp_parquet_cannot_store_is_refused_before_writing(url,
         store.append(pa.table({"id": [9], "t": column}))
     assert files(url) == before
     assert Store.open(url).head == 0
+
+
+@pytest.mark.parametrize("version", [-5, 10**30, 2.0, True, "1"], ids=repr)
+def test_a_tag_naming_no_count_is_a_corrupt_store_error(url, version) -> None:
+    filled(url)
+    tamper(url, m.tag_path("t"), version=version)
+    before = files(url)
+    with pytest.raises(CorruptStoreError) as info:
+        _read_tag(url)
+    check_refused(info.value, m.tag_path("t"), "names no version", "restore it")
+    assert files(url) == before
+
+
+@pytest.mark.parametrize(
+    ("rel", "fields", "says"),
+    [
+        (RECORD, {"base": {"chunks": [], "tail": 7}}, "shard list tail 7, not a list"),
+        ("schema", {"arrow": 5}, "does not hold a readable Arrow schema"),
+        ("schema", {"arrow": None}, "does not hold a readable Arrow schema"),
+    ],
+    ids=["shard-list-tail", "schema-arrow-int", "schema-arrow-null"],
+)
+def test_a_shard_list_or_schema_of_wrong_types_is_a_corrupt_store_error(url, rel, fields, says):
+    store = filled(url)
+    if rel == "schema":
+        rel = m.schema_path(store.commit_record(1).schema)
+    tamper(url, rel, **fields)
+    before = files(url)
+    with pytest.raises(CorruptStoreError) as info:
+        _read_version_1(url)
+    check_refused(info.value, rel, says)
+    assert files(url) == before

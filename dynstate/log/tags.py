@@ -31,8 +31,12 @@ class Tags:
             )
         where = self.log.where(m.tag_path(name))
         version = m.decode(raw, where).get("version")
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise CorruptStoreError(f"{where} names no version; the file is damaged")
+        if type(version) is not int or not 0 <= version <= m.MAX_COUNT:
+            raise CorruptStoreError(
+                f"{where} names no version ({version!r} is not a count from 0 to 2**63 - 1); "
+                "the file is damaged — restore it from a backup, or remove the file to drop "
+                "the tag"
+            )
         return version
 
     def version(self, name: str) -> int:
