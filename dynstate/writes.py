@@ -260,23 +260,37 @@ class Writer:
                     f"committed as version {version}; commit each staged part once"
                 )
         where = f"the staged parts of lease {lease} of {self.display_url}"
-        cut = " (or in a version gc has collected since)" if start < floor else ""
         pid, host = claim.get("pid"), claim.get("host")
+        unsettled = claim.get("unsettled")
+        if unsettled is not None:
+            return CommitConflictError(
+                f"{where} were claimed by a commit whose record (version {unsettled}) was sent "
+                f"but never confirmed, and no version up to {head} holds them: if that request "
+                "still lands, the round is stored there; gc keeps the files an hour for it. "
+                "Commit each staged part once"
+            )
         if host == host_id() and isinstance(pid, int) and 0 < pid < 2**31 and process_gone(pid):
+            if start < floor:
+                fate = (
+                    f"no version from {floor} on holds them (older ones were collected), so the "
+                    "round is not in the store now"
+                )
+            else:
+                fate = "no version holds them, so the round was NOT stored"
             err = LeaseExpiredError(
                 f"{where} were claimed for a commit by process {pid} of this machine, which "
-                f"exited before creating its record: no kept version holds them{cut}, so the "
-                "round was NOT stored and gc removes its files — stage the round again"
+                f"exited without finishing it: {fate}; gc removes its files — stage the round "
+                "again"
             )
             err.dead_claim = True  # type: ignore[attr-defined]
             return err
         owner = f"process {pid} on {host}" if pid is not None else "another call"
         return CommitConflictError(
-            f"{where} are claimed for a commit by {owner}, and no version up to {head} holds "
-            f"them yet{cut}: if that commit is still running, it will store the round; if its "
-            "process died before creating its record, the round was NOT stored and gc removes "
-            "its files within an hour — then stage the round again. Commit each staged part "
-            "once"
+            f"{where} are claimed for a commit by {owner}, and no version from "
+            f"{max(start, floor)} to {head} holds them yet: if that commit is still running, it "
+            "will store the round; if its process died before creating its record, the round "
+            "was NOT stored and gc removes its files within an hour — then stage the round "
+            "again. Commit each staged part once"
         )
 
     def discard(self, parts: Sequence[Staged]) -> None:

@@ -227,7 +227,7 @@ def test_part_of_a_committer_killed_before_its_record_is_not_stored(durable_url:
     part = _staged_then_killed(durable_url, "kill")
     with pytest.raises(LeaseExpiredError, match="NOT stored") as info:
         store.commit_staged([part])
-    assert "exited before creating its record" in str(info.value)
+    assert "exited without finishing it" in str(info.value)
     assert "already committed" not in str(info.value)
     assert _fresh(durable_url).head == 1
     # What the message says is what gc does: the shards go, nothing kept names them.
