@@ -352,3 +352,73 @@ def test_loader_with_workers_sees_every_row_once(store_path, fmt):
     for batch in loader:
         ids += [row["id"] for row in batch] if fmt == "rows" else batch["id"]
     assert sorted(ids) == list(range(1500))
+
+
+# -- row numbers in batch items (lineage from the plain API, issue 24) --------------------------
+
+
+def test_row_column_gives_each_item_its_row_number(store_path, expected):
+    ds = VersionedDataset(store_path, row_column="_dynstate_row")
+    assert ds[7] == {**expected[7], "_dynstate_row": 7}
+    picks = [1499, 0, 0, 640, 301]  # across shards and blocks, a duplicate
+    assert ds.__getitems__(picks) == [{**expected[i], "_dynstate_row": i} for i in picks]
+    columns = ds.read_batch(picks, "columns")
+    assert columns["_dynstate_row"] == picks and columns["id"] == [expected[i]["id"] for i in picks]
+    batch = ds.read_batch(picks, "arrow")
+    assert batch.schema.field("_dynstate_row").type == pa.int64()
+    assert batch.column("_dynstate_row").to_pylist() == picks
+    assert ds.read_batch([], "arrow").column("_dynstate_row").to_pylist() == []
+    assert VersionedDataset(store_path, columns=["id"], row_column="row")[5] == {"id": 5, "row": 5}
+    assert "_dynstate_row" not in VersionedDataset(store_path)[0]  # off by default
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone[3]["_dynstate_row"] == 3
+
+
+def test_row_column_is_the_row_of_the_sampler_s_version(tmp_path):
+    """A sampler index carries its version; the row number is the row in that version, the
+    same in every later version of its lineage."""
+    from dynstate import VersionedSampler
+
+    store = Store.open(str(tmp_path / "store"), create=True)
+    store.append([{"q": f"seed {i}"} for i in range(6)])
+    ds = VersionedDataset(store, row_column="_dynstate_row")
+    indices = list(VersionedSampler(ds, seed=0))
+    store.append([{"q": "later"}])
+    items = ds.__getitems__(indices)
+    head = store.snapshot().to_arrow().to_pylist()
+    assert sorted(i["_dynstate_row"] for i in items) == list(range(6))
+    assert all(head[i["_dynstate_row"]]["q"] == i["q"] for i in items)
+
+
+def test_row_column_that_names_a_column_is_refused(store_path):
+    with pytest.raises(InvalidDataError, match=r"row_column='id' is a column of version 5"):
+        VersionedDataset(store_path, row_column="id")
+    with pytest.raises(InvalidDataError, match="row_column must be a column name"):
+        VersionedDataset(store_path, row_column="")
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_row_column_in_loader_workers_round_trips_as_lineage(tmp_path):
+    """The documented recipe: batch items carry their row, a generator writes the rows it
+    derived from as `_dynstate_source` (None in the import: the column stays list<int64>)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from dynstate import VersionedSampler
+
+    store = Store.open(str(tmp_path / "store"), create=True)
+    store.append([{"q": f"seed {i}", "_dynstate_source": None} for i in range(8)])
+    ds = VersionedDataset(store, row_column="_dynstate_row")
+    loader = StatefulDataLoader(
+        ds, batch_size=4, sampler=VersionedSampler(ds, seed=2), num_workers=1,
+        collate_fn=lambda rows: rows,
+    )  # fmt: skip
+    for batch in loader:
+        rows = [{"q": f"variant of {r['q']}", "_dynstate_source": [r["_dynstate_row"]]}
+                for r in batch]  # fmt: skip
+        store.append(rows, meta={"generator": "variants"})
+    table = store.snapshot().to_arrow()
+    assert table.schema.field("_dynstate_source").type == pa.list_(pa.int64())
+    out = table.to_pylist()
+    for row in out[8:]:
+        (source,) = row["_dynstate_source"]
+        assert row["q"] == f"variant of {out[source]['q']}"

@@ -52,6 +52,17 @@ def check_outputs(out: Path, run_url: str, ref_url: str, proc) -> None:
     assert all("rollback_from" in reset.meta for reset in resets)
     assert ("abandoned" in proc.stdout) == bool(resets)
     assert f"dynstate ls {run_url} --all" in proc.stdout
+    assert proc.stdout.rstrip().endswith(f"dynstate serve {run_url}")  # the next thing to try
+    # Lineage by the reserved column: every generated task names the row it varies, a row
+    # of an earlier version of the lineage (row numbers are stable), never itself.
+    table = run.snapshot().to_arrow().to_pylist()
+    generated = [(i, t) for i, t in enumerate(table) if t["origin_step"] >= 0]
+    assert generated and all(
+        t["_dynstate_source"] is None for t in table[: len(table) - len(generated)]
+    )
+    for i, task in generated:
+        (source,) = task["_dynstate_source"]
+        assert 0 <= source < i and table[source]["answer"] > 40  # a task the policy failed
     # The evidence: both runs' batches for the steps after the checkpoint, side by side.
     ckpt = json.loads((out / "summary.json").read_text())["checkpoint_step"]
     evidence = proc.stdout.split("batches after the checkpoint", 1)[1].splitlines()[2:]
@@ -158,11 +169,15 @@ def test_generator_varies_only_failed_tasks_deterministically() -> None:
     cfg = DemoConfig(seed=5)
     tasks = initial_tasks(cfg).to_pylist()
     assert tasks == initial_tasks(cfg).to_pylist()
-    failed = [t for t in tasks if not policy_solves(t, step=3)]
+    assert all(t["_dynstate_source"] is None for t in tasks)  # the import has no sources
+    # Batch rows as the demo's dataset gives them: with their row number in the store.
+    rows = [{**t, "_dynstate_row": i} for i, t in enumerate(tasks)]
+    failed = [t for t in rows if not policy_solves(t, step=3)]
     assert failed and len(failed) < len(tasks)
     new = generate(failed, 3, cfg).to_pylist()
     assert new == generate(failed, 3, cfg).to_pylist()
-    assert 0 < len(new) <= cfg.max_new and {t["parent"] for t in new} <= {t["id"] for t in failed}
+    assert 0 < len(new) <= cfg.max_new
+    assert {tuple(t["_dynstate_source"]) for t in new} <= {(t["_dynstate_row"],) for t in failed}
     for task in new:
         assert task["prompt"] == f"what is {task['a']}+{task['b']}?"
         assert task["answer"] == task["a"] + task["b"] and task["origin_step"] == 3

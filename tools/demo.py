@@ -53,9 +53,14 @@ SCHEMA = pa.schema(
         ("b", pa.int64()),
         ("answer", pa.int64()),
         ("origin_step", pa.int64()),  # -1: the initial import
-        ("parent", pa.string()),
+        # The reserved lineage column: the row numbers a task was derived from (null for the
+        # import), which `dynstate serve` follows to show a row's ancestors and descendants.
+        ("_dynstate_source", pa.list_(pa.int64())),
     ]
 )
+# Each batch row carries its number in the store under this key (VersionedDataset's
+# row_column): what a generated task's _dynstate_source names.
+ROW_KEY = "_dynstate_row"
 
 
 @dataclass(frozen=True)
@@ -96,14 +101,14 @@ def initial_tasks(cfg: DemoConfig) -> pa.Table:
     rows = []
     for i in range(cfg.initial_tasks):
         a, b = rng.randint(1, 60), rng.randint(1, 60)
-        rows.append(_task(f"t{i:04d}", a, b, -1, ""))
+        rows.append(_task(f"t{i:04d}", a, b, -1, None))
     return pa.Table.from_pylist(rows, schema=SCHEMA)
 
 
-def _task(task_id: str, a: int, b: int, step: int, parent: str) -> dict[str, Any]:
+def _task(task_id: str, a: int, b: int, step: int, source: list[int] | None) -> dict[str, Any]:
     prompt = f"what is {a}+{b}?"
     return {"id": task_id, "prompt": prompt, "a": a, "b": b, "answer": a + b,
-            "origin_step": step, "parent": parent}  # fmt: skip
+            "origin_step": step, "_dynstate_source": source}  # fmt: skip
 
 
 def policy_solves(task: dict[str, Any], step: int) -> bool:
@@ -113,13 +118,15 @@ def policy_solves(task: dict[str, Any], step: int) -> bool:
 
 def generate(failed: list[dict[str, Any]], step: int, cfg: DemoConfig) -> pa.Table:
     """Two easier variations of each failed task (one operand made smaller), in batch order,
-    at most ``cfg.max_new`` per round: deterministic, so a resumed run regenerates the same."""
+    at most ``cfg.max_new`` per round: deterministic, so a resumed run regenerates the same.
+    Each names the store row it varies (the batch row's ``_dynstate_row``) as its source."""
     rows: list[dict[str, Any]] = []
     for task in failed:
         k = 1 + (31 * task["a"] + 17 * task["b"] + step + cfg.seed) % 9
         for a, b in ((max(1, task["a"] - k), task["b"]), (task["a"], max(1, task["b"] - k))):
             if len(rows) < cfg.max_new:
-                rows.append(_task(f"g{step:04d}.{len(rows):02d}", a, b, step, task["id"]))
+                source = [task[ROW_KEY]]
+                rows.append(_task(f"g{step:04d}.{len(rows):02d}", a, b, step, source))
     return pa.Table.from_pylist(rows, schema=SCHEMA)
 
 
@@ -185,7 +192,7 @@ def train(
         # Rounds the crashed run committed after its checkpoint must not leak in.
         rollback(store, step=ckpt_step, meta={"reason": "demo resume"})
         start, state = ckpt_step + 1, ckpt["loader"]
-    dataset = VersionedDataset(store)
+    dataset = VersionedDataset(store, row_column=ROW_KEY)
     sampler = VersionedSampler(
         dataset, seed=cfg.seed, mode=cfg.mode, batch_size=cfg.batch_size, lag=cfg.lag
     )
@@ -384,6 +391,11 @@ def run_demo(
     console.print(
         f"resume exact: OK (steps {ckpt_step + 1}..{cfg.steps - 1} after the crash and the head, "
         f"{head.num_rows} rows at version {head.version}, equal the uninterrupted run)",
+        markup=False,
+    )
+    console.print(
+        f"\nSee it in a browser (growth, rows, each task's ancestors by _dynstate_source):\n"
+        f"  dynstate serve {urls['run']}",
         markup=False,
     )
     return True

@@ -149,6 +149,12 @@ class VersionedDataset(Dataset):
     ``pyarrow.RecordBatch`` (pass a ``collate_fn`` that takes that batch). :meth:`read_batch`
     gives any format without changing the dataset's.
 
+    ``row_column="_dynstate_row"`` adds the row's number in its version to every item, under
+    that name (an int64 column in the columnar formats): what a generator writes into the
+    reserved ``_dynstate_source`` column of the rows it derives from a batch, since row ``i``
+    of a version is row ``i`` of every later version of its lineage. The name must not be a
+    column of the store.
+
     >>> ds = VersionedDataset("memory://doc/store")          # doctest: +SKIP
     >>> ds[0]                                                 # doctest: +SKIP
     {'prompt': '1+1', 'answer': '2'}
@@ -164,7 +170,13 @@ class VersionedDataset(Dataset):
         cache_dir: str | None = None,
         columns: Sequence[str] | None = None,
         batch_format: str = "rows",
+        row_column: str | None = None,
     ) -> None:
+        if row_column is not None and (not isinstance(row_column, str) or not row_column):
+            raise InvalidDataError(
+                f"row_column must be a column name (a non-empty string) or None, not "
+                f"{row_column!r}; e.g. row_column='_dynstate_row'"
+            )
         if batch_format not in BATCH_FORMATS:
             raise InvalidDataError(
                 f"batch_format must be one of {BATCH_FORMATS}, not {batch_format!r}"
@@ -181,12 +193,15 @@ class VersionedDataset(Dataset):
         self.cache_dir = cache_dir
         self.columns = list(columns) if columns is not None else None
         self.batch_format = batch_format
+        self.row_column = row_column
         self._pid = os.getpid()
         self._cache: ShardCache | None = None
         self._views: dict[int, _View] = {}
         store = self.store
         self.store_id = store.store_id
         self.version = store.resolve(version)
+        if row_column is not None:
+            self._view(self.version)  # a name clash is refused here, not at the first batch
 
     # -- per-process state -------------------------------------------------------------------
 
@@ -200,6 +215,7 @@ class VersionedDataset(Dataset):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("batch_format", "rows")
+        self.__dict__.setdefault("row_column", None)
         self.__dict__.setdefault("_views", {})
         self._pid = -1  # reopen lazily in this process
 
@@ -245,6 +261,11 @@ class VersionedDataset(Dataset):
             view = _View(
                 store.snapshot(version), self.columns, store.display_url, self.cache_bytes // 4
             )
+            if self.row_column is not None and self.row_column in view.names:
+                raise InvalidDataError(
+                    f"row_column={self.row_column!r} is a column of version {version} of "
+                    f"{store.display_url}; pass another name for the row numbers"
+                )
             if len(self._views) >= 16:
                 self._views.pop(next(iter(self._views)))
             self._views[version] = view
@@ -314,7 +335,10 @@ class VersionedDataset(Dataset):
             values.append(
                 np_view.item(local) if np_view is not None else data.arrays[c][local].as_py()
             )
-        return _row_maker(view.names)(*values)
+        out = _row_maker(view.names)(*values)
+        if self.row_column is not None:
+            out[self.row_column] = row
+        return out
 
     def __getitems__(self, indices: Sequence[int]) -> Any:
         """Several rows at once, in the order of ``indices`` (duplicates allowed): a list of
@@ -330,20 +354,39 @@ class VersionedDataset(Dataset):
             raise InvalidDataError(f"format must be one of {BATCH_FORMATS}, not {format!r}")
         groups = self._groups(indices)
         if format == "arrow":
-            return self._arrow_batch(groups, len(indices))
+            batch = self._arrow_batch(groups, len(indices))
+            if self.row_column is None:
+                return batch
+            numbers = pa.array(self._row_numbers(groups, len(indices)), pa.int64())
+            return batch.append_column(self.row_column, numbers)
         parts = [(positions, view, self._columns(view, rows)) for positions, view, rows in groups]
         if format == "columns":
-            return _merge_columns(parts, len(indices))
+            columns = _merge_columns(parts, len(indices))
+            if self.row_column is not None:
+                columns[self.row_column] = self._row_numbers(groups, len(indices))
+            return columns
         if len(parts) == 1:
             _, view, values = parts[0]
-            return _rows(view.names, values, len(indices))
-        out: list[Any] = [None] * len(indices)
-        for positions, view, values in parts:
-            for p, row in zip(
-                positions.tolist(), _rows(view.names, values, len(positions)), strict=True
-            ):
-                out[p] = row
+            out = _rows(view.names, values, len(indices))
+        else:
+            out = [None] * len(indices)
+            for positions, view, values in parts:
+                for p, row in zip(
+                    positions.tolist(), _rows(view.names, values, len(positions)), strict=True
+                ):
+                    out[p] = row
+        if self.row_column is not None:
+            for item, number in zip(out, self._row_numbers(groups, len(indices)), strict=True):
+                item[self.row_column] = number
         return out
+
+    @staticmethod
+    def _row_numbers(groups: list[tuple[np.ndarray, _View, np.ndarray]], n: int) -> list[int]:
+        """The row number (in its version) of each index of a batch, in the batch's order."""
+        numbers = np.empty(n, dtype=np.int64)
+        for positions, _, rows in groups:
+            numbers[positions] = rows
+        return numbers.tolist()
 
     # -- batch internals ---------------------------------------------------------------------
 
