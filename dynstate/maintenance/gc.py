@@ -96,6 +96,19 @@ class GcResult:
     kept_young: int = 0  # orphans left alone because they are younger than the grace period
     kept_leased: int = 0  # staged files of live writers
     foreign: list[str] = field(default_factory=list)  # names dynstate never writes: untouched
+    retention: Retention | None = None  # what the rule asked for and what holds the floor
+
+    @property
+    def pinned_by(self) -> list[dict[str, object]]:
+        """What holds the floor where it is (see :meth:`Retention.pinned_by`)."""
+        return self.retention.pinned_by(self.floor_after) if self.retention else []
+
+    @property
+    def kept(self) -> list[dict[str, object]]:
+        """The kept versions as ranges, each with why it is kept."""
+        if self.retention is None:
+            return [{"from": self.floor_after, "to": self.head, "reason": "kept"}]
+        return self.retention.kept(self.floor_after, self.head)
 
     @property
     def versions_collected(self) -> list[int]:
@@ -118,6 +131,9 @@ class GcResult:
             "kept_young": self.kept_young,
             "kept_leased": self.kept_leased,
             "foreign": self.foreign,
+            "retention": self.retention.to_json(self.floor_after) if self.retention else None,
+            "pinned_by": self.pinned_by,
+            "kept": self.kept,
             "removed": [
                 {"path": r.path, "bytes": r.bytes, "reason": r.reason} for r in self.removed
             ],
@@ -129,10 +145,120 @@ def gc_floor(store: Store) -> int:
     return store.log.read_floor()
 
 
+@dataclass(frozen=True)
+class Retention:
+    """A retention rule's plan: the floor the rule alone asks for, the tags that may hold it
+    lower, and so the floor, with the reason for every kept range.
+
+    Retention is a floor: every version from it to the head is kept, abandoned ones too, and
+    the floor never passes a tagged version (docs/format.md, "Retention", says why tags pin
+    the range above them rather than only the tagged version, as Lance does)."""
+
+    keep: int | None
+    older_than_s: float | None
+    floor_before: int
+    asked: int  # the floor the rule alone gives
+    floor: int  # after tags
+    tags: dict[str, int]  # the tags at or above floor_before
+    note: str | None = None  # why the rule could not be applied, where it could not
+
+    def _rule(self) -> str:
+        if self.keep is not None:
+            return f"keep {self.keep}"
+        if self.older_than_s is not None:
+            return f"older than {_duration(self.older_than_s)}"
+        return "no retention rule"
+
+    def _asked_reason(self) -> str:
+        if self.keep is not None:
+            plural = "" if self.keep == 1 else "s"
+            return f"keep {self.keep}: the newest {self.keep:,} version{plural}"
+        if self.older_than_s is not None:
+            age = _duration(self.older_than_s)
+            return f"older than {age}: committed within the last {age}"
+        return "no retention rule (keep or older than): every version is kept"
+
+    def pinned_by(self, floor: int) -> list[dict[str, object]]:
+        """What sets the floor: the tags on it when they hold it below what the rule asks
+        (``{"kind": "tag", "name", "version"}``), else the rule itself or the earlier floor."""
+        if floor < self.asked:
+            on = sorted(name for name, v in self.tags.items() if v == floor)
+            if on:
+                return [{"kind": "tag", "name": name, "version": floor} for name in on]
+        if self.keep is None and self.older_than_s is None:
+            return [{"kind": "no rule", "version": floor}]
+        if floor > self.floor_before and floor == self.asked:
+            kind = "keep" if self.keep is not None else "older_than"
+            return [{"kind": kind, "version": floor}]
+        return [{"kind": "earlier floor", "version": floor}]
+
+    def kept(self, floor: int, head: int) -> list[dict[str, object]]:
+        """Kept ranges, oldest first, each ``{"from", "to", "reason"}``."""
+        out: list[dict[str, object]] = []
+        start = max(floor, min(self.asked, head))
+        if floor < start:
+            pins = self.pinned_by(floor)
+            names = ", ".join(str(p["name"]) for p in pins if p["kind"] == "tag")
+            tagged = [f"{n} ({v})" for n, v in sorted(self.tags.items(), key=lambda kv: kv[1])
+                      if floor <= v < start]  # fmt: skip
+            reason = (
+                f"tag {names} names version {floor}: the floor never passes a tagged version"
+                if names
+                else "a tag created while gc ran holds the floor here"
+            )
+            if len(tagged) > len(pins):
+                reason += f" (tags in this range: {', '.join(tagged)})"
+            out.append({"from": floor, "to": start - 1, "reason": reason})
+        reason = self._asked_reason()
+        if self.note:
+            reason = f"{reason}; {self.note}"
+        elif self.asked <= floor == self.floor_before and self._rule() != "no retention rule":
+            reason += " (every kept version already falls within it)"
+        out.append({"from": start, "to": head, "reason": reason})
+        return out
+
+    def to_json(self, floor: int) -> dict[str, object]:
+        return {
+            "rule": self._rule(),
+            "keep": self.keep,
+            "older_than_s": self.older_than_s,
+            "asked_floor": self.asked,
+            "floor": floor,
+            "tags": dict(sorted(self.tags.items())),
+            "note": self.note,
+        }
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
 def retention_floor(
     store: Store, *, keep: int | None = None, older_than_s: float | None = None
 ) -> int:
     """The floor a retention rule asks for: never above the head or a tagged version."""
+    return retention_plan(store, keep=keep, older_than_s=older_than_s).floor
+
+
+def retention_plan(
+    store: Store, *, keep: int | None = None, older_than_s: float | None = None
+) -> Retention:
+    """:func:`retention_floor` with its reasons: the floor the rule alone asks for and the
+    tags that hold it lower."""
+    floor_before = store.log.floor
+    asked = _asked_floor(store, keep=keep, older_than_s=older_than_s)
+    tags = _tags_from(store, floor_before)
+    floor = max(floor_before, min([asked, *tags.values()]))
+    return Retention(keep, older_than_s, floor_before, asked, floor, tags)
+
+
+def _asked_floor(
+    store: Store, *, keep: int | None = None, older_than_s: float | None = None
+) -> int:
+    """The floor the retention rule alone asks for (tags not considered)."""
     head = store.refresh()
     floor = store.log.floor
     if keep is None and older_than_s is None:
@@ -153,18 +279,23 @@ def retention_floor(
         # Walk down from the head while versions are recent; only that run is loaded.
         while candidate - 1 >= floor and _created(store, candidate - 1) >= cutoff:
             candidate -= 1
-    return max(floor, min([candidate, *_tagged(store, floor)]))
+    return max(floor, candidate)
 
 
-def _tagged(store: Store, floor: int) -> list[int]:
-    """Versions tags name, from ``floor`` on (a tag below it names a collected version)."""
-    out = []
+def _tags_from(store: Store, floor: int) -> dict[str, int]:
+    """Tags naming versions from ``floor`` on (a tag below it names a collected version)."""
+    out = {}
     for name, version in store.tags().items():
         if version < floor:
             log.warning("tag %r of %s names collected version %d", name, store.display_url, version)
         else:
-            out.append(version)
+            out[name] = version
     return out
+
+
+def _tagged(store: Store, floor: int) -> list[int]:
+    """Versions tags name, from ``floor`` on."""
+    return list(_tags_from(store, floor).values())
 
 
 def _created(store: Store, version: int) -> float:
@@ -189,7 +320,8 @@ def collect_garbage(
             f"gc of {store.display_url}: the grace period must be a number of seconds >= 0"
         )
     floor_before = store.log.read_floor()
-    floor = retention_floor(store, keep=keep, older_than_s=older_than_s)
+    plan = retention_plan(store, keep=keep, older_than_s=older_than_s)
+    floor = plan.floor
     # Order matters. Files are listed first; a lease existed before any of its shards was
     # written, so the survey that follows sees every listed shard's lease (or its end); and
     # records are read after that, so a commit that ended its lease before the survey is seen.
@@ -202,7 +334,8 @@ def collect_garbage(
     refs = _References(store, floor)
     refs.add_versions(floor, head)
     collected = _references_below(store, floor_before, floor)
-    result = GcResult(store.display_url, dry_run, head, floor_before, floor, foreign=foreign)
+    result = GcResult(store.display_url, dry_run, head, floor_before, floor, foreign=foreign,
+                      retention=plan)  # fmt: skip
     for rel in files:
         reason = _classify(rel, floor, refs, collected, leases, result)
         if reason is None:
