@@ -426,14 +426,31 @@ def test_gc_shows_a_plan_and_deletes_only_with_yes(built) -> None:
     assert files_of(url) == before  # nothing deleted without --yes
     assert plan.stderr == "nothing removed: pass --yes to remove these files\n"
     lines = plan.stdout.splitlines()
+    # --keep 2 stops at the tagged version 2: versions 0 and 1 go, with version 1's records;
+    # the plan says which tag holds the floor and why each kept range is kept.
+    explained = [
+        "floor: version 2, held by tag ckpt (--keep 2 alone would keep from version 5)",
+        "kept: versions 2-4: tag ckpt names version 2: the floor never passes a tagged version",
+        "kept: versions 5-6: --keep 2: the newest 2 versions",
+    ]
+    assert lines[-3:] == explained
+    lines = lines[:-3]
     assert all(line.startswith("would remove ") for line in lines[:-1])
-    # --keep 2 stops at the tagged version 2: versions 0 and 1 go, with version 1's records.
     assert lines[-1].startswith(f"{url}: would remove {len(lines) - 1} files (")
     assert lines[-1].endswith(
         "versions 0-1 collected; 0 orphans younger than the grace period kept"
     )
     as_json = json.loads(run("gc", url, "--keep", "2", "--grace", "0", "--json").stdout)
     assert (as_json["deleted"], as_json["dry_run"], as_json["floor_after"]) == (False, True, 2)
+    assert as_json["pinned_by"] == [{"kind": "tag", "name": "ckpt", "version": 2}]
+    assert as_json["retention"] == {"rule": "keep 2", "keep": 2, "older_than_s": None,
+                                    "asked_floor": 5, "floor": 2, "tags": {"ckpt": 2},
+                                    "note": None}  # fmt: skip
+    assert as_json["kept"] == [
+        {"from": 2, "to": 4,
+         "reason": "tag ckpt names version 2: the floor never passes a tagged version"},
+        {"from": 5, "to": 6, "reason": "keep 2: the newest 2 versions"},
+    ]  # fmt: skip
     assert files_of(url) == before
     dry = run("gc", url, "--keep", "2", "--grace", "0", "--dry-run", "--yes")
     assert dry.stderr == "" and files_of(url) == before
@@ -442,7 +459,50 @@ def test_gc_shows_a_plan_and_deletes_only_with_yes(built) -> None:
     assert {r["path"] for r in done["removed"]} == {r["path"] for r in as_json["removed"]}
     assert run("verify", url, "--all").exit_code == 0
     again = run("gc", url, "--keep", "2", "--grace", "0")
-    assert again.stdout == f"{url}: nothing to remove\n" and again.stderr == ""
+    assert again.stdout == f"{url}: nothing to remove\n" + "\n".join(explained) + "\n"
+    assert again.stderr == ""
+
+
+def test_gc_names_what_pins_the_floor_and_reports_foreign_files(tmp_path) -> None:
+    """The issue's case: --keep 5 on 27 versions with an old tag keeps 22 and says why; a
+    file dynstate never writes is named in the human output, not only in --json."""
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    for step in range(26):
+        store.append(rows(step, 1), meta={"step": step})
+    store.tag("old", 4)
+    store.tag("mid", 10)
+    with open(os.path.join(url, "data", "NOTES.txt"), "w") as f:
+        f.write("mine")
+    out = run("gc", url, "--keep", "5", "--grace", "0").stdout.splitlines()
+    assert out[-4:] == [
+        "floor: version 4, held by tag old (--keep 5 alone would keep from version 22)",
+        "kept: versions 4-21: tag old names version 4: the floor never passes a tagged "
+        "version (tags in this range: old (4), mid (10))",
+        "kept: versions 22-26: --keep 5: the newest 5 versions",
+        "left alone: 1 file dynstate never writes: data/NOTES.txt",
+    ]
+    store.untag("old")
+    store.untag("mid")
+    out = run("gc", url, "--keep", "5", "--grace", "0").stdout.splitlines()
+    assert out[-3:] == [
+        "floor: version 22, set by --keep 5",
+        "kept: versions 22-26: --keep 5: the newest 5 versions",
+        "left alone: 1 file dynstate never writes: data/NOTES.txt",
+    ]
+    plain = run("gc", url).stdout.splitlines()
+    assert plain == [
+        f"{url}: nothing to remove",
+        "floor: version 0 (unchanged: no retention rule)",
+        "kept: versions 0-26: no retention rule (--keep or --older-than): every version is kept",
+        "left alone: 1 file dynstate never writes: data/NOTES.txt",
+    ]
+    as_json = json.loads(run("gc", url, "--older-than", "1d", "--json").stdout)
+    assert as_json["foreign"] == ["data/NOTES.txt"]
+    assert as_json["pinned_by"] == [{"kind": "earlier floor", "version": 0}]
+    assert as_json["kept"] == [{"from": 0, "to": 26, "reason": "older than 1d: committed "
+                                "within the last 1d (every kept version already falls within "
+                                "it)"}]  # fmt: skip
 
 
 def test_gc_usage_errors_exit_2_and_change_nothing(tmp_path) -> None:

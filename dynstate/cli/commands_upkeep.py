@@ -3,6 +3,7 @@ done only with --yes (or a yes typed on a terminal)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import click
@@ -64,6 +65,55 @@ def verify_cmd(url: str, all_versions: bool, as_json: bool, storage_options) -> 
         raise Failure(f"{len(report.problems)} problem(s) in {store.display_url}")
 
 
+FOREIGN_LINES = 5
+
+
+def _flags(text: str) -> str:
+    """The library's rule names (``keep 5``, ``older than 7d``) as the command's flags."""
+    text = re.sub(r"\bkeep (\d+)", r"--keep \1", text)
+    text = re.sub(r"\bolder than (\d)", r"--older-than \1", text)
+    return text.replace("(keep or older than)", "(--keep or --older-than)")
+
+
+def _span(start: int, end: int) -> str:
+    return f"version {start}" if start == end else f"versions {start}-{end}"
+
+
+def _explain_lines(result: Any) -> list[str]:
+    """Why the floor is where it is, why each kept range is kept, and the files gc leaves
+    alone because dynstate never writes such names."""
+    lines = []
+    retention = result.retention
+    pins = result.pinned_by
+    if retention is not None:
+        tags = [p for p in pins if p["kind"] == "tag"]
+        rule = _flags(retention.to_json(result.floor_after)["rule"])
+        floor = f"floor: version {result.floor_after}"
+        if tags:
+            names = ", ".join(str(p["name"]) for p in tags)
+            floor += f", held by tag {names} ({rule} alone would keep from version "
+            floor += f"{retention.asked})"
+        elif pins and pins[0]["kind"] in ("keep", "older_than"):
+            floor += f", set by {rule}"
+        elif pins and pins[0]["kind"] == "earlier floor":
+            floor += f" (unchanged: {rule} collects nothing more)"
+        else:
+            floor += f" (unchanged: {rule})"
+        lines.append(floor)
+    for kept in result.kept:
+        span = _span(int(kept["from"]), int(kept["to"]))
+        lines.append(f"kept: {span}: {_flags(str(kept['reason']))}")
+    foreign = result.foreign
+    if foreign:
+        shown = ", ".join(foreign[:FOREIGN_LINES])
+        more = f" and {len(foreign) - FOREIGN_LINES:,} more (--json lists all)"
+        lines.append(
+            f"left alone: {r.count(len(foreign), 'file')} dynstate never writes: {shown}"
+            + (more if len(foreign) > FOREIGN_LINES else "")
+        )
+    return lines
+
+
 def _gc_lines(result: Any, verb: str) -> list[str]:
     lines = [
         f"{verb} {removal.path} ({removal.reason}, {r.human_size(removal.bytes)})"
@@ -89,7 +139,7 @@ def _gc_lines(result: Any, verb: str) -> list[str]:
             else ""
         )
     )
-    return lines
+    return lines + _explain_lines(result)
 
 
 @click.command("gc")
@@ -138,6 +188,8 @@ def gc_cmd(url, keep, older_than, grace: float, dry_run: bool, yes: bool, as_jso
             return
         if nothing:
             r.echo(f"{store.display_url}: nothing to remove")
+            for line in _explain_lines(plan):
+                r.echo(line)
         elif not ask:
             for line in _gc_lines(plan, "would remove"):
                 r.echo(line)
