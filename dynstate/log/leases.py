@@ -33,7 +33,6 @@ log = logging.getLogger("dynstate")
 
 LEASE_DIR = f"{m.META_DIR}/leases"
 DEFAULT_TTL_S = 120.0
-MTIME_RESOLUTION_S = 1.0
 _MAX_PID = 2**31 - 1  # pid_t; os.kill overflows past it
 # A heartbeat stops renewing a lease nobody committed or discarded after this long.
 MAX_LIFETIME_S = 7 * 86400.0
@@ -45,6 +44,23 @@ def lease_path(lease: str) -> str:
 
 def outcome_path(lease: str) -> str:
     return f"{LEASE_DIR}/{lease}.outcome.json"
+
+
+def holder_path(lease: str, holder: str) -> str:
+    """The file a process that took ``lease`` over renews: each holder writes only its own
+    file, so no holder's renewal can overwrite another's (see :meth:`Leases.adopt`)."""
+    return f"{LEASE_DIR}/{lease}.{holder}.json"
+
+
+_HOLDER: tuple[int, str] | None = None
+
+
+def process_holder() -> str:
+    """This process's holder id (32 hex), new in every process (also after a fork)."""
+    global _HOLDER
+    if _HOLDER is None or _HOLDER[0] != os.getpid():
+        _HOLDER = (os.getpid(), uuid.uuid4().hex)
+    return _HOLDER[1]
 
 
 def shard_path(lease: str) -> str:
@@ -96,6 +112,7 @@ class Leases:
         self.storage = storage
         self.ttl_s = float(ttl_s)
         self._active: dict[str, float] = {}  # lease id -> monotonic time acquired
+        self._adopted: set[str] = set()  # of those, leases taken over: renewed as a holder
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -132,30 +149,42 @@ class Leases:
 
     def adopt(self, leases: set[str]) -> None:
         """Renew ``leases`` (staged by another handle or process) from now on. A lease that
-        has ended — its files committed, discarded or collected — cannot be taken over."""
+        has ended — its files committed, discarded or collected — cannot be taken over.
+
+        The taker renews a holder file of its own (:func:`holder_path`), not the stager's
+        lease file: were both to rewrite one file, a stager that died right after its own
+        renewal would leave the file naming a dead process while the taker lives, and gc
+        would end the lease under the taker. gc keeps a lease while any holder is live."""
         for lease in leases:
             with self._lock:
                 if lease in self._active:
                     continue  # ours, renewed by the heartbeat
-            # The outcome first: it outlives the lease file (a tombstone), so a lease that
-            # ended is never renewed back into existence by a late taker.
+            holder = holder_path(lease, process_holder())
+            # Our holder file first, then the outcome: a gc that surveys after the write sees
+            # a live holder, and one that ended the lease before it is seen here. The outcome
+            # outlives the lease file (a tombstone), so a lease that ended is never renewed
+            # back into existence by a late taker.
+            self.storage.put(holder, self._body(lease), durable=False)
             outcome = read_outcome(self.storage, lease)
-            if outcome is not None:
+            if outcome is not None or not self.storage.exists(lease_path(lease)):
+                self.storage.delete(holder)
                 raise self._lost(lease, outcome)
-            if not self.storage.exists(lease_path(lease)):
-                raise self._lost(lease, None)
             with self._lock:
                 self._active[lease] = time.monotonic()
-            self.renew(lease)
+                self._adopted.add(lease)
         self._ensure_heartbeat()
 
     def renew(self, lease: str) -> None:
-        self.storage.put(lease_path(lease), self._body(lease), durable=False)
+        with self._lock:
+            adopted = lease in self._adopted
+        rel = holder_path(lease, process_holder()) if adopted else lease_path(lease)
+        self.storage.put(rel, self._body(lease), durable=False)
 
     def forget(self, leases: set[str]) -> None:
         with self._lock:
             for lease in leases:
                 self._active.pop(lease, None)
+                self._adopted.discard(lease)
 
     def claim(
         self, leases: set[str], nonce: str, outcome: str = "commit", *, head: int | None = None
@@ -344,12 +373,16 @@ class LeaseState:
 
 
 def survey(
-    storage: Storage, *, claim: bool, now: float, stale_claim_s: float
+    storage: Storage, *, claim: bool, now: float | None, stale_claim_s: float
 ) -> dict[str, LeaseState]:
     """Decide, for each lease in the store, whether its shards must stay. A lease neither
     renewed within its ttl nor committed is ended as ``expired`` (when ``claim``; a dry run
     only reports). A commit claim whose lease went stale is kept for ``stale_claim_s``
-    unless its process is known to be gone."""
+    unless its process is known to be gone.
+
+    ``now`` is the storage's clock (:meth:`Storage.now`), read before the survey: every age
+    here is ``now`` minus a modification time the storage stamped, never a host's clock
+    against the storage's (None: the backend keeps no times, and no lease is judged stale)."""
     here = host_id()
     names = storage.list(LEASE_DIR)
     ids = {n.split(".", 1)[0] for n in names if _LEASE_NAME(n)}
@@ -358,36 +391,68 @@ def survey(
         files = [
             f"{LEASE_DIR}/{n}" for n in names if n.split(".", 1)[0] == lease and _LEASE_NAME(n)
         ]
-        protected, outcome = _protected(storage, lease, here, claim, now, stale_claim_s)
+        holders = _holders(names, lease)
+        protected, outcome = _protected(storage, lease, here, claim, now, stale_claim_s, holders)
         out[lease] = LeaseState(lease, protected, outcome, files)
     return out
 
 
+def _is_hex32(text: str) -> bool:
+    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
+
+
 def _LEASE_NAME(name: str) -> bool:
     stem, _, rest = name.partition(".")
-    return (
-        len(stem) == 32
-        and all(c in "0123456789abcdef" for c in stem)
-        and rest
-        in (
-            "json",
-            "outcome.json",
-        )
+    return _is_hex32(stem) and (
+        rest in ("json", "outcome.json") or (rest.endswith(".json") and _is_hex32(rest[:-5]))
     )
 
 
-def _fresh(storage: Storage, lease: str, here: str, now: float) -> tuple[bool, bool]:
-    """(whether the lease's writer may still be alive, whether it is known to be gone: a
-    process of this machine that no longer exists)."""
-    raw = storage.try_read(lease_path(lease))
+def _holders(names: list[str], lease: str) -> list[str]:
+    """The holder files (:func:`holder_path`) of ``lease`` among the names of LEASE_DIR."""
+    return [
+        f"{LEASE_DIR}/{n}"
+        for n in names
+        if n.startswith(lease + ".") and n.endswith(".json") and _is_hex32(n[33:-5])
+    ]
+
+
+def _fresh(
+    storage: Storage, lease: str, here: str, now: float | None, holders: list[str]
+) -> tuple[bool, bool]:
+    """(whether a holder of the lease may still be alive, whether every holder is known to be
+    gone: a process of this machine that no longer exists). The stager's lease file is read
+    first; only if it is not live are the holder files listed again and read — listed after
+    that read, so a process that took the lease over before the stager died or stopped is
+    seen. ``holders`` (from the survey's listing) stand in where the lease file is gone, and
+    an adopter refuses a lease whose file is gone."""
+    first = _holder_state(storage, lease, lease_path(lease), here, now)
+    if first == "alive":
+        return True, False
+    states = [first]
+    if first != "absent":
+        holders = _holders(storage.list(LEASE_DIR), lease)
+    for rel in holders:
+        state = _holder_state(storage, lease, rel, here, now)
+        if state == "alive":
+            return True, False
+        states.append(state)
+    present = [s for s in states if s != "absent"]
+    return False, bool(present) and all(s == "gone" for s in present)
+
+
+def _holder_state(storage: Storage, lease: str, rel: str, here: str, now: float | None) -> str:
+    """One holder file: ``alive`` (renewed within its ttl by the storage's clock), ``stale``,
+    ``gone`` (its process of this machine no longer exists) or ``absent``."""
+    raw = storage.try_read(rel)
     if raw is None:
-        return False, False
+        return "absent"
     try:
-        modified = storage.modified(lease_path(lease))
+        modified = storage.modified(rel)
     except FileNotFoundError:
-        return False, False
+        return "absent"
     try:
-        body = m.decode(raw, lease_path(lease))
+        body = m.decode(raw, rel)
         ttl = float(body.get("ttl_s", DEFAULT_TTL_S))
         pid = body.get("pid")
         # What no writer wrote (a pid past pid_t, 10**30, a bool; an infinite ttl) makes the
@@ -395,22 +460,28 @@ def _fresh(storage: Storage, lease: str, here: str, now: float) -> tuple[bool, b
         if type(pid) is not int or not 0 < pid <= _MAX_PID or not ttl < float("inf"):
             raise ValueError(f"lease {lease} names pid {pid!r}, ttl {ttl!r}")
         if body.get("host") == here and process_gone(pid):
-            return False, True
+            return "gone"
     except (DynstateError, TypeError, ValueError, OverflowError):
         ttl = DEFAULT_TTL_S  # unreadable: judge by age alone
-    if modified is None:
-        return True, False  # no clock to judge by: keep
-    # S3 reports modification times in whole seconds: never judge closer than that.
-    return now - modified < ttl + MTIME_RESOLUTION_S, False
+    if modified is None or now is None:
+        return "alive"  # no clock to judge by: keep
+    # Both times are the storage's; never judge closer than its stamps' resolution.
+    return "alive" if now - modified < ttl + storage.clock_resolution_s else "stale"
 
 
 def _protected(
-    storage: Storage, lease: str, here: str, claim: bool, now: float, stale_claim_s: float
+    storage: Storage,
+    lease: str,
+    here: str,
+    claim: bool,
+    now: float | None,
+    stale_claim_s: float,
+    holders: list[str],
 ) -> tuple[bool, str | None]:
     """(whether the lease's shards must stay, its outcome)."""
     for _ in range(3):
         outcome = read_outcome(storage, lease)
-        alive, gone = _fresh(storage, lease, here, now)
+        alive, gone = _fresh(storage, lease, here, now, holders)
         if outcome is None:
             if alive:
                 return True, None
@@ -439,7 +510,8 @@ def _protected(
             except FileNotFoundError:
                 continue
             # The committer stopped renewing after it claimed: keep its shards while it
-            # could still publish.
-            return claimed is None or now - claimed < stale_claim_s, "commit"
+            # could still publish (both times the storage's, see _holder_state).
+            young = claimed is None or now is None
+            return young or now - claimed < stale_claim_s + storage.clock_resolution_s, "commit"
         return True, None  # unreadable outcome: keep, verify reports it
     return True, None

@@ -24,10 +24,9 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 
 from .. import manifest as m
-from ..errors import CorruptStoreError, InvalidDataError
+from ..errors import CorruptStoreError, InvalidDataError, StorageError
 from ..log import LEASE_DIR, LeaseState, lease_of, survey
 from ..log import outcomes as outcome_log
 from ..store import Store
@@ -275,7 +274,19 @@ def _asked_floor(
             )
         candidate = head - keep + 1
     else:
-        cutoff = time.time() - float(older_than_s or 0)
+        # A version's age is its record's, by the storage's clock (the time the storage
+        # stamped on the record, against a probe it stamped just now): the ``created`` a
+        # writer wrote in it is its host's clock, which may be hours off.
+        now = store.storage.now()
+        if now is None:
+            log.warning(
+                "gc of %s: the storage keeps no modification times, so no version is "
+                "older than %gs by its clock; none collected",
+                store.display_url,
+                older_than_s,
+            )
+            return floor
+        cutoff = now - float(older_than_s or 0)
         # Walk down from the head while versions are recent; only that run is loaded.
         while candidate - 1 >= floor and _created(store, candidate - 1) >= cutoff:
             candidate -= 1
@@ -299,8 +310,32 @@ def _tagged(store: Store, floor: int) -> list[int]:
 
 
 def _created(store: Store, version: int) -> float:
-    created = store.commit_record(version).created
-    return datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
+    """When the storage stamped the record of ``version`` (records never change after their
+    create), plus the stamps' resolution (an age is never overestimated); +inf (recent:
+    kept) where it has no stamp."""
+    try:
+        stamped = store.storage.modified(m.log_path(version))
+    except FileNotFoundError:
+        stamped = None  # collected by a gc meanwhile: the floor says what is kept
+    return float("inf") if stamped is None else stamped + store.storage.clock_resolution_s
+
+
+def _storage_now(store: Store, dry_run: bool) -> float | None:
+    """The storage's clock (see :meth:`Storage.now`), read before anything is judged by it,
+    so every age gc computes is at most the true one. A dry run on a location it may not
+    write to plans by this host's clock instead, saying so; it deletes nothing."""
+    try:
+        return store.storage.now()
+    except StorageError as exc:
+        if not dry_run:
+            raise
+        log.warning(
+            "gc of %s: could not read the storage's clock (%s); this plan judges ages by "
+            "this host's clock, which may differ",
+            store.display_url,
+            exc,
+        )
+        return time.time()
 
 
 def collect_garbage(
@@ -326,7 +361,10 @@ def collect_garbage(
     # written, so the survey that follows sees every listed shard's lease (or its end); and
     # records are read after that, so a commit that ended its lease before the survey is seen.
     files, foreign = _list_files(store)
-    now = time.time()
+    # Every age below (lease ttl, stale claims, grace, BUSY_S, tombstones) is this reading of
+    # the storage's clock minus a time the storage stamped: no host clock enters, so a skew
+    # of any size between gc's host and the writers' (or the storage) changes nothing.
+    now = _storage_now(store, dry_run)
     leases = survey(store.storage, claim=not dry_run, now=now, stale_claim_s=STALE_CLAIM_S)
     if floor > floor_before and not dry_run:
         floor = _publish_floor(store, floor, floor_before)
@@ -534,7 +572,7 @@ def _min_age(rel: str, grace_s: float) -> float:
     return max(grace_s, BUSY_S)
 
 
-def _lease_files(store: Store, leases: dict[str, LeaseState], now: float) -> list[Removal]:
+def _lease_files(store: Store, leases: dict[str, LeaseState], now: float | None) -> list[Removal]:
     """Lease files of ended leases (removed after their shards). Every outcome (``commit``,
     ``expired``, ``discarded``) stays as a tombstone for TOMBSTONE_S: while it exists nobody
     can claim the lease again."""
@@ -554,16 +592,18 @@ def _lease_files(store: Store, leases: dict[str, LeaseState], now: float) -> lis
     return out
 
 
-def _old_enough(store: Store, rel: str, now: float, min_age_s: float) -> bool:
+def _old_enough(store: Store, rel: str, now: float | None, min_age_s: float) -> bool:
+    """Whether ``rel`` is at least ``min_age_s`` old by the storage's clock (``now`` is
+    :meth:`Storage.now`), allowing for the resolution of its stamps."""
     if min_age_s <= 0:
         return True
     try:
         modified = store.storage.modified(rel)
     except FileNotFoundError:
         return False
-    if modified is None:
+    if modified is None or now is None:
         return False  # no timestamp: it could be a live writer's, so leave it
-    return now - modified >= min_age_s
+    return now - modified >= min_age_s + store.storage.clock_resolution_s
 
 
 def _size(store: Store, rel: str) -> int:

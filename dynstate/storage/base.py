@@ -40,6 +40,9 @@ from .retry import backoff, is_client_library_error, is_transient
 log = logging.getLogger("dynstate")
 T = TypeVar("T")
 
+# Probe objects: the conditional-write check and the storage's clock (see Storage.now).
+PROBE_DIR = "_dynstate/probe"
+
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
 # Backends whose every option is known here (s3fs's leftovers go to aiobotocore's session).
 _CHECKED_PROTOCOLS = frozenset({"file", "local", "memory", "s3", "s3a"})
@@ -55,6 +58,9 @@ class Storage:
     #: capability flags other layers read (never branch on the backend's type)
     local: ClassVar[bool] = False
     memory: ClassVar[bool] = False
+    #: the granularity of the storage's modification times: every age judged by its clock
+    #: (:meth:`now` minus :meth:`modified`) allows this much (S3 stamps whole seconds)
+    clock_resolution_s: ClassVar[float] = 1.0
     retry_attempts = 1  # our own attempts per operation (remote backends retry)
     retry_base_s = 0.1
     retry_cap_s = 5.0
@@ -282,6 +288,25 @@ class Storage:
             return value.timestamp() if hasattr(value, "timestamp") else float(value)
         return None
 
+    def now(self) -> float | None:
+        """The storage's own clock, as a POSIX timestamp: the modification time of a probe
+        object written just now, or None where the backend keeps no times.
+
+        The storage stamps every object it stores by this one clock (the kernel's clock of the
+        machine that owns a local disk, the server's on S3), so an age taken as ``now() -
+        modified(rel)`` is the difference of two readings of the same clock: no host's clock
+        enters it, and a skew between hosts of any size changes nothing. A probe left behind
+        by a crash has a name gc removes (``_dynstate/probe/<32 hex>``)."""
+        probe = f"{PROBE_DIR}/{uuid.uuid4().hex}"
+        self.put(probe, b"clock", durable=False)
+        try:
+            return self.modified(probe)
+        finally:
+            try:
+                self.delete(probe)
+            except StorageError as exc:
+                log.warning("could not remove probe %s/%s: %s", self.display_url, probe, exc)
+
     def contained(self, rel: str) -> bool:
         """Whether ``rel`` really is a file inside the root (no symlink leads it elsewhere);
         gc deletes nothing else. Object stores have no links."""
@@ -343,7 +368,7 @@ class Storage:
         """Whether the backend really refuses a second exclusive create of the same key.
         Some S3-compatible stores ignore ``If-None-Match``; find out once, by trying."""
         if self._exclusive_ok is None:
-            probe = f"_dynstate/probe/{uuid.uuid4().hex}"
+            probe = f"{PROBE_DIR}/{uuid.uuid4().hex}"
             try:
                 self.create(probe, b"1")
                 try:

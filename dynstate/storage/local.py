@@ -15,6 +15,8 @@ class LocalStorage(Storage):
     fsynced temporary file, so no partial record is ever visible under its final name."""
 
     local = True
+    # The kernel stamps files by its coarse clock (a few ms); ext4, xfs, btrfs keep ns.
+    clock_resolution_s = 0.01
 
     def _dir(self, rel: str) -> str:
         directory = os.path.dirname(self.path(rel))

@@ -16,6 +16,7 @@ class MemoryStorage(Storage):
     check-and-write under a lock; nothing survives the process."""
 
     memory = True
+    clock_resolution_s = 0.0  # microseconds, from this process's own clock
 
     def _create(self, rel: str, data: bytes, durable: bool = True) -> None:
         path = self.path(rel)
