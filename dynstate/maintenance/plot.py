@@ -129,7 +129,7 @@ def _draw(fig: Any, title: str, model: dict[str, Any]) -> None:
     if lost[0]:
         # What the crash cost: rounds committed after the checkpoint and rolled back on resume.
         top.bar(lost[0], lost[1], width=lost[2], color="none", edgecolor="tab:red", hatch="//",
-                label="rounds rolled back (committed after the checkpoint)")  # fmt: skip
+                label="abandoned rounds (rolled back or reset)")  # fmt: skip
     top.set_ylim(0, ceiling)
     top.set_ylabel("rows added" + (" (import cut)" if scale["clipped"] else ""))
     top.set_title(f"{title}: growth")
