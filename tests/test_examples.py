@@ -1,8 +1,10 @@
-"""Every example's documented commands, run as a user would type them (issue 24).
+"""Every example's documented commands, and every ``dynstate`` command of README.md and
+docs/*.md, run as a user would type them (issue 24).
 
-The commands are parsed out of the example's README, so a README that drifts from the script
-(an option renamed, one torchrun refuses) fails here. The only change made to a command is
-its scratch folder (``/tmp/ddp`` becomes the test's own), so that runs never share state.
+The commands are parsed out of the markdown, so a page that drifts from the code (an option
+renamed, one torchrun refuses) fails here. The only change made to a command is its scratch
+folder (``/tmp/ddp`` becomes the test's own; ``s3://bucket/`` the local store), so that runs
+never share state.
 """
 
 from __future__ import annotations
@@ -156,3 +158,78 @@ def test_ddp_readme_commands_kill_and_resume_at_another_world_size(tmp_path) -> 
     listing = subprocess.run(ls, cwd=ROOT, capture_output=True, text=True, timeout=120, env=_env())
     assert listing.returncode == 0, listing.stderr
     assert f"store:    {url}" in listing.stdout and "ddp-example" in listing.stdout
+
+
+# -- the `dynstate` commands of README.md and docs/*.md ----------------------------------------
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Commands not run here, and why; everything else in a shell block must run as written.
+NOT_RUN = {
+    "serve": "a server that runs until stopped (tests/test_serve.py starts it)",
+}
+
+
+def documented_cli_commands() -> list[tuple[str, str]]:
+    """(file, command) for each ``dynstate`` command line in a shell block (bash, console or
+    untyped) of README.md and docs/*.md, in document order: continuations joined, ``$ ``
+    prompts and trailing comments dropped; synopses (``URL``, ``[OPTIONS]``) are not
+    commands."""
+    out = []
+    for doc in DOCS:
+        for lang, block in re.findall(r"```(\w*)\n(.*?)```", doc.read_text(), flags=re.S):
+            if lang not in ("", "bash", "console", "sh", "shell"):
+                continue
+            for line in re.sub(r"\\\n\s*", "", block).splitlines():
+                line = line.strip().removeprefix("$ ").split(" # ", 1)[0].split("  #", 1)[0]
+                if not line.startswith("dynstate ") or re.search(r"\[|\bURL\b|COMMAND|…", line):
+                    continue
+                out.append((doc.name, line.strip()))
+    return out
+
+
+def _docs_store(root: Path) -> None:
+    """The store the docs' examples talk about: ./runs/run1 with 50 versions (an import, then
+    one round of prompt/answer rows per step), the tag ``ckpt``, and the checkpoints they
+    inspect, written as verl writes ``data.pt`` (the StatefulDataLoader's state)."""
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from dynstate import VersionedDataset, VersionedSampler
+
+    store = Store.open(str(root / "runs" / "run1"), create=True)
+    store.append([{"prompt": f"{i}+1=?", "answer": str(i + 1)} for i in range(40)])
+    for step in range(49):
+        rows = [{"prompt": f"{step}*{k}=?", "answer": str(step * k)} for k in range(step % 3)]
+        store.append(rows, meta={"step": step, "generator": "docs"})
+        if step == 28:
+            store.tag("ckpt", store.head)
+    ds = VersionedDataset(str(root / "runs" / "run1"))
+    loader = StatefulDataLoader(ds, batch_size=4, sampler=VersionedSampler(ds, seed=0))
+    it = iter(loader)
+    for folder in ("checkpoints/global_step_40", "run/ckpt/global_step_15"):
+        next(it)
+        (root / folder).mkdir(parents=True)
+        torch.save(loader.state_dict(), root / folder / "data.pt")
+
+
+@pytest.mark.slow  # ~20 CLI processes, a few seconds each
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_docs_cli_commands_run_as_written(tmp_path) -> None:
+    """Every ``dynstate`` command the README and docs show, in their order, on the store they
+    describe; ``s3://bucket/`` URLs are pointed at the local store (their options are what
+    drifts), other S3 URLs name endpoints of the reader's own."""
+    _docs_store(tmp_path)
+    commands = documented_cli_commands()
+    assert len(commands) >= 20, commands
+    ran = 0
+    for doc, command in commands:
+        name = shlex.split(command)[1]
+        if name in NOT_RUN or ("s3://" in command and "s3://bucket/" not in command):
+            continue
+        argv = _argv(command.replace("s3://bucket/", "./"), tmp_path)
+        result = subprocess.run(
+            argv, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=_env()
+        )
+        assert result.returncode == 0, f"{doc}: {command}\n{result.stdout}{result.stderr}"
+        ran += 1
+    assert ran >= 20
