@@ -190,7 +190,9 @@ class Writer:
     ) -> int | None:
         """Find out, by reading back, whether a failed commit landed anyway; returns its
         version if so. Otherwise the parts' shards are removed — unless the store cannot be
-        read (then gc removes them if no record names them) or another call owns them."""
+        read, a late request may still create the record (object stores: see
+        :meth:`Log.settle`), or another call owns them; then they are left (for gc, which
+        keeps them while a record may still name them)."""
         if isinstance(exc, CommitConflictError) and not attempts:
             self.log.leases.forget(leases)  # another call holds these parts: its to decide
             return None
@@ -201,17 +203,21 @@ class Writer:
             # The round cannot be committed; parts that ended stay as they are.
             self._discard(parts, nonce, strict=False, private=private)
             return None
+        late = bool(attempts) and not (self.storage.local or self.storage.memory)
         try:
             landed = self.log.landed(attempts)
         except BaseException:
+            if late:  # best effort: the store just failed a read
+                self.log.leases.keep_unsettled(leases, nonce, attempts[-1].version)
             self.log.leases.forget(leases)
             return None
-        if landed is None and attempts and not (self.storage.local or self.storage.memory):
+        if landed is None and late:
             # On an object store a PUT the client gave up on may still reach the server later
             # and create the record: its shards may go only once that provably cannot happen.
             settled = self.log.settle(attempts[-1])
             if settled is None:
                 self._keep_unsettled(leases, nonce, attempts[-1], exc)
+                return None  # an interrupt: the shards stay all the same
             if settled:
                 landed = attempts[-1].version
         if landed is not None:

@@ -408,9 +408,15 @@ def test_interrupt_during_the_commit_write_is_resolved_by_reading_back(
         assert again.head == 3
         assert again.snapshot().to_arrow().column("id").to_pylist() == [0, 1, 2, 3]
         assert not again.storage.list(f"{m.META_DIR}/leases")
-    else:
+    elif store.storage.local or store.storage.memory:
         assert again.head == 2
         assert listing(store) == before
+    else:
+        # On S3 the interrupted PUT may still reach the server later (here the settling create
+        # is interrupted too): the shards are kept, never deleted under a record that may land.
+        assert again.head == 2
+        added = set(listing(store)) - set(before)
+        assert any("/data/" in p for p in added), added
 
 
 def test_gc_file_without_floor_is_a_typed_error(store: Store) -> None:

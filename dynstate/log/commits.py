@@ -428,7 +428,7 @@ class Log(Catalog):
             self._publish(record)  # identical bytes met at the name count as ours
         except FileExistsError:
             return False
-        except DynstateError:
+        except BaseException:  # unknown again (an interrupt: the caller re-raises its own)
             return None
         try:
             if record.version < self.read_floor() and not (
