@@ -14,7 +14,9 @@ These tests fail (never skip) when verl or TransferQueue is missing.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -146,6 +148,88 @@ def test_v1_mix_mode_on_s3_resumes_exactly(files, tmp_path, s3_endpoint):
     _assert_same_run(ref, spec, steps)
 
 
+# -- every resume check before anything is committed -------------------------------------------
+
+
+def _store_files(url: str) -> dict[str, int]:
+    out = {}
+    for folder, _, names in os.walk(url):
+        for name in names:
+            path = os.path.join(folder, name)
+            out[os.path.relpath(path, url)] = os.path.getsize(path)
+    return out
+
+
+def _versions(url: str) -> list[tuple]:
+    from dynstate.store import Store
+
+    store = Store.open(url)
+    return [(c.version, c.op, json.dumps(c.meta, sort_keys=True)) for c in store.versions()]
+
+
+def _copy_at(source: dict, tmp_path, name: str, step: int, **extra) -> dict:
+    """A run over a copy of ``source``'s store and checkpoints whose tracker names
+    ``global_step_<step>``: verl's resume_mode=auto resumes there, the later rounds in the
+    store."""
+    spec = _spec({k: source[k] for k in ("model", "train", "val")}, tmp_path, "", **extra)
+    spec["store"] = str(tmp_path / f"{name}-store")
+    spec["ckpt"] = str(tmp_path / f"{name}-ckpt")
+    shutil.copytree(source["store"], spec["store"])
+    shutil.copytree(source["ckpt"], spec["ckpt"])
+    with open(os.path.join(spec["ckpt"], "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(step))
+    return spec
+
+
+@pytest.mark.slow
+def test_v1_resume_checks_come_before_the_rollback(files, tmp_path):
+    """verl's V1 fit() resuming from checkpoint 2 or 4 of a 5-step run (its store holding the
+    rounds up to 5): a changed data.seed, and step 2's data.pt copied into global_step_4/, are
+    refused in _load_checkpoint before any step, the store exactly as it was; another
+    data.dataloader_num_workers resumes exactly; a finished run resumed trains no step (the
+    V1 loop checks the end before the first step, unlike the legacy one)."""
+    steps = 5
+    common = {"steps": steps, "save_freq": 2, "test_freq": 0, "num_workers": 0}
+    ref_spec = _spec(files, tmp_path, str(tmp_path / "ref-store"), **common)
+    assert run_driver(ref_spec) == 0
+    ref_log = standins.read_log(ref_spec["log"])
+    ref_store = standins.store_summary(ref_spec["store"])
+
+    seed = _copy_at(ref_spec, tmp_path, "seed", 2, **common, overrides=["data.seed=8"])
+    copied = _copy_at(ref_spec, tmp_path, "copied", 4, **common)
+    shutil.copy(
+        os.path.join(copied["ckpt"], "global_step_2", "data.pt"),
+        os.path.join(copied["ckpt"], "global_step_4", "data.pt"),
+    )
+    for spec, needles in (
+        (seed, ["StateMismatchError", "seed=7", "data.seed"]),
+        (copied, ["StateMismatchError", "position after step 2, not after step 4"]),
+    ):
+        files_before, before = _store_files(spec["store"]), _versions(spec["store"])
+        out = standins.run_failing_driver(spec, timeout=DRIVER_TIMEOUT)
+        for needle in needles:
+            assert needle in out, out[-4000:]
+        assert _versions(spec["store"]) == before
+        assert _store_files(spec["store"]) == files_before
+        assert standins.read_log(spec["log"]) == {}
+
+    workers = _copy_at(ref_spec, tmp_path, "workers", 2, **{**common, "num_workers": 2})
+    assert run_driver(workers) == 0
+    got = standins.read_log(workers["log"])
+    assert sorted(got) == [3, 4, 5]
+    for step in (3, 4, 5):
+        assert got[step] == ref_log[step], f"step {step} trained another batch"
+    summary = standins.store_summary(workers["store"])
+    assert summary["rows"] == ref_store["rows"]
+    assert summary["rounds"] == ref_store["rounds"]
+
+    finished = _copy_at(ref_spec, tmp_path, "finished", steps, **common)
+    before = _versions(finished["store"])
+    assert run_driver(finished) == 0
+    assert standins.read_log(finished["log"]) == {}  # no step trained
+    assert _versions(finished["store"]) == before
+
+
 # -- what V1 refuses, before anything starts ----------------------------------------------------
 
 
@@ -173,6 +257,26 @@ def test_v1_refuses_modes_without_exact_resume(files, tmp_path, mode, overrides,
     for name in names:
         assert name in str(err.value)
     assert not os.path.exists(tmp_path / "store")  # refused before the store was touched
+
+
+@pytest.mark.parametrize("use_v1", [True, False])
+def test_main_ppo_refuses_verl_05_curriculum_sampler_keys(files, tmp_path, use_v1):
+    """``data.sampler.class_path``/``class_name`` (verl <= 0.5's curriculum sampler, not read
+    by verl 0.9.1) would be silently ignored: refused before Ray starts, for both trainers."""
+    from dynstate.verl.main_ppo import run
+
+    overrides = [
+        f"trainer.use_v1={str(use_v1).lower()}",
+        "+data.sampler.class_path=pkg://my_curriculum",
+        "+data.sampler.class_name=MyCurriculum",
+    ]
+    config = _config(files, tmp_path, overrides)
+    with pytest.raises(InvalidDataError) as err:
+        run(config)
+    message = str(err.value)
+    assert "data.sampler.class_path=pkg://my_curriculum" in message
+    assert "not supported" in message and "remove the data.sampler keys" in message
+    assert not os.path.exists(tmp_path / "store")
 
 
 def test_v1_sync_is_run_as_dynstate(files, tmp_path):

@@ -452,6 +452,22 @@ def run_driver(spec: dict, kill: tuple[int, str] | None = None, timeout: float =
     """One driver process (``python verl_v1_standins.py spec``); returns its exit status,
     ``-SIGKILL`` when it killed itself at ``kill``. Raises with the driver's output on any
     other ending."""
+    code, out = _driver(spec, kill, timeout)
+    expected = -signal.SIGKILL if kill else 0
+    if code != expected:
+        raise AssertionError(f"driver (kill={kill}) exited with {code}:\n{out[-6000:]}")
+    return code
+
+
+def run_failing_driver(spec: dict, timeout: float = 900) -> str:
+    """A driver that must fail (exit 1, not killed); returns its output."""
+    code, out = _driver(spec, None, timeout)
+    if code != 1:
+        raise AssertionError(f"driver exited with {code}, expected a failure:\n{out[-6000:]}")
+    return out
+
+
+def _driver(spec: dict, kill: tuple[int, str] | None, timeout: float) -> tuple[int, str]:
     import subprocess
 
     spec = {**spec, "kill": list(kill) if kill else None}
@@ -470,11 +486,7 @@ def run_driver(spec: dict, kill: tuple[int, str] | None = None, timeout: float =
             proc.kill()
             proc.wait()
         end_leftovers(proc, spec.get("pids"))
-    expected = -signal.SIGKILL if kill else 0
-    if proc.returncode != expected:
-        text = out.decode(errors="replace") if out else ""
-        raise AssertionError(f"driver (kill={kill}) exited with {proc.returncode}:\n{text[-6000:]}")
-    return proc.returncode
+    return proc.returncode, out.decode(errors="replace") if out else ""
 
 
 # -- the driver --------------------------------------------------------------------------------
