@@ -69,6 +69,8 @@ def _as_table(data: Any, url: str) -> pa.Table:
             )
         return pa.table(columns)
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
+        if len(data) == 0:  # a step that trained on nothing
+            return pa.table({n: pa.array([], pa.int64()) for n in REQUIRED})
         if not all(isinstance(r, Mapping) for r in data):
             raise InvalidDataError(
                 f"outcomes for {url} as a list must hold dicts ({{'row': 3, 'step': 7, "
@@ -128,6 +130,10 @@ def check_outcomes(data: Any, url: str, num_rows: int, version: int) -> pa.Table
             f"outcomes for {url} lack column(s) {', '.join(missing)}; each sample needs its "
             "store row, the training step and a score"
         )
+    if table.num_rows == 0:  # nothing to record (empty lists have no type to check)
+        return pa.table(
+            {n: pa.array([], pa.float64() if n == "score" else pa.int64()) for n in REQUIRED}
+        )
     extras = [n for n in names if n not in REQUIRED]
     if len(extras) > MAX_EXTRA_COLUMNS:
         raise InvalidDataError(
@@ -178,9 +184,11 @@ def _numeric(col: pa.ChunkedArray, name: str, url: str, *, nulls: bool) -> pa.Ch
     t = col.type
     if pa.types.is_boolean(t) and name != "score":
         return col
-    if not (pa.types.is_integer(t) or pa.types.is_floating(t)) or pa.types.is_null(t):
-        if pa.types.is_null(t) and nulls:
+    if pa.types.is_null(t):
+        if nulls:
             return col.cast(pa.float64())
+        raise InvalidDataError(f"outcomes for {url}: column {name!r} holds nulls")
+    if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
         raise InvalidDataError(
             f"outcomes for {url}: column {name!r} must be numeric, not {t}"
             + (" (a score is a float: 1.0 for a pass, 0.0 for a fail)" if name == "score" else "")

@@ -1,0 +1,627 @@
+"""Outcomes as data state (issue 21): outcomes and a generator state committed with their
+round in one record; per-row statistics at any version that follow the lineage through time
+travel, tags, reset/rollback, compaction and gc; bad input refused with nothing changed; the
+format an older dynstate refuses."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+import textwrap
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dynstate import (
+    ChecksumMismatchError,
+    InvalidDataError,
+    MissingShardError,
+    Store,
+    UnsupportedFormatError,
+    collect_garbage,
+    compact,
+    rollback,
+    verify_store,
+)
+from dynstate import manifest as m
+from dynstate.log import outcomes as outcome_log
+from dynstate.outcomes import DEFAULT_HALF_LIFE, DEFAULT_SUCCESS_ABOVE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rows(k: int, n: int = 4) -> list[dict[str, Any]]:
+    return [{"step": k, "i": i, "text": f"round {k} row {i}"} for i in range(n)]
+
+
+def outcomes_for(step: int, num_rows: int, rng: random.Random, n: int = 6) -> list[dict]:
+    return [
+        {
+            "row": rng.randrange(num_rows),
+            "step": step,
+            "score": rng.choice([0.0, 1.0, 0.25, 0.75, -1.0]),
+            "length": rng.randrange(1, 500),
+        }
+        for _ in range(n)
+    ]
+
+
+def reference(records: list[dict], num_rows: int, above: float, half: float) -> list[dict]:
+    """The statistics computed the slow, obvious way, from the raw records."""
+    by_row: dict[int, list[tuple[int, float]]] = defaultdict(list)
+    for r in records:
+        by_row[r["row"]].append((r["step"], r["score"]))
+    out = []
+    for row in range(num_rows):
+        xs = by_row.get(row, [])
+        if not xs:
+            out.append(
+                {
+                    "row": row,
+                    "attempts": 0,
+                    "successes": 0,
+                    "mean_score": None,
+                    "ewma_score": None,
+                    "first_step": None,
+                    "last_step": None,
+                }
+            )
+            continue
+        last = max(s for s, _ in xs)
+        weights = [2 ** ((s - last) / half) for s, _ in xs]
+        out.append(
+            {
+                "row": row,
+                "attempts": len(xs),
+                "successes": sum(x > above for _, x in xs),
+                "mean_score": sum(x for _, x in xs) / len(xs),
+                "ewma_score": sum(w * x for w, (_, x) in zip(weights, xs, strict=True))
+                / sum(weights),
+                "first_step": min(s for s, _ in xs),
+                "last_step": last,
+            }
+        )
+    return out
+
+
+def assert_stats(table: pa.Table, expected: list[dict]) -> None:
+    got = table.to_pylist()
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        for key in ("row", "attempts", "successes", "first_step", "last_step"):
+            assert g[key] == e[key], (key, g, e)
+        for key in ("mean_score", "ewma_score"):
+            if e[key] is None:
+                assert g[key] is None, (key, g, e)
+            else:
+                assert g[key] == pytest.approx(e[key], rel=1e-9, abs=1e-12), (key, g, e)
+
+
+def files(url: str) -> dict[str, bytes]:
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.invalidate_cache()
+    return {p: fs.cat_file(p) for p in fs.find(root)}
+
+
+# -- 1. one commit ----------------------------------------------------------------------------
+
+
+def test_round_and_outcomes_in_one_record(store_url: str) -> None:
+    store = Store.open(store_url, create=True)
+    store.append(rows(0, 5), meta={"step": 0})
+    outcomes = [
+        {"row": 0, "step": 1, "score": 1.0, "length": 12},
+        {"row": 0, "step": 1, "score": 0.0, "length": 30},
+        {"row": 3, "step": 1, "score": 0.5, "length": 7},
+    ]
+    v = store.append(rows(1, 2), meta={"step": 1}, outcomes=outcomes, generator_state={"n": 1})
+    record = store.commit_record(v)
+    # the round's shards and its outcome file are named by the same record
+    assert record.rows_added == 2
+    assert [f["rows"] for f in record.outcomes["add"]] == [3]
+    assert record.outcomes["steps"] == [[1, 1]]
+    assert record.generator_state == {"n": 1}
+    fresh = Store.open(store_url)
+    assert fresh.outcome_records(v).to_pylist() == [
+        {"row": 0, "step": 1, "score": 1.0, "length": 12},
+        {"row": 0, "step": 1, "score": 0.0, "length": 30},
+        {"row": 3, "step": 1, "score": 0.5, "length": 7},
+    ]
+    assert fresh.outcome_records(v - 1).num_rows == 0
+    stats = fresh.outcome_stats(v)
+    assert stats.num_rows == 7  # one row per store row of the version
+    assert_stats(stats, reference(outcomes, 7, DEFAULT_SUCCESS_ABOVE, DEFAULT_HALF_LIFE))
+    assert fresh.generator_state(v) == {"n": 1}
+    assert fresh.generator_state(v - 1) is None
+
+
+def test_input_forms_empty_rounds_and_commit_staged(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "s", create=True)
+    store.append(rows(0, 3))
+    as_columns = {"row": [0, 1], "step": [1, 1], "score": [1, 0]}  # int scores become floats
+    as_table = pa.table({"row": [2], "step": [2], "score": [0.5], "ok": [True]})
+    v1 = store.append([], outcomes=as_columns)  # an empty round with outcomes
+    v2 = store.commit_staged([store.stage([])], outcomes=as_table, generator_state=[1, "a"])
+    staged = store.stage(rows(3, 1))
+    v3 = store.commit_staged([staged], outcomes=[{"row": 1, "step": 3, "score": 0.25}])
+    assert (v1, v2, v3) == (2, 3, 4)
+    records = store.outcome_records()
+    assert records.column("score").type == pa.float64()
+    assert records.to_pylist() == [
+        {"row": 0, "step": 1, "score": 1.0, "ok": None},
+        {"row": 1, "step": 1, "score": 0.0, "ok": None},
+        {"row": 2, "step": 2, "score": 0.5, "ok": True},
+        {"row": 1, "step": 3, "score": 0.25, "ok": None},
+    ]
+    assert store.snapshot().num_rows == 4
+    assert store.generator_state() == [1, "a"]  # the latest in the lineage
+    # an empty outcome table commits the round alone (format 1, nothing to record)
+    v = store.append(rows(4, 1), outcomes={"row": [], "step": [], "score": []})
+    assert store.commit_record(v).outcomes is None
+    assert store.commit_record(v).to_json()["format"] == 1
+
+
+# -- 2. generator state ----------------------------------------------------------------------
+
+
+def test_generator_state_follows_the_lineage(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "s", create=True)
+    states = {}
+    for k in range(1, 130):
+        state = {"k": k, "pool": [k, k + 1], "nested": {"x": k / 3}} if k % 3 == 0 else None
+        v = store.append(rows(k, 1), meta={"step": k}, generator_state=state)
+        states[v] = state if state is not None else states.get(v - 1)
+    fresh = Store.open(tmp_path / "s")
+    for v in (1, 3, 4, 99, 100, 101, 128, 129):
+        assert fresh.generator_state(v) == states.get(v), v
+    store.tag("t", 50)
+    assert fresh.generator_state("t") == states[50]
+    # a rollback brings back the state of the checkpointed version
+    rollback(fresh, version=50)
+    assert fresh.generator_state() == states[50]
+    assert Store.open(tmp_path / "s").generator_state() == states[50]
+    # the returned value is a copy
+    got = fresh.generator_state()
+    got["k"] = -1
+    assert fresh.generator_state() == states[50]
+
+
+# -- 3. statistics -----------------------------------------------------------------------------
+
+
+def build(url: str, steps: int, seed: int = 0) -> tuple[Store, dict[int, list[dict]]]:
+    """A store whose version v (v >= 2) committed step v-1's outcomes with round v-1."""
+    rng = random.Random(seed)
+    store = Store.open(url, create=True)
+    store.append(rows(0, 8), meta={"step": 0})
+    by_version: dict[int, list[dict]] = {1: []}
+    for step in range(1, steps + 1):
+        head = store.snapshot()
+        outcomes = outcomes_for(step, head.num_rows, rng)
+        v = store.append(rows(step, 2), meta={"step": step}, outcomes=outcomes)
+        by_version[v] = outcomes
+    return store, by_version
+
+
+def lineage_records(by_version: dict[int, list[dict]], upto: int) -> list[dict]:
+    return [r for v in sorted(by_version) if v <= upto for r in by_version[v]]
+
+
+def test_stats_at_every_version_across_checkpoints(tmp_path: Path) -> None:
+    url = str(tmp_path / "s")
+    store, by_version = build(url, 230)
+    # outcome checkpoints with aggregates were written after versions 100 and 200
+    assert store.storage.exists(outcome_log.checkpoint_path(100))
+    assert store.storage.exists(outcome_log.checkpoint_path(200))
+    fresh = Store.open(url)
+    for v in (1, 2, 57, 99, 100, 101, 199, 200, 201, 231):
+        n = fresh.snapshot(v).num_rows
+        expected = reference(lineage_records(by_version, v), n, 0.5, 10.0)
+        assert_stats(fresh.outcome_stats(v), expected)
+    # caller-chosen parameters (not the aggregates'): the same answer, from the records
+    head = fresh.head
+    n = fresh.snapshot().num_rows
+    for above, half in ((0.0, 1.0), (0.8, 3.5), (-2.0, 1000.0)):
+        expected = reference(lineage_records(by_version, head), n, above, half)
+        assert_stats(fresh.outcome_stats(success_above=above, half_life=half), expected)
+    all_records = lineage_records(by_version, head)
+    assert fresh.outcome_records().to_pylist() == all_records
+
+
+def test_stats_at_the_head_read_only_the_outcomes_since_the_aggregate(tmp_path: Path) -> None:
+    url = str(tmp_path / "s")
+    build(url, 250)
+    fresh = Store.open(url)
+    reads: list[str] = []
+    original = fresh.storage.read
+
+    def counting(rel: str, **kwargs: Any) -> bytes:
+        reads.append(rel)
+        return original(rel, **kwargs)
+
+    fresh.storage.read = counting  # type: ignore[method-assign]
+    fresh.outcome_stats()
+    outcome_files = {f.path for f in outcome_log.outcomes_of(fresh.log).lineage(fresh.head).files}
+    read_outcomes = [r for r in reads if r in outcome_files]
+    # the aggregate at version 200 covers the first 199 files: only the 51 since are read
+    assert len(outcome_files) == 250
+    assert len(read_outcomes) == 51
+    assert sum(r.startswith(outcome_log.AGGREGATE_DIR) for r in reads) == 1
+    # and the same handle asked again after one more step reads one file more
+    reads.clear()
+    fresh.append([], outcomes=[{"row": 0, "step": 999, "score": 1.0}])
+    reads.clear()
+    fresh.outcome_stats()
+    assert len([r for r in reads if r.startswith("data/")]) == 1
+    # other parameters cannot use the aggregate: every file is read (documented)
+    reads.clear()
+    outcome_log.outcomes_of(fresh.log)._files.clear()
+    fresh.outcome_stats(success_above=0.9)
+    assert len([r for r in reads if r.startswith("data/")]) == 251
+
+
+def test_time_travel_tags_reset_and_rollback_give_exactly_that_versions_stats(
+    store_url: str,
+) -> None:
+    store, by_version = build(store_url, 12, seed=3)
+    store.tag("step6", 7)
+    at7 = store.outcome_stats(7)
+    records7 = store.outcome_records(7)
+    expected7 = reference(lineage_records(by_version, 7), store.snapshot(7).num_rows, 0.5, 10.0)
+    assert_stats(at7, expected7)
+    assert store.outcome_stats("step6").equals(at7)
+    # the abandoned run's outcomes do not leak
+    new = rollback(store, step=6)
+    assert store.commit_record(new).op == "reset"
+    assert_stats(store.outcome_stats(), expected7)
+    assert store.outcome_records().equals(records7)
+    # step 7 may be recorded again in the new lineage (its old outcomes are abandoned)
+    again = [{"row": 1, "step": 7, "score": 1.0}]
+    v = store.append(rows(7, 2), meta={"step": 7}, outcomes=again)
+    n = store.snapshot(v).num_rows
+    assert_stats(
+        Store.open(store_url).outcome_stats(v),
+        reference(lineage_records(by_version, 7) + again, n, 0.5, 10.0),
+    )
+    # the abandoned versions still read as they were
+    assert_stats(
+        store.outcome_stats(13),
+        reference(lineage_records(by_version, 13), store.snapshot(13).num_rows, 0.5, 10.0),
+    )
+
+
+def test_reset_far_back_and_forward_again_over_checkpoints(tmp_path: Path) -> None:
+    url = str(tmp_path / "s")
+    store, by_version = build(url, 120, seed=5)
+    expected = reference(lineage_records(by_version, 40), store.snapshot(40).num_rows, 0.5, 10.0)
+    store.reset(40)
+    for k in range(90):  # past the next checkpoint (version 200) on the new branch
+        store.append(rows(500 + k, 1))
+    fresh = Store.open(url)
+    assert fresh.head > 200
+    assert fresh.storage.exists(outcome_log.checkpoint_path(200))
+    head = fresh.outcome_stats()
+    assert_stats(head.slice(0, len(expected)), expected)
+    assert head.slice(len(expected)).column("attempts").to_pylist() == [0] * (
+        head.num_rows - len(expected)
+    )
+
+
+def test_compaction_never_changes_them(store_url: str) -> None:
+    store, _ = build(store_url, 9, seed=1)
+    before = store.outcome_stats()
+    records = store.outcome_records()
+    state_v = store.append([], generator_state={"s": "x"})
+    new = compact(store)
+    assert store.commit_record(new).op == "compact"
+    fresh = Store.open(store_url)
+    assert fresh.outcome_stats(new).equals(before)
+    assert fresh.outcome_records(new).equals(records)
+    assert fresh.generator_state(new) == fresh.generator_state(state_v) == {"s": "x"}
+    # the compaction record carries the complete outcome list: it stands alone
+    assert "base" in fresh.commit_record(new).outcomes
+
+
+def test_gc_keeps_what_kept_versions_need_and_removes_the_rest(durable_url: str) -> None:
+    store, by_version = build(durable_url, 15, seed=2)
+    abandoned = {f["path"] for v in range(10, 17) for f in store.commit_record(v).outcomes["add"]}
+    rollback(store, version=9)
+    kept_expected = reference(lineage_records(by_version, 9), store.snapshot(9).num_rows, 0.5, 10)
+    records = store.outcome_records()
+    for k in range(4):
+        store.append(rows(100 + k, 1))
+    head_stats = store.outcome_stats()
+    result = collect_garbage(store, keep=3, grace_s=0)
+    assert result.floor_after == store.head - 2
+    removed = {r.path for r in result.removed}
+    # the abandoned branch's outcome files go; the kept lineage's (below the floor) stay
+    assert abandoned <= removed
+    lineage_files = {f.path for f in outcome_log.outcomes_of(store.log).lineage(9).files}
+    assert len(lineage_files) == 8 and not lineage_files & removed
+    fresh = Store.open(durable_url)
+    assert fresh.outcome_stats().equals(head_stats)
+    assert_stats(fresh.outcome_stats().slice(0, len(kept_expected)), kept_expected)
+    assert fresh.outcome_records().equals(records)
+    assert fresh.storage.exists(outcome_log.checkpoint_path(result.floor_after))
+    assert verify_store(fresh, all_versions=True).ok
+    # a second gc finds nothing of theirs to remove
+    again = collect_garbage(fresh, keep=3, grace_s=0)
+    assert not [r for r in again.removed if r.path.startswith("data/")]
+    assert Store.open(durable_url).outcome_stats().equals(head_stats)
+
+
+def test_gc_floor_past_an_aggregate_and_a_reset_record(tmp_path: Path) -> None:
+    url = str(tmp_path / "s")
+    store, _ = build(url, 105, seed=8)
+    store.reset(104)  # a reset record carrying the complete list and the aggregate of 100
+    store.append(rows(999, 1))
+    expected = store.outcome_stats()
+    collect_garbage(store, keep=1, grace_s=0)
+    fresh = Store.open(url)
+    assert fresh.log.floor == fresh.head
+    assert fresh.outcome_stats().equals(expected)
+    assert verify_store(fresh, all_versions=True).ok
+
+
+def test_verify_finds_damaged_and_missing_outcome_files(tmp_path: Path) -> None:
+    url = str(tmp_path / "s")
+    store, _ = build(url, 5)
+    assert verify_store(store).ok
+    victim = store.commit_record(3).outcomes["add"][0]["path"]
+    path = tmp_path / "s" / victim
+    table = pq.read_table(path)
+    pq.write_table(table.set_column(2, "score", pa.array([9.0] * table.num_rows)), path)
+    report = verify_store(Store.open(url))
+    assert not report.ok and any(victim in p and "checksum" in p for p in report.problems)
+    path.unlink()
+    report = verify_store(Store.open(url))
+    assert any(victim in p and "missing" in p for p in report.problems)
+    with pytest.raises(MissingShardError):
+        Store.open(url).outcome_stats()
+
+
+# -- 4. bad input ------------------------------------------------------------------------------
+
+
+BAD_OUTCOMES = [
+    ({"row": [0], "step": [1], "score": [float("nan")]}, "NaN"),
+    ({"row": [0], "step": [1], "score": [float("inf")]}, "NaN or infinity"),
+    ([{"row": 0, "step": 1, "score": "1.0"}], "must be numbers"),
+    ({"row": [0], "step": [1], "score": ["pass"]}, "must be numbers"),
+    ([{"row": 0, "step": 1, "score": True}], "must be numbers"),
+    ({"row": [0], "step": [1], "score": [None]}, "nulls"),
+    ({"row": [0], "step": [1]}, "lack column(s) score"),
+    ({"row": [3], "step": [1], "score": [1.0]}, "name row 3"),  # the round's own new row
+    ({"row": [99], "step": [1], "score": [1.0]}, "name row 99"),
+    ({"row": [-1], "step": [1], "score": [1.0]}, "outside"),
+    ({"row": [0.0], "step": [1], "score": [1.0]}, "integers"),
+    ({"row": [0], "step": [-4], "score": [1.0]}, "outside"),
+    ({"row": [0], "step": [0], "score": [1.0]}, "already have outcomes"),
+    ({"row": [0], "step": [1], "score": [1.0], "len": ["x"]}, "must be numbers"),
+    ({"row": [0], "step": [1], "score": [1.0], "x": [float("nan")]}, "NaN"),
+    ({"row": [0, 1], "step": [1], "score": [1.0]}, "different lengths"),
+    ("row,step,score", "must be a pyarrow Table"),
+    ([1, 2], "must hold dicts"),
+    ({"row": [0], "step": [1], "score": [1.0], **{f"f{i}": [1] for i in range(40)}}, "extra"),
+]
+
+
+@pytest.mark.parametrize("bad,message", BAD_OUTCOMES)
+def test_bad_outcomes_are_refused_and_change_nothing(
+    tmp_path: Path, bad: Any, message: str
+) -> None:
+    url = str(tmp_path / "s")
+    store = Store.open(url, create=True)
+    store.append(rows(0, 3))
+    store.append([], outcomes={"row": [0], "step": [0], "score": [1.0]})
+    before = files(url)
+    with pytest.raises(InvalidDataError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        store.append(rows(1, 2), outcomes=bad)
+    with pytest.raises(InvalidDataError):
+        store.commit_staged([], outcomes=bad)
+    assert files(url) == before
+    assert Store.open(url).head == 2
+
+
+BAD_STATES = [
+    ((1, 2), "tuple"),
+    ({1: "a"}, "keys must be str"),
+    ({"x": float("nan")}, "nan"),
+    ({"x": {1, 2}}, "set"),
+    ({"x": object()}, "object"),
+    ({"x": b"bytes"}, "bytes"),
+    ({"x": "y" * (2**20 + 10)}, "over the limit"),
+]
+
+
+@pytest.mark.parametrize("bad,message", BAD_STATES)
+def test_bad_generator_state_is_refused_and_changes_nothing(
+    tmp_path: Path, bad: Any, message: str
+) -> None:
+    url = str(tmp_path / "s")
+    store = Store.open(url, create=True)
+    store.append(rows(0, 3))
+    before = files(url)
+    with pytest.raises(InvalidDataError, match=message):
+        store.append(rows(1, 2), generator_state=bad)
+    assert files(url) == before
+
+
+def test_oversized_outcomes_and_deep_state(tmp_path: Path, monkeypatch) -> None:
+    from dynstate import outcomes as o
+
+    url = str(tmp_path / "s")
+    store = Store.open(url, create=True)
+    store.append(rows(0, 3))
+    before = files(url)
+    monkeypatch.setattr(o, "MAX_OUTCOMES", 10)
+    with pytest.raises(InvalidDataError, match="over the limit of 10 per commit"):
+        store.append([], outcomes={"row": [0] * 11, "step": [1] * 11, "score": [1.0] * 11})
+    deep: Any = 1
+    for _ in range(40):
+        deep = [deep]
+    with pytest.raises(InvalidDataError, match="nests deeper"):
+        store.append([], generator_state=deep)
+    assert files(url) == before
+
+
+def test_bad_stats_parameters(tmp_path: Path) -> None:
+    store, _ = build(str(tmp_path / "s"), 2)
+    for kwargs in (
+        {"half_life": 0},
+        {"half_life": -1},
+        {"half_life": float("inf")},
+        {"success_above": float("nan")},
+        {"success_above": "0.5"},
+    ):
+        with pytest.raises(InvalidDataError):
+            store.outcome_stats(**kwargs)
+
+
+def test_a_step_committed_by_another_writer_meanwhile_is_refused(tmp_path: Path) -> None:
+    """The checks run again against the parent the record is finally built on."""
+    url = str(tmp_path / "s")
+    a = Store.open(url, create=True)
+    a.append(rows(0, 3))
+    b = Store.open(url)
+    staged = b.stage([])
+    a.append([], outcomes={"row": [0], "step": [5], "score": [1.0]})
+    with pytest.raises(InvalidDataError, match="step"):
+        b.commit_staged([staged], outcomes={"row": [1], "step": [5], "score": [0.0]})
+    assert Store.open(url).outcome_records().num_rows == 1
+
+
+# -- 5. format -------------------------------------------------------------------------------
+
+
+def test_formats_only_records_and_stores_with_outcomes_are_format_2(tmp_path: Path) -> None:
+    url = str(tmp_path / "s")
+    store = Store.open(url, create=True)
+    store.append(rows(0, 3))
+    raw = json.loads(store.storage.read(m.STORE_FILE))
+    assert raw["format"] == 1
+    assert json.loads(store.storage.read(m.log_path(1)))["format"] == 1
+    v = store.append([], outcomes={"row": [0], "step": [0], "score": [1.0]})
+    assert json.loads(store.storage.read(m.log_path(v)))["format"] == 2
+    raw = json.loads(store.storage.read(m.STORE_FILE))
+    assert raw["format"] == 2 and raw["outcomes_since"] == 1
+    v = store.append(rows(1, 1))
+    assert json.loads(store.storage.read(m.log_path(v)))["format"] == 1
+    # a record of a format beyond this dynstate's is refused, not misread
+    future = m.encode({**json.loads(store.storage.read(m.log_path(v))), "format": 3})
+    store.storage.put(m.log_path(v), future)
+    with pytest.raises(UnsupportedFormatError, match="upgrade dynstate"):
+        Store.open(url).commit_record(v)
+
+
+OLD_CODE = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import dynstate
+    assert dynstate.__file__.startswith(sys.argv[1]), dynstate.__file__
+    from dynstate import Store, UnsupportedFormatError
+    url, action = sys.argv[2], sys.argv[3]
+    if action == "write":
+        store = Store.open(url, create=True)
+        for k in range(3):
+            store.append([{"step": k, "i": 0, "text": f"old {k}"}], meta={"step": k})
+        print("ok", store.head)
+    else:
+        try:
+            Store.open(url).snapshot()
+        except UnsupportedFormatError as exc:
+            print("refused", exc)
+        else:
+            print("read it")
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def old_dynstate(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The dynstate package as it was before outcomes (git history of this repository)."""
+    out = tmp_path_factory.mktemp("old")
+    try:
+        base = subprocess.run(
+            ["git", "log", "--format=%H", "-1", "--diff-filter=A", "--", "dynstate/outcomes.py"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        archive = subprocess.run(
+            ["git", "archive", f"{base}^", "dynstate"], cwd=ROOT, capture_output=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"needs the git history of the repository: {exc}")
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    assert not (out / "dynstate" / "outcomes.py").exists()
+    return out
+
+
+def run_old(old: Path, url: str, action: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", OLD_CODE, str(old), url, action],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=old,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_old_stores_gain_outcomes_and_old_dynstate_refuses_them(
+    tmp_path: Path, old_dynstate: Path
+) -> None:
+    url = str(tmp_path / "s")
+    assert run_old(old_dynstate, url, "write").split() == ["ok", "3"]
+    store = Store.open(url)  # a store written before this change opens and reads
+    assert store.snapshot().to_arrow().column("text").to_pylist() == ["old 0", "old 1", "old 2"]
+    assert store.outcome_stats().column("attempts").to_pylist() == [0, 0, 0]
+    assert store.generator_state() is None
+    assert run_old(old_dynstate, url, "read").strip() == "read it"
+    # ... and gains outcomes with its next commit
+    v = store.append(
+        [{"step": 3, "i": 0, "text": "new"}],
+        outcomes={"row": [1, 2], "step": [3, 3], "score": [1.0, 0.0]},
+        generator_state={"seen": 3},
+    )
+    fresh = Store.open(url)
+    assert fresh.outcome_stats(v).column("attempts").to_pylist() == [0, 1, 1, 0]
+    assert fresh.generator_state() == {"seen": 3}
+    assert fresh.snapshot().num_rows == 4
+    # an older dynstate refuses the store rather than misreading it (or its gc deleting
+    # outcome files as orphans)
+    out = run_old(old_dynstate, url, "read")
+    assert out.startswith("refused") and "format 2" in out and "upgrade dynstate" in out
+
+
+def test_outcome_checkpoint_and_aggregate_are_checked(tmp_path: Path) -> None:
+    url = str(tmp_path / "s")
+    store, _ = build(url, 101)
+    rel = outcome_log.checkpoint_path(100)
+    obj = json.loads(store.storage.read(rel))
+    assert obj["format"] == 2 and obj["aggregate"]["files"] == 99
+    assert math.isclose(obj["aggregate"]["half_life"], DEFAULT_HALF_LIFE)
+    agg = obj["aggregate"]["path"]
+    store.storage.put(agg, store.storage.read(agg) + b"x")
+    fresh = Store.open(url)
+    report = verify_store(fresh)
+    assert any("checksum" in p and agg in p for p in report.problems)
+    # the statistics do not trust it: they fold the records instead
+    expected = reference(fresh.outcome_records().to_pylist(), fresh.snapshot().num_rows, 0.5, 10.0)
+    assert_stats(fresh.outcome_stats(), expected)
+    obj["records"] = 5  # tampered: the checksum no longer matches
+    store.storage.put(rel, json.dumps(obj).encode())
+    with pytest.raises(ChecksumMismatchError):
+        Store.open(url).outcome_stats(100)
