@@ -82,7 +82,17 @@ def version_row(record: Commit, head: int, line: set[int], tags: list[str]) -> d
         "created": record.created,
         "tags": tags,
         "status": status,
+        # A rollback's training step, and a round's failure (an empty round is not "+0").
+        "rollback_step": record.meta.get("rollback_step") if record.op == "reset" else None,
+        "error": _error_text(record.meta.get("error")),
     }
+
+
+def _error_text(error: Any) -> str | None:
+    """A round's recorded failure (``meta["error"]``) as one line, or None."""
+    if error is None or error is False or error == "":
+        return None
+    return " ".join(str(error).split())[:200]
 
 
 def summary(store: Store) -> dict[str, Any]:
@@ -355,10 +365,9 @@ def _reset_marker(store: Store, record: Commit, x: float, axis: str, floor: int)
     target = record.target
     before = record.meta.get("rollback_from", record.parent)
     dropped = None
-    try:
-        dropped = store.commit_record(int(before)).num_rows - record.num_rows
-    except (DynstateError, TypeError, ValueError):
-        pass  # the abandoned head was collected: the count is unknown, the reset is not
+    if isinstance(before, int) and not isinstance(before, bool):
+        with contextlib.suppress(DynstateError):  # collected: the count is unknown, not the reset
+            dropped = store.commit_record(before).num_rows - record.num_rows
     abandoned = [target + 1, record.version - 1] if target is not None else None
     rollback = "rollback_from" in record.meta
     at = record.meta.get("rollback_step")

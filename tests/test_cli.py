@@ -145,9 +145,11 @@ def test_ls_json_exact(built) -> None:
         dict(version=0, op="create", target=None, rows_added=0, total_rows=0, shards=0,
              step=None, generator=None, tags=[], status=None),
     ]  # fmt: skip
-    assert out == [{**row, "bytes": nbytes[row["version"]]} for row in expected]
+    extra = {"rollback_step": None, "error": None}
+    assert out == [{**row, "bytes": nbytes[row["version"]], **extra} for row in expected]
     assert list(out[0]) == ["version", "op", "target", "rows_added", "total_rows", "shards",
-                            "bytes", "step", "generator", "tags", "status"]  # fmt: skip
+                            "bytes", "step", "generator", "tags", "status", "rollback_step",
+                            "error"]  # fmt: skip
 
     def versions(*args: str) -> list[int]:
         return [r["version"] for r in json.loads(run("ls", url, "--json", *args).stdout)]
@@ -277,7 +279,7 @@ def test_show_walks_a_bounded_number_of_records(tmp_path) -> None:
 def test_head_table_json_jsonl(built) -> None:
     url, _ = built
     assert run("head", url, "-n", "4").stdout.splitlines() == [
-        "id  text", "0   row 0", "1   row 1", "2   row 2", "10  row 10"
+        "#  id  text", "0  0   row 0", "1  1   row 1", "2  2   row 2", "3  10  row 10"
     ]  # fmt: skip
     assert json.loads(run("head", url, "-n", "4", "--json").stdout) == rows(0, 3) + rows(10, 1)
     lines = run("head", url, "4", "--columns", "text", "--jsonl", "-n", "20").stdout.splitlines()
@@ -285,6 +287,113 @@ def test_head_table_json_jsonl(built) -> None:
     assert [json.loads(line) for line in lines] == [{"text": f"row {i}"} for i in expected]
     bad = run("head", url, "--columns", "nope", code=2)
     assert "nope" in bad.stderr and "id, text" in bad.stderr
+
+
+def _chat_store(url: str) -> Store:
+    """A verl-shaped store: a 6-row import of chat prompts (step -1), rounds of 3 rows
+    (steps 0-2), an empty round whose generator failed (step 3)."""
+    store = Store.open(url, create=True)
+
+    def chat(text: str) -> list[dict[str, str]]:
+        return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+
+    store.append([{"prompt": chat(f"seed {i}"), "n": i} for i in range(6)], meta={"step": -1})
+    for step in range(3):
+        store.append([{"prompt": chat(f"task {step}-{k}\nmore"), "n": 100 * step + k}
+                      for k in range(3)], meta={"step": step, "generator": "g"})  # fmt: skip
+    store.append([], meta={"step": 3, "generator": "g", "error": "generator crashed: OOM"})
+    return store
+
+
+def test_head_of_what_a_round_added_with_offset_and_tail(tmp_path) -> None:
+    url = str(tmp_path / "store")
+    _chat_store(url)
+    added = run("head", url, "3", "--added").stdout.splitlines()
+    assert added == [
+        " #  prompt                                    n",
+        " 9  system: Be brief. | user: task 1-0\\nmore  100",
+        "10  system: Be brief. | user: task 1-1\\nmore  101",
+        "11  system: Be brief. | user: task 1-2\\nmore  102",
+    ]
+    assert run("head", url, "3", "--added", "--tail", "-n", "1").stdout.splitlines()[1:] == [
+        "11  system: Be brief. | user: task 1-2\\nmore  102"
+    ]
+    assert run("head", url, "3", "--added", "--offset", "1", "-n", "1").stdout.splitlines()[1:] == [
+        "10  system: Be brief. | user: task 1-1\\nmore  101"
+    ]
+    # --tail and --offset over a whole version: the last rows, or from row N on.
+    tail = json.loads(run("head", url, "--tail", "-n", "2", "--json", "--columns", "n").stdout)
+    assert tail == [{"n": 201}, {"n": 202}]
+    skip = run("head", url, "--offset", "5", "-n", "2", "--columns", "n").stdout.splitlines()
+    assert skip == ["#  n", "5  5", "6  0"]
+    past = json.loads(run("head", url, "--offset", HUGE, "--json").stdout)
+    assert past == []
+    # The import's rows are the version's first, as before; the chat messages by content.
+    assert run("head", url, "1", "-n", "1").stdout.splitlines()[1] == (
+        "0  system: Be brief. | user: seed 0  0"
+    )
+    raw = json.loads(run("head", url, "1", "-n", "1", "--json").stdout)
+    assert raw[0]["prompt"][1] == {"role": "user", "content": "seed 0"}  # --json keeps them
+    empty = run("head", url, "5", "--added")
+    assert empty.stdout == f"version 5 of {url} (append) added no rows\n"
+
+
+def test_diff_rows_shows_the_rows_v2_adds(tmp_path) -> None:
+    url = str(tmp_path / "store")
+    _chat_store(url)
+    out = run("diff", url, "2", "4", "--rows", "-n", "4", "--columns", "n").stdout
+    assert out.splitlines()[-7:] == [
+        "",
+        "rows version 4 adds (the first 4 of 6 rows):",
+        " #  n",
+        " 9  100",
+        "10  101",
+        "11  102",
+        "12  200",
+    ]
+    info = json.loads(run("diff", url, "2", "4", "--rows", "-n", "2", "--json").stdout)
+    assert [p["row"] for p in info["added_preview"]] == [9, 10]
+    assert info["added_preview"][0]["values"]["n"] == 100
+    none = run("diff", url, "4", "2", "--rows").stdout.splitlines()
+    assert none[-1] == "version 2 adds no rows to version 4"
+
+
+def test_rollbacks_and_failed_rounds_say_so(tmp_path) -> None:
+    from dynstate import rollback
+
+    url = str(tmp_path / "store")
+    store = _chat_store(url)
+    rollback(store, step=1)  # version 6: back to version 3, the round of step 1
+    out = run("ls", url, "--all").stdout.splitlines()
+    rows = {line.split()[0]: line for line in out[6:]}
+    assert rows["6"].split()[1:4] == ["reset→3", "(step", "1)"]
+    assert rows["5"].split()[2] == "failed"
+    row5 = json.loads(run("ls", url, "--all", "--json").stdout)[1]
+    assert (row5["version"], row5["error"], row5["rows_added"]) == (5, "generator crashed: OOM", 0)
+    show = dict(line.split(":", 1) for line in run("show", url, "5").stdout.splitlines()[:9])
+    assert show["rows"].strip() == "15 (none added: the round failed: generator crashed: OOM)"
+    assert run("show", url, "6").stdout.splitlines()[1] == "op:      reset→3 (step 1)"
+
+
+def test_ls_fits_80_columns_without_cutting_status_or_tags(tmp_path) -> None:
+    url = str(tmp_path / "store")
+    store = build(url)
+    store.tag("best-run", 6)
+    out = run("ls", url, "--all", env={"COLUMNS": "80"}).stdout.splitlines()
+    assert all(len(line) <= 80 for line in out), [len(line) for line in out]
+    table = out[5:-1]
+    # The tag on the head widens the status column: the generator goes too, status stays whole.
+    assert table[0].split() == ["version", "op", "added", "rows", "step", "created", "(UTC)",
+                                "status"]  # fmt: skip
+    assert table[1].endswith("  head, tag best-run")
+    assert table[3].endswith("  abandoned") and table[5].endswith("  tag ckpt")
+    assert out[-1] == "(shards, size, generator left out to fit 80 columns: --json has all)"
+    store.untag("best-run")
+    out = run("ls", url, "--all", env={"COLUMNS": "80"}).stdout.splitlines()
+    assert all(len(line) <= 80 for line in out) and "generator" in out[5]
+    assert out[-1] == "(shards, size left out to fit 80 columns: --json has all)"
+    wide = run("ls", url, "--all", env={"COLUMNS": "120"}).stdout
+    assert "shards" in wide and "left out" not in wide
 
 
 @pytest.mark.slow

@@ -784,3 +784,36 @@ def test_no_secret_with_a_slash_on_any_page_json_or_error(tmp_path, monkeypatch)
         for part in (SLASH_SECRET, quote(SLASH_SECRET, safe=""), "K7MDENG", option_secret,
                      quote(option_secret, safe=""), "Opt/Secret", "pa/ss"):  # fmt: skip
             assert part not in joined, part
+
+
+def test_pages_say_compaction_rollback_step_failed_round_and_give_no_python_advice(tmp_path):
+    from dynstate import rollback
+
+    store = Store.open(str(tmp_path / "store"), create=True)
+    for step in range(3):
+        store.append([{"x": step}], meta={"step": step, "generator": "g"})
+    assert compact(store, target_bytes=2**20) == 4
+    store.append([], meta={"step": 3, "generator": "g", "error": "generator crashed: OOM"})
+    assert rollback(store, step=1) == 6  # back to version 2, the round of step 1
+    with served(StoreView(store)) as base:
+        client = Client(base)
+        _, compacted = client.get("/versions/4")
+        assert "compacts version" in compacted and "reset to" not in compacted
+        _, reset = client.get("/versions/6")
+        assert "reset to" in reset and "(rolled back to step 1)" in reset
+        _, failed = client.get("/versions/5")
+        assert "(none added: the round failed)" in failed and "generator crashed: OOM" in failed
+        assert "(+0)" not in failed
+        _, listing = client.get("/versions")
+        assert 'title="generator crashed: OOM">failed</span>' in listing
+        assert '<span class="muted">(step 1)</span>' in listing
+        row = {v["version"]: v for v in client.json("/api/versions")["versions"]}
+        assert (row[6]["rollback_step"], row[5]["error"]) == (1, "generator crashed: OOM")
+        for path in ("/api/versions/99", "/versions/99", "/versions/nosuchtag"):
+            status, body = client.get(path)
+            assert status == 404 and "version=None" not in body and "dynstate ls" not in body
+            assert "/versions" in body
+        assert client.json("/api/versions/99", status=404)["error"] == (
+            f"version 99 not found in {store.display_url} (latest is 6); the versions page "
+            "(/versions) lists them"
+        )

@@ -17,15 +17,40 @@ LINEAGE_LIMIT = 1000  # records `show` reads to describe a lineage: bounded, how
 
 
 def _op(row: dict[str, Any]) -> str:
-    """A reset shows its target (``reset→12``); other ops as they are."""
+    """A reset shows its target (``reset→12``) and, for a rollback to a training step, the
+    step (``reset→12 (step 7)``); other ops as they are."""
     reset = row["op"] == "reset" and row.get("target") is not None
-    return f"reset→{row['target']}" if reset else row["op"]
+    if not reset:
+        return row["op"]
+    step = row.get("rollback_step")
+    return f"reset→{row['target']}" + (f" (step {step})" if step is not None else "")
+
+
+def _added(row: dict[str, Any]) -> str:
+    """Rows a version added; a round that added none because its generator failed (an
+    ``error`` in its meta) says so instead of 0."""
+    if row.get("error") and not row["rows_added"]:
+        return "failed"
+    return f"{row['rows_added']:,}"
 
 
 def _status(row: dict[str, Any]) -> str:
     """ "head", "abandoned" and the version's tags, in one column: ``head, tag best``."""
     return ", ".join([*([row["status"]] if row["status"] else []),
                       *(f"tag {t}" for t in row["tags"])])  # fmt: skip
+
+
+def _meta(info: dict[str, Any]) -> dict[str, Any]:
+    meta = info.get("meta")
+    return meta if isinstance(meta, dict) else {}
+
+
+def _rows_line(info: dict[str, Any]) -> str:
+    error = _meta(info).get("error")
+    if error and not info["rows_added"] and info["op"] == "append":
+        why = " ".join(str(error).split())[:200]
+        return f"{info['rows']:,} (none added: the round failed: {why})"
+    return f"{info['rows']:,} ({info['rows_added']:+,} in this version)"
 
 
 def _show_status(status: str | None) -> str:
@@ -83,18 +108,19 @@ def ls_cmd(url, show_all: bool, limit: int | None, reverse: bool, as_json: bool,
         r.Column("op"),
         r.Column("added", right=True),
         r.Column("rows", right=True),
-        r.Column("shards", right=True),
-        r.Column("size", right=True),
+        r.Column("shards", right=True, drop=1),
+        r.Column("size", right=True, drop=2),
         r.Column("step", right=True, optional=True),
-        r.Column("generator", flexible=True, optional=True),
+        r.Column("generator", flexible=True, optional=True, drop=3),
         r.Column("created (UTC)"),
-        r.Column("status", flexible=True, optional=True),
+        # Never cut: "abandoned" and tag names are what a reader looks for.
+        r.Column("status", optional=True),
     ]
     cells = [
         [
             str(row["version"]),
             _op(row),
-            f"{row['rows_added']:,}",
+            _added(row),
             f"{row['total_rows']:,}",
             f"{row['shards']:,}",
             r.human_size(row["bytes"]),
@@ -105,9 +131,12 @@ def ls_cmd(url, show_all: bool, limit: int | None, reverse: bool, as_json: bool,
         ]
         for row in rows
     ]
-    for line in r.table(columns, cells, r.width()):
+    lines, dropped = r.fit_table(columns, cells, r.width())
+    for line in lines:
         r.echo(line)
     notes = []
+    if dropped:
+        notes.append(f"{', '.join(dropped)} left out to fit {r.width()} columns: --json has all")
     if older > 0:
         notes.append(
             f"{r.count(older, 'older version')} not shown: --limit N shows more, --limit 0 all"
@@ -187,11 +216,11 @@ def show_cmd(url, version, max_shards: int, as_json: bool, storage_options) -> N
         return
     pairs = [
         ("version", str(info["version"])),
-        ("op", _op({"op": info["op"], "target": info["target"]})),
+        ("op", _op({**info, "rollback_step": _meta(info).get("rollback_step")})),
         ("parent", r.cell(info["parent"])),
         ("created", f"{r.utc(info['created'])} UTC"),
         ("status", _show_status(info["status"])),
-        ("rows", f"{info['rows']:,} ({info['rows_added']:+,} in this version)"),
+        ("rows", _rows_line(info)),
         ("shards", f"{info['shards']:,}"),
         ("size", f"{r.human_size(info['bytes'])} ({info['bytes']:,} bytes)"),
         ("tags", ", ".join(info["tags"]) or "none"),
@@ -230,40 +259,89 @@ def show_cmd(url, version, max_shards: int, as_json: bool, storage_options) -> N
         )
 
 
-@click.command("head")
-@click.argument("url")
-@click.argument("version", required=False)
-@click.option("-n", "rows", default=10, show_default=True, type=Count(0))
-@click.option("--columns", help="Comma-separated columns to show.")
-@click.option("--jsonl", is_flag=True, help="One JSON object per row.")
-@json_option
-@store_command
-def head_cmd(url, version, rows: int, columns, jsonl: bool, as_json: bool, storage_options):
-    """Print the first N rows of a version (default: the head), reading only the shards
-    needed.
-
-    \b
-    Example:
-      dynstate head ./runs/run1 7 -n 5 --columns prompt,answer --jsonl
-    """
-    store = open_store(url, storage_options)
-    snap = store.snapshot(version_arg(version))
+def _columns(snap: Any, columns: str | None, url: str) -> list[str]:
     names = [f.name for f in snap.schema or []]
     wanted = [c.strip() for c in columns.split(",") if c.strip()] if columns else names
     unknown = [c for c in wanted if c not in names]
     if unknown:
         raise click.BadParameter(
-            f"no column {', '.join(unknown)} in version {snap.version} of {store.display_url}; "
+            f"no column {', '.join(unknown)} in version {snap.version} of {url}; "
             f"columns: {', '.join(names)}",
             param_hint="--columns",
         )
+    return wanted
+
+
+def _read_rows(snap: Any, start: int, stop: int, wanted: list[str]) -> list[dict[str, Any]]:
+    """Rows ``start`` to ``stop`` (exclusive) of ``snap``, reading only the shards they are
+    in."""
+    import bisect
+
     out: list[dict[str, Any]] = []
-    for i in range(len(snap.shards)):
-        if len(out) >= rows:
+    if start >= stop:
+        return out
+    first = bisect.bisect_right(snap.offsets, start) - 1
+    for i in range(first, len(snap.shards)):
+        lo = snap.offsets[i]
+        if lo >= stop:
             break
         table = snap.read_shard(i).select(wanted)
-        out.extend(r.python_rows(table.slice(0, rows - len(out))))
+        begin = max(start - lo, 0)
+        out.extend(r.python_rows(table.slice(begin, min(stop, snap.offsets[i + 1]) - lo - begin)))
         del table
+    return out
+
+
+def _print_rows(rows: list[dict[str, Any]], numbers: range, wanted: list[str]) -> None:
+    """Rows as a table with their row numbers (chat messages shown by their content)."""
+    cols = [r.Column("#", right=True), *(r.Column(name, flexible=True) for name in wanted)]
+    cells = [
+        [f"{n:,}", *(r.cell(row[c]) for c in wanted)] for n, row in zip(numbers, rows, strict=True)
+    ]
+    for line in r.table(cols, cells, r.width()):
+        r.echo(line)
+
+
+@click.command("head")
+@click.argument("url")
+@click.argument("version", required=False)
+@click.option("-n", "rows", default=10, show_default=True, type=Count(0), help="Rows to show.")
+@click.option("--offset", default=0, type=Count(0), help="Skip this many rows first.")
+@click.option("--tail", is_flag=True, help="Show the last N rows instead of the first.")
+@click.option(
+    "--added",
+    is_flag=True,
+    help="Only the rows this version added (its round); --offset and --tail count within them.",
+)
+@click.option("--columns", help="Comma-separated columns to show.")
+@click.option("--jsonl", is_flag=True, help="One JSON object per row.")
+@json_option
+@store_command
+def head_cmd(url, version, rows: int, offset: int, tail: bool, added: bool, columns,
+             jsonl: bool, as_json: bool, storage_options):  # fmt: skip
+    """Print N rows of a version (default: the head), with their row numbers, reading only
+    the shards they are in: the first N, from --offset on, the last N (--tail), or those
+    the version added (--added: what a round generated).
+
+    \b
+    Example:
+      dynstate head ./runs/run1 7 -n 5 --columns prompt,answer --jsonl
+      dynstate head ./runs/run1 23 --added --tail -n 3
+    """
+    store = open_store(url, storage_options)
+    snap = store.snapshot(version_arg(version))
+    wanted = _columns(snap, columns, store.display_url)
+    lo, hi = 0, snap.num_rows
+    if added:
+        lo = max(0, hi - max(0, snap.commit.rows_added))
+    if tail:
+        hi = max(lo, hi - offset)
+        start = max(lo, hi - rows)
+    else:
+        start = min(hi, lo + offset)
+        hi = min(hi, start + rows)
+    numbers = range(start, hi)
+    out = _read_rows(snap, start, hi, wanted)
     if jsonl:
         for row in out:
             r.echo(json.dumps(row, default=str, ensure_ascii=False))
@@ -271,9 +349,11 @@ def head_cmd(url, version, rows: int, columns, jsonl: bool, as_json: bool, stora
     if as_json:
         r.print_json(out)
         return
-    cols = [r.Column(name, flexible=True) for name in wanted]
-    for line in r.table(cols, [[r.cell(row[c]) for c in wanted] for row in out], r.width()):
-        r.echo(line)
+    if added and not out:
+        what = "added no rows" if lo == snap.num_rows else "has no rows there"
+        r.echo(f"version {snap.version} of {store.display_url} ({snap.commit.op}) {what}")
+        return
+    _print_rows(out, numbers, wanted)
 
 
 @click.command("diff")
@@ -281,21 +361,40 @@ def head_cmd(url, version, rows: int, columns, jsonl: bool, as_json: bool, stora
 @click.argument("v1")
 @click.argument("v2")
 @click.option("--shards", "with_shards", is_flag=True, help="Also list shard files added/removed.")
+@click.option("--rows", "with_rows", is_flag=True, help="Also show the rows V2 adds, as head does.")
+@click.option("-n", "rows", default=10, show_default=True, type=Count(0),
+              help="Added rows to show with --rows.")  # fmt: skip
+@click.option("--columns", help="Comma-separated columns to show with --rows.")
 @json_option
 @store_command
-def diff_cmd(url: str, v1: str, v2: str, with_shards: bool, as_json: bool, storage_options):
+def diff_cmd(url: str, v1: str, v2: str, with_shards: bool, with_rows: bool, rows: int,
+             columns: str | None, as_json: bool, storage_options):  # fmt: skip
     """Compare two versions by rows and lineage: rows V2 adds and removes against V1, the rows
     both start with, and schema changes. A compaction or a reset to the same content changes
-    no row.
+    no row. With --rows, the first N rows V2 adds, as `head` shows them (--json: under
+    "added_preview", each with its row number).
 
     \b
     Example:
-      dynstate diff ./runs/run1 ckpt head
+      dynstate diff ./runs/run1 ckpt head --rows -n 5
     """
     from ..history import diff, ranges
 
     store = open_store(url, storage_options)
     info = diff(store, version_arg(v1), version_arg(v2), shards=with_shards)
+    preview: list[dict[str, Any]] = []
+    numbers = range(0)
+    wanted: list[str] = []
+    if with_rows:
+        snap = store.snapshot(info["to"])
+        wanted = _columns(snap, columns, store.display_url)
+        # V2's rows are the rows both start with, then the rounds only V2 carries.
+        start = snap.num_rows - info["added_rows"]
+        numbers = range(start, min(snap.num_rows, start + rows))
+        preview = _read_rows(snap, numbers.start, numbers.stop, wanted)
+        info["added_preview"] = [
+            {"row": n, "values": row} for n, row in zip(numbers, preview, strict=True)
+        ]
     if as_json:
         r.print_json(info)
         return
@@ -334,6 +433,14 @@ def diff_cmd(url: str, v1: str, v2: str, with_shards: bool, as_json: bool, stora
             r.echo(f"+ {s['path']} ({r.count(s['rows'], 'row')})")
         for s in info["shards_removed"]:
             r.echo(f"- {s['path']} ({r.count(s['rows'], 'row')})")
+    if with_rows:
+        r.echo()
+        if not preview:
+            r.echo(f"version {b} adds no rows to version {a}")
+            return
+        shown = "" if len(preview) == info["added_rows"] else f"the first {len(preview):,} of "
+        r.echo(f"rows version {b} adds ({shown}{r.count(info['added_rows'], 'row')}):")
+        _print_rows(preview, numbers, wanted)
 
 
 @click.command("tags")

@@ -66,10 +66,30 @@ def count(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
+def chat_text(value: Any) -> str | None:
+    """A chat-format value (a list of ``{"role", "content"}`` messages, as verl's prompts
+    are) as its content, ``user: ... | assistant: ...``; None for anything else."""
+    if not isinstance(value, list) or not value:
+        return None
+    if not all(isinstance(m, dict) and "content" in m for m in value):
+        return None
+    parts = []
+    for message in value:
+        content = message["content"]
+        if not isinstance(content, str):
+            content = json.dumps(content, default=str, ensure_ascii=False)
+        role = message.get("role")
+        parts.append(f"{role}: {content}" if role else content)
+    return " | ".join(parts)
+
+
 def cell(value: Any) -> str:
-    """A value as one table cell: one line, None as empty."""
+    """A value as one table cell: one line, None as empty, chat messages by their content."""
     if value is None:
         return ""
+    chat = chat_text(value)
+    if chat is not None:
+        return chat.replace("\n", "\\n")
     if isinstance(value, (dict, list)):
         text = json.dumps(value, default=str, ensure_ascii=False)
     else:
@@ -140,15 +160,48 @@ class Column:
     right: bool = False  # numbers align right
     flexible: bool = False  # may be shortened with "…" to fit; numbers and times never are
     optional: bool = False  # left out when every cell is empty
+    drop: int | None = None  # left out to fit a narrow terminal, lowest first (None: never)
 
 
 def table(columns: Sequence[Column], rows: Sequence[Sequence[str]], limit: int | None) -> list[str]:
-    """Lines of a table whose columns are as wide as their widest cell. When the table is wider
-    than ``limit``, flexible columns (free text) give up width, widest first, down to their
-    title's width (at least 6). Optional columns with nothing in them are left out."""
+    """:func:`fit_table`'s lines."""
+    return fit_table(columns, rows, limit)[0]
+
+
+def fit_table(
+    columns: Sequence[Column], rows: Sequence[Sequence[str]], limit: int | None
+) -> tuple[list[str], list[str]]:
+    """(lines, titles of the columns left out) of a table whose columns are as wide as their
+    widest cell. When the table is wider than ``limit``, flexible columns (free text) give up
+    width, widest first, down to their title's width (at least 6); if that is not enough,
+    droppable columns are left out, lowest ``drop`` first, before anything else is cut.
+    Optional columns with nothing in them are left out."""
     keep = [i for i, c in enumerate(columns) if not c.optional or any(row[i] for row in rows)]
-    columns = [columns[i] for i in keep]
-    rows = [[row[i] for i in keep] for row in rows]
+    dropped: list[str] = []
+    while True:
+        cols = [columns[i] for i in keep]
+        cells = [[row[i] for i in keep] for row in rows]
+        widths = _fit(cols, cells, limit)
+        over = limit is not None and sum(widths) + len(GAP) * (len(widths) - 1) > limit
+        droppable = [i for i in keep if columns[i].drop is not None]
+        if not over or not droppable:
+            break
+        gone = min(droppable, key=lambda i: columns[i].drop or 0)
+        keep.remove(gone)
+        dropped.append(columns[gone].title)
+
+    def line(values: Sequence[str]) -> str:
+        parts = []
+        for value, col, w in zip(values, cols, widths, strict=True):
+            if len(value) > w:
+                value = value[: w - 1] + "…"
+            parts.append(value.rjust(w) if col.right else value.ljust(w))
+        return GAP.join(parts).rstrip()
+
+    return [line([c.title for c in cols]), *(line(r) for r in cells)], dropped
+
+
+def _fit(columns: Sequence[Column], rows: Sequence[Sequence[str]], limit: int | None) -> list[int]:
     widths = [max([len(c.title), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]
     if limit is not None:
         excess = sum(widths) + len(GAP) * (len(widths) - 1) - limit
@@ -161,16 +214,7 @@ def table(columns: Sequence[Column], rows: Sequence[Sequence[str]], limit: int |
             i = max(candidates, key=lambda k: widths[k])
             widths[i] -= 1
             excess -= 1
-
-    def line(cells: Sequence[str]) -> str:
-        parts = []
-        for value, col, w in zip(cells, columns, widths, strict=True):
-            if len(value) > w:
-                value = value[: w - 1] + "…"
-            parts.append(value.rjust(w) if col.right else value.ljust(w))
-        return GAP.join(parts).rstrip()
-
-    return [line([c.title for c in columns]), *(line(r) for r in rows)]
+    return widths
 
 
 def fields(pairs: Sequence[tuple[str, str]]) -> list[str]:

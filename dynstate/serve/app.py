@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from importlib import resources
@@ -49,6 +50,29 @@ def _status(exc: DynstateError) -> int:
     if isinstance(exc, StateMismatchError):
         return 409
     return 500
+
+
+# The library's advice names Python arguments and CLI commands; a page names pages.
+_WEB_TERMS = (
+    (
+        re.compile(r"pass version=None for the latest"),
+        "the versions page (/versions) lists them",
+    ),
+    (
+        re.compile(r"`dynstate ls` lists versions and tags"),
+        "the versions page (/versions) lists versions, and the store page (/) the tags",
+    ),
+    (
+        re.compile(r"\(dynstate serve URL --checkpoint PATH\)"),
+        "(start dynstate serve with --checkpoint PATH to show one)",
+    ),
+)
+
+
+def _web_terms(message: str) -> str:
+    for pattern, replacement in _WEB_TERMS:
+        message = pattern.sub(replacement, message)
+    return message
 
 
 def _dumps(data: Any) -> str:
@@ -118,7 +142,7 @@ def create_app(
         return Response(body(_dumps(data)), status, media_type="application/json")
 
     def error(request: Request, status: int, message: str) -> Response:
-        message = scrub(message, view.secrets)
+        message = scrub(_web_terms(message), view.secrets)
         if request.url.path.startswith("/api/"):
             return api({"error": message, "status": status}, status)
         return page(request, "error.html", "/api/store", status, status=status, message=message)
