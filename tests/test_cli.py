@@ -1035,6 +1035,21 @@ def test_every_command_has_help_with_example() -> None:
         assert "--storage-option" in text and "--json" in text, name
 
 
+def test_every_option_has_help_text() -> None:
+    import click
+
+    from dynstate.serve.command import serve
+
+    commands = {**cli.commands, "serve": serve}
+    missing = [
+        f"{name} {'/'.join(p.opts)}"
+        for name, command in commands.items()
+        for p in command.params
+        if isinstance(p, click.Option) and not p.help
+    ]
+    assert missing == []
+
+
 # -- the installed console script --------------------------------------------------------------
 
 

@@ -44,7 +44,9 @@ def _consent_to_replace(
 @click.command("export")
 @click.argument("url")
 @click.argument("args", nargs=-1, required=True, metavar="[VERSION] OUT")
-@click.option("--format", "fmt", type=click.Choice(["parquet", "datasets"]), default="parquet")
+@click.option("--format", "fmt", type=click.Choice(["parquet", "datasets"]), default="parquet",
+              show_default=True,
+              help="One Parquet file, or a Hugging Face datasets directory.")  # fmt: skip
 @click.option(
     "--overwrite",
     is_flag=True,

@@ -196,7 +196,8 @@ def info_cmd(url: str, as_json: bool, storage_options) -> None:
 @click.command("show")
 @click.argument("url")
 @click.argument("version", required=False)
-@click.option("--max-shards", default=20, show_default=True, type=Count(0))
+@click.option("--max-shards", default=20, show_default=True, type=Count(0),
+              help="Shards to list (--json lists all).")  # fmt: skip
 @json_option
 @store_command
 def show_cmd(url, version, max_shards: int, as_json: bool, storage_options) -> None:
