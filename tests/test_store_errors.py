@@ -243,7 +243,7 @@ def test_record_pointing_outside_root(quick_store: Store, path: str) -> None:
 
 def test_unknown_format_of_store_file(store: Store) -> None:
     obj = m.decode(store.storage.read(m.STORE_FILE), m.STORE_FILE)
-    obj["format"] = m.FORMAT + 1
+    obj["format"] = m.READ_FORMAT + 1
     rewrite(store, m.STORE_FILE, m.encode(obj))
     before = listing(store)
     for create in (False, True):
@@ -255,12 +255,12 @@ def test_unknown_format_of_store_file(store: Store) -> None:
 def test_unknown_format_of_record(store: Store) -> None:
     rel = m.log_path(1)
     obj = m.decode(store.storage.read(rel), rel)
-    obj["format"] = m.FORMAT + 1
+    obj["format"] = m.READ_FORMAT + 1
     rewrite(store, rel, m.encode(obj))
     check_read_fails(store, 1, UnsupportedFormatError, "upgrade dynstate")
     # The same at the head: opening refuses rather than guessing, and creates nothing.
     obj = m.decode(store.storage.read(m.log_path(2)), rel)
-    obj["format"] = m.FORMAT + 1
+    obj["format"] = m.READ_FORMAT + 1
     rewrite(store, m.log_path(2), m.encode(obj))
     before = listing(store)
     for create in (False, True):
