@@ -73,8 +73,8 @@ class ShardCache:
         self.max_bytes = max_bytes
         self.disk_dir = disk_dir
         # Keyed by (checksum, schema fingerprint): a shard read under a newer, wider schema
-        # is conformed once, not on every read.
-        self._shards: OrderedDict[tuple[str, str | None], _Shard] = OrderedDict()
+        # is conformed once, not on every read; a block by ("block", fingerprint, digest).
+        self._shards: OrderedDict[tuple[str | None, ...], _Shard] = OrderedDict()
         self._bytes = 0
         self._disk: OrderedDict[str, int] = OrderedDict()
         self._disk_bytes = 0
@@ -125,6 +125,8 @@ class ShardCache:
         never forms blocks, and random reads keep per-shard granularity); the parts leave
         the cache when their block enters it."""
         key = view.block_keys[block]
+        if key is None:
+            return None  # a block of one shard is that shard
         with self._lock:
             entry = self._shards.get(key)
             if entry is not None:
@@ -203,8 +205,11 @@ class ShardCache:
                 self._inflight.discard(shard.sha256)
 
     def _remember_on_disk(self, path: str, shard: m.ShardRef, data: bytes) -> None:
+        if self.disk_dir is None:
+            return
+        disk_dir = self.disk_dir
         try:
-            os.makedirs(self.disk_dir, exist_ok=True)
+            os.makedirs(disk_dir, exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "wb") as fh:
                 fh.write(data)
@@ -219,6 +224,6 @@ class ShardCache:
                 old, size = self._disk.popitem(last=False)
                 self._disk_bytes -= size
                 try:
-                    os.unlink(os.path.join(self.disk_dir, f"{old}.parquet"))
+                    os.unlink(os.path.join(disk_dir, f"{old}.parquet"))
                 except OSError:
                     pass

@@ -369,7 +369,7 @@ class VersionedDataset(Dataset):
             _, view, values = parts[0]
             out = _rows(view.names, values, len(indices))
         else:
-            out = [None] * len(indices)
+            out = [{} for _ in range(len(indices))]  # every position is filled below
             for positions, view, values in parts:
                 for p, row in zip(
                     positions.tolist(), _rows(view.names, values, len(positions)), strict=True
@@ -425,11 +425,13 @@ class VersionedDataset(Dataset):
         """Where ``rows`` (in range, at least one) lie: per block of shards the cache holds
         as one table, else per shard, the decoded data, the positions in ``rows`` it serves
         and the rows within it."""
+        by_block: list[tuple[int, np.ndarray | None]]
+        by_shard: list[tuple[int, np.ndarray | None]]
         if len(view.blocks) == 1:
             by_block = [(0, None)]
         else:
             by_block = _split(np.searchsorted(view.block_offsets, rows, side="right") - 1)
-        pieces = []
+        pieces: list[_Piece] = []
         for block, where in by_block:
             lo, hi = view.blocks[block]
             block_rows = rows if where is None else rows[where]
@@ -462,8 +464,9 @@ class VersionedDataset(Dataset):
         inverse: list[int] | None = None
         out = []
         for c in cols:
-            np_views = [data.views[c] for data, _, _ in pieces]
-            if all(v is not None for v in np_views) and len({v.dtype for v in np_views}) == 1:
+            maybe = [data.views[c] for data, _, _ in pieces]
+            np_views = [v for v in maybe if v is not None]
+            if len(np_views) == len(maybe) and len({v.dtype for v in np_views}) == 1:
                 gathered = np.empty(n, dtype=np_views[0].dtype)
                 for v, (_, where, local) in zip(np_views, pieces, strict=True):
                     gathered[where] = v[local]

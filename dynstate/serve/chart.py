@@ -145,7 +145,7 @@ def growth_svg(data: dict[str, Any], *, width: int = 960, link: str = "versions/
     else:
         out.extend(_bars(data, ghosts, sx, bar_w, y_bars, panel, bar_top, link))
     # Total rows along the lineage.
-    path = []
+    path: list[str] = []
     stride = max(1, len(points) // plot_w)
     for i, p in enumerate(points):
         if i % stride and i != len(points) - 1 and p["kind"] != "reset":
@@ -193,9 +193,10 @@ def _bars(
     """One bar per round; rounds sharing an x (a step-less round placed by the step before,
     the abandoned round of a step made again) side by side within the step's width."""
     axis, clipped = data["axis"], set(data["scale"]["clipped"])
+    drawn: list[tuple[dict[str, Any], dict[str, Any] | None]]
     drawn = [(p, None) for p in data["points"] if p["rows_added"] > 0]
     drawn += [(g, m) for g, m in ghosts if g["rows_added"] > 0]
-    by_x: dict[float, list[tuple[dict[str, Any], Any]]] = {}
+    by_x: dict[float, list[tuple[dict[str, Any], dict[str, Any] | None]]] = {}
     for item in drawn:
         by_x.setdefault(item[0]["x"], []).append(item)
     out: list[str] = []
