@@ -496,3 +496,43 @@ def check_stats_params(success_above: Any, half_life: Any, url: str) -> tuple[fl
             f"half_life for {url} must be a positive number of steps, not {half_life!r}"
         )
     return float(success_above), float(half_life)
+
+
+def summarize(stats: pa.Table, *, bins: int = 10, top: int = 10) -> dict[str, Any]:
+    """What ``dynstate stats`` shows, from a statistics table (:meth:`Store.outcome_stats`):
+    how many rows were trained, a histogram of pass rates (successes / attempts, ``bins``
+    equal bands, the last one closed), and the ``top`` hardest rows (lowest pass rate, then
+    most attempts) and easiest (highest, then most attempts) among the trained ones."""
+    attempts = stats.column("attempts").to_numpy()
+    successes = stats.column("successes").to_numpy()
+    trained = np.flatnonzero(attempts > 0)
+    rate = successes[trained] / attempts[trained]
+    band = np.minimum((rate * bins).astype(np.int64), bins - 1)
+    counts = np.bincount(band, minlength=bins)
+    histogram = [
+        {"low": i / bins, "high": (i + 1) / bins, "rows": int(counts[i])} for i in range(bins)
+    ]
+    columns = {n: stats.column(n).to_pylist() for n in ("mean_score", "ewma_score", "last_step")}
+
+    def entry(i: int) -> dict[str, Any]:
+        row = int(trained[i])
+        return {
+            "row": row,
+            "attempts": int(attempts[row]),
+            "successes": int(successes[row]),
+            "pass_rate": float(rate[i]),
+            **{name: values[row] for name, values in columns.items()},
+        }
+
+    hardest = np.lexsort((trained, -attempts[trained], rate))[:top]
+    easiest = np.lexsort((trained, -attempts[trained], -rate))[:top]
+    return {
+        "rows": stats.num_rows,
+        "trained": len(trained),
+        "never_trained": stats.num_rows - len(trained),
+        "records": int(attempts.sum()),
+        "pass_rate": float(successes.sum() / attempts.sum()) if len(trained) else None,
+        "histogram": histogram,
+        "hardest": [entry(i) for i in hardest],
+        "easiest": [entry(i) for i in easiest],
+    }

@@ -625,3 +625,42 @@ def test_outcome_checkpoint_and_aggregate_are_checked(tmp_path: Path) -> None:
     store.storage.put(rel, json.dumps(obj).encode())
     with pytest.raises(ChecksumMismatchError):
         Store.open(url).outcome_stats(100)
+
+
+# -- 7. dynstate stats -------------------------------------------------------------------------
+
+
+def test_cli_stats(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from dynstate.cli import cli
+
+    url = str(tmp_path / "s")
+    store = Store.open(url, create=True)
+    store.append(rows(0, 6))
+    # rows 0-2 always fail, row 3 half the time, row 4 always passes, row 5 never trained
+    outcomes = [
+        {"row": r, "step": s, "score": score}
+        for s in range(4)
+        for r, score in ((0, 0.0), (1, 0.0), (2, 0.0), (3, float(s % 2)), (4, 1.0))
+    ]
+    store.append([], outcomes=outcomes)
+    store.tag("trained", 2)
+    runner = CliRunner()
+    result = runner.invoke(cli, ["stats", url, "trained", "--json", "--top", "2", "--bins", "4"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["version"] == 2 and out["rows"] == 6
+    assert (out["trained"], out["never_trained"], out["records"]) == (5, 1, 20)
+    assert out["pass_rate"] == pytest.approx(6 / 20)
+    assert [b["rows"] for b in out["histogram"]] == [3, 0, 1, 1]  # 0%, 50%, 100%
+    assert [e["row"] for e in out["hardest"]] == [0, 1]
+    assert [e["row"] for e in out["easiest"]] == [4, 3]
+    assert out["easiest"][1]["pass_rate"] == 0.5
+    text = runner.invoke(cli, ["stats", url]).stdout
+    assert "1 never trained" in text and "hardest rows:" in text and "[75%, 100%]" not in text
+    # version 1 has no outcomes in its lineage
+    assert "no outcomes recorded" in runner.invoke(cli, ["stats", url, "1"]).stdout
+    bad = runner.invoke(cli, ["stats", url, "--half-life", "0"])
+    assert bad.exit_code == 1 and "half_life" in bad.stderr
+    assert runner.invoke(cli, ["stats", url, "99"]).exit_code == 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -167,6 +168,7 @@ class Outcomes:
         self.storage = log_.storage
         self._lineages: OrderedDict[int, Lineage] = OrderedDict()
         self._files: OrderedDict[str, pa.Table] = OrderedDict()
+        self._files_lock = threading.Lock()  # files are read from a thread pool
         self._dense: list[tuple[tuple[float, float], tuple[str, ...], Aggregate]] = []
         self._since: int | None = None  # set once store.json says the store holds outcomes
 
@@ -309,10 +311,11 @@ class Outcomes:
 
     def read_file(self, ref: ShardRef, version: int | None = None) -> pa.Table:
         """One outcome file, verified against its recorded size and checksum."""
-        cached = self._files.get(ref.path)
-        if cached is not None:
-            self._files.move_to_end(ref.path)
-            return cached
+        with self._files_lock:
+            cached = self._files.get(ref.path)
+            if cached is not None:
+                self._files.move_to_end(ref.path)
+                return cached
         at = f" (version {version})" if version is not None else ""
         where = f"{self.display_url}{at}"
 
@@ -341,9 +344,10 @@ class Outcomes:
                 f"outcome file {ref.path} of {where} does not hold the {ref.rows} outcome "
                 "records its commit record names"
             )
-        self._files[ref.path] = table
-        if len(self._files) > _CACHE_FILES:
-            self._files.popitem(last=False)
+        with self._files_lock:
+            self._files[ref.path] = table
+            while len(self._files) > _CACHE_FILES:
+                self._files.popitem(last=False)
         return table
 
     def _read_files(self, refs: list[ShardRef], version: int) -> list[pa.Table]:

@@ -1,0 +1,147 @@
+"""`dynstate stats`: the per-row outcome statistics of a version — a pass-rate histogram, the
+rows never trained, the hardest and easiest rows. The numbers come from
+:meth:`dynstate.Store.outcome_stats` and :func:`dynstate.outcomes.summarize`; this module only
+renders them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from . import render as r
+from .options import Count, json_option, open_store, store_command, version_arg
+
+BAR_WIDTH = 40
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _score(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+@click.command("stats")
+@click.argument("url")
+@click.argument("version", required=False)
+@click.option(
+    "--top",
+    type=Count(0),
+    default=10,
+    show_default=True,
+    help="How many hardest and easiest rows to list.",
+)
+@click.option(
+    "--bins",
+    type=click.IntRange(1, 100),
+    default=10,
+    show_default=True,
+    help="Bands of the pass-rate histogram.",
+)
+@click.option(
+    "--success-above",
+    type=float,
+    default=None,
+    help="A success is a score above this (default 0.5: incremental).",
+)
+@click.option(
+    "--half-life",
+    type=float,
+    default=None,
+    help="EWMA half-life in steps (default 10: incremental).",
+)
+@json_option
+@store_command
+def stats_cmd(
+    url: str,
+    version: str | None,
+    top: int,
+    bins: int,
+    success_above: float | None,
+    half_life: float | None,
+    as_json: bool,
+    storage_options: dict[str, Any],
+) -> None:
+    """Outcome statistics of a version (default: the head): how many rows were trained, the
+    pass rates (successes / attempts) as a histogram, the rows never trained, and the
+    hardest and easiest rows. Only the outcomes of the version's lineage count. With
+    --json, the same as one object; the hardest/easiest entries name each row's attempts,
+    successes, pass rate, mean and EWMA score and last step.
+
+    \b
+    Example:
+      dynstate stats ./runs/run1
+      dynstate stats ./runs/run1 step40 --top 5 --json
+    """
+    from ..outcomes import DEFAULT_HALF_LIFE, DEFAULT_SUCCESS_ABOVE, summarize
+
+    store = open_store(url, storage_options)
+    number = store.resolve(version_arg(version))
+    above = DEFAULT_SUCCESS_ABOVE if success_above is None else success_above
+    half = DEFAULT_HALF_LIFE if half_life is None else half_life
+    table = store.outcome_stats(number, success_above=above, half_life=half)
+    summary = summarize(table, bins=bins, top=top)
+    out = {
+        "url": store.display_url,
+        "version": number,
+        "success_above": above,
+        "half_life": half,
+        **summary,
+    }
+    if as_json:
+        r.print_json(out)
+        return
+    r.echo(f"{store.display_url} version {number}")
+    for line in r.fields(
+        [
+            ("rows", f"{out['rows']:,}"),
+            ("trained", f"{out['trained']:,} ({out['never_trained']:,} never trained)"),
+            ("outcomes", f"{out['records']:,} (a success is a score above {above:g})"),
+            ("pass rate", _rate(out["pass_rate"])),
+        ]
+    ):
+        r.echo(line)
+    if not out["trained"]:
+        r.echo("no outcomes recorded in this version's lineage")
+        return
+    r.echo()
+    r.echo("pass rate of trained rows:")
+    most = max(b["rows"] for b in out["histogram"]) or 1
+    for band in out["histogram"]:
+        closing = "]" if band["high"] >= 1 else ")"
+        label = f"[{band['low']:.0%}, {band['high']:.0%}{closing}"
+        bar = "#" * round(BAR_WIDTH * band["rows"] / most)
+        r.echo(f"  {label:>12} {band['rows']:>9,} {bar}".rstrip())
+    for title, entries in (("hardest", out["hardest"]), ("easiest", out["easiest"])):
+        if not entries:
+            continue
+        r.echo()
+        r.echo(f"{title} rows:")
+        cols = [
+            r.Column("row", right=True),
+            r.Column("attempts", right=True),
+            r.Column("successes", right=True),
+            r.Column("pass rate", right=True),
+            r.Column("mean score", right=True),
+            r.Column(f"ewma ({half:g})", right=True),
+            r.Column("last step", right=True),
+        ]
+        cells = [
+            [
+                str(e["row"]),
+                f"{e['attempts']:,}",
+                f"{e['successes']:,}",
+                _rate(e["pass_rate"]),
+                _score(e["mean_score"]),
+                _score(e["ewma_score"]),
+                r.cell(e["last_step"]),
+            ]
+            for e in entries
+        ]
+        for line in r.table(cols, cells, r.width()):
+            r.echo(line)
+
+
+COMMANDS = [stats_cmd]
