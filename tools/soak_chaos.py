@@ -1,0 +1,657 @@
+"""Everything-at-once chaos soak (issue 19): nothing acknowledged is ever lost.
+
+Against one store, all at the same time:
+
+- appender processes (``append`` in a loop),
+- stager processes that stage a round and hand the pickled part to a committer process,
+  then exit at once (or are killed right after their own lease renewal),
+- committer processes that unpickle those parts (taking the leases over) and commit them,
+- a compactor, a resetter (``reset`` to a recent version, as a resumed run does) and a
+  tagger,
+- gc at grace 0 in a tight loop, in a process whose clock is shifted by hours (``time.time``
+  and ``datetime.now`` monkeypatched before dynstate is imported; the library has no hook for
+  it: gc must judge every age by the storage's clock),
+- random SIGKILLs of every kind of worker (the soak starts a fresh one in its place), and
+  SIGSTOP pauses of writers,
+- on S3: a loopback moto server behind the fault proxy of ``tests/s3_faults.py`` (dropped
+  requests and replies, 500/503, delays, cut bodies).
+
+Every worker logs each version ``append`` / ``commit_staged`` / ``reset`` / ``compact``
+returned (the acknowledgement) to its own log file, unbuffered, before anything else. An
+auditor thread reads each acknowledged version back (all rows, checksums checked) right
+after its ack, and at the end every acknowledged version is read again. Exit status 1 on any
+acknowledged version that is lost or unreadable (unless gc's retention collected it, which
+this soak never asks for: it runs gc without ``keep``), 0 otherwise.
+
+    python tools/soak_chaos.py --seconds 600               # local directory
+    python tools/soak_chaos.py --seconds 600 --s3          # loopback S3 with faults
+    python tools/soak_chaos.py --seconds 20 --skew 7200    # gc's clock 2 h ahead
+
+``tests/test_clock_skew.py`` runs a short share (about 20 s, local).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SHARD_BYTES = 700
+LEASE_TTL_S = 2.0  # short, so that gc's lease judgements happen many times a minute
+_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
+
+
+def shift_clock(offset_s: float) -> None:
+    """Shift this process's wall clock by ``offset_s`` seconds, as a host whose clock is off:
+    ``time.time``, ``time.time_ns`` and ``datetime.datetime.now`` / ``utcnow`` / ``today``.
+    Modules that call ``time.time()`` or ``datetime.datetime.now()`` see the shift; dynstate's
+    modules that imported ``datetime`` by name (before this call, in a forked worker) are
+    pointed at the shifted class too. The monotonic clock stays: it measures no wall time.
+
+    Compiled modules that embed the datetime type (numpy, pandas, pyarrow) are imported
+    first, with the real class, so that they load."""
+    import datetime as dt
+    import warnings
+
+    import numpy  # noqa: F401
+    import pandas  # noqa: F401
+    import pyarrow
+    import pyarrow.dataset
+    import pyarrow.parquet  # noqa: F401
+
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        pass
+    warnings.filterwarnings("ignore", "datetime.datetime size changed")
+    real_time, real_time_ns = time.time, time.time_ns
+    base = dt.datetime
+
+    def shifted_time() -> float:
+        return real_time() + offset_s
+
+    def shifted_time_ns() -> int:
+        return real_time_ns() + int(offset_s * 1e9)
+
+    class ShiftedDatetime(base):  # type: ignore[misc, valid-type]
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return base.fromtimestamp(shifted_time(), tz)
+
+        @classmethod
+        def utcnow(cls) -> Any:
+            return base.fromtimestamp(shifted_time(), dt.timezone.utc).replace(tzinfo=None)
+
+        @classmethod
+        def today(cls) -> Any:
+            return base.fromtimestamp(shifted_time())
+
+    time.time = shifted_time  # type: ignore[assignment]
+    time.time_ns = shifted_time_ns  # type: ignore[assignment]
+    dt.datetime = ShiftedDatetime  # type: ignore[misc]
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] == "dynstate" and getattr(module, "datetime", None) is base:
+            module.datetime = ShiftedDatetime  # type: ignore[attr-defined]
+
+
+def round_rows(worker: int, k: int) -> list[dict[str, Any]]:
+    """Round ``k`` of ``worker``: a pure function of both, 3 to 30 rows over several shards."""
+    n = 3 + (worker * 7 + k * 13) % 28
+    return [
+        {"w": worker, "k": k, "i": i, "text": f"{worker}/{k}/{i} " + "x" * (i % 17)}
+        for i in range(n)
+    ]
+
+
+# -- workers (each one process, forked from the preloaded forkserver) ---------------------
+
+
+class _Acks:
+    """A worker's acknowledgement log: one JSON line per version a call returned, written
+    with one unbuffered write() before the worker does anything else."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def ack(self, **entry: Any) -> None:
+        os.write(self._fd, (json.dumps(entry) + "\n").encode())
+
+    def error(self, exc: BaseException) -> None:
+        self.ack(error=type(exc).__name__, message=str(exc)[:300])
+
+
+def worker_main(
+    role: str, url: str, worker: int, workdir: Path, skew_s: float, seed: int, env: dict
+) -> None:
+    """A worker process (forked from the preloaded forkserver): its output to a log file,
+    its clock shifted by ``skew_s``, then its role until it is killed."""
+    os.environ.update(env)
+    fd = os.open(workdir / f"stderr-{role}-{worker}.log", os.O_WRONLY | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    shift_clock(skew_s)
+    _worker(role, url, worker, workdir, seed)
+
+
+def _worker(role: str, url: str, worker: int, workdir: Path, seed: int) -> None:
+    from dynstate import DynstateError, Store
+
+    rng = random.Random(seed)
+    acks = _Acks(workdir / f"acks-{role}-{worker}.log")
+    spool = workdir / "spool"
+    if role == "gc":
+        from dynstate import collect_garbage
+
+        store = Store.open(url)
+        while True:
+            try:
+                collect_garbage(store, grace_s=0)
+                acks.ack(gc=1)
+            except DynstateError as exc:  # S3 faults past the retries: the next run goes on
+                acks.error(exc)
+    store = Store.open(url, lease_ttl_s=LEASE_TTL_S)
+    k = 0
+    while True:
+        k += 1
+        try:
+            if role == "appender":
+                version = store.append(
+                    round_rows(worker, k), meta={"parts": [[worker, k]]}, shard_bytes=SHARD_BYTES
+                )
+                acks.ack(v=version, kind="round", parts=[[worker, k]])
+            elif role == "stager":
+                _stage_and_hand_over(store, rng, worker, k, spool)
+            elif role == "committer":
+                _take_over_and_commit(store, rng, acks, spool)
+            elif role == "compactor":
+                from dynstate import compact
+
+                time.sleep(rng.uniform(0.5, 3.0))
+                before = store.refresh()
+                version = compact(store, target_bytes=SHARD_BYTES * 8)
+                if version > before:
+                    acks.ack(v=version, kind="compact")
+            elif role == "resetter":
+                time.sleep(rng.uniform(1.0, 5.0))
+                head = store.refresh()
+                target = max(store.log.read_floor(), head - rng.randint(0, 3))
+                acks.ack(v=store.reset(target), kind="reset", target=target)
+        except DynstateError as exc:  # a refused or failed call: nothing acknowledged
+            acks.error(exc)
+            time.sleep(0.05)
+
+
+def _stage_and_hand_over(store: Any, rng: random.Random, worker: int, k: int, spool: Path) -> None:
+    """Stage a round and hand the pickled part to a committer; then, by a draw: go on
+    staging (the heartbeat renews the lease until the commit), exit at once, or wait until
+    the committer has taken the part over, renew the lease once more and die (SIGKILL) or
+    exit — the lease file then names a dead process while the taker lives."""
+    part = store.stage(round_rows(worker, k), shard_bytes=SHARD_BYTES)
+    name = f"{worker}-{k}"
+    tmp = spool / f".{name}.tmp"
+    tmp.write_bytes(pickle.dumps(({"parts": [[worker, k]]}, part)))
+    os.rename(tmp, spool / f"{name}.part")
+    mode = rng.choices(["linger", "renew-die", "adopted-exit", "exit"], [5, 3, 2, 1])[0]
+    if mode == "exit":
+        os._exit(0)
+    if mode == "linger":
+        return
+    deadline = time.monotonic() + 5
+    while not (spool / f"{name}.adopted").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if mode == "renew-die":
+        store.log.leases.renew(part.lease)
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(0)
+
+
+def _take_over_and_commit(store: Any, rng: random.Random, acks: _Acks, spool: Path) -> None:
+    """Take one or two handed-over parts (unpickling takes their leases over), hold them a
+    while — past the stager's lease, whose stager may be dead by then — and commit them."""
+    taken = []
+    for path in sorted(spool.glob("*.part"))[: rng.choice([1, 1, 2])]:
+        mine = path.with_name(f"{path.stem}.taken-{os.getpid()}")
+        try:
+            os.rename(path, mine)  # one committer per part
+        except FileNotFoundError:
+            continue
+        meta, part = pickle.loads(mine.read_bytes())
+        (spool / f"{path.stem}.adopted").touch()
+        taken.append((meta, part))
+    if not taken:
+        time.sleep(0.05)
+        return
+    time.sleep(rng.uniform(0, 2.5 * LEASE_TTL_S))
+    parts = [p for _, p in taken]
+    meta = {"parts": [pk for m, _ in taken for pk in m["parts"]]}
+    version = store.commit_staged(parts, meta=meta)
+    acks.ack(v=version, kind="round", parts=meta["parts"])
+
+
+# -- the auditor ----------------------------------------------------------------------------
+
+
+@dataclass
+class Audit:
+    """Reads each acknowledged version back as soon as its ack appears, and all of them (and
+    every other version of the store) again at the end."""
+
+    url: str
+    workdir: Path
+    acks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    checked: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    gc_runs: int = 0
+    checked_after_ack: int = 0
+    _offsets: dict[str, int] = field(default_factory=dict)
+    _verified: set[str] = field(default_factory=set)  # shards read back with their checksum
+
+    def poll(self, store: Any) -> None:
+        """Read the new lines of every ack log and check each acknowledged version now."""
+        new = []
+        for path in sorted(self.workdir.glob("acks-*.log")):
+            with open(path, "rb") as f:
+                f.seek(self._offsets.get(path.name, 0))
+                data = f.read()
+            complete = data[: data.rfind(b"\n") + 1]
+            self._offsets[path.name] = self._offsets.get(path.name, 0) + len(complete)
+            for line in complete.decode().splitlines():
+                entry = json.loads(line)
+                if "error" in entry:
+                    self.errors[entry["error"]] += 1
+                elif "gc" in entry:
+                    self.gc_runs += 1
+                else:
+                    entry["log"] = path.name
+                    new.append(entry)
+        for entry in new:
+            version = entry["v"]
+            if version in self.acks:
+                self.problems.append(
+                    f"version {version} acknowledged twice: {self.acks[version]} and {entry}"
+                )
+                continue
+            self.acks[version] = entry
+            self.check(store, version, entry, "right after its ack")
+        if new:
+            self.check_present(store, "after acks")
+
+    def check(self, store: Any, version: int, entry: dict[str, Any], when: str) -> None:
+        from dynstate import DynstateError
+
+        try:
+            store.refresh()
+            record = store.commit_record(version)
+            snap = store.snapshot(version)
+            for shard in snap.shards:
+                if shard.path not in self._verified:
+                    store.read_shard(shard, snap.schema, version=version)  # checksum checked
+                    self._verified.add(shard.path)
+            if snap.num_rows != record.num_rows:
+                raise AssertionError(f"lists {snap.num_rows} rows, its record {record.num_rows}")
+            kind = entry.get("kind")
+            if kind == "round":
+                if record.meta.get("parts") != entry["parts"]:
+                    raise AssertionError(f"holds {record.meta}, not the acknowledged round")
+                added = [
+                    r for s in record.add for r in store.read_shard(s, snap.schema).to_pylist()
+                ]
+                expected = [r for w, k in entry["parts"] for r in round_rows(w, k)]
+                got = [{c: r.get(c) for c in ("w", "k", "i", "text")} for r in added]
+                if got != expected:
+                    raise AssertionError("its added rows are not the acknowledged round's")
+            elif kind == "reset":
+                if record.op != "reset" or snap.shards != store.snapshot(entry["target"]).shards:
+                    raise AssertionError(f"is not a reset to {entry['target']}")
+            elif kind == "compact" and record.op != "compact":
+                raise AssertionError(f"is a {record.op}, not the acknowledged compaction")
+            self.checked += 1
+        except (DynstateError, AssertionError, OSError) as exc:
+            self.problems.append(
+                f"acknowledged version {version} ({entry.get('kind')}, "
+                f"{entry.get('log')}) {when}: {type(exc).__name__}: {exc}"
+            )
+
+    def check_present(self, store: Any, when: str) -> None:
+        """Every shard of every acknowledged version still exists (one listing)."""
+        present = {f"data/{n}" for n in store.storage.list("data")}
+        for version, entry in sorted(self.acks.items()):
+            try:
+                missing = [s.path for s in store.snapshot(version).shards if s.path not in present]
+            except Exception as exc:  # reported as the problem it is
+                missing = [f"{type(exc).__name__}: {exc}"]
+            if missing:
+                self.problems.append(
+                    f"acknowledged version {version} ({entry.get('kind')}, "
+                    f"{entry.get('log')}) {when}: missing {missing[:3]}"
+                )
+
+    def final(self) -> dict[str, Any]:
+        """A fresh reader: every acknowledged version checked again from scratch, every other
+        version readable too, and verify over all versions."""
+        from dynstate import Store, verify_store
+
+        self._verified.clear()
+        store = Store.open(self.url)
+        self.poll(store)
+        self.checked_after_ack = self.checked
+        for version, entry in sorted(self.acks.items()):
+            self.check(store, version, entry, "at the end")
+        self.check_present(store, "at the end")
+        head = store.refresh()
+        unacked_broken = []
+        for version in range(store.log.read_floor(), head + 1):
+            if version in self.acks:
+                continue
+            try:
+                snap = store.snapshot(version)
+                for shard in snap.shards:
+                    if shard.path not in self._verified:
+                        store.read_shard(shard, snap.schema, version=version)
+                        self._verified.add(shard.path)
+            except Exception as exc:
+                unacked_broken.append(f"{version}: {type(exc).__name__}: {exc}")
+        if unacked_broken:
+            self.problems.append(
+                f"versions never acknowledged but unreadable: {unacked_broken[:5]}"
+            )
+        rounds: Counter[tuple[int, int]] = Counter()
+        for record in store.versions():
+            rounds.update(tuple(p) for p in record.meta.get("parts", []))
+        twice = [p for p, n in rounds.items() if n > 1]
+        if twice:
+            self.problems.append(f"rounds committed more than once: {twice[:5]}")
+        report = verify_store(store, all_versions=True)
+        if not report.ok:
+            self.problems.append(f"verify: {report.problems[:5]}")
+        return {"head": head, "versions": head + 1, "shards": len(self._verified)}
+
+
+# -- the orchestrator -----------------------------------------------------------------------
+
+ROLES = {"appender": 2, "stager": 2, "committer": 2, "compactor": 1, "resetter": 1, "gc": 1}
+KILL_WEIGHTS = {"appender": 4, "stager": 2, "committer": 3, "compactor": 1, "resetter": 1, "gc": 2}
+PAUSABLE = ("appender", "committer", "stager")
+# Seconds between two SIGKILLs, drawn uniformly: S3 calls are slower (and retried through
+# the faults), so a worker there needs longer to get anything done between kills.
+KILL_EVERY_S = {"local": (0.5, 3.0), "s3": (1.5, 6.0)}
+
+
+@dataclass
+class Worker:
+    role: str
+    number: int
+    proc: Any  # a multiprocessing Process
+    paused_until: float | None = None
+
+
+_CTX: Any = None
+
+
+def _context() -> Any:
+    """A forkserver with dynstate preloaded: a worker starts in milliseconds (many are killed
+    and replaced a minute), from a clean single-threaded parent."""
+    global _CTX
+    if _CTX is None:
+        if str(HERE) not in sys.path:
+            sys.path.insert(0, str(HERE))
+        _CTX = mp.get_context("forkserver")
+        preload = ["soak_chaos", "dynstate", "dynstate.maintenance.gc", "pyarrow.parquet"]
+        _CTX.set_forkserver_preload([*preload, "pyarrow.dataset", "pandas", "s3fs"])
+    return _CTX
+
+
+class Chaos:
+    def __init__(
+        self,
+        url: str,
+        workdir: Path,
+        *,
+        rng: random.Random,
+        skew_s: float,
+        env: dict[str, str],
+        roles: dict[str, int],
+    ) -> None:
+        self.url, self.workdir, self.rng, self.skew_s = url, workdir, rng, skew_s
+        self.env, self.roles = env, roles
+        self.kill_every_s = KILL_EVERY_S["s3" if url.startswith("s3://") else "local"]
+        self.workers: list[Worker] = []
+        self.started = 0
+        self.kills = 0
+        self.pauses = 0
+        self.exits = 0
+        (workdir / "spool").mkdir()
+
+    def start(self, role: str) -> None:
+        self.started += 1
+        # gc's clock is off by skew_s, alternately ahead and behind; writers' too, by a draw.
+        if role == "gc":
+            skew = self.skew_s if self.started % 2 else -self.skew_s
+        else:
+            skew = self.rng.choice([0.0, self.skew_s, -self.skew_s])
+        import soak_chaos  # by module name, also when this file runs as __main__
+
+        args = (role, self.url, self.started, self.workdir, skew, self.rng.randrange(2**32))
+        proc = _context().Process(target=soak_chaos.worker_main, args=(*args, self.env))
+        proc.start()
+        self.workers.append(Worker(role, self.started, proc))
+
+    def run(self, seconds: float, audit: Audit, store: Any) -> None:
+        for role, n in self.roles.items():
+            for _ in range(n):
+                self.start(role)
+        deadline = time.monotonic() + seconds
+        next_kill = time.monotonic() + self.rng.uniform(*self.kill_every_s)
+        next_pause = time.monotonic() + self.rng.uniform(1, 3)
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            for w in list(self.workers):
+                if w.paused_until is not None and now >= w.paused_until:
+                    _signal(w, signal.SIGCONT)
+                    w.paused_until = None
+                if w.proc.exitcode is not None:  # exited (a stager's draw) or was killed
+                    self.workers.remove(w)
+                    if w.proc.exitcode not in (0, -signal.SIGKILL):
+                        audit.problems.append(
+                            f"{w.role} {w.number} exited with {w.proc.exitcode}: {self._tail(w)}"
+                        )
+                    self.exits += w.proc.exitcode == 0
+                    self.start(w.role)
+            if now >= next_kill:
+                self._kill()
+                next_kill = now + self.rng.uniform(*self.kill_every_s)
+            if now >= next_pause:
+                running = [w for w in self.workers if w.role in PAUSABLE and w.paused_until is None]
+                if running:
+                    w = self.rng.choice(running)
+                    _signal(w, signal.SIGSTOP)
+                    w.paused_until = now + self.rng.uniform(0.2, 3 * LEASE_TTL_S)
+                    self.pauses += 1
+                next_pause = now + self.rng.uniform(1, 3)
+            audit.poll(store)
+            time.sleep(0.1)
+        for w in self.workers:
+            _signal(w, signal.SIGCONT)
+            w.proc.kill()
+            w.proc.join()
+
+    def _kill(self) -> None:
+        live = [w for w in self.workers if w.proc.exitcode is None]
+        if not live:
+            return
+        weights = [KILL_WEIGHTS[w.role] for w in live]
+        victim = self.rng.choices(live, weights)[0]
+        victim.proc.kill()  # SIGKILL, paused or not
+        victim.proc.join()
+        self.kills += 1
+
+    def _tail(self, w: Worker) -> str:
+        path = self.workdir / f"stderr-{w.role}-{w.number}.log"
+        return path.read_text(errors="replace")[-1500:]
+
+
+def _signal(worker: Worker, sig: int) -> None:
+    try:
+        os.kill(worker.proc.pid, sig)
+    except ProcessLookupError:
+        pass  # it died meanwhile: the next round of the loop replaces it
+
+
+def _serve_s3(fault_rate: float, seed: int) -> None:
+    """Run moto and the fault proxy until stdin closes; print both addresses, then the
+    faults injected."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from loopback_s3 import loopback_s3
+    from s3_faults import FaultProxy
+
+    with loopback_s3("dynstate-chaos") as server:
+        proxy = FaultProxy(server.endpoint, rate=fault_rate, seed=seed, delay_s=0.5).start()
+        print(server.endpoint, proxy.url, flush=True)
+        sys.stdin.read()
+        print(
+            json.dumps({"faults": dict(proxy.faults), "requests": sum(proxy.counts.values())}),
+            flush=True,
+        )
+        proxy.stop()
+
+
+def soak(
+    seconds: float,
+    *,
+    s3: bool = False,
+    skew_s: float = 7200.0,
+    seed: int = 0,
+    fault_rate: float = 0.1,
+    roles: dict[str, int] | None = None,
+    workdir: Path | None = None,
+) -> dict[str, Any]:
+    """Run the chaos for ``seconds``; the summary, with ``problems`` empty when nothing
+    acknowledged was lost or unreadable."""
+    from dynstate import Store, collect_garbage
+
+    rng = random.Random(seed)
+    tmp = tempfile.TemporaryDirectory(prefix="dynstate-chaos-") if workdir is None else None
+    workdir = Path(tmp.name) if tmp is not None else workdir
+    assert workdir is not None
+    server = None
+    env: dict[str, str] = {}
+    saved = {k: os.environ.get(k) for k in _ENV}
+    try:
+        if s3:
+            server = subprocess.Popen(
+                [sys.executable, __file__, "--serve-s3", str(fault_rate), str(seed)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert server.stdout is not None
+            direct, proxied = server.stdout.readline().split()
+            os.environ.update(
+                AWS_ACCESS_KEY_ID="testing",
+                AWS_SECRET_ACCESS_KEY="testing",
+                AWS_DEFAULT_REGION="us-east-1",
+                AWS_ENDPOINT_URL=direct,
+            )
+            env = {"AWS_ENDPOINT_URL": proxied}  # the workers meet the faults; the auditor not
+            url = f"s3://dynstate-chaos/{uuid_hex(rng)}"
+        else:
+            url = str(workdir / "store")
+        store = Store.open(url, create=True)
+        audit = Audit(url, workdir)
+        chaos = Chaos(url, workdir, rng=rng, skew_s=skew_s, env=env, roles=roles or ROLES)
+        start = time.monotonic()
+        chaos.run(seconds, audit, store)
+        collect_garbage(Store.open(url), grace_s=0)  # the writers are dead: their rounds go
+        figures = audit.final()
+        faults: dict[str, Any] = {}
+        if server is not None:
+            assert server.stdin is not None and server.stdout is not None
+            server.stdin.close()
+            faults = json.loads(server.stdout.readline())
+        acked = Counter(e.get("kind") for e in audit.acks.values())
+        return {
+            "backend": "s3" if s3 else "local",
+            "seconds": round(time.monotonic() - start),
+            "seed": seed,
+            "gc_skew_s": skew_s,
+            "workers_started": chaos.started,
+            "sigkills": chaos.kills,
+            "sigstops": chaos.pauses,
+            "stager_exits": chaos.exits,
+            "gc_runs": audit.gc_runs,
+            "acknowledged": len(audit.acks),
+            "acknowledged_by_kind": dict(acked),
+            "checked_after_ack": audit.checked_after_ack,
+            "checked_at_end": audit.checked - audit.checked_after_ack,
+            "refused_or_failed_calls": dict(audit.errors),
+            **figures,
+            **faults,
+            "lost_or_unreadable": len(audit.problems),
+            "problems": audit.problems,
+        }
+    finally:
+        if server is not None and server.poll() is None:
+            server.kill()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def uuid_hex(rng: random.Random) -> str:
+    return f"{rng.getrandbits(128):032x}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=600)
+    parser.add_argument("--s3", action="store_true", help="loopback S3 behind the fault proxy")
+    parser.add_argument("--skew", type=float, default=7200.0, help="gc's clock offset, seconds")
+    parser.add_argument("--fault-rate", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=int(time.time()))
+    parser.add_argument("--keep", type=Path, help="keep the store and logs in this folder")
+    parser.add_argument("--serve-s3", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_s3:
+        _serve_s3(float(args.serve_s3[0]), int(args.serve_s3[1]))
+        return 0
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=False)
+    summary = soak(
+        args.seconds,
+        s3=args.s3,
+        skew_s=args.skew,
+        seed=args.seed,
+        fault_rate=args.fault_rate,
+        workdir=args.keep,
+    )
+    print(json.dumps(summary, indent=1))
+    if summary["problems"]:
+        print(
+            f"FAILED: {len(summary['problems'])} acknowledged versions lost or unreadable "
+            f"(seed {args.seed})",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
