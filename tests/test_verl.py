@@ -524,6 +524,70 @@ def test_verl_05_curriculum_sampler_keys_are_refused_at_start(world):
     assert not os.path.exists(spec["store"]) and events(spec) == []
 
 
+def _loader(store, workers: int, **options):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    ds = dynstate.VersionedDataset(store)
+    sampler = dynstate.VersionedSampler(ds, seed=3, batch_size=4, drop_last=True, first_step=1)
+    return StatefulDataLoader(
+        ds,
+        batch_size=4,
+        drop_last=True,
+        sampler=sampler,
+        num_workers=workers,
+        collate_fn=lambda rows: [r["x"] for r in rows],
+        **options,
+    )
+
+
+def _take(loader, n: int, state_after: int | None = None) -> tuple[list, dict | None]:
+    out, state = [], None
+    while len(out) < n:
+        for batch in loader:
+            out.append(batch)
+            if len(out) == state_after:
+                state = loader.state_dict()
+            if len(out) == n:
+                break
+    return out, state
+
+
+@pytest.mark.parametrize("after", [3, 10])  # mid-epoch; the epoch's last batch (40 rows / 4)
+@pytest.mark.parametrize("saved", [0, 2])
+def test_loader_state_is_carried_to_another_worker_count_exactly(tmp_path, saved, after):
+    """torchdata's own StatefulDataLoader: a state written with ``saved`` workers, rewritten by
+    dynstate.verl.loader_state for 0, 1 and 2, continues with the batches the old loader
+    gave next (across the epoch end)."""
+    from dynstate.verl import loader_state
+
+    store = dynstate.Store.open(str(tmp_path / "s"), create=True)
+    store.append([{"x": i} for i in range(40)])
+    batches_seen, state = _take(_loader(store, saved), after + 12, state_after=after)
+    assert loader_state.saved_workers(state) == saved
+    for workers in (0, 1, 2):
+        loader = _loader(store, workers)
+        loader.load_state_dict(loader_state.for_workers(state, workers, "data.pt", "store"))
+        assert _take(loader, 12)[0] == batches_seen[after:], (saved, workers)
+
+
+def test_loader_state_that_cannot_be_carried_over_is_refused_naming_both_counts(tmp_path):
+    from dynstate.verl import loader_state
+
+    store = dynstate.Store.open(str(tmp_path / "s"), create=True)
+    store.append([{"x": i} for i in range(40)])
+    # a snapshot two batches old (snapshot_every_n_steps=3): only the same workers replay it
+    _, state = _take(_loader(store, 2, snapshot_every_n_steps=3), 5, state_after=5)
+    assert state["_steps_since_snapshot"] == 2
+    with pytest.raises(dynstate.StateMismatchError) as err:
+        loader_state.for_workers(state, 0, "ckpt/data.pt", "store")
+    message = str(err.value)
+    assert "with 2 worker(s)" in message and "this run has 0" in message
+    assert "data.dataloader_num_workers=2" in message
+    assert loader_state.for_workers(state, 2, "ckpt/data.pt", "store") is state  # same count
+    with pytest.raises(dynstate.StateMismatchError, match="layout"):
+        loader_state.for_workers({"something": 1}, 0, "ckpt/data.pt", "store")
+
+
 OLD_GENERATOR = '''
 import datasets
 from torch.utils.data import Dataset
