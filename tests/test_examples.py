@@ -187,29 +187,33 @@ def documented_cli_commands() -> list[tuple[str, str]]:
     return out
 
 
-def _docs_store(root: Path) -> None:
+def _docs_store(root: Path, checkpoints: list[str]) -> None:
     """The store the docs' examples talk about: ./runs/run1 with 50 versions (an import, then
-    one round of prompt/answer rows per step), the tag ``ckpt``, and the checkpoints they
+    one round of prompt/answer/n rows per step), the tag ``ckpt``, and the checkpoints they
     inspect, written as verl writes ``data.pt`` (the StatefulDataLoader's state)."""
     import torch
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from dynstate import VersionedDataset, VersionedSampler
 
+    def row(prompt: str, answer: int, n: int) -> dict:
+        return {"prompt": prompt, "answer": str(answer), "n": n}
+
     store = Store.open(str(root / "runs" / "run1"), create=True)
-    store.append([{"prompt": f"{i}+1=?", "answer": str(i + 1)} for i in range(40)])
+    store.append([row(f"{i}+1=?", i + 1, i) for i in range(40)])
     for step in range(49):
-        rows = [{"prompt": f"{step}*{k}=?", "answer": str(step * k)} for k in range(step % 3)]
+        rows = [row(f"{step}*{k}=?", step * k, 100 * step + k) for k in range(step % 3)]
         store.append(rows, meta={"step": step, "generator": "docs"})
         if step == 28:
             store.tag("ckpt", store.head)
     ds = VersionedDataset(str(root / "runs" / "run1"))
     loader = StatefulDataLoader(ds, batch_size=4, sampler=VersionedSampler(ds, seed=0))
     it = iter(loader)
-    for folder in ("checkpoints/global_step_40", "run/ckpt/global_step_15"):
+    for path in checkpoints:
         next(it)
-        (root / folder).mkdir(parents=True)
-        torch.save(loader.state_dict(), root / folder / "data.pt")
+        file = root / path if path.endswith(".pt") else root / path / "data.pt"
+        file.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(loader.state_dict(), file)
 
 
 @pytest.mark.slow  # ~20 CLI processes, a few seconds each
@@ -218,8 +222,8 @@ def test_docs_cli_commands_run_as_written(tmp_path) -> None:
     """Every ``dynstate`` command the README and docs show, in their order, on the store they
     describe; ``s3://bucket/`` URLs are pointed at the local store (their options are what
     drifts), other S3 URLs name endpoints of the reader's own."""
-    _docs_store(tmp_path)
     commands = documented_cli_commands()
+    _docs_store(tmp_path, [shlex.split(c)[2] for _, c in commands if " inspect " in f" {c} "])
     assert len(commands) >= 20, commands
     ran = 0
     for doc, command in commands:
