@@ -159,3 +159,19 @@ def test_memory_is_bounded_whatever_the_steps(jump: int) -> None:
     else:  # not a step a chart can place: drawn by the step before, and said so
         assert model["points"][1]["x"] == 1 and model["points"][1]["placed"]
     assert svg.startswith("<svg")
+
+
+def test_many_rounds_are_summed_into_columns_with_the_import_cut() -> None:
+    store = Store.open(_url(), create=True)
+    store.append([{"x": 0}] * 500)
+    for step in range(1, 501):
+        store.append([{"x": step}] * (1 + step % 4), meta={"step": step})
+    model = growth(store)
+    assert model["scale"]["clipped"] == [1]
+    svg = growth_svg(model)
+    buckets = _rects(svg, "bucket")
+    assert 100 < len(buckets) <= 300  # fewer columns than rounds, none empty
+    assert all(float(b.get("height")) >= 1 for b in buckets)
+    assert sum(int(b.get("data-rows")) for b in buckets) == sum(1 + s % 4 for s in range(1, 501))
+    (cut,) = _rects(svg, "import")
+    assert float(cut.get("height")) == PANEL and "500 rows (import, cut)" in svg
