@@ -259,6 +259,9 @@ class Audit:
     checked_after_ack: int = 0
     _offsets: dict[str, int] = field(default_factory=dict)
     _verified: set[str] = field(default_factory=set)  # shards read back with their checksum
+    _needed: dict[str, int] = field(default_factory=dict)  # shard -> an acked version's
+    bad: dict[int, str] = field(default_factory=dict)  # acked versions lost or unreadable
+    _listed: float = 0.0
 
     def poll(self, store: Any) -> None:
         """Read the new lines of every ack log and check each acknowledged version now."""
@@ -287,8 +290,9 @@ class Audit:
                 continue
             self.acks[version] = entry
             self.check(store, version, entry, "right after its ack")
-        if new:
-            self.check_present(store, "after acks")
+        if new and time.monotonic() - self._listed > 2:
+            self._listed = time.monotonic()
+            self.check_present(store, "after its ack")
 
     def check(self, store: Any, version: int, entry: dict[str, Any], when: str) -> None:
         from dynstate import DynstateError
@@ -320,25 +324,23 @@ class Audit:
             elif kind == "compact" and record.op != "compact":
                 raise AssertionError(f"is a {record.op}, not the acknowledged compaction")
             self.checked += 1
+            for shard in snap.shards:
+                self._needed.setdefault(shard.path, version)
         except (DynstateError, AssertionError, OSError) as exc:
-            self.problems.append(
-                f"acknowledged version {version} ({entry.get('kind')}, "
-                f"{entry.get('log')}) {when}: {type(exc).__name__}: {exc}"
+            self._bad(version, f"{when}: {type(exc).__name__}: {exc}")
+
+    def _bad(self, version: int, what: str) -> None:
+        if version not in self.bad:  # the first sighting says most
+            entry = self.acks.get(version, {})
+            self.bad[version] = (
+                f"acknowledged version {version} ({entry.get('kind')}, {entry.get('log')}) {what}"
             )
 
     def check_present(self, store: Any, when: str) -> None:
-        """Every shard of every acknowledged version still exists (one listing)."""
+        """Every shard an acknowledged version lists still exists (one listing)."""
         present = {f"data/{n}" for n in store.storage.list("data")}
-        for version, entry in sorted(self.acks.items()):
-            try:
-                missing = [s.path for s in store.snapshot(version).shards if s.path not in present]
-            except Exception as exc:  # reported as the problem it is
-                missing = [f"{type(exc).__name__}: {exc}"]
-            if missing:
-                self.problems.append(
-                    f"acknowledged version {version} ({entry.get('kind')}, "
-                    f"{entry.get('log')}) {when}: missing {missing[:3]}"
-                )
+        for path in self._needed.keys() - present:
+            self._bad(self._needed[path], f"{when}: its shard {path} is gone")
 
     def final(self) -> dict[str, Any]:
         """A fresh reader: every acknowledged version checked again from scratch, every other
@@ -600,8 +602,8 @@ def soak(
             "refused_or_failed_calls": dict(audit.errors),
             **figures,
             **faults,
-            "lost_or_unreadable": len(audit.problems),
-            "problems": audit.problems,
+            "lost_or_unreadable": len(audit.bad),
+            "problems": [*audit.bad.values(), *audit.problems],
         }
     finally:
         if server is not None and server.poll() is None:
@@ -645,8 +647,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary, indent=1))
     if summary["problems"]:
         print(
-            f"FAILED: {len(summary['problems'])} acknowledged versions lost or unreadable "
-            f"(seed {args.seed})",
+            f"FAILED (seed {args.seed}): {summary['lost_or_unreadable']} acknowledged versions "
+            f"lost or unreadable, {len(summary['problems'])} problems in all",
             file=sys.stderr,
         )
         return 1
