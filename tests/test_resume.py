@@ -184,6 +184,33 @@ def test_sigkill_then_resume_is_exact(tmp_path, request, backend, mode, workers)
         assert h.head_ids(url) == h.head_ids(ref_url)
 
 
+@pytest.mark.slow
+def test_sigkill_then_resume_is_exact_without_sampler_batch_size(tmp_path):
+    """Issue 19.10 across a real SIGKILL: the README's sampler (no batch_size, no
+    check_loader), one worker, snapshot every 3 steps, a store growing every step."""
+    rng = random.Random("readme-sampler")
+    for trial in range(3):
+        tmp = tmp_path / f"t{trial}"
+        tmp.mkdir()
+        cfg = h.Config(
+            url=str(tmp / "store"),
+            steps=12,
+            batch_size=8,
+            seed=trial,
+            num_workers=1,
+            prefetch_factor=1,
+            snapshot_every=3,
+            initial_rows=37,
+            round_size=2,
+            ckpt_every=2,
+            sampler_batch_size=False,
+        )
+        reference = h.train(dataclasses.replace(cfg, url=str(tmp / "ref")))
+        seen = _run_killed(cfg, tmp, rng)
+        assert seen == reference
+        assert h.head_ids(cfg.url) == h.head_ids(str(tmp / "ref"))
+
+
 # -- workers see new rows ------------------------------------------------------------------
 
 

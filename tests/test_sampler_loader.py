@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from dynstate import InvalidDataError, Store, VersionedDataset, VersionedSampler
+from dynstate import (
+    InvalidDataError,
+    StateMismatchError,
+    Store,
+    VersionedDataset,
+    VersionedSampler,
+    decode_index,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 import resume_harness as h
@@ -188,3 +195,175 @@ def test_first_step_numbers_steps_as_the_trainer_does(tmp_path):
         store.append([{"id": 100 * step}], meta={"step": step})
     assert rounds_seen == [[], [100], [200]]
     assert sampler.state_dict()["step"] == 4
+
+
+# Issue 19.10: the loader sweep with and without batch_size given to the sampler, on a store
+# that grows every step. sampler batch_size given, mode, loader drop_last, num_workers,
+# prefetch_factor, snapshot_every_n_steps: each value of each with and without batch_size.
+GROWING = [
+    (False, "epoch", False, 0, 1, 1),
+    (False, "epoch", True, 0, 1, 3),
+    (False, "epoch", False, 1, 1, 3),  # the README's sampler, the issue's loader
+    (False, "epoch", True, 1, 2, 1),
+    (False, "epoch", True, 2, 1, 3),
+    (False, "epoch", False, 2, 2, 1),
+    (False, "epoch", True, 1, 1, 3),
+    (False, "epoch", False, 2, 2, 3),
+    (True, "epoch", True, 0, 1, 3),
+    (True, "epoch", False, 1, 1, 3),
+    (True, "epoch", True, 2, 2, 1),
+    (True, "epoch", False, 2, 1, 3),
+    (True, "mix", False, 2, 1, 3),
+    (True, "mix", True, 1, 2, 1),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(len(GROWING)))
+def test_loader_sweep_with_and_without_sampler_batch_size(tmp_path, case):
+    given, mode, drop_last, workers, prefetch, snap = GROWING[case]
+    lag = workers * prefetch + 1
+    cfg = h.Config(
+        url="",
+        steps=max(13, lag + 9) if mode == "mix" else 13,
+        batch_size=5,
+        seed=40 + case,
+        mode=mode,
+        num_workers=workers,
+        prefetch_factor=prefetch,
+        snapshot_every=snap,
+        drop_last=drop_last,
+        initial_rows=17,  # 3 batches and a partial one; +2 rows every step
+        round_size=2,
+        sampler_batch_size=given,
+    )
+    if mode == "mix":
+        stop, every = lag + 2 + case % 3, 2 + case % 2
+    else:
+        # The last checkpoint in the first steps of the second epoch (it starts at step 4, at 3
+        # with drop_last), where the loader's snapshot may predate the epoch's pin.
+        every = (3 if drop_last else 4) + case % 2
+        stop = every + 1 + case % 2
+    _check_run(cfg, stop, every, tmp_path)
+
+
+def test_readme_sampler_resumes_exactly_from_a_snapshot_before_the_epoch(tmp_path):
+    """Issue 19.10 as reported: 37 rows +2 per step, batch 8, one worker, prefetch 1,
+    snapshot every 3 steps, state of step 6 resumed after step 7, and the sampler built as the
+    README builds it (no batch_size, no check_loader): it learns the loader's batches."""
+    cfg = h.Config(
+        url="",
+        steps=12,
+        batch_size=8,
+        seed=3,
+        num_workers=1,
+        prefetch_factor=1,
+        snapshot_every=3,
+        initial_rows=37,
+        round_size=2,
+        sampler_batch_size=False,
+    )
+    _check_run(cfg, 7, 2, tmp_path)
+
+
+def _grown(tmp_path, rows: int = 12) -> tuple[Store, VersionedDataset]:
+    store = Store.open(str(tmp_path / "s"), create=True)
+    store.append([{"id": i} for i in range(rows)])
+    return store, VersionedDataset(store)
+
+
+def test_sampler_learns_the_loader_batch_size_and_drop_last(tmp_path):
+    store, ds = _grown(tmp_path, 10)
+    sampler = VersionedSampler(ds, seed=1)
+    loader = StatefulDataLoader(ds, batch_size=4, drop_last=True, sampler=sampler)
+    assert len(loader) == 2 and len(sampler) == 8  # len(loader) taught it: 10 rows, 2 steps
+    batches = []
+    for step, batch in enumerate(loader):
+        batches.append(batch["id"].tolist())
+        store.append([{"id": 100 + step}], meta={"step": step})
+    state = sampler.state_dict()
+    assert (state["batch_size"], state["drop_last"], state["step"]) == (4, True, 2)
+    assert [len(b) for b in batches] == [4, 4]
+    # the next epoch pins the round of step 1: 12 rows
+    assert len([i for b in loader for i in b["id"].tolist()]) == 12
+
+
+def test_a_loader_that_batches_otherwise_fails_at_the_first_draw(tmp_path):
+    """Issue 24.7: a mix-mode sampler whose drop_last differs from its loader's used to wait
+    the whole wait_timeout at the end of the epoch unless check_loader was called."""
+    _store, ds = _grown(tmp_path)
+    sampler = VersionedSampler(ds, mode="mix", batch_size=4, lag=1, wait_timeout=600)
+    loader = StatefulDataLoader(ds, batch_size=4, drop_last=True, sampler=sampler)
+    with pytest.raises(InvalidDataError, match=r"drop_last=True.*drop_last=False"):
+        next(iter(loader))
+    other = VersionedSampler(ds, batch_size=4)
+    with pytest.raises(InvalidDataError, match=r"batch_size is 3.*steps of 4"):
+        next(iter(StatefulDataLoader(ds, batch_size=3, sampler=other)))
+
+
+def test_resumed_loader_with_another_batch_size_is_refused(tmp_path):
+    store, ds = _grown(tmp_path)
+    sampler = VersionedSampler(ds)
+    loader = StatefulDataLoader(ds, batch_size=4, sampler=sampler)
+    it = iter(loader)
+    next(it)
+    state = sampler.state_dict()
+    assert state["batch_size"] == 4
+    again = VersionedSampler(VersionedDataset(store))
+    again.load_state_dict(state)
+    with pytest.raises(StateMismatchError, match=r"batch_size=4.*batches 3"):
+        next(iter(StatefulDataLoader(ds, batch_size=3, sampler=again)))
+
+
+def test_epoch_without_known_steps_is_refused_once_rounds_carry_steps(tmp_path):
+    """Iterated directly, the sampler cannot know the loader's steps: the second epoch cannot
+    name the round it should pin, and says so instead of pinning the head of the moment."""
+    store, ds = _grown(tmp_path, 4)
+    sampler = VersionedSampler(ds, shuffle=False)
+    assert [decode_index(i)[1] for i in sampler] == list(range(4))
+    store.append([{"id": 10}])  # no step: the head, as it always was
+    assert len(list(sampler)) == 5
+    store.append([{"id": 11}], meta={"step": 0})
+    with pytest.raises(InvalidDataError, match="pass batch_size"):
+        list(sampler)
+
+
+def test_old_state_without_counted_steps_takes_them_up(tmp_path):
+    """A state written without batch_size (steps never counted) loads; the sampler learns
+    the loader's batches and counts on after the newest round."""
+    store, ds = _grown(tmp_path, 8)
+    old = VersionedSampler(ds)
+    it = iter(old)
+    for _ in range(4):
+        next(it)
+    state = old.state_dict()
+    assert state["batch_size"] is None and state["step"] == 0
+    for step in range(2):
+        store.append([{"id": 100 + step}], meta={"step": step})
+    sampler = VersionedSampler(VersionedDataset(store))
+    sampler.load_state_dict(state)
+    assert sampler.step == 2 and sampler.position == 4
+    loader = StatefulDataLoader(ds, batch_size=4, sampler=sampler)
+    assert len(next(iter(loader))["id"]) == 4
+    assert (sampler.batch_size, sampler.step) == (4, 3)
+
+
+@pytest.mark.parametrize("given", [True, False])
+@pytest.mark.parametrize("stop", [0, 1])
+def test_resume_from_a_snapshot_taken_before_the_first_epoch_pinned(tmp_path, given, stop):
+    """Found by the SIGKILL case: with snapshot_every_n_steps=3 the checkpoint of step 1 holds
+    the snapshot torchdata took when the first iterator was made; the resumed run must not pin
+    the head it finds (which holds rounds 0 and 1) for the first epoch."""
+    cfg = h.Config(
+        url="",
+        steps=12,
+        batch_size=8,
+        seed=5,
+        num_workers=1,
+        prefetch_factor=1,
+        snapshot_every=3,
+        initial_rows=37,
+        round_size=2,
+        sampler_batch_size=given,
+    )
+    _check_run(cfg, stop, 1, tmp_path)

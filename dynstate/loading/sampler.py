@@ -177,6 +177,7 @@ class VersionedSampler(Sampler[int]):
         self._perm_rows: list[int] = []
         self._prefetched = -1
         self._open = False  # an epoch is under way: it started and not all its indices left
+        self._pinned_now = False  # __iter__ just pinned the first epoch
 
     # The position, read-only: it changes only as one value (self.pos).
     epoch = property(lambda self: self.pos.epoch)
@@ -198,6 +199,7 @@ class VersionedSampler(Sampler[int]):
     def __len__(self) -> int:
         """Indices this rank gets in the current epoch (the next one's, from the head, if none
         is under way): what ``len(loader)`` needs, in both modes."""
+        self._learn_from(sys._getframe().f_back)  # len(loader) asks through its batch sampler
         rows = self.pos.base_rows
         if self.pos.version is None or not self._open:
             rows = self.dataset.store.snapshot().num_rows
@@ -283,6 +285,11 @@ class VersionedSampler(Sampler[int]):
                 "they were"
             )
 
+    def _learn_from(self, frame: FrameType | None) -> None:
+        found = _drawing_batcher(self, frame)
+        if found is not None:
+            self._meet_loader(*found)
+
     def _steps_taken_up(self) -> int:
         store = self.dataset.store
         last = steps.latest_step(store.log, store.refresh())
@@ -291,12 +298,22 @@ class VersionedSampler(Sampler[int]):
     # -- iteration ---------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[int]:
-        # A generator: nothing happens until the first index is requested, so the extra
-        # iter() calls StatefulDataLoader makes while restoring have no effect.
-        found = _drawing_batcher(self, sys._getframe().f_back)
-        if found is not None:
-            self._meet_loader(*found)
-        if self.pos.version is None or self._step_shape() is None:
+        if self.pos.version is None:
+            # The first epoch pins the head when its iterator is made, not at its first index:
+            # torchdata snapshots the sampler right after making the iterator (with
+            # snapshot_every_n_steps > 1 that snapshot may be a checkpoint's), and a run resumed
+            # from it must find the epoch pinned, not pin the head it finds then — which holds
+            # the rounds the first run committed meanwhile.
+            self._start_epoch()
+            self._pinned_now = True  # an epoch of no rows is still this epoch, not over
+        return self._draw()
+
+    def _draw(self) -> Iterator[int]:
+        # A generator: later epochs start at their first index, by the step rule, so the
+        # extra iter() calls StatefulDataLoader makes while restoring have no effect.
+        self._learn_from(sys._getframe().f_back)
+        pinned_now, self._pinned_now = self._pinned_now, False
+        if self.pos.version is None or (self._step_shape() is None and not pinned_now):
             self._start_epoch()
         if self.mode == "epoch":
             yield from self._iter_epoch()
@@ -334,8 +351,8 @@ class VersionedSampler(Sampler[int]):
         """The version the epoch starting now pins (see the class docstring)."""
         store, pinned = self.dataset.store, self.pos.version
         head = store.refresh()
-        if first or pinned is None or self.pos.step <= self.first_step:
-            return head  # no step has run: no round to pin by
+        if first or pinned is None:
+            return head
         if self.batch_size is None:
             if any(own is not None for _, own in steps.steps_after(store.log, head, pinned)):
                 raise InvalidDataError(
@@ -346,6 +363,8 @@ class VersionedSampler(Sampler[int]):
                     "sampler= and batch_size="
                 )
             return head  # no rounds: the head, as it always was
+        if self.pos.step <= self.first_step:
+            return head  # no step has run: no round to pin by
         target = self.pos.step - 1
         if self.mode == "epoch":
             found = steps.round_version(store.log, head, target, pinned)
@@ -542,4 +561,5 @@ class VersionedSampler(Sampler[int]):
             position = replace(position, step=0 if last is None else last + 1)
         self.batch_size, self.drop_last = batching
         self.pos = position
+        self._pinned_now = False
         self._open = self.pos.version is not None and self._step_shape() is not None

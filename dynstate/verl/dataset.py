@@ -25,7 +25,8 @@ from ..errors import InvalidDataError, StateMismatchError
 from ..loading.dataset import VersionedDataset, decode_index
 from ..loading.sampler import VersionedSampler
 from ..loading.state import check_state, find_sampler_state
-from ..resume import rollback, walk_lineage
+from ..log import steps
+from ..resume import rollback
 from ..rounds import to_table
 from ..store import Store
 from . import loader_state
@@ -330,16 +331,7 @@ class DynstateRLDataset(RLHFDataset):
 
     def round_of(self, step: int) -> int | None:
         """The version of the head's lineage that holds the round of ``step``, or None."""
-        store = self.store
-        for v in walk_lineage(store, store.refresh()):
-            if v == 0:
-                break
-            record_step = store.commit_record(v).meta.get("step")
-            if record_step is not None and record_step < step:
-                return None
-            if record_step == step:
-                return v
-        return None
+        return steps.round_of(self.store.log, self.store.refresh(), step)
 
     def on_batch_end(self, batch: Any) -> int | None:
         """Generate and commit the round of the step whose ``batch`` just trained; returns the
