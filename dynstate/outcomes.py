@@ -47,6 +47,13 @@ MAX_STATE_DEPTH = 32
 _AGG_META = b"dynstate.outcomes.aggregate"
 
 
+def _np(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """A column as numpy without pandas (ChunkedArray.to_numpy imports it: seconds cold)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    return column.to_numpy(zero_copy_only=False)
+
+
 # -- input -----------------------------------------------------------------------------------
 
 
@@ -382,35 +389,36 @@ class Aggregate:
         return wider
 
     def fold(self, table: pa.Table) -> None:
-        """Add the records of an outcome table (rows within range), in place."""
+        """Add the records of an outcome table (rows within range), in place. The work is
+        over the rows the records name, not over every row of the version."""
         if table.num_rows == 0:
             return
-        n = self.num_rows
-        rows = table.column("row").to_numpy()
-        steps = table.column("step").to_numpy()
-        scores = table.column("score").to_numpy()
-        self.attempts += np.bincount(rows, minlength=n)
-        self.score_sum += np.bincount(rows, weights=scores, minlength=n)
+        rows = _np(table.column("row"))
+        steps = _np(table.column("step"))
+        scores = _np(table.column("score"))
+        hit, inv = np.unique(rows, return_inverse=True)
+        k = len(hit)
         passed = (scores > self.success_above).astype(np.float64)
-        self.successes += np.bincount(rows, weights=passed, minlength=n).astype(np.int64)
-        first = np.full(n, np.iinfo(np.int64).max, np.int64)
-        np.minimum.at(first, rows, steps)
-        last = np.full(n, -1, np.int64)
-        np.maximum.at(last, rows, steps)
+        first = np.full(k, np.iinfo(np.int64).max, np.int64)
+        np.minimum.at(first, inv, steps)
+        last = np.full(k, -1, np.int64)
+        np.maximum.at(last, inv, steps)
         # the batch's own EWMA state, relative to each row's latest step in the batch
-        weight = np.exp2((steps - last[rows]) / self.half_life)
-        num = np.bincount(rows, weights=weight * scores, minlength=n)
-        den = np.bincount(rows, weights=weight, minlength=n)
-        hit = last >= 0
-        old = self.last_step >= 0
-        first_old = np.where(old, self.first_step, np.iinfo(np.int64).max)
-        self.first_step = np.where(hit, np.minimum(first_old, first), self.first_step)
-        latest = np.maximum(self.last_step, last)
-        scale_old = np.where(old, np.exp2((self.last_step - latest) / self.half_life), 0.0)
-        scale_new = np.where(hit, np.exp2((last - latest) / self.half_life), 0.0)
-        self.ewma_num = self.ewma_num * scale_old + num * scale_new
-        self.ewma_den = self.ewma_den * scale_old + den * scale_new
-        self.last_step = latest
+        weight = np.exp2((steps - last[inv]) / self.half_life)
+        num = np.bincount(inv, weights=weight * scores, minlength=k)
+        den = np.bincount(inv, weights=weight, minlength=k)
+        old_last = self.last_step[hit]
+        old = old_last >= 0
+        latest = np.maximum(old_last, last)
+        scale_old = np.where(old, np.exp2((old_last - latest) / self.half_life), 0.0)
+        scale_new = np.exp2((last - latest) / self.half_life)
+        self.attempts[hit] += np.bincount(inv, minlength=k)
+        self.score_sum[hit] += np.bincount(inv, weights=scores, minlength=k)
+        self.successes[hit] += np.bincount(inv, weights=passed, minlength=k).astype(np.int64)
+        self.first_step[hit] = np.where(old, np.minimum(self.first_step[hit], first), first)
+        self.ewma_num[hit] = self.ewma_num[hit] * scale_old + num * scale_new
+        self.ewma_den[hit] = self.ewma_den[hit] * scale_old + den * scale_new
+        self.last_step[hit] = latest
 
     def stats(self) -> pa.Table:
         """One row per store row: the statistics of :mod:`dynstate.outcomes`."""
@@ -461,7 +469,7 @@ class Aggregate:
         try:
             params = json.loads((table.schema.metadata or {})[_AGG_META])
             agg = cls.empty(int(params["num_rows"]), params["success_above"], params["half_life"])
-            idx = table.column("row").to_numpy()
+            idx = _np(table.column("row"))
             if len(idx) and (idx.min() < 0 or idx.max() >= agg.num_rows):
                 raise ValueError("row out of range")
             for name in (
@@ -473,7 +481,7 @@ class Aggregate:
                 "ewma_num",
                 "ewma_den",
             ):
-                getattr(agg, name)[idx] = table.column(name).to_numpy()
+                getattr(agg, name)[idx] = _np(table.column(name))
         except (KeyError, TypeError, ValueError, pa.ArrowException) as exc:
             raise CorruptStoreError(
                 f"{where} is not an outcome aggregate ({exc}); run `dynstate verify`"
@@ -503,8 +511,8 @@ def summarize(stats: pa.Table, *, bins: int = 10, top: int = 10) -> dict[str, An
     how many rows were trained, a histogram of pass rates (successes / attempts, ``bins``
     equal bands, the last one closed), and the ``top`` hardest rows (lowest pass rate, then
     most attempts) and easiest (highest, then most attempts) among the trained ones."""
-    attempts = stats.column("attempts").to_numpy()
-    successes = stats.column("successes").to_numpy()
+    attempts = _np(stats.column("attempts"))
+    successes = _np(stats.column("successes"))
     trained = np.flatnonzero(attempts > 0)
     rate = successes[trained] / attempts[trained]
     band = np.minimum((rate * bins).astype(np.int64), bins - 1)

@@ -269,7 +269,16 @@ class Store:
             head = self.log.record(self.refresh())
             assert head is not None
             checked = outcomes_of(self.log).check(outcomes, generator_state, head)
-        staged = self.stage(data, allow_new_columns=allow_new_columns, shard_bytes=shard_bytes)
+            # Written before the round's shards, whose folder sync then covers it too.
+            checked = outcomes_of(self.log).write(checked, sync=False) if checked else None
+        try:
+            staged = self.stage(data, allow_new_columns=allow_new_columns, shard_bytes=shard_bytes)
+        except BaseException:
+            if checked is not None and checked.ref is not None:
+                self._writer.discard_outcomes(checked)
+            raise
+        if checked is not None and checked.ref is not None and not staged.shards:
+            self.storage.sync_dir(m.DATA_DIR)
         return self._writer.commit_staged([staged], meta=meta, private=True, checked=checked)
 
     def stage(

@@ -299,6 +299,12 @@ class Writer:
             "again. Commit each staged part once"
         )
 
+    def discard_outcomes(self, pending: Pending) -> None:
+        """Remove a written outcome file whose round failed before its commit began."""
+        assert pending.ref is not None
+        part = Staged((pending.ref,), None, None, pending.lease, self.store_id)
+        self._discard([part], uuid.uuid4().hex, strict=False, private=True)
+
     def discard(self, parts: Sequence[Staged]) -> None:
         """Remove the shards of staged parts that will not be committed. Each lease is won
         first, by the same exclusive outcome create a commit and gc race for: a part whose

@@ -43,6 +43,7 @@ from ..outcomes import (
     DEFAULT_SUCCESS_ABOVE,
     Aggregate,
     Ranges,
+    _np,
     check_generator_state,
     check_outcomes,
     overlap,
@@ -334,7 +335,7 @@ class Outcomes:
                 "store to a version that does not use it"
             ) from None
         try:
-            table = pq.read_table(pa.BufferReader(data))
+            table = _read_parquet(data)
         except (pa.ArrowException, OSError) as exc:
             raise CorruptStoreError(
                 f"outcome file {ref.path} of {where} is not readable Parquet ({exc})"
@@ -372,7 +373,7 @@ class Outcomes:
         if len(data) != ref.bytes or m.sha256(data) != ref.sha256:
             raise ChecksumMismatchError(f"{where} does not match its checksum; it was modified")
         try:
-            table = pq.read_table(pa.BufferReader(data))
+            table = _read_parquet(data)
         except (pa.ArrowException, OSError) as exc:
             raise CorruptStoreError(f"{where} is not readable Parquet ({exc})") from None
         return Aggregate.from_table(table, where)
@@ -385,6 +386,10 @@ class Outcomes:
     ) -> Aggregate:
         """The per-row aggregate of ``version``: from the newest stored aggregate (or one this
         handle computed) over a prefix of its outcome list, plus the files after it."""
+        return self._aggregate(version, success_above, half_life).copy()
+
+    def _aggregate(self, version: int, success_above: float, half_life: float) -> Aggregate:
+        """:meth:`aggregate`, shared with this handle's cache: never modify it."""
         lineage = self.lineage(version)
         num_rows = self.log.commit_record(version).num_rows
         params = (success_above, half_life)
@@ -407,18 +412,21 @@ class Outcomes:
                 log.warning("outcome aggregate of %s unusable (%s)", self.display_url, exc)
         if agg is None:
             agg, start = Aggregate.empty(num_rows, success_above, half_life), 0
-        else:
-            agg = agg.copy()
-        agg = agg.grow(num_rows)
-        for table in self._read_files(list(lineage.files[start:]), version):
-            agg.fold(table)
+        tables = self._read_files(list(lineage.files[start:]), version)
+        if start == len(paths) and agg.num_rows == num_rows:
+            return agg  # nothing to add
+        # a copy: the cached or just-read aggregate stays as it was
+        agg = agg.grow(num_rows) if agg.num_rows < num_rows else agg.copy()
+        if tables:
+            # one pass over all of them (extra columns play no part)
+            agg.fold(pa.concat_tables([t.select(["row", "step", "score"]) for t in tables]))
         self._dense = [e for e in self._dense if e[0] != params or e[1] != paths]
         self._dense.append((params, paths, agg))
         del self._dense[:-_CACHE_DENSE]
-        return agg.copy()
+        return agg
 
     def stats(self, version: int, success_above: float, half_life: float) -> pa.Table:
-        return self.aggregate(version, success_above, half_life).stats()
+        return self._aggregate(version, success_above, half_life).stats()
 
     def generator_state(self, version: int) -> Any:
         state = self.lineage(version).state
@@ -435,7 +443,7 @@ class Outcomes:
         table, steps = None, []
         if outcomes is not None:
             table = check_outcomes(outcomes, url, head.num_rows, head.version)
-            steps = to_ranges(table.column("step").to_numpy().tolist())
+            steps = to_ranges(_np(table.column("step")).tolist())
             self._check_new_steps(steps, head)
             if table.num_rows == 0:
                 table = None
@@ -455,9 +463,12 @@ class Outcomes:
                 "are committed once (roll back to before that step to record them again)"
             )
 
-    def write(self, pending: Pending) -> Pending:
+    def write(self, pending: Pending, *, sync: bool = True) -> Pending:
         """Write the outcome file under a lease of its own (gc leaves it alone until the
-        commit names it, as it does a round's shards)."""
+        commit names it, as it does a round's shards). ``sync=False``: the caller makes the
+        ``data/`` entry durable (the round's shards sync the folder after it)."""
+        if pending.ref is not None:
+            return pending  # written already
         self._mark_store()
         if pending.table is None:
             return pending
@@ -466,7 +477,8 @@ class Outcomes:
         try:
             with self.storage.new_shard(path) as sink:
                 pq.write_table(pending.table, sink)
-            self.storage.sync_dir(m.DATA_DIR)
+            if sync:
+                self.storage.sync_dir(m.DATA_DIR)
         except BaseException:
             try:
                 self.storage.delete(path)
@@ -503,7 +515,7 @@ class Outcomes:
         field = None
         if pending.table is not None and pending.ref is not None:
             if parent.version != pending.checked_at:
-                top = int(pending.table.column("row").to_numpy().max())
+                top = int(_np(pending.table.column("row")).max())
                 if top >= parent.num_rows:
                     raise InvalidDataError(
                         f"outcomes for {self.display_url} name row {top}, but version "
@@ -569,6 +581,12 @@ class Outcomes:
         return AggregateRef(
             aggregate_path(digest), len(data), digest, files, agg.success_above, agg.half_life
         )
+
+
+def _read_parquet(data: bytes) -> pa.Table:
+    # ParquetFile, not read_table: read_table goes through pyarrow.dataset, whose import
+    # (pandas included) costs seconds in a fresh process.
+    return pq.ParquetFile(pa.BufferReader(data)).read()
 
 
 def _steps(obj: dict[str, Any], where: str) -> Ranges:

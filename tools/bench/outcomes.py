@@ -1,0 +1,173 @@
+"""Cost of outcomes (issue 21), on a local store of ``--rows`` rows (default 1M):
+
+1. **Recording**: the per-step cost of committing a round *with* ``--outcomes`` (default
+   2,048) outcome records against the same round committed without them, alternated step by
+   step so both see the same store, over ``--commit-steps`` steps (the every-100th-version
+   aggregate is part of the mean). Target: the outcomes add at most 10 % to the round's
+   commit.
+2. **Statistics at the head** of the store after each of ``--steps`` (default 1,000 and
+   10,000) steps of ``--outcomes`` records each, measured 50 steps past an aggregate (the
+   middle of the worst case: up to 99 outcome files after it): a fresh handle's
+   ``outcome_stats()`` (cold), the same handle again after one more step (warm), and
+   ``outcome_stats`` with a non-default threshold (reads every record: the exact fallback).
+   Targets: cold at most 1 s at 10,000 steps, and 10,000 within 1.5x of 1,000.
+
+Never part of the tests; the store is built once under ``--dir`` and grown from there.
+
+    python tools/bench/outcomes.py --dir /tmp/bench-outcomes
+    python tools/bench/outcomes.py --rows 100000 --steps 300,3000   # a quicker, smaller run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+
+def round_table(step: int, n: int = 64) -> pa.Table:
+    """A generator's round: ``n`` new tasks."""
+    return pa.table(
+        {
+            "step": pa.array([step] * n, pa.int64()),
+            "prompt": pa.array([f"step {step} task {i} " + "x" * 80 for i in range(n)]),
+        }
+    )
+
+
+def outcome_table(step: int, num_rows: int, n: int, rng: np.random.Generator) -> pa.Table:
+    return pa.table(
+        {
+            "row": pa.array(rng.integers(0, num_rows, n), pa.int64()),
+            "step": pa.array(np.full(n, step), pa.int64()),
+            "score": pa.array(rng.integers(0, 2, n).astype(np.float64)),
+            "length": pa.array(rng.integers(10, 2000, n), pa.int64()),
+        }
+    )
+
+
+def open_or_build(path: Path, rows: int) -> object:
+    from dynstate import Store
+
+    store = Store.open(str(path), create=True)
+    if store.head == 0:
+        started = time.perf_counter()
+        store.append(
+            pa.table(
+                {
+                    "step": pa.array(np.zeros(rows, np.int64)),
+                    "prompt": pa.array([f"seed task {i}" for i in range(rows)]),
+                }
+            ),
+            meta={"step": 0},
+        )
+        print(f"  seeded {rows:,} rows in {time.perf_counter() - started:.1f} s", flush=True)
+    return store
+
+
+def grow(store: object, until_step: int, outcomes: int, rng: np.random.Generator) -> None:
+    """Steps (one empty-round commit with outcomes each) until the head's step is ``until``."""
+    head = store.commit_record(store.head)  # type: ignore[attr-defined]
+    step = int(head.meta.get("step", 0))
+    started, first = time.perf_counter(), step
+    num_rows = head.num_rows
+    while step < until_step:
+        step += 1
+        store.append(  # type: ignore[attr-defined]
+            [],
+            meta={"step": step},
+            outcomes=outcome_table(step, num_rows, outcomes, rng),
+        )
+        if step % 1000 == 0:
+            rate = (step - first) / (time.perf_counter() - started)
+            print(f"  step {step:,} ({rate:.0f} steps/s)", flush=True)
+
+
+def bench_recording(store: object, steps: int, outcomes: int, rng: np.random.Generator) -> None:
+    plain, with_outcomes = [], []
+    head = store.commit_record(store.head)  # type: ignore[attr-defined]
+    step = int(head.meta.get("step", 0))
+    for _ in range(steps):
+        step += 1
+        num_rows = store.snapshot().num_rows  # type: ignore[attr-defined]
+        table = outcome_table(step, num_rows, outcomes, rng)
+        t0 = time.perf_counter()
+        store.append(round_table(step), meta={"step": step})  # type: ignore[attr-defined]
+        t1 = time.perf_counter()
+        step += 1
+        store.append(round_table(step), meta={"step": step}, outcomes=table)  # type: ignore[attr-defined]
+        t2 = time.perf_counter()
+        plain.append(t1 - t0)
+        with_outcomes.append(t2 - t1)
+    for name, fn in (("median", statistics.median), ("mean", statistics.fmean)):
+        a, b = fn(plain), fn(with_outcomes)
+        print(
+            f"  {name}: round {a * 1e3:.1f} ms, round + {outcomes:,} outcomes {b * 1e3:.1f} ms "
+            f"(+{(b - a) / a:.0%})"
+        )
+
+
+def bench_stats(url: str, outcomes: int, rng: np.random.Generator) -> float:
+    from dynstate import Store
+
+    store = Store.open(url)
+    t0 = time.perf_counter()
+    stats = store.outcome_stats()
+    cold = time.perf_counter() - t0
+    head = store.commit_record(store.head)
+    step = int(head.meta["step"]) + 1
+    store.append(
+        [], meta={"step": step}, outcomes=outcome_table(step, head.num_rows, outcomes, rng)
+    )
+    t0 = time.perf_counter()
+    store.outcome_stats()
+    warm = time.perf_counter() - t0
+    fresh = Store.open(url)
+    t0 = time.perf_counter()
+    fresh.outcome_stats(success_above=0.9)
+    exact = time.perf_counter() - t0
+    trained = int(np.count_nonzero(stats.column("attempts").to_numpy()))
+    print(
+        f"  head {head.version:,} ({stats.num_rows:,} rows, {trained:,} trained): cold "
+        f"{cold:.3f} s, warm (one step later) {warm:.3f} s, other threshold (every record) "
+        f"{exact:.2f} s",
+        flush=True,
+    )
+    return cold
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", default="/tmp/dynstate-bench-outcomes")
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--outcomes", type=int, default=2048)
+    parser.add_argument("--steps", default="1000,10000")
+    parser.add_argument("--commit-steps", type=int, default=200)
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(0)
+    base = Path(args.dir)
+    base.mkdir(parents=True, exist_ok=True)
+
+    print(f"1. recording {args.outcomes:,} outcomes per step ({args.commit_steps} steps each)")
+    store = open_or_build(base / f"record-{args.rows}", args.rows)
+    bench_recording(store, args.commit_steps, args.outcomes, rng)
+
+    print(f"2. statistics at the head ({args.rows:,} rows, {args.outcomes:,} outcomes per step)")
+    url = base / f"stats-{args.rows}-{args.outcomes}"
+    store = open_or_build(url, args.rows)
+    colds = []
+    for steps in [int(s) for s in args.steps.split(",")]:
+        grow(store, steps + 50, args.outcomes, rng)  # 50 steps past the aggregate at `steps`
+        colds.append(bench_stats(str(url), args.outcomes, rng))
+        store = open_or_build(url, args.rows)
+    if len(colds) > 1:
+        print(f"  cold ratio, last / first: {colds[-1] / colds[0]:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
