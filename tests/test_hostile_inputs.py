@@ -139,7 +139,11 @@ def test_cli_names_the_hostile_file(tmp_path, payload) -> None:
     assert files(url) == before
 
 
-@pytest.mark.parametrize("payload", [DEEP, HUGE_INT], ids=["nested-200k", "5000-digits"])
+@pytest.mark.parametrize(
+    "payload",
+    [DEEP, HUGE_INT, b'{"version": Infinity}', b'{"version": 1e999}'],
+    ids=["nested-200k", "5000-digits", "infinity", "1e999"],
+)
 def test_a_hostile_head_hint_is_ignored(url, payload, caplog) -> None:
     filled(url)
     write(url, m.HEAD_HINT, payload)

@@ -117,7 +117,7 @@ class Log(Catalog):
         if hint is not None:
             try:
                 start = max(start, int(m.load_json(hint, self.where(m.HEAD_HINT))["version"]))
-            except (ValueError, KeyError, TypeError, CorruptStoreError):
+            except (ValueError, KeyError, TypeError, OverflowError, CorruptStoreError):
                 log.warning("ignoring unreadable head hint in %s", self.display_url)
         if self.record(start) is None:
             # Hints are advisory; fall back to the last version known to exist.

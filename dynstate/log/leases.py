@@ -419,31 +419,36 @@ def _holders(names: list[str], lease: str) -> list[str]:
 
 def _fresh(
     storage: Storage, lease: str, here: str, now: float | None, holders: list[str]
-) -> tuple[bool, bool]:
-    """(whether a holder of the lease may still be alive, whether every holder is known to be
-    gone: a process of this machine that no longer exists). The stager's lease file is read
+) -> tuple[bool, bool, bool]:
+    """(whether a holder of the lease renewed it within its ttl, whether every holder is known
+    to be gone — a process of this machine that no longer exists —, whether a holder that
+    stopped renewing is a process of this machine that still exists: paused, not dead).
+    The stager's lease file is read
     first; only if it is not live are the holder files listed again and read — listed after
     that read, so a process that took the lease over before the stager died or stopped is
     seen. ``holders`` (from the survey's listing) stand in where the lease file is gone, and
     an adopter refuses a lease whose file is gone."""
     first = _holder_state(storage, lease, lease_path(lease), here, now)
     if first == "alive":
-        return True, False
+        return True, False, False
     states = [first]
     if first != "absent":
         holders = _holders(storage.list(LEASE_DIR), lease)
     for rel in holders:
         state = _holder_state(storage, lease, rel, here, now)
         if state == "alive":
-            return True, False
+            return True, False, False
         states.append(state)
     present = [s for s in states if s != "absent"]
-    return False, bool(present) and all(s == "gone" for s in present)
+    gone = bool(present) and all(s == "gone" for s in present)
+    return False, gone, "paused-here" in states
 
 
 def _holder_state(storage: Storage, lease: str, rel: str, here: str, now: float | None) -> str:
     """One holder file: ``alive`` (renewed within its ttl by the storage's clock), ``stale``,
-    ``gone`` (its process of this machine no longer exists) or ``absent``."""
+    ``paused-here`` (stale, but its process of this machine exists), ``gone`` (its process of
+    this machine no longer exists) or ``absent``."""
+    local = False
     raw = storage.try_read(rel)
     if raw is None:
         return "absent"
@@ -455,18 +460,22 @@ def _holder_state(storage: Storage, lease: str, rel: str, here: str, now: float 
         body = m.decode(raw, rel)
         ttl = float(body.get("ttl_s", DEFAULT_TTL_S))
         pid = body.get("pid")
-        # What no writer wrote (a pid past pid_t, 10**30, a bool; an infinite ttl) makes the
-        # lease damaged, not a reason for gc to fail: it is judged by age like an unreadable one.
-        if type(pid) is not int or not 0 < pid <= _MAX_PID or not ttl < float("inf"):
-            raise ValueError(f"lease {lease} names pid {pid!r}, ttl {ttl!r}")
-        if body.get("host") == here and process_gone(pid):
+        # What no writer wrote (a pid past pid_t, 10**30, a bool; a ttl past a float) makes
+        # the lease damaged, not a reason for gc to fail: it is judged by age like an
+        # unreadable one.
+        if type(pid) is not int or not 0 < pid <= _MAX_PID:
+            raise ValueError(f"lease {lease} names pid {pid!r}")
+        local = body.get("host") == here
+        if local and process_gone(pid):
             return "gone"
     except (DynstateError, TypeError, ValueError, OverflowError):
         ttl = DEFAULT_TTL_S  # unreadable: judge by age alone
     if modified is None or now is None:
         return "alive"  # no clock to judge by: keep
     # Both times are the storage's; never judge closer than its stamps' resolution.
-    return "alive" if now - modified < ttl + storage.clock_resolution_s else "stale"
+    if now - modified < ttl + storage.clock_resolution_s:
+        return "alive"
+    return "paused-here" if local else "stale"
 
 
 def _protected(
@@ -481,7 +490,7 @@ def _protected(
     """(whether the lease's shards must stay, its outcome)."""
     for _ in range(3):
         outcome = read_outcome(storage, lease)
-        alive, gone = _fresh(storage, lease, here, now, holders)
+        alive, gone, paused_here = _fresh(storage, lease, here, now, holders)
         if outcome is None:
             if alive:
                 return True, None
@@ -505,6 +514,11 @@ def _protected(
             if (gone and not unsettled) or not storage.exists(lease_path(lease)):
                 # The committer is gone, or published and cleaned up (lease file first).
                 return False, "commit"
+            if paused_here:
+                # A holder of this machine stopped renewing, but its process exists: a
+                # committer paused (SIGSTOP, a debugger, swapped out) between its claim and
+                # its record keeps its shards for as long as it lives, whatever the pause.
+                return True, "commit"
             try:
                 claimed = storage.modified(outcome_path(lease))
             except FileNotFoundError:
