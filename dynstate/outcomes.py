@@ -47,7 +47,7 @@ MAX_STATE_DEPTH = 32
 _AGG_META = b"dynstate.outcomes.aggregate"
 
 
-def _np(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+def as_numpy(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     """A column as numpy without pandas (ChunkedArray.to_numpy imports it: seconds cold)."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
@@ -393,9 +393,9 @@ class Aggregate:
         over the rows the records name, not over every row of the version."""
         if table.num_rows == 0:
             return
-        rows = _np(table.column("row"))
-        steps = _np(table.column("step"))
-        scores = _np(table.column("score"))
+        rows = as_numpy(table.column("row"))
+        steps = as_numpy(table.column("step"))
+        scores = as_numpy(table.column("score"))
         hit, inv = np.unique(rows, return_inverse=True)
         k = len(hit)
         passed = (scores > self.success_above).astype(np.float64)
@@ -469,7 +469,7 @@ class Aggregate:
         try:
             params = json.loads((table.schema.metadata or {})[_AGG_META])
             agg = cls.empty(int(params["num_rows"]), params["success_above"], params["half_life"])
-            idx = _np(table.column("row"))
+            idx = as_numpy(table.column("row"))
             if len(idx) and (idx.min() < 0 or idx.max() >= agg.num_rows):
                 raise ValueError("row out of range")
             for name in (
@@ -481,7 +481,7 @@ class Aggregate:
                 "ewma_num",
                 "ewma_den",
             ):
-                getattr(agg, name)[idx] = _np(table.column(name))
+                getattr(agg, name)[idx] = as_numpy(table.column(name))
         except (KeyError, TypeError, ValueError, pa.ArrowException) as exc:
             raise CorruptStoreError(
                 f"{where} is not an outcome aggregate ({exc}); run `dynstate verify`"
@@ -511,8 +511,8 @@ def summarize(stats: pa.Table, *, bins: int = 10, top: int = 10) -> dict[str, An
     how many rows were trained, a histogram of pass rates (successes / attempts, ``bins``
     equal bands, the last one closed), and the ``top`` hardest rows (lowest pass rate, then
     most attempts) and easiest (highest, then most attempts) among the trained ones."""
-    attempts = _np(stats.column("attempts"))
-    successes = _np(stats.column("successes"))
+    attempts = as_numpy(stats.column("attempts"))
+    successes = as_numpy(stats.column("successes"))
     trained = np.flatnonzero(attempts > 0)
     rate = successes[trained] / attempts[trained]
     band = np.minimum((rate * bins).astype(np.int64), bins - 1)

@@ -43,7 +43,7 @@ from ..outcomes import (
     DEFAULT_SUCCESS_ABOVE,
     Aggregate,
     Ranges,
-    _np,
+    as_numpy,
     check_generator_state,
     check_outcomes,
     overlap,
@@ -443,7 +443,7 @@ class Outcomes:
         table, steps = None, []
         if outcomes is not None:
             table = check_outcomes(outcomes, url, head.num_rows, head.version)
-            steps = to_ranges(_np(table.column("step")).tolist())
+            steps = to_ranges(as_numpy(table.column("step")).tolist())
             self._check_new_steps(steps, head)
             if table.num_rows == 0:
                 table = None
@@ -515,7 +515,7 @@ class Outcomes:
         field = None
         if pending.table is not None and pending.ref is not None:
             if parent.version != pending.checked_at:
-                top = int(_np(pending.table.column("row")).max())
+                top = int(as_numpy(pending.table.column("row")).max())
                 if top >= parent.num_rows:
                     raise InvalidDataError(
                         f"outcomes for {self.display_url} name row {top}, but version "
