@@ -1,10 +1,10 @@
 """Cost of outcomes (issue 21), on a local store of ``--rows`` rows (default 1M):
 
 1. **Recording**: the per-step cost of committing a round *with* ``--outcomes`` (default
-   2,048) outcome records against the same round committed without them, alternated step by
-   step so both see the same store, over ``--commit-steps`` steps (the every-100th-version
-   aggregate is part of the mean). Target: the outcomes add at most 10 % to the round's
-   commit.
+   2,048) outcome records against the same round committed without them into a store of the
+   same size, alternated step by step, over ``--commit-steps`` steps (the aggregate written
+   with every 100th version is part of the mean). Target: the outcomes add at most 10 % to
+   the round's commit.
 2. **Statistics at the head** of the store after each of ``--steps`` (default 1,000 and
    10,000) steps of ``--outcomes`` records each, measured 50 steps past an aggregate (the
    middle of the worst case: up to 99 outcome files after it): a fresh handle's
@@ -87,7 +87,12 @@ def grow(store: object, until_step: int, outcomes: int, rng: np.random.Generator
             print(f"  step {step:,} ({rate:.0f} steps/s)", flush=True)
 
 
-def bench_recording(store: object, steps: int, outcomes: int, rng: np.random.Generator) -> None:
+def bench_recording(
+    plain_store: object, store: object, steps: int, outcomes: int, rng: np.random.Generator
+) -> None:
+    """The same rounds into two stores of the same size, one without and one with outcomes,
+    alternated step by step: each store's upkeep (the outcome aggregate every 100th version
+    included) lands in its own figures."""
     plain, with_outcomes = [], []
     head = store.commit_record(store.head)  # type: ignore[attr-defined]
     step = int(head.meta.get("step", 0))
@@ -96,9 +101,8 @@ def bench_recording(store: object, steps: int, outcomes: int, rng: np.random.Gen
         num_rows = store.snapshot().num_rows  # type: ignore[attr-defined]
         table = outcome_table(step, num_rows, outcomes, rng)
         t0 = time.perf_counter()
-        store.append(round_table(step), meta={"step": step})  # type: ignore[attr-defined]
+        plain_store.append(round_table(step), meta={"step": step})  # type: ignore[attr-defined]
         t1 = time.perf_counter()
-        step += 1
         store.append(round_table(step), meta={"step": step}, outcomes=table)  # type: ignore[attr-defined]
         t2 = time.perf_counter()
         plain.append(t1 - t0)
@@ -153,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     base.mkdir(parents=True, exist_ok=True)
 
     print(f"1. recording {args.outcomes:,} outcomes per step ({args.commit_steps} steps each)")
+    plain = open_or_build(base / f"record-plain-{args.rows}", args.rows)
     store = open_or_build(base / f"record-{args.rows}", args.rows)
-    bench_recording(store, args.commit_steps, args.outcomes, rng)
+    bench_recording(plain, store, args.commit_steps, args.outcomes, rng)
 
     print(f"2. statistics at the head ({args.rows:,} rows, {args.outcomes:,} outcomes per step)")
     url = base / f"stats-{args.rows}-{args.outcomes}"
