@@ -457,7 +457,7 @@ def tags_cmd(url: str, as_json: bool, storage_options) -> None:
     """
     store = open_store(url, storage_options)
     tags = sorted(store.tags().items(), key=lambda kv: (kv[1], kv[0]))
-    out = []
+    out: list[dict[str, Any]] = []
     for name, version in tags:
         record = store.commit_record(version)
         out.append(

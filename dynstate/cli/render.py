@@ -226,13 +226,22 @@ def fields(pairs: Sequence[tuple[str, str]]) -> list[str]:
 Update = Callable[[int, "int | None"], None]
 
 
+def _no_bar(description: str, unit: str = "") -> Update:
+    """A bar that shows nothing (stderr is not a terminal)."""
+
+    def update(done: int, total: int | None) -> None:
+        pass
+
+    return update
+
+
 @contextmanager
 def bars() -> Iterator[Callable[[str, str], Update]]:
     """Progress bars on stderr, only on a terminal (stdout stays clean for --json); yields
     ``add(description, unit)``, which starts a bar and returns its ``update(done, total)``.
     Each bar counts whatever the library reports (records, shards, files), as ``unit`` says."""
     if not sys.stderr.isatty():
-        yield lambda description, unit="": lambda done, total: None
+        yield _no_bar
         return
     from rich.console import Console
     from rich.progress import (

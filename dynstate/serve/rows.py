@@ -232,7 +232,7 @@ class RowQuery:
             others = {k: vals for k, vals in round_filters.items() if k != field}
             counts: dict[Any, int] = {}
             scanned = matches is not None and field not in round_filters
-            if scanned:
+            if matches is not None and field not in round_filters:
                 rows = _in_ranges(matches, _round_ranges(rounds, others))
                 idx = rounds.of_rows(rows)
                 for seg_i, c in zip(*np.unique(idx, return_counts=True), strict=True):
