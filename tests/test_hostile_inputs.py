@@ -561,3 +561,44 @@ def test_a_shard_list_or_schema_of_wrong_types_is_a_corrupt_store_error(url, rel
         _read_version_1(url)
     check_refused(info.value, rel, says)
     assert files(url) == before
+
+
+# -- through the installed console script ------------------------------------------------------
+
+
+def _console_script() -> str:
+    import shutil
+    import sys
+
+    path = shutil.which("dynstate") or os.path.join(os.path.dirname(sys.executable), "dynstate")
+    assert os.path.exists(path), "the dynstate console script is not installed"
+    return path
+
+
+def test_console_script_reports_hostile_files_in_one_line(tmp_path) -> None:
+    """The installed `dynstate`: a 200k-deep record, a lease of pid 10**30 and a timestamp past
+    year 9999 give one `error:` line (or the output), never a traceback."""
+    import subprocess
+
+    url = str(tmp_path / "store")
+    store = filled(url)
+    store.stage([{"id": 3, "text": "d"}])
+    lease = _lease_of(store)
+    body = m.decode(store.storage.read(lease_path(lease)), lease)
+    store.storage.put(lease_path(lease), m.encode({**body, "host": host_id(), "pid": 10**30}))
+    far = Store.open(str(tmp_path / "far"), create=True)
+    far.append(pa.table({"t": pa.array([2**62], pa.timestamp("us"))}))
+
+    def dynstate(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([_console_script(), *args], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "COLUMNS": "200"})  # fmt: skip
+
+    done = dynstate("gc", url, "--grace", "0", "--yes")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    done = dynstate("head", str(tmp_path / "far"))
+    assert done.returncode == 0 and f"<value out of range: {2**62}>" in done.stdout, done.stderr
+    write(url, RECORD, DEEP)
+    done = dynstate("show", url, "1")
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stderr.startswith(f"error: {url}/{RECORD} nests deeper than 64 levels")
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
