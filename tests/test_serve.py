@@ -817,3 +817,18 @@ def test_pages_say_compaction_rollback_step_failed_round_and_give_no_python_advi
             f"version 99 not found in {store.display_url} (latest is 6); the versions page "
             "(/versions) lists them"
         )
+
+
+def test_serve_opens_its_store_as_every_other_command():
+    """The CLI's preflight: an S3 endpoint that does not answer is one line within seconds,
+    the same as `dynstate ls` says, before any web server starts."""
+    from dynstate.cli import cli
+
+    args = ["s3://no-bucket/run", "--storage-option", "endpoint_url=http://127.0.0.1:1"]
+    started = time.monotonic()
+    served = CliRunner().invoke(cli, ["serve", *args])
+    listed = CliRunner().invoke(cli, ["ls", *args])
+    assert time.monotonic() - started < 20
+    assert served.exit_code == listed.exit_code == 1
+    assert served.output == listed.output
+    assert served.output.startswith("error: cannot reach the S3 endpoint http://127.0.0.1:1")

@@ -14,7 +14,7 @@ import click
 
 # The CLI's own --storage-option (one parser, one set of checks); dynstate.cli imports only
 # click at module level, so this module stays light.
-from ..cli.options import store_command
+from ..cli.options import open_store, store_command
 from ..errors import MissingDependencyError
 
 log = logging.getLogger("dynstate")
@@ -128,12 +128,13 @@ def serve(
     require_web_stack()
     import uvicorn
 
-    from ..store import Store
     from .api import StoreView
     from .app import create_app
 
     options = storage_options or {}
-    store = Store.open(url, storage_options=options)
+    # The CLI's own opening: a quick reachability check of an explicit S3 endpoint, a missing
+    # bucket told apart from a prefix with no store, interactive timeouts.
+    store = open_store(url, options)
     view = StoreView(store, checkpoints=checkpoints, url=url, storage_options=options)
     app = create_app(view, allowed_hosts=allowed_hosts(host))
     sock = bind(host, port)
