@@ -539,7 +539,8 @@ def test_gc_shows_a_plan_and_deletes_only_with_yes(built) -> None:
     # the plan says which tag holds the floor and why each kept range is kept.
     explained = [
         "floor: version 2, held by tag ckpt (--keep 2 alone would keep from version 5)",
-        "kept: versions 2-4: tag ckpt names version 2: the floor never passes a tagged version",
+        "kept: versions 2-4: tag ckpt names version 2: the floor never passes a tagged version; "
+        "2 of them abandoned by a reset",
         "kept: versions 5-6: --keep 2: the newest 2 versions",
     ]
     assert lines[-3:] == explained

@@ -79,9 +79,14 @@ def _span(start: int, end: int) -> str:
     return f"version {start}" if start == end else f"versions {start}-{end}"
 
 
-def _explain_lines(result: Any) -> list[str]:
-    """Why the floor is where it is, why each kept range is kept, and the files gc leaves
-    alone because dynstate never writes such names."""
+def _explain_lines(result: Any, store: Any) -> list[str]:
+    """Why the floor is where it is, why each kept range is kept (and how many versions in it
+    a reset abandoned: gc keeps them too), and the files gc leaves alone because dynstate
+    never writes such names."""
+    from ..history import lineage
+
+    # gc has just read these records: the walk costs no request.
+    line = set(lineage(store, result.head, result.floor_after))
     lines = []
     retention = result.retention
     pins = result.pinned_by
@@ -102,7 +107,10 @@ def _explain_lines(result: Any) -> list[str]:
         lines.append(floor)
     for kept in result.kept:
         span = _span(int(kept["from"]), int(kept["to"]))
-        lines.append(f"kept: {span}: {_flags(str(kept['reason']))}")
+        low, high = int(kept["from"]), int(kept["to"])
+        abandoned = sum(1 for v in range(low, high + 1) if v not in line)
+        note = f"; {abandoned:,} of them abandoned by a reset" if abandoned else ""
+        lines.append(f"kept: {span}: {_flags(str(kept['reason']))}{note}")
     foreign = result.foreign
     if foreign:
         shown = ", ".join(foreign[:FOREIGN_LINES])
@@ -114,7 +122,7 @@ def _explain_lines(result: Any) -> list[str]:
     return lines
 
 
-def _gc_lines(result: Any, verb: str) -> list[str]:
+def _gc_lines(result: Any, verb: str, store: Any) -> list[str]:
     lines = [
         f"{verb} {removal.path} ({removal.reason}, {r.human_size(removal.bytes)})"
         for removal in result.removed[:PLAN_LINES]
@@ -139,7 +147,7 @@ def _gc_lines(result: Any, verb: str) -> list[str]:
             else ""
         )
     )
-    return lines + _explain_lines(result)
+    return lines + _explain_lines(result, store)
 
 
 @click.command("gc")
@@ -179,7 +187,7 @@ def gc_cmd(url, keep, older_than, grace: float, dry_run: bool, yes: bool, as_jso
     # Ask only a person at a terminal; scripts (and --json) need --yes.
     ask = not (yes or dry_run or nothing or as_json) and _interactive()
     if ask:
-        for line in _gc_lines(plan, "would remove"):
+        for line in _gc_lines(plan, "would remove", store):
             r.echo(line)
     go = not dry_run and (yes or (ask and confirm(f"remove {_files(plan)}?", yes=False)))
     if not go:
@@ -188,10 +196,10 @@ def gc_cmd(url, keep, older_than, grace: float, dry_run: bool, yes: bool, as_jso
             return
         if nothing:
             r.echo(f"{store.display_url}: nothing to remove")
-            for line in _explain_lines(plan):
+            for line in _explain_lines(plan, store):
                 r.echo(line)
         elif not ask:
-            for line in _gc_lines(plan, "would remove"):
+            for line in _gc_lines(plan, "would remove", store):
                 r.echo(line)
         if not (nothing or dry_run):
             click.echo("nothing removed: pass --yes to remove these files", err=True)
@@ -201,7 +209,7 @@ def gc_cmd(url, keep, older_than, grace: float, dry_run: bool, yes: bool, as_jso
     if as_json:
         r.print_json({**result.to_json(), "deleted": True})
         return
-    for line in _gc_lines(result, "removed"):
+    for line in _gc_lines(result, "removed", store):
         r.echo(line)
 
 
