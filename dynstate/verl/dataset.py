@@ -481,8 +481,8 @@ def _check_checkpoint_step(state: dict[str, Any], step: int, path: str, url: str
     sampler (numbering verl's steps from 1) is at step ``step + 1``. Another step's ``data.pt``
     (copied, or a folder renamed) would train from the wrong place."""
     saved = state.get("step")
-    if state.get("batch_size") is None or saved == step + 1:
-        return
+    if state.get("format") == 1 or state.get("batch_size") is None or saved == step + 1:
+        return  # format 1 counted no steps in epoch mode; without batch_size none are counted
     after = saved - 1 if isinstance(saved, int) else saved
     raise StateMismatchError(
         f"{path} holds the train loader's position after step {after}, not after step {step} "
