@@ -265,7 +265,7 @@ def decode_chunk(digest: str, data: bytes, where: str) -> list[ShardRef]:
         columns = [obj[name] for name in ShardRef._fields]
         if len({len(c) for c in columns}) != 1:
             raise CorruptStoreError(f"{where} has columns of different lengths")
-        return [ShardRef.checked(*values, where) for values in zip(*columns, strict=True)]
+        return [ShardRef.checked(p, r, b, d, where) for p, r, b, d in zip(*columns, strict=True)]
     except (KeyError, TypeError) as exc:
         raise CorruptStoreError(f"{where} is not a chunk of shard entries") from exc
 
