@@ -832,3 +832,14 @@ def test_serve_opens_its_store_as_every_other_command():
     assert served.exit_code == listed.exit_code == 1
     assert served.output == listed.output
     assert served.output.startswith("error: cannot reach the S3 endpoint http://127.0.0.1:1")
+
+
+def test_chat_prompts_are_shown_by_their_content(tmp_path):
+    store = Store.open(str(tmp_path / "store"), create=True)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    store.append([{"prompt": chat, "answer": "4"}], meta={"step": 0})
+    with served(StoreView(store)) as base:
+        client = Client(base)
+        _, page = client.get("/versions/head")
+        assert "system: Be brief. | user: 2+2?" in page and "&#34;role&#34;" not in page
+        assert client.json("/api/versions/head/rows")["rows"][0]["values"]["prompt"] == chat

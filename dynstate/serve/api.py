@@ -14,6 +14,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..cli.render import chat_text
 from ..errors import DynstateError, VersionNotFoundError
 from ..history import describe, diff, lineage
 from ..history import version_row as _version_row  # one row of `dynstate ls --json`: same keys
@@ -383,8 +384,9 @@ def _sources(values: Mapping[str, Any]) -> list[int]:
 
 def _preview(values: Mapping[str, Any]) -> str:
     for name, value in values.items():
-        if isinstance(value, str) and not name.startswith("_dynstate"):
-            return value[:80]
+        text = value if isinstance(value, str) else chat_text(value)
+        if text is not None and not name.startswith("_dynstate"):
+            return text[:80]
     for name, value in values.items():
         if not name.startswith("_dynstate"):
             return str(value)[:80]

@@ -25,6 +25,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from .._version import __version__
+from ..cli.render import chat_text
 from ..errors import (
     DynstateError,
     InvalidDataError,
@@ -96,7 +97,15 @@ def _fmt_int(n: Any) -> str:
 
 
 def _cell(value: Any, limit: int = 160) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    """A value in a table cell: text as is, chat messages by their content (as the CLI
+    shows them), anything else as JSON; cut at ``limit`` characters."""
+    chat = chat_text(value)
+    if chat is not None:
+        text = chat
+    elif isinstance(value, str):
+        text = value
+    else:
+        text = json.dumps(value, ensure_ascii=False, default=str)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
