@@ -152,6 +152,40 @@ def test_gc_ahead_never_removes_a_paused_committers_shards(durable_url: str, gra
     readable(durable_url, 2, [{"id": i, "text": "x" * 50} for i in range(20)])
 
 
+def test_a_committer_paused_after_its_claim_keeps_its_shards_however_long(
+    durable_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same pause, longer than the stale-claim period (shortened here to 1 s, as if the
+    writer had been stopped for over an hour): a committer of gc's machine whose process
+    exists keeps its shards for as long as it lives."""
+    import dynstate.maintenance.gc as gc_module
+
+    store = Store.open(durable_url, create=True)
+    store.append([{"id": -1, "text": ""}])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PAUSE_AFTER_CLAIM, durable_url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "claimed"
+        wait_stopped(proc.pid)
+        time.sleep(2.5)  # past its lease and past the (shortened) stale-claim period
+        monkeypatch.setattr(gc_module, "STALE_CLAIM_S", 1.0)
+        result = collect_garbage(Store.open(durable_url), grace_s=0)
+        assert not [r for r in result.removed if r.path.startswith("data/")]
+        assert result.kept_leased > 0
+        os.kill(proc.pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out.splitlines()[-1])["version"] == 2
+    readable(durable_url, 2, [{"id": i, "text": "x" * 50} for i in range(20)])
+
+
 def test_gc_ahead_keeps_young_orphans_and_tombstones(durable_url: str) -> None:
     """gc's clock 8 days ahead: an orphan written just now is younger than the grace period
     and the busy time, and a tombstone younger than a week, by the storage's clock."""
