@@ -55,7 +55,7 @@ def rollback(
     if (version is None) == (step is None):
         raise InvalidDataError(f"rollback of {store.display_url} needs exactly one of version/step")
     head = store.refresh()
-    target = store.resolve(version) if version is not None else version_at_step(store, step)
+    target = version_at_step(store, step) if step is not None else store.resolve(version)
     if target == head:
         return head
     if keep:

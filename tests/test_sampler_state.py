@@ -165,3 +165,22 @@ def test_format_1_state_loads(tmp_path):
     sampler = VersionedSampler(ds, seed=4)
     sampler.load_state_dict(old)
     assert list(sampler) == order[7:]
+
+
+def test_position_is_one_immutable_value_with_the_state_form(setup):
+    """Issue 20.8: the position is a frozen value; its plain-types form is the position part
+    of the state, and a loaded state gives the sampler that very value."""
+    import dataclasses
+
+    from dynstate.loading.state import Position, check_state
+
+    ds, state = setup
+    pos = Position.from_state(check_state(state, ds.store_id, ds.store.display_url))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pos.slot = 0  # type: ignore[misc]
+    assert {k: state[k] for k in pos.state("mix")} == pos.state("mix")
+    sampler = VersionedSampler(ds, seed=1, batch_size=4, mode="mix", lag=2)
+    sampler.load_state_dict(copy.deepcopy(state))
+    assert sampler.pos == pos and sampler.position == pos.slot and sampler.step == pos.step
+    with pytest.raises(AttributeError):
+        sampler.position = 3  # the position changes only as one value

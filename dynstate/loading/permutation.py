@@ -49,3 +49,34 @@ class FeistelPermutation:
             out[bad] = self._encrypt(out[bad])
             bad = out >= np.uint64(self.n)
         return out.astype(np.int64)
+
+
+class EpochOrder:
+    """The rows at positions of an epoch's order — the permutation keyed by ``(seed, epoch)``,
+    or the identity without shuffling — computed a block at a time and kept for the next
+    positions, since a sampler asks for them in order."""
+
+    def __init__(self, shuffle: bool, seed: int, block: int = 1024):
+        self.shuffle, self.seed, self.block = shuffle, seed, block
+        self._key: tuple[int, int] | None = None
+        self._start = 0
+        self._rows: list[int] = []
+
+    def positions(self, epoch: int, n: int, start: int, stop: int) -> list[int]:
+        """Rows at positions ``start .. stop`` of epoch ``epoch`` over ``n`` rows (uncached)."""
+        positions = np.arange(start, stop, dtype=np.int64)
+        if self.shuffle:
+            positions = FeistelPermutation(n, self.seed, epoch)(positions)
+        return positions.tolist()
+
+    def rows(self, epoch: int, n: int, start: int, count: int) -> list[int]:
+        """Rows at positions ``start .. start + count``, from the kept block when it holds them."""
+        if count <= 0:
+            return []
+        offset = start - self._start
+        if (epoch, n) != self._key or offset < 0 or offset + count > len(self._rows):
+            stop = min(n, start + max(count, self.block))
+            self._key, self._start = (epoch, n), start
+            self._rows = self.positions(epoch, n, start, stop)
+            offset = 0
+        return self._rows[offset : offset + count]

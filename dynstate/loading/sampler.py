@@ -9,7 +9,10 @@ resuming at row 10M costs what resuming at row 0 costs.
 The sampler composes three things kept elsewhere: its position, one immutable value
 (:class:`dynstate.loading.state.Position`); the rank and step math
 (:mod:`dynstate.loading.layout`); and the "round of step N" query (:mod:`dynstate.log.steps`),
-by which each epoch pins its version and mix mode draws fresh rows.
+by which each epoch pins its version and mix mode draws fresh rows; the loader's batching
+(:mod:`dynstate.loading.batching`) and the epoch's order (:class:`EpochOrder`) live apart too.
+It is longer than most modules (~450 lines) because the two modes share one epoch, step and
+state protocol that reads best in one class.
 """
 
 from __future__ import annotations
@@ -22,14 +25,14 @@ from dataclasses import replace
 from types import FrameType
 from typing import Any
 
-import numpy as np
 from torch.utils.data import Sampler
 
 from ..errors import InvalidDataError, StateMismatchError
 from ..log import steps
 from . import layout
+from .batching import Batching, check_lag, drawing_batcher
 from .dataset import VersionedDataset, encode_index
-from .permutation import FeistelPermutation
+from .permutation import EpochOrder, FeistelPermutation
 from .state import MODES, STATE_FORMAT, STATE_KIND, Position, _is_int, check_state
 
 log = logging.getLogger("dynstate")
@@ -45,32 +48,6 @@ def _dist_world() -> tuple[int, int] | None:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
-    return None
-
-
-def _drawing_batcher(sampler: Any, frame: FrameType | None) -> tuple[int, bool] | None:
-    """``(batch_size, drop_last)`` of the batch sampler that is drawing from ``sampler``, found
-    among the frames from ``frame`` up; None when no batch sampler draws (the sampler is
-    iterated directly) or it does not say.
-
-    Why the frames: a DataLoader given ``sampler=`` and ``batch_size=`` builds its batch sampler
-    itself (torch's ``BatchSampler``; torchdata's, whose iterator draws) and tells the sampler
-    nothing, yet the epoch rule needs the loader's steps. The object drawing is the one that
-    knows them, and it holds the sampler as ``.sampler``."""
-    for _ in range(4):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if (
-            owner is not None
-            and owner is not sampler
-            and getattr(owner, "sampler", None) is sampler
-        ):
-            size, drop = getattr(owner, "batch_size", None), getattr(owner, "drop_last", None)
-            if _is_int(size) and size >= 1 and isinstance(drop, bool):
-                return int(size), drop
-            return None
-        frame = frame.f_back
     return None
 
 
@@ -157,28 +134,25 @@ class VersionedSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = int(seed)
         self.mode = mode
-        # The batch size steps are counted in: given, learned from the loader, or taken from a
-        # loaded state (then checked against the loader at the first draw). None: not known.
-        self.batch_size = None if batch_size is None else int(batch_size)
-        self._size_given = batch_size is not None
-        self._drop_asked = drop_last
+        self._batching = Batching.of(None if batch_size is None else int(batch_size), drop_last)
         # plain types for the state (a numpy scalar accepted here would be refused on load)
         self.fresh_share = float(fresh_share) if isinstance(fresh_share, float) else fresh_share
         self.lag = int(lag) if _is_int(lag) else lag
         self.num_replicas = int(num_replicas)
         self.rank = int(rank)
-        self.drop_last = drop_last
         self.wait_timeout = wait_timeout
         self.prefetch = prefetch
         self.first_step = int(first_step)
         self.pos = Position(step=self.first_step)
-        self._perm_key: tuple[int, int] | None = None
-        self._perm_start = 0
-        self._perm_rows: list[int] = []
+        self._order = EpochOrder(shuffle, self.seed, _BLOCK)
         self._prefetched = -1
         self._open = False  # an epoch is under way: it started and not all its indices left
         self._pinned_now = False  # __iter__ just pinned the first epoch
 
+    # The batches steps are counted in: given, learned from the loader, or taken from a loaded
+    # state (then checked against the loader at its first draw). None: not known.
+    batch_size = property(lambda self: self._batching.size)
+    drop_last = property(lambda self: self._batching.drop_last)
     # The position, read-only: it changes only as one value (self.pos).
     epoch = property(lambda self: self.pos.epoch)
     version = property(lambda self: self.pos.version)
@@ -216,7 +190,7 @@ class VersionedSampler(Sampler[int]):
     def check_loader(self, loader: Any) -> Any:
         """Check that ``loader`` batches as this sampler counts, and that mix mode's ``lag`` is
         deeper than its prefetch; returns the loader. The batch checks also run by themselves
-        at the first draw of every epoch; the ``lag`` check needs this call."""
+        at ``len(loader)`` and the first draw of every epoch; the ``lag`` check needs this call."""
         batch_sampler = getattr(loader, "batch_sampler", None)
         if getattr(loader, "sampler", None) is not self and (
             getattr(batch_sampler, "sampler", None) is not self
@@ -225,68 +199,28 @@ class VersionedSampler(Sampler[int]):
         url = self.dataset.store.display_url
         size, drop = getattr(loader, "batch_size", None), getattr(loader, "drop_last", False)
         if size is None:  # built with batch_sampler=: that one batches
-            size, drop = (
-                getattr(batch_sampler, "batch_size", None),
-                getattr(batch_sampler, "drop_last", False),
-            )
-        if _is_int(size):
+            size = getattr(batch_sampler, "batch_size", None)
+            drop = getattr(batch_sampler, "drop_last", False)
+        if isinstance(size, int) and not isinstance(size, bool):
             self._meet_loader(int(size), bool(drop))
-        elif self._size_given:
+        elif self._batching.given:
             raise InvalidDataError(
                 f"the loader's batch_size is {size} but the VersionedSampler for {url} counts "
                 f"steps of {self.batch_size}; pass the loader's batch_size to both"
             )
-        workers = int(getattr(loader, "num_workers", 0) or 0)
-        factor = int(getattr(loader, "prefetch_factor", None) or 0) if workers else 0
         if self.mode == "mix":
-            if workers and not getattr(loader, "in_order", True):
-                raise InvalidDataError(
-                    f"mix mode over {url} needs batches in order; build the loader with "
-                    "in_order=True"
-                )
-            if self.lag < workers * factor + 1:
-                raise InvalidDataError(
-                    f"lag={self.lag} is too small for num_workers={workers} and "
-                    f"prefetch_factor={factor}: the loader asks for batch t while step "
-                    f"t - {workers * factor} trains, so the round it waits for cannot exist "
-                    f"yet; use lag >= {workers * factor + 1} (num_workers * prefetch_factor + 1)"
-                )
+            check_lag(self.lag, loader, url)
         return loader
 
     def _meet_loader(self, size: int, drop: bool) -> None:
-        """Take the batch size and ``drop_last`` of the loader drawing from this sampler, or
-        refuse a loader that batches otherwise than the steps this sampler counts."""
-        url = self.dataset.store.display_url
-        if self._size_given:
-            if size != self.batch_size:
-                raise InvalidDataError(
-                    f"the loader's batch_size is {size} but the VersionedSampler for {url} "
-                    f"counts steps of {self.batch_size}; pass the loader's batch_size to both"
-                )
-            if drop and not self.drop_last:
-                raise InvalidDataError(
-                    "the loader drops the partial last batch (drop_last=True) but the "
-                    f"VersionedSampler for {url} has drop_last=False and counts it as a step; "
-                    "pass drop_last=True to both"
-                )
-            return
-        drop = drop or self._drop_asked
-        if self.batch_size is None:
-            self.batch_size, self.drop_last = size, drop
-            if self.pos.version is not None:
-                # Drawn before its steps were known: count on from the newest round.
-                self.pos = replace(self.pos, step=self._steps_taken_up())
-            return
-        if (size, drop) != (self.batch_size, self.drop_last):
-            raise StateMismatchError(
-                f"the sampler state for {url} counts steps of batch_size={self.batch_size} "
-                f"(drop_last={self.drop_last}), but the loader now batches {size} "
-                f"(drop_last={drop}); resume with the loader's batch_size and drop_last as "
-                "they were"
-            )
+        known = self.batch_size is not None
+        self._batching = self._batching.meet(size, drop, self.dataset.store.display_url)
+        if not known and self.pos.version is not None:
+            # Drawn before its steps were known: count on from the newest round.
+            self.pos = replace(self.pos, step=self._steps_taken_up())
 
     def _learn_from(self, frame: FrameType | None) -> None:
-        found = _drawing_batcher(self, frame)
+        found = drawing_batcher(self, frame)
         if found is not None:
             self._meet_loader(*found)
 
@@ -380,19 +314,7 @@ class VersionedSampler(Sampler[int]):
 
     def _rows(self, start: int, count: int) -> list[int]:
         """Rows at positions ``start .. start + count`` of the epoch's permutation."""
-        if count <= 0:
-            return []
-        rows = self.pos.base_rows
-        key = (self.pos.epoch, rows)
-        offset = start - self._perm_start
-        if key != self._perm_key or offset < 0 or offset + count > len(self._perm_rows):
-            stop = min(rows, start + max(count, _BLOCK))
-            positions = np.arange(start, stop, dtype=np.int64)
-            if self.shuffle:
-                positions = FeistelPermutation(rows, self.seed, self.pos.epoch)(positions)
-            self._perm_key, self._perm_start, self._perm_rows = key, start, positions.tolist()
-            offset = 0
-        return self._perm_rows[offset : offset + count]
+        return self._order.rows(self.pos.epoch, self.pos.base_rows, start, count)
 
     def _prefetch(self) -> None:
         """Warm the shards of the block after the one being consumed (remote stores)."""
@@ -400,13 +322,10 @@ class VersionedSampler(Sampler[int]):
         if not self.prefetch or block == self._prefetched or self.dataset.store.storage.local:
             return  # local shards are read where they lie: nothing to warm
         self._prefetched = block
-        rows = self.pos.base_rows
-        start = (block + 1) * _BLOCK
+        rows, start = self.pos.base_rows, (block + 1) * _BLOCK
         if start < rows:
-            positions = np.arange(start, min(start + _BLOCK, rows), dtype=np.int64)
-            if self.shuffle:
-                positions = FeistelPermutation(rows, self.seed, self.pos.epoch)(positions)
-            self.dataset.prefetch(self.pos.version, positions.tolist())  # type: ignore[arg-type]
+            wanted = self._order.positions(self.pos.epoch, rows, start, min(start + _BLOCK, rows))
+            self.dataset.prefetch(self.pos.version, wanted)  # type: ignore[arg-type]
 
     def _padding(self, count: int) -> list[int]:
         # Rows repeated from the start of the epoch so that every rank gets as many; they may
@@ -513,7 +432,7 @@ class VersionedSampler(Sampler[int]):
         state = check_state(state, self.dataset.store_id, url)
         # lag and share shape the stream only in mix mode; epoch mode may change them freely
         keys = ["mode", "shuffle", "seed"]
-        if self._size_given:
+        if self._batching.given:
             keys += ["drop_last", "batch_size"]
         if self.mode == "mix":
             keys += ["fresh_share", "lag"]
@@ -524,21 +443,7 @@ class VersionedSampler(Sampler[int]):
                     f"sampler has {key}={getattr(self, key)!r}; construct the sampler with "
                     "the same settings to resume exactly"
                 )
-        batching = (self.batch_size, self.drop_last)
-        if not self._size_given and state["batch_size"] is not None:
-            # Steps counted in the loader's batches: a loader met already must batch so; one
-            # met later is checked at its first draw.
-            if self.batch_size is not None and batching != (
-                state["batch_size"],
-                state["drop_last"],
-            ):
-                raise StateMismatchError(
-                    f"the sampler state for {url} counts steps of batch_size="
-                    f"{state['batch_size']} (drop_last={state['drop_last']}), but the loader "
-                    f"batches {self.batch_size} (drop_last={self.drop_last}); resume with the "
-                    "loader's batch_size and drop_last as they were"
-                )
-            batching = (state["batch_size"], state["drop_last"])
+        batching = self._batching.adopt(state["batch_size"], state["drop_last"], url)
         store = self.dataset.store
         if state["version"] is not None:
             snap = store.snapshot(state["version"])  # raises if collected
@@ -559,7 +464,7 @@ class VersionedSampler(Sampler[int]):
             # Written while the sampler counted no steps: take them up after the newest round.
             last = steps.latest_step(store.log, store.refresh())
             position = replace(position, step=0 if last is None else last + 1)
-        self.batch_size, self.drop_last = batching
+        self._batching = batching
         self.pos = position
         self._pinned_now = False
         self._open = self.pos.version is not None and self._step_shape() is not None
