@@ -1238,6 +1238,7 @@ def test_a_secret_with_a_slash_never_appears_in_output_or_errors(tmp_path) -> No
     for args in (["show", url, *opt], ["show", url, "--json", *opt], ["head", url, *opt],
                  ["head", url, "--jsonl", *opt], ["ls", url, *opt],
                  ["ls", f"{tmp_path}/{SLASH_SECRET}", *opt],
+                 ["-vv", "ls", f"{tmp_path}/{SLASH_SECRET}", *opt],
                  ["ls", f"{tmp_path}/{option_secret}", *opt],
                  ["ls", f"sftp://user:{SLASH_SECRET}@127.0.0.1:1/x"],
                  ["ls", f"http://user:{quote(option_secret, safe='')}@127.0.0.1:1/x"]):  # fmt: skip
@@ -1247,6 +1248,7 @@ def test_a_secret_with_a_slash_never_appears_in_output_or_errors(tmp_path) -> No
         assert proc.returncode in (0, 1), (args, proc.stderr)
     joined = "\n".join(outputs)
     assert "***" in joined and "error: " in joined
+    assert "Traceback" in joined  # -vv logged the failure's traceback, scrubbed too
     for part in (SLASH_SECRET, quote(SLASH_SECRET, safe=""), "K7MDENG", option_secret,
                  quote(option_secret, safe=""), "Opt/Secret", "pa/ss", "0ddba11"):  # fmt: skip
         assert part not in joined, part

@@ -77,9 +77,20 @@ def cli(ctx: click.Context, verbose: int) -> None:
     if verbose:
         # For this command only: the logger is as it was afterwards (commands run in-process
         # from tests and from other programs too).
+        from ..storage.credentials import Scrubber
+        from .render import clean
+
+        class _Scrubbed(Scrubber):
+            """The log lines (and tracebacks) -v prints go through the one scrubber too,
+            with the command's own secrets."""
+
+            def scrub(self, text: str) -> str:
+                return clean(text)
+
         logger = logging.getLogger("dynstate")
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler.addFilter(_Scrubbed())
         previous = logger.level
         logger.addHandler(handler)
         logger.setLevel(logging.WARNING - 10 * min(verbose, 2))
