@@ -170,14 +170,14 @@ def create_app(
             except DynstateError as exc:
                 status = _status(exc)
                 if status == 500:
-                    log.warning("%s: %s", request.url.path, exc)
+                    log.warning("%s: %s", request.url.path, scrub(str(exc), view.secrets))
                 return error(request, status, str(exc))
             except Exception as exc:
                 # A bug or a record no view expected: one line to the browser, the traceback
                 # only in the server's log (with -vv), never a page of Python.
                 what = type(exc).__name__
                 text = " ".join(str(exc).split())[:200]
-                what += f": {text}" if text else ""
+                what = scrub(what + (f": {text}" if text else ""), view.secrets)
                 debug = log.isEnabledFor(logging.DEBUG)
                 log.warning("%s failed: %s", request.url.path, what, exc_info=debug)
                 message = f"this page could not be built ({what}); other pages may still work"
