@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dynstate import Store, lineage
+from dynstate import DynstateError, Store, lineage
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -97,7 +97,7 @@ def _kill_tree(proc: subprocess.Popen) -> list[int]:
 def _head(url: str) -> int:
     try:
         return Store.open(url).refresh()
-    except Exception:  # not created yet
+    except DynstateError:  # not created yet
         return -1
 
 

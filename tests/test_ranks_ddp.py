@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from dynstate import Store
+from dynstate import DynstateError, Store
 
 EXAMPLE = str(Path(__file__).parents[1] / "examples" / "ddp" / "train.py")
 BATCH, STEPS, INITIAL, LAG = 2, 10, 21, 3
@@ -118,6 +118,13 @@ def _check_steps(lines: list[dict], url: str, mode: str = "epoch", resumed: bool
         assert sum(got.values()) - len(rows) < 3  # only the padding of the last step twice
 
 
+def _head(url: str) -> int:
+    try:
+        return Store.open(url).refresh()
+    except DynstateError:  # not created yet
+        return -1
+
+
 def _s3_url(request: pytest.FixtureRequest) -> str:
     request.getfixturevalue("s3_endpoint")
     from conftest import s3_url
@@ -130,11 +137,13 @@ def test_ranks_agree_while_another_process_commits(tmp_path):
     """3 ranks over a store another writer appends to all the time: one version per step on
     every rank, shares disjoint and complete."""
     url = str(tmp_path / "store")
-    procs = _launch(3, url, tmp_path, "--step-time", "0.02")
+    # Steps long enough (10 x 0.15 s) that the writer's rounds land while the run is under
+    # way however long the ranks take to start on a loaded machine.
+    procs = _launch(3, url, tmp_path, "--step-time", "0.15")
     stop = threading.Event()
 
     def writer():
-        while not stop.is_set() and not _lines(tmp_path):
+        while not stop.is_set() and _head(url) < 1:
             time.sleep(0.01)  # until the run has imported its rows
         store, k = Store.open(url), 0
         while not stop.is_set():
