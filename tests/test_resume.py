@@ -325,9 +325,14 @@ def test_state_naming_a_collected_version_is_refused(tmp_path):
         fresh.load_state_dict(state)
 
 
-def test_resume_with_different_num_workers(tmp_path):
-    """The sampler state alone restores the position, whatever the worker count."""
-    cfg = h.Config(url=str(tmp_path / "s"), steps=8, batch_size=3, num_workers=0)
+@pytest.mark.parametrize("given", [True, False])
+def test_resume_with_different_num_workers(tmp_path, given):
+    """The sampler state alone restores the position, whatever the worker count — also for
+    the README's sampler without batch_size, which takes the batches it counted from the
+    state and checks them against the new loader."""
+    cfg = h.Config(
+        url=str(tmp_path / "s"), steps=8, batch_size=3, num_workers=0, sampler_batch_size=given
+    )
     ref = h.train(dataclasses.replace(cfg, url=str(tmp_path / "ref")))
     h.init_store(cfg)
     _sampler, loader = h.make_loader(cfg)

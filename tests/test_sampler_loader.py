@@ -367,3 +367,19 @@ def test_resume_from_a_snapshot_taken_before_the_first_epoch_pinned(tmp_path, gi
         sampler_batch_size=given,
     )
     _check_run(cfg, stop, 1, tmp_path)
+
+
+def test_inspect_of_a_state_without_counted_steps_says_why_it_cannot_draw(tmp_path):
+    """`dynstate inspect` draws the next batch of a checkpoint; a state that counted no steps,
+    at an epoch's end with rounds after it, reports the refusal instead of failing."""
+    import torch
+
+    from dynstate.loading.checkpoint import describe_checkpoint
+
+    store, ds = _grown(tmp_path, 4)
+    sampler = VersionedSampler(ds)
+    list(sampler)  # iterated directly: no loader's steps known
+    store.append([{"id": 10}], meta={"step": 0})
+    torch.save({"loader": sampler.state_dict()}, tmp_path / "data.pt")
+    info = describe_checkpoint(str(tmp_path / "data.pt"))
+    assert "pass batch_size" in info["next_error"] and info["next_indices"] == []

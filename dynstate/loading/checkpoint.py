@@ -10,7 +10,7 @@ import os
 import re
 from typing import Any
 
-from ..errors import StateMismatchError, StoreNotFoundError
+from ..errors import InvalidDataError, StateMismatchError, StoreNotFoundError
 from .dataset import VersionedDataset, decode_index
 from .sampler import VersionedSampler
 from .state import check_state, find_sampler_state
@@ -175,7 +175,7 @@ def describe_checkpoint(
             indices.append(index)
             if len(indices) == n:
                 break
-    except TimeoutError as exc:
+    except (TimeoutError, InvalidDataError) as exc:  # a round not committed; steps unknown
         info["next_error"] = str(exc)
     info["next_version"] = sampler.version
     info["next_epoch"] = sampler.epoch
