@@ -173,7 +173,7 @@ def _worker(role: str, url: str, worker: int, workdir: Path, seed: int) -> None:
                 )
                 acks.ack(v=version, kind="round", parts=[[worker, k]])
             elif role == "stager":
-                _stage_and_hand_over(store, rng, worker, k, spool)
+                _stage_and_hand_over(store, rng, acks, worker, k, spool)
             elif role == "committer":
                 _take_over_and_commit(store, rng, acks, spool)
             elif role == "compactor":
@@ -194,7 +194,9 @@ def _worker(role: str, url: str, worker: int, workdir: Path, seed: int) -> None:
             time.sleep(0.05)
 
 
-def _stage_and_hand_over(store: Any, rng: random.Random, worker: int, k: int, spool: Path) -> None:
+def _stage_and_hand_over(
+    store: Any, rng: random.Random, acks: _Acks, worker: int, k: int, spool: Path
+) -> None:
     """Stage a round and hand the pickled part to a committer; then, by a draw: go on
     staging (the heartbeat renews the lease until the commit), exit at once, or wait until
     the committer has taken the part over, renew the lease once more and die (SIGKILL) or
@@ -205,6 +207,7 @@ def _stage_and_hand_over(store: Any, rng: random.Random, worker: int, k: int, sp
     tmp.write_bytes(pickle.dumps(({"parts": [[worker, k]]}, part)))
     os.rename(tmp, spool / f"{name}.part")
     mode = rng.choices(["linger", "renew-die", "adopted-exit", "exit"], [5, 3, 2, 1])[0]
+    acks.ack(handover=mode)
     if mode == "exit":
         os._exit(0)
     if mode == "linger":
@@ -256,6 +259,7 @@ class Audit:
     checked: int = 0
     errors: Counter[str] = field(default_factory=Counter)
     gc_runs: int = 0
+    handovers: Counter[str] = field(default_factory=Counter)
     checked_after_ack: int = 0
     _offsets: dict[str, int] = field(default_factory=dict)
     _verified: set[str] = field(default_factory=set)  # shards read back with their checksum
@@ -278,6 +282,8 @@ class Audit:
                     self.errors[entry["error"]] += 1
                 elif "gc" in entry:
                     self.gc_runs += 1
+                elif "handover" in entry:
+                    self.handovers[entry["handover"]] += 1
                 else:
                     entry["log"] = path.name
                     new.append(entry)
@@ -577,6 +583,7 @@ def soak(
         chaos = Chaos(url, workdir, rng=rng, skew_s=skew_s, env=env, roles=roles or ROLES)
         start = time.monotonic()
         chaos.run(seconds, audit, store)
+        chaos_s = time.monotonic() - start
         collect_garbage(Store.open(url), grace_s=0)  # the writers are dead: their rounds go
         figures = audit.final()
         faults: dict[str, Any] = {}
@@ -587,13 +594,15 @@ def soak(
         acked = Counter(e.get("kind") for e in audit.acks.values())
         return {
             "backend": "s3" if s3 else "local",
-            "seconds": round(time.monotonic() - start),
+            "seconds": round(chaos_s),
+            "final_audit_seconds": round(time.monotonic() - start - chaos_s),
             "seed": seed,
             "gc_skew_s": skew_s,
             "workers_started": chaos.started,
             "sigkills": chaos.kills,
             "sigstops": chaos.pauses,
             "stager_exits": chaos.exits,
+            "handovers": dict(audit.handovers),
             "gc_runs": audit.gc_runs,
             "acknowledged": len(audit.acks),
             "acknowledged_by_kind": dict(acked),

@@ -490,6 +490,9 @@ def _protected(
     """(whether the lease's shards must stay, its outcome)."""
     for _ in range(3):
         outcome = read_outcome(storage, lease)
+        kind = outcome.get("outcome") if outcome is not None else None
+        if kind in ("expired", "discarded"):
+            return False, str(kind)  # ended: no holder to read
         alive, gone, paused_here = _fresh(storage, lease, here, now, holders)
         if outcome is None:
             if alive:
@@ -503,9 +506,6 @@ def _protected(
                 return False, "expired"
             except FileExistsError:
                 continue  # a commit claimed it just now: decide again
-        kind = outcome.get("outcome")
-        if kind in ("expired", "discarded"):
-            return False, str(kind)
         if kind == "commit":
             if alive:
                 return True, "commit"  # the commit is in flight
