@@ -165,3 +165,20 @@ def test_there_is_one_scrubber() -> None:
     assert not hasattr(cli_errors, "scrub") and not hasattr(cli_errors, "_USERINFO")
     assert serve_api.scrub is credentials.scrub and serve_app.scrub is credentials.scrub
     assert not hasattr(serve_api, "_USERINFO") and not hasattr(serve_api, "_MIN_SECRET")
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["a." * 200_000, "http://x/" + "a@" * 200_000, "x://" * 100_000, "a-b+c." * 70_000],
+    ids=["dots", "ats", "schemes", "scheme-chars"],
+)
+def test_scrub_is_linear_in_hostile_text(text: str) -> None:
+    """serve scrubs every response, rows included: no text may make it quadratic (a 400 kB
+    "a.a.a…" took minutes with an unbounded scheme pattern)."""
+    import time
+
+    from dynstate.storage.credentials import scrub
+
+    started = time.monotonic()
+    scrub(text)
+    assert time.monotonic() - started < 5

@@ -47,8 +47,9 @@ _SIGNATURE = re.compile(
     r"\b(?:SecretAccessKey|SessionToken)['\"]?\s*[:=]\s*['\"]?)[^\s,'\"&}]+",
     re.IGNORECASE,
 )
-# A URL in running text: scheme, then anything up to white space, a quote or a bracket.
-_URL = re.compile(r"\b([A-Za-z][A-Za-z0-9+.\-]*://)([^\s'\"<>()\[\]{}]+)")
+# A URL in running text: scheme, then anything up to white space, a quote or a bracket. The
+# scheme's length is bounded so that text like "a.a.a.a…" is scanned in linear time.
+_URL = re.compile(r"\b([A-Za-z][A-Za-z0-9+.\-]{0,31}://)([^\s'\"<>()\[\]{}]+)")
 # Query parameters whose values are credentials (S3 and GCS presigned URLs, Azure SAS...).
 _QUERY_SECRET = re.compile(
     r"([?&;](?:x-amz-(?:signature|credential|security-token)|x-goog-(?:signature|credential)|"
@@ -64,14 +65,15 @@ def split_userinfo(url: str) -> tuple[str, str | None, str]:
     if "://" not in url:
         return "", None, url
     scheme, rest = url.split("://", 1)
+    # Linear in the text, whatever it holds (a served row may be megabytes of "@"s).
+    colon, slash = rest.find(":"), rest.find("/")
     at = len(rest)
     while True:
         at = rest.rfind("@", 0, at)
         if at < 0:
             return scheme, None, rest
-        prefix = rest[:at]
-        if ":" in prefix or "/" not in prefix:
-            return scheme, prefix, rest[at + 1 :]
+        if 0 <= colon < at or not 0 <= slash < at:
+            return scheme, rest[:at], rest[at + 1 :]
 
 
 def redact(url: str) -> str:
