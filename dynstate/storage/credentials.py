@@ -50,6 +50,18 @@ _SIGNATURE = re.compile(
 # A URL in running text: scheme, then anything up to white space, a quote or a bracket. The
 # scheme's length is bounded so that text like "a.a.a.a…" is scanned in linear time.
 _URL = re.compile(r"\b([A-Za-z][A-Za-z0-9+.\-]{0,31}://)([^\s'\"<>()\[\]{}]+)")
+# Words one of which every _SIGNATURE match holds: most text (a page of rows) has none, and
+# the pattern need not run at all.
+_SIGNATURE_WORDS = (
+    "credential=",
+    "signature=",
+    "security-token",
+    "secret_access_key",
+    "session_token",
+    "security_token",
+    "secretaccesskey",
+    "sessiontoken",
+)
 # Query parameters whose values are credentials (S3 and GCS presigned URLs, Azure SAS...).
 _QUERY_SECRET = re.compile(
     r"([?&;](?:x-amz-(?:signature|credential|security-token)|x-goog-(?:signature|credential)|"
@@ -111,8 +123,12 @@ def scrub(text: str, secrets: Iterable[str] = ()) -> str:
     for secret in sorted(forms, key=len, reverse=True):
         if secret in text:
             text = text.replace(secret, "***")
-    text = _URL.sub(_scrub_url, text)
-    return _SIGNATURE.sub(lambda m: m.group(1) + "***", text)
+    if "://" in text:
+        text = _URL.sub(_scrub_url, text)
+    lower = text.lower()
+    if any(word in lower for word in _SIGNATURE_WORDS):
+        text = _SIGNATURE.sub(lambda m: m.group(1) + "***", text)
+    return text
 
 
 def _secret_values(mapping: dict[str, object], found: list[str]) -> None:
