@@ -249,7 +249,7 @@ def test_stats_at_the_head_read_only_the_outcomes_since_the_aggregate(tmp_path: 
 
     fresh.storage.read = counting  # type: ignore[method-assign]
     fresh.outcome_stats()
-    outcome_files = {f.path for f in outcome_log.outcomes_of(fresh.log).lineage(fresh.head).files}
+    outcome_files = {f.path for f in outcome_log.outcomes_of(fresh.log).lineage_files(fresh.head)}
     read_outcomes = [r for r in reads if r in outcome_files]
     # the aggregate at version 200 covers the first 199 files: only the 51 since are read
     assert len(outcome_files) == 250
@@ -298,6 +298,18 @@ def test_time_travel_tags_reset_and_rollback_give_exactly_that_versions_stats(
     )
 
 
+def test_a_reset_past_rows_added_without_outcomes_has_its_own_row_count(tmp_path: Path) -> None:
+    """The handle's cached statistics of a longer version with the same outcome files must
+    not answer for the shorter one."""
+    store, _ = build(str(tmp_path / "s"), 3)
+    store.append(rows(50, 5))  # rows, no outcomes
+    longer = store.outcome_stats()
+    back = store.reset(4)
+    shorter = store.outcome_stats()
+    assert shorter.num_rows == store.snapshot(back).num_rows == longer.num_rows - 5
+    assert shorter.equals(longer.slice(0, shorter.num_rows))
+
+
 def test_reset_far_back_and_forward_again_over_checkpoints(tmp_path: Path) -> None:
     url = str(tmp_path / "s")
     store, by_version = build(url, 120, seed=5)
@@ -344,7 +356,7 @@ def test_gc_keeps_what_kept_versions_need_and_removes_the_rest(durable_url: str)
     removed = {r.path for r in result.removed}
     # the abandoned branch's outcome files go; the kept lineage's (below the floor) stay
     assert abandoned <= removed
-    lineage_files = {f.path for f in outcome_log.outcomes_of(store.log).lineage(9).files}
+    lineage_files = {f.path for f in outcome_log.outcomes_of(store.log).lineage_files(9)}
     assert len(lineage_files) == 8 and not lineage_files & removed
     fresh = Store.open(durable_url)
     assert fresh.outcome_stats().equals(head_stats)

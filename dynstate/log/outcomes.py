@@ -128,20 +128,34 @@ class AggregateRef:
 
 @dataclass(frozen=True)
 class Lineage:
-    """What a version's lineage holds: its outcome files in order, the steps they cover, the
-    number of records, the newest stored aggregate over a prefix of the files, and the
-    generator state committed last (None: none)."""
+    """What a version's lineage holds: its outcome files in order — a stored list (a
+    checkpoint's or a base record's, left unexpanded: statistics need only what follows the
+    aggregate) then ``tail`` — the steps they cover, the number of records, the newest
+    stored aggregate over a prefix of the files, and the generator state committed last
+    (None: none). :meth:`Outcomes.files` expands it."""
 
     version: int
-    files: tuple[ShardRef, ...] = ()
+    prefix: m.ShardList | None = None
+    prefix_count: int = 0
+    where: str = ""
+    tail: tuple[ShardRef, ...] = ()
     steps: tuple[tuple[int, int], ...] = ()
     records: int = 0
     aggregate: AggregateRef | None = None
     state: Any = None
 
     @property
+    def count(self) -> int:
+        """How many outcome files the lineage holds."""
+        return self.prefix_count + len(self.tail)
+
+    @property
     def step_ranges(self) -> Ranges:
         return [list(r) for r in self.steps]
+
+
+def _prefix(shard_list: m.ShardList) -> int:
+    return len(shard_list.chunks) * m.CHUNK_ENTRIES + len(shard_list.tail)
 
 
 @dataclass(frozen=True)
@@ -170,7 +184,7 @@ class Outcomes:
         self._lineages: OrderedDict[int, Lineage] = OrderedDict()
         self._files: OrderedDict[str, pa.Table] = OrderedDict()
         self._files_lock = threading.Lock()  # files are read from a thread pool
-        self._dense: list[tuple[tuple[float, float], tuple[str, ...], Aggregate]] = []
+        self._dense: list[tuple[tuple[float, float], int, str | None, Aggregate]] = []
         self._since: int | None = None  # set once store.json says the store holds outcomes
 
     @property
@@ -220,21 +234,21 @@ class Outcomes:
                     break
             adds.append(self._add_of(record))
             v -= 1
-        files = list(base.files)
+        tail = list(base.tail)
         steps = base.step_ranges
         records = base.records
         for add_files, add_steps, add_records in reversed(adds):
-            files.extend(add_files)
+            tail.extend(add_files)
             if add_steps:
                 steps = union(steps, add_steps)
             records += add_records
-        result = Lineage(
-            version,
-            tuple(files),
-            tuple((a, b) for a, b in steps),
-            records,
-            base.aggregate,
-            state if state is not None else base.state,
+        result = replace(
+            base,
+            version=version,
+            tail=tuple(tail),
+            steps=tuple((a, b) for a, b in steps),
+            records=records,
+            state=state if state is not None else base.state,
         )
         self._lineages[version] = result
         if len(self._lineages) > 256:
@@ -275,14 +289,16 @@ class Outcomes:
         where = self._where(record)
         if "base" not in field:
             raise CorruptStoreError(f"{where} has malformed outcomes (a {record.op} needs base)")
-        files = self.log.expand(m.ShardList.from_json(field["base"], where), where)
+        files = m.ShardList.from_json(field["base"], where)
         aggregate = field.get("aggregate")
         return Lineage(
             record.version,
-            tuple(files),
-            tuple((a, b) for a, b in _steps(field, where)),
-            _count(field, "records", where),
-            None if aggregate is None else AggregateRef.from_json(aggregate, where),
+            files,
+            _prefix(files),
+            where,
+            steps=tuple((a, b) for a, b in _steps(field, where)),
+            records=_count(field, "records", where),
+            aggregate=None if aggregate is None else AggregateRef.from_json(aggregate, where),
         )
 
     def read_checkpoint(self, version: int) -> Lineage | None:
@@ -297,16 +313,54 @@ class Outcomes:
                 f"{where} belongs to version {obj.get('version')!r} of store "
                 f"{obj.get('store_id')!r}; it was copied from elsewhere — remove it"
             )
-        files = self.log.expand(m.ShardList.from_json(obj.get("files"), where), where)
+        files = m.ShardList.from_json(obj.get("files"), where)
         aggregate = obj.get("aggregate")
         return Lineage(
             version,
-            tuple(files),
-            tuple((a, b) for a, b in _steps(obj, where)),
-            _count(obj, "records", where),
-            None if aggregate is None else AggregateRef.from_json(aggregate, where),
-            obj.get("generator_state"),
+            files,
+            _prefix(files),
+            where,
+            steps=tuple((a, b) for a, b in _steps(obj, where)),
+            records=_count(obj, "records", where),
+            aggregate=None if aggregate is None else AggregateRef.from_json(aggregate, where),
+            state=obj.get("generator_state"),
         )
+
+    # -- a lineage's file list ------------------------------------------------------------
+
+    def files(self, lineage: Lineage) -> list[ShardRef]:
+        """Every outcome file of the lineage, in order."""
+        head = [] if lineage.prefix is None else self._expand(lineage)
+        return [*head, *lineage.tail]
+
+    def files_from(self, lineage: Lineage, start: int) -> list[ShardRef]:
+        if start >= lineage.prefix_count:
+            return list(lineage.tail[start - lineage.prefix_count :])
+        return self.files(lineage)[start:]
+
+    def file_at(self, lineage: Lineage, index: int) -> ShardRef:
+        """The ``index``-th file, expanding at most the one chunk that holds it."""
+        if index >= lineage.prefix_count:
+            return lineage.tail[index - lineage.prefix_count]
+        assert lineage.prefix is not None
+        chunk, offset = divmod(index, m.CHUNK_ENTRIES)
+        if chunk < len(lineage.prefix.chunks):
+            one = m.ShardList((lineage.prefix.chunks[chunk],), ())
+            return self.log.expand(one, lineage.where)[offset]
+        return lineage.prefix.tail[index - len(lineage.prefix.chunks) * m.CHUNK_ENTRIES]
+
+    def _expand(self, lineage: Lineage) -> list[ShardRef]:
+        assert lineage.prefix is not None
+        files = self.log.expand(lineage.prefix, lineage.where)
+        if len(files) != lineage.prefix_count:
+            raise CorruptStoreError(
+                f"{lineage.where} names {lineage.prefix_count} outcome files but its chunks "
+                f"hold {len(files)}; run `dynstate verify`"
+            )
+        return files
+
+    def lineage_files(self, version: int) -> list[ShardRef]:
+        return self.files(self.lineage(version))
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -362,7 +416,7 @@ class Outcomes:
         """Every outcome record of ``version``'s lineage, oldest commit first; extra columns
         a commit lacks are null there."""
         lineage = self.lineage(version)
-        tables = self._read_files(list(lineage.files), version)
+        tables = self._read_files(self.files(lineage), version)
         if not tables:
             return OUTCOME_SCHEMA.empty_table()
         return pa.concat_tables(tables, promote_options="permissive")
@@ -393,35 +447,46 @@ class Outcomes:
         lineage = self.lineage(version)
         num_rows = self.log.commit_record(version).num_rows
         params = (success_above, half_life)
-        paths = tuple(f.path for f in lineage.files)
-        start, agg = 0, None
-        for cached_params, cached_paths, cached in self._dense:
-            k = len(cached_paths)
-            if cached_params == params and k > start and paths[:k] == cached_paths:
+        count = lineage.count
+        last = self.file_at(lineage, count - 1).path if count else None
+        start, agg, owned = 0, None, False
+        for cached_params, k, cached_last, cached in self._dense:
+            # File names are unique and every list is a lineage's, in order: two lists that
+            # hold the same file at one index agree on everything before it.
+            # (A version of fewer rows with the same files: a reset past rows added later.)
+            if (
+                cached_params == params
+                and start < k <= count
+                and cached.num_rows <= num_rows
+                and self.file_at(lineage, k - 1).path == cached_last
+            ):
                 start, agg = k, cached
         stored = lineage.aggregate
         if (
             stored is not None
-            and stored.files > start
+            and start < stored.files <= count
             and (stored.success_above, stored.half_life) == params
         ):
             try:
-                agg, start = self.read_aggregate(stored), stored.files
+                agg, start, owned = self.read_aggregate(stored), stored.files, True
             except (FileNotFoundError, DynstateError) as exc:
                 # Aggregates only repeat what the files say: fold the files instead.
                 log.warning("outcome aggregate of %s unusable (%s)", self.display_url, exc)
         if agg is None:
-            agg, start = Aggregate.empty(num_rows, success_above, half_life), 0
-        tables = self._read_files(list(lineage.files[start:]), version)
-        if start == len(paths) and agg.num_rows == num_rows:
+            agg, start, owned = Aggregate.empty(num_rows, success_above, half_life), 0, True
+        tables = self._read_files(self.files_from(lineage, start), version)
+        if start == count and agg.num_rows == num_rows:
             return agg  # nothing to add
-        # a copy: the cached or just-read aggregate stays as it was
-        agg = agg.grow(num_rows) if agg.num_rows < num_rows else agg.copy()
+        # the cached aggregate stays as it was
+        if agg.num_rows < num_rows:
+            agg = agg.grow(num_rows)
+        elif not owned:
+            agg = agg.copy()
         if tables:
             # one pass over all of them (extra columns play no part)
             agg.fold(pa.concat_tables([t.select(["row", "step", "score"]) for t in tables]))
-        self._dense = [e for e in self._dense if e[0] != params or e[1] != paths]
-        self._dense.append((params, paths, agg))
+        self._dense = [e for e in self._dense if e[0] != params or e[2] != last]
+        self._dense.append((params, count, last, agg))
         del self._dense[:-_CACHE_DENSE]
         return agg
 
@@ -535,10 +600,10 @@ class Outcomes:
         its complete outcome list (chunks written now), so the new record stands alone like
         its shard list does."""
         lineage = self.lineage(version)
-        if not lineage.files and lineage.state is None:
+        if not lineage.count and lineage.state is None:
             return None, None
         field = {
-            "base": self.log.put_shard_list(list(lineage.files)).to_json(),
+            "base": self.log.put_shard_list(self.files(lineage)).to_json(),
             "steps": lineage.step_ranges,
             "records": lineage.records,
             "aggregate": None if lineage.aggregate is None else lineage.aggregate.to_json(),
@@ -553,14 +618,14 @@ class Outcomes:
             return
         lineage = self.lineage(record.version)
         aggregate = None
-        if lineage.files:
-            agg = self.aggregate(record.version)
-            aggregate = self._put_aggregate(agg, len(lineage.files))
+        if lineage.count:
+            agg = self._aggregate(record.version, DEFAULT_SUCCESS_ABOVE, DEFAULT_HALF_LIFE)
+            aggregate = self._put_aggregate(agg, lineage.count)
         body: dict[str, Any] = {
             "format": m.OUTCOMES_FORMAT,
             "store_id": self.log.store_id,
             "version": record.version,
-            "files": self.log.put_shard_list(list(lineage.files)).to_json(),
+            "files": self.log.put_shard_list(self.files(lineage)).to_json(),
             "steps": lineage.step_ranges,
             "records": lineage.records,
             "aggregate": None if aggregate is None else aggregate.to_json(),
@@ -628,7 +693,7 @@ class References:
         self.aggregates: set[str] = set()
         outcomes = outcomes_of(log_)
         lineage = outcomes.lineage(floor)
-        self.data.update(f.path for f in lineage.files)
+        self.data.update(f.path for f in outcomes.files(lineage))
         if lineage.aggregate is not None:
             self.aggregates.add(lineage.aggregate.path)
         for name in log_.storage.list(OUTCOME_DIR):
@@ -680,13 +745,13 @@ def verify(log_: Log, versions: Iterable[int], all_versions: bool) -> list[str]:
                 record = log_.commit_record(version)
                 add, _, _ = outcomes._add_of(record)
                 base = outcomes._base_of(record) if record.base is not None else Lineage(version)
-                named = [*base.files, *add]
+                named = [*outcomes.files(base), *add]
                 if version == log_.floor:
-                    named.extend(outcomes.lineage(version).files)
+                    named.extend(outcomes.lineage_files(version))
                 agg = base.aggregate
             else:
                 lineage = outcomes.lineage(version)
-                named, agg = list(lineage.files), lineage.aggregate
+                named, agg = outcomes.files(lineage), lineage.aggregate
         except DynstateError as exc:
             problems.append(f"outcomes of version {version}: {exc}")
             continue
