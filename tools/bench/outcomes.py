@@ -150,25 +150,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--outcomes", type=int, default=2048)
     parser.add_argument("--steps", default="1000,10000")
-    parser.add_argument("--commit-steps", type=int, default=200)
+    parser.add_argument("--commit-steps", type=int, default=200, help="0: skip part 1")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     base = Path(args.dir)
     base.mkdir(parents=True, exist_ok=True)
 
-    print(f"1. recording {args.outcomes:,} outcomes per step ({args.commit_steps} steps each)")
-    plain = open_or_build(base / f"record-plain-{args.rows}", args.rows)
-    store = open_or_build(base / f"record-{args.rows}", args.rows)
-    bench_recording(plain, store, args.commit_steps, args.outcomes, rng)
+    if args.commit_steps:
+        print(f"1. recording {args.outcomes:,} outcomes per step ({args.commit_steps} steps)")
+        plain = open_or_build(base / f"record-plain-{args.rows}", args.rows)
+        store = open_or_build(base / f"record-{args.rows}", args.rows)
+        bench_recording(plain, store, args.commit_steps, args.outcomes, rng)
 
     print(f"2. statistics at the head ({args.rows:,} rows, {args.outcomes:,} outcomes per step)")
-    url = base / f"stats-{args.rows}-{args.outcomes}"
-    store = open_or_build(url, args.rows)
     colds = []
     for steps in [int(s) for s in args.steps.split(",")]:
+        url = base / f"stats-{args.rows}-{args.outcomes}-{steps}"
+        store = open_or_build(url, args.rows)
         grow(store, steps + 50, args.outcomes, rng)  # 50 steps past the aggregate at `steps`
         colds.append(bench_stats(str(url), args.outcomes, rng))
-        store = open_or_build(url, args.rows)
     if len(colds) > 1:
         print(f"  cold ratio, last / first: {colds[-1] / colds[0]:.2f}x")
     return 0
