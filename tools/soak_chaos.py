@@ -393,7 +393,10 @@ class Audit:
 
 ROLES = {"appender": 2, "stager": 2, "committer": 2, "compactor": 1, "resetter": 1, "gc": 1}
 KILL_WEIGHTS = {"appender": 4, "stager": 2, "committer": 3, "compactor": 1, "resetter": 1, "gc": 2}
-PAUSABLE = ("appender", "committer", "stager")
+# SIGSTOP, for up to three lease ttls: writers lose their leases (their commits are refused),
+# a committer stopped after its claim must keep its shards, and gc stopped between judging
+# and deleting must delete nothing a commit names.
+PAUSABLE = ("appender", "committer", "stager", "compactor", "gc")
 # Seconds between two SIGKILLs, drawn uniformly: S3 calls are slower (and retried through
 # the faults), so a worker there needs longer to get anything done between kills.
 KILL_EVERY_S = {"local": (0.5, 3.0), "s3": (1.5, 6.0)}
