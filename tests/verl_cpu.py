@@ -531,6 +531,8 @@ def items(spec: dict) -> None:
     except dynstate.StateMismatchError as exc:
         if "dynstate.verl.main_ppo" not in str(exc):
             problems.append(f"refusal does not say what to run: {exc}")
+        if "trainer_mode=dynstate" in str(exc):  # verl's own main_ppo rejects that mode
+            problems.append(f"refusal suggests a setting that does not work: {exc}")
     for i in range(len(theirs)):
         a, b = dict(ours[dynstate.encode_index(head, i)]), dict(theirs[i])
         if a.pop("dynstate_row") != i:
