@@ -177,6 +177,10 @@ class VersionedSampler(Sampler[int]):
         rows = self.pos.base_rows
         if self.pos.version is None or not self._open:
             rows = self.dataset.store.snapshot().num_rows
+        return self._share(rows)
+
+    def _share(self, rows: int) -> int:
+        """Indices one rank gets from an epoch of ``rows`` rows."""
         return layout.share(rows, self.batch_size or 1, self.num_replicas, self.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
