@@ -15,7 +15,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("storage",),
     ("manifest", "layout", "columns", "rounds", "outcomes"),
     ("log",),
-    ("store", "writes", "snapshot", "history", "resume", "rollback"),
+    ("store", "writes", "snapshot", "history", "resume", "rollback", "outcome_views"),
     ("maintenance",),
     ("loading",),
     ("verl", "ray"),

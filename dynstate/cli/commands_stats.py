@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from . import render as r
+from .commands_read import preview_column, read_rows_at
 from .options import Count, json_option, open_store, store_command, version_arg
 
 BAR_WIDTH = 40
@@ -42,9 +43,18 @@ def _score(value: float | None) -> str:
 )
 @click.option(
     "--success-above",
+    "--threshold",
+    "success_above",
     type=float,
     default=None,
     help="A success is a score above this (default 0.5: incremental).",
+)
+@click.option(
+    "--column",
+    "preview",
+    default=None,
+    help="The column the hardest and easiest rows are previewed by (default: the first text "
+    "column).",
 )
 @click.option(
     "--half-life",
@@ -61,6 +71,7 @@ def stats_cmd(
     bins: int,
     success_above: float | None,
     half_life: float | None,
+    preview: str | None,
     as_json: bool,
     storage_options: dict[str, Any],
 ) -> None:
@@ -83,11 +94,19 @@ def stats_cmd(
     half = DEFAULT_HALF_LIFE if half_life is None else half_life
     table = store.outcome_stats(number, success_above=above, half_life=half)
     summary = summarize(table, bins=bins, top=top)
+    snap = store.snapshot(number)
+    column = _preview_column(snap, preview, store.display_url)
+    listed = [e["row"] for e in (*summary["hardest"], *summary["easiest"])]
+    values = read_rows_at(snap, listed, [column]) if column is not None and listed else []
+    texts = {row: r.cell(v[column]) for row, v in zip(listed, values, strict=True)}
+    for entry in (*summary["hardest"], *summary["easiest"]):
+        entry["preview"] = texts.get(entry["row"])
     out = {
         "url": store.display_url,
         "version": number,
         "success_above": above,
         "half_life": half,
+        "preview_column": column,
         **summary,
     }
     if as_json:
@@ -128,6 +147,8 @@ def stats_cmd(
             r.Column(f"ewma ({half:g})", right=True),
             r.Column("last step", right=True),
         ]
+        if column is not None:
+            cols.append(r.Column(column, flexible=True))
         cells = [
             [
                 str(e["row"]),
@@ -137,11 +158,24 @@ def stats_cmd(
                 _score(e["mean_score"]),
                 _score(e["ewma_score"]),
                 r.cell(e["last_step"]),
+                *([e["preview"]] if column is not None else []),
             ]
             for e in entries
         ]
         for line in r.table(cols, cells, r.width()):
             r.echo(line)
+
+
+def _preview_column(snap: Any, name: str | None, url: str) -> str | None:
+    names = [f.name for f in snap.schema or []]
+    if name is None:
+        return preview_column(snap)
+    if name not in names:
+        raise click.BadParameter(
+            f"no column {name} in version {snap.version} of {url}; columns: {', '.join(names)}",
+            param_hint="--column",
+        )
+    return name
 
 
 COMMANDS = [stats_cmd]

@@ -1,0 +1,389 @@
+"""Views of a version's outcomes that the surfaces (``dynstate stats`` and ``head``,
+``dynstate serve``) render: rows selected and ordered by a statistic, one row's outcome
+history step by step, and how many rows sit in each pass-rate band after each step.
+
+All of them are built from :meth:`Store.outcome_stats` (the incremental per-row statistics)
+or from the lineage's outcome files through :mod:`dynstate.log.outcomes`; the surfaces never
+compute a statistic themselves. The pass rate of a row is ``successes / attempts`` and its
+band is the one :func:`dynstate.outcomes.summarize` puts it in, so a chart's last step and
+``dynstate stats`` agree.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+from .errors import InvalidDataError
+from .log.outcomes import outcomes_of
+from .outcomes import DEFAULT_SUCCESS_ABOVE, as_numpy
+
+if TYPE_CHECKING:
+    from .store import Store
+
+# The statistics a row can be ordered by (the columns of Store.outcome_stats, and pass_rate).
+SORT_KEYS = (
+    "pass_rate",
+    "attempts",
+    "successes",
+    "mean_score",
+    "ewma_score",
+    "first_step",
+    "last_step",
+)
+NO_OUTCOMES = "no outcomes recorded"
+
+
+def outcome_records_count(store: Store, version: int) -> int:
+    """How many outcome records ``version``'s lineage holds (0: none recorded), from the
+    commit records alone."""
+    return outcomes_of(store.log).lineage(version).records
+
+
+@dataclass(frozen=True)
+class RowSelection:
+    """Which rows to list and in what order, by their statistics. ``sort``: one of
+    :data:`SORT_KEYS`, ascending, or with a leading ``-`` descending; rows never trained
+    (no pass rate, no scores) come last either way, ties in row order. The pass-rate bounds
+    are inclusive and keep trained rows only; the attempt bounds are inclusive."""
+
+    sort: str | None = None
+    min_pass_rate: float | None = None
+    max_pass_rate: float | None = None
+    min_attempts: int | None = None
+    max_attempts: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return any(
+            x is not None
+            for x in (
+                self.sort,
+                self.min_pass_rate,
+                self.max_pass_rate,
+                self.min_attempts,
+                self.max_attempts,
+            )
+        )
+
+    @classmethod
+    def parse(cls, params: dict[str, Any], where: str) -> RowSelection:
+        """From text or numbers (query parameters, CLI options); InvalidDataError naming
+        ``where`` for anything else."""
+        sort = params.get("sort") or None
+        if sort is not None and sort.lstrip("-") not in SORT_KEYS:
+            raise InvalidDataError(
+                f"cannot sort the rows of {where} by {sort!r}; sort by one of "
+                f"{', '.join(SORT_KEYS)} (a leading '-' for descending)"
+            )
+        rates = [
+            _number(params.get(k), k, where, 0.0, 1.0) for k in ("min_pass_rate", "max_pass_rate")
+        ]
+        counts = [_whole(params.get(k), k, where) for k in ("min_attempts", "max_attempts")]
+        return cls(sort, rates[0], rates[1], counts[0], counts[1])
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sort": self.sort,
+            "min_pass_rate": self.min_pass_rate,
+            "max_pass_rate": self.max_pass_rate,
+            "min_attempts": self.min_attempts,
+            "max_attempts": self.max_attempts,
+        }
+
+    def select(self, stats: pa.Table) -> np.ndarray:
+        """Row numbers of ``stats`` (one row per store row) that pass, in order."""
+        attempts = as_numpy(stats.column("attempts"))
+        keep = np.ones(len(attempts), dtype=bool)
+        rate = pass_rates(stats)
+        if self.min_pass_rate is not None or self.max_pass_rate is not None:
+            keep &= attempts > 0
+            with np.errstate(invalid="ignore"):
+                if self.min_pass_rate is not None:
+                    keep &= rate >= self.min_pass_rate
+                if self.max_pass_rate is not None:
+                    keep &= rate <= self.max_pass_rate
+        if self.min_attempts is not None:
+            keep &= attempts >= self.min_attempts
+        if self.max_attempts is not None:
+            keep &= attempts <= self.max_attempts
+        rows = np.flatnonzero(keep)
+        if self.sort is None:
+            return rows
+        name = self.sort.lstrip("-")
+        if name == "pass_rate":
+            key = rate[rows]
+        else:
+            key = as_numpy(stats.column(name)).astype(np.float64)[rows]
+            if name not in ("attempts", "successes"):
+                key = np.where(attempts[rows] > 0, key, np.nan)
+        missing = np.isnan(key)
+        key = np.where(missing, 0.0, -key if self.sort.startswith("-") else key)
+        return rows[np.lexsort((rows, key, missing))]
+
+
+def _number(value: Any, name: str, where: str, lo: float, hi: float) -> float | None:
+    if value is None or value == "":
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not lo <= number <= hi:
+        raise InvalidDataError(
+            f"{name} for the rows of {where} must be a number from {lo:g} to {hi:g}, not {value!r}"
+        )
+    return number
+
+
+def _whole(value: Any, name: str, where: str) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = -1
+    if number < 0:
+        raise InvalidDataError(
+            f"{name} for the rows of {where} must be a whole number of at least 0, not {value!r}"
+        )
+    return number
+
+
+def pass_rates(stats: pa.Table) -> np.ndarray:
+    """``successes / attempts`` per row, NaN for rows never trained."""
+    attempts = as_numpy(stats.column("attempts")).astype(np.float64)
+    successes = as_numpy(stats.column("successes"))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(attempts > 0, successes / attempts, np.nan)
+
+
+def row_stats(stats: pa.Table, rows: Any) -> list[dict[str, Any]]:
+    """The statistics of ``rows`` as plain dicts (``pass_rate`` None when never trained)."""
+    idx = pa.array(np.asarray(rows, dtype=np.int64))
+    taken = stats.take(idx).to_pylist()
+    for entry in taken:
+        attempts = entry["attempts"]
+        entry["pass_rate"] = entry["successes"] / attempts if attempts else None
+    return taken
+
+
+def band_of(successes: np.ndarray, attempts: np.ndarray, bins: int) -> np.ndarray:
+    """The pass-rate band of trained rows, as :func:`dynstate.outcomes.summarize` bins them."""
+    rate = successes / attempts
+    return np.minimum((rate * bins).astype(np.int64), bins - 1)
+
+
+@dataclass
+class _Series:
+    """The band series folded so far over the first ``files`` files of a lineage."""
+
+    files: int
+    last_file: str | None
+    last_step: int
+    attempts: np.ndarray
+    successes: np.ndarray
+    steps: list[int]
+    counts: list[list[int]]
+
+
+class OutcomeViews:
+    """The views of one store, with what they cache: one row-sorted copy of the records of
+    the versions asked about last (row histories), and the band series per head, extended
+    with only the outcome files committed since (like the growth chart)."""
+
+    def __init__(self, store: Store, *, success_above: float = DEFAULT_SUCCESS_ABOVE):
+        self.store = store
+        self.success_above = success_above
+        self._by_row: OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+        self._series: dict[int, _Series] = {}
+        self._lock = threading.Lock()
+
+    # -- one row's history -----------------------------------------------------------------
+
+    def _records_by_row(self, version: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        with self._lock:
+            cached = self._by_row.get(version)
+            if cached is not None:
+                self._by_row.move_to_end(version)
+                return cached
+        records = self.store.outcome_records(version)
+        rows = as_numpy(records.column("row")).astype(np.int64)
+        steps = as_numpy(records.column("step")).astype(np.int64)
+        scores = as_numpy(records.column("score")).astype(np.float64)
+        order = np.lexsort((steps, rows))  # stable: a step's scores in the order recorded
+        entry = (rows[order], steps[order], scores[order])
+        with self._lock:
+            self._by_row[version] = entry
+            while len(self._by_row) > 2:
+                self._by_row.popitem(last=False)
+        return entry
+
+    def row_history(self, version: int, row: int) -> dict[str, Any] | None:
+        """Row ``row``'s outcomes in ``version``'s lineage, step by step: each step's scores
+        and successes, and the row's pass rate and mean score through that step. None when
+        the lineage holds no outcomes at all. The first request for a version reads its
+        outcome records once (a row's history is not in the aggregates); later rows of that
+        version are a binary search."""
+        if not outcome_records_count(self.store, version):
+            return None
+        rows, steps, scores = self._records_by_row(version)
+        lo, hi = np.searchsorted(rows, [row, row + 1])
+        mine_steps, mine_scores = steps[lo:hi], scores[lo:hi]
+        history: list[dict[str, Any]] = []
+        attempts = successes = 0
+        total = 0.0
+        if hi > lo:
+            cuts = np.flatnonzero(np.diff(mine_steps)) + 1
+            for part_steps, part in zip(
+                np.split(mine_steps, cuts), np.split(mine_scores, cuts), strict=True
+            ):
+                won = int((part > self.success_above).sum())
+                attempts += len(part)
+                successes += won
+                total += float(part.sum())
+                history.append(
+                    {
+                        "step": int(part_steps[0]),
+                        "scores": part.tolist(),
+                        "attempts": len(part),
+                        "successes": won,
+                        "pass_rate": successes / attempts,
+                        "mean_score": total / attempts,
+                    }
+                )
+        stats = self.store.outcome_stats(version, success_above=self.success_above)
+        summary = row_stats(stats, [row])[0]
+        return {"success_above": self.success_above, **summary, "steps": history}
+
+    # -- rows per pass-rate band, per step -------------------------------------------------
+
+    def band_series(self, version: int, *, bins: int = 10, points: int | None = None) -> dict:
+        """After each step of ``version``'s lineage, how many rows sit in each pass-rate band
+        (their pass rate over every outcome up to and including that step), as
+        :func:`dynstate.outcomes.summarize` bins them; the last point equals its histogram.
+        ``points``: at most this many steps, evenly spaced, the last always kept (the counts
+        are exact at the steps kept). Cached per version: a later head folds only the
+        outcome files committed since (all of them again after a rollback)."""
+        series = self._fold(version, bins)
+        steps, counts = series.steps, series.counts
+        picked = range(len(steps))
+        if points is not None and len(steps) > points:
+            picked = sorted(
+                {round(i * (len(steps) - 1) / max(points - 1, 1)) for i in range(points)}
+            )
+        return {
+            "version": version,
+            "bins": bins,
+            "success_above": self.success_above,
+            "bands": [{"low": i / bins, "high": (i + 1) / bins} for i in range(bins)],
+            "rows": self.store.commit_record(version).num_rows,
+            "records": outcome_records_count(self.store, version),
+            "steps_recorded": len(steps),
+            "steps": [steps[i] for i in picked],
+            "counts": [counts[i] for i in picked],
+            "trained": [sum(counts[i]) for i in picked],
+        }
+
+    def _fold(self, version: int, bins: int) -> _Series:
+        outcomes = outcomes_of(self.store.log)
+        lineage = outcomes.lineage(version)
+        num_rows = self.store.commit_record(version).num_rows
+        count = lineage.count
+        with self._lock:
+            cached = self._series.get(bins)
+        base: _Series | None = None
+        if (
+            cached is not None
+            and cached.files <= count
+            and len(cached.attempts) <= num_rows
+            and (
+                cached.files == 0
+                or outcomes.file_at(lineage, cached.files - 1).path == cached.last_file
+            )
+        ):
+            base = cached
+        new = outcomes.files_from(lineage, base.files if base is not None else 0)
+        tables = [outcomes.read_file(ref, version) for ref in new]
+        records = (
+            pa.concat_tables([t.select(["row", "step", "score"]) for t in tables])
+            if tables
+            else None
+        )
+        if (
+            base is not None
+            and records is not None
+            and records.num_rows
+            and int(as_numpy(records.column("step")).min()) <= base.last_step
+        ):
+            # A step older than those folded (steps need not be committed in order): the
+            # series is rebuilt from every file.
+            base, tables = None, [outcomes.read_file(r, version) for r in outcomes.files(lineage)]
+            records = pa.concat_tables([t.select(["row", "step", "score"]) for t in tables])
+        if base is not None and not new and len(base.attempts) == num_rows:
+            return base
+        if base is None:
+            series = _Series(
+                0, None, -1, np.zeros(num_rows, np.int64), np.zeros(num_rows, np.int64), [], []
+            )
+        else:
+            grown_a = np.zeros(num_rows, np.int64)
+            grown_s = np.zeros(num_rows, np.int64)
+            grown_a[: len(base.attempts)] = base.attempts
+            grown_s[: len(base.successes)] = base.successes
+            series = _Series(
+                base.files,
+                base.last_file,
+                base.last_step,
+                grown_a,
+                grown_s,
+                list(base.steps),
+                [list(c) for c in base.counts],
+            )
+        if records is not None and records.num_rows:
+            self._add(series, records, bins)
+        series.files = count
+        series.last_file = outcomes.file_at(lineage, count - 1).path if count else None
+        with self._lock:
+            self._series[bins] = series
+        return series
+
+    def _add(self, series: _Series, records: pa.Table, bins: int) -> None:
+        rows = as_numpy(records.column("row")).astype(np.int64)
+        steps = as_numpy(records.column("step")).astype(np.int64)
+        won = (as_numpy(records.column("score")) > self.success_above).astype(np.int64)
+        order = np.argsort(steps, kind="stable")
+        rows, steps, won = rows[order], steps[order], won[order]
+        current = (
+            np.bincount(
+                band_of(series.successes, series.attempts, bins)[series.attempts > 0],
+                minlength=bins,
+            )
+            if (series.attempts > 0).any()
+            else np.zeros(bins, np.int64)
+        )
+        cuts = np.flatnonzero(np.diff(steps)) + 1
+        for step_rows, step_won, at in zip(
+            np.split(rows, cuts), np.split(won, cuts), np.split(steps, cuts), strict=True
+        ):
+            hit, inv = np.unique(step_rows, return_inverse=True)
+            before = series.attempts[hit] > 0
+            if before.any():
+                old = band_of(series.successes[hit][before], series.attempts[hit][before], bins)
+                current -= np.bincount(old, minlength=bins)
+            series.attempts[hit] += np.bincount(inv, minlength=len(hit))
+            series.successes[hit] += np.bincount(inv, weights=step_won, minlength=len(hit)).astype(
+                np.int64
+            )
+            current += np.bincount(
+                band_of(series.successes[hit], series.attempts[hit], bins), minlength=bins
+            )
+            series.steps.append(int(at[0]))
+            series.counts.append(current.tolist())
+        series.last_step = series.steps[-1]
