@@ -19,6 +19,8 @@ from ..errors import DynstateError, VersionNotFoundError
 from ..history import describe, diff, lineage
 from ..history import version_row as _version_row  # one row of `dynstate ls --json`: same keys
 from ..maintenance.gc import gc_floor
+from ..outcome_views import NO_OUTCOMES, OutcomeViews, RowSelection, outcome_records_count
+from ..outcomes import summarize
 from ..snapshot import Snapshot
 from ..storage.credentials import scrub, secrets_of
 from ..store import Store
@@ -67,6 +69,7 @@ class StoreView:
         self.checkpoints = list(checkpoints)
         self.lineage = LineageCache(store)
         self.rows = RowQuery(store)
+        self.outcomes = OutcomeViews(store)
         self._growth: tuple[int, dict[str, Any]] | None = None
         self._growth_lock = threading.Lock()
         self._checkpoint_info: dict[int, dict[str, Any]] = {}
@@ -131,6 +134,7 @@ class StoreView:
             "first_commit": first.created,
             "last_commit": record.created,
             "checkpoints": [{"id": k, "path": path} for k, path in enumerate(self.checkpoints)],
+            "outcome_records": outcome_records_count(self.store, head),
         }
         if with_growth:
             info["growth"] = self.growth()
@@ -183,14 +187,66 @@ class StoreView:
         limit: str | None = None,
         q: str | None = None,
         filters: Mapping[str, Sequence[str]] | None = None,
+        outcome: Mapping[str, str | None] | None = None,
     ) -> dict[str, Any]:
-        """A page of a version's rows, filtered and searched, with facets: see
-        :meth:`RowQuery.page`."""
+        """A page of a version's rows, filtered and searched, with facets (see
+        :meth:`RowQuery.page`), and — where the version's lineage holds outcomes — each row's
+        attempts and pass rate, sortable and filterable by them (``outcome``: ``sort``,
+        ``min_pass_rate``, ``max_pass_rate``, ``min_attempts``, ``max_attempts``, as
+        :class:`dynstate.outcome_views.RowSelection` takes them)."""
         v = self.resolve(version)
+        where = f"version {v} of {self.store.display_url}"
+        choice = RowSelection.parse(dict(outcome or {}), where)
+        recorded = outcome_records_count(self.store, v) > 0
+        stats = self.store.outcome_stats(v) if recorded else None
+        order = choice.select(stats) if stats is not None and choice.active else None
         page = self.rows.page(
-            self.store.snapshot(v), self.lineage.rounds(v), offset, limit, q, filters or {}
+            self.store.snapshot(v),
+            self.lineage.rounds(v),
+            offset,
+            limit,
+            q,
+            filters or {},
+            order=order,
         )
-        return {"url": self.store.display_url, "version": v, **page}
+        if stats is not None:
+            figures = _row_figures(stats, [r["row"] for r in page["rows"]])
+            for entry, fig in zip(page["rows"], figures, strict=True):
+                entry["outcomes"] = fig
+        return {
+            "url": self.store.display_url,
+            "version": v,
+            **page,
+            "outcomes": {
+                "recorded": recorded,
+                "message": None if recorded else NO_OUTCOMES,
+                **choice.to_json(),
+            },
+        }
+
+    # -- outcomes ----------------------------------------------------------------------------
+
+    def outcomes_info(
+        self, version: int | str | None, *, bins: str | None = None, points: str | None = None
+    ) -> dict[str, Any]:
+        """The outcomes of a version's lineage: ``dynstate stats --json`` (its summary) and
+        the rows per pass-rate band after each step (at most ``points`` steps shown)."""
+        v = self.resolve(version)
+        n_bins = int_param(bins, "bins", 10, 1, 100)
+        n_points = int_param(points, "points", 240, 2, 100_000)
+        records = outcome_records_count(self.store, v)
+        info: dict[str, Any] = {
+            "url": self.store.display_url,
+            "version": v,
+            "recorded": records > 0,
+            "message": None if records else NO_OUTCOMES,
+        }
+        if not records:
+            return {**info, "summary": None, "bands": None}
+        stats = self.store.outcome_stats(v)
+        summary = summarize(stats, bins=n_bins, top=10)
+        series = self.outcomes.band_series(v, bins=n_bins, points=n_points)
+        return {**info, "summary": summary, "bands": series}
 
     # -- one row and its lineage -------------------------------------------------------------
 
@@ -225,6 +281,7 @@ class StoreView:
             "descendants": descendants,
             "edges": [*up_edges, *down_edges],
             "index": {"version": index.version, "rows": index.num_rows, "edges": index.edges},
+            "outcomes": self.outcomes.row_history(v, i),
         }
 
     def _row_number(self, snap: Snapshot, row: int | str) -> int:
@@ -373,6 +430,19 @@ class StoreView:
                 info["version_rows"] = None
         self._checkpoint_info[number] = info
         return info
+
+
+def _row_figures(stats: Any, rows: list[int]) -> list[dict[str, Any]]:
+    from ..outcome_views import row_stats
+
+    return (
+        [
+            {k: f[k] for k in ("attempts", "successes", "pass_rate", "mean_score", "last_step")}
+            for f in row_stats(stats, rows)
+        ]
+        if rows
+        else []
+    )
 
 
 def _sources(values: Mapping[str, Any]) -> list[int]:

@@ -36,7 +36,8 @@ from ..errors import (
 from .api import RowNotFoundError, StoreView, chart_failed, scrub
 from .chart import COLORS, graph_svg, growth_svg
 from .lineage import SOURCE_COLUMN
-from .rows import RESERVED
+from .outcome_charts import band_color, band_svg, pass_rate_svg
+from .rows import OUTCOME_PARAMS, RESERVED
 
 log = logging.getLogger("dynstate")
 
@@ -229,10 +230,18 @@ def create_app(
             limit=q.get("limit"),
             q=q.get("q"),
             filters=filters_of(request),
+            outcome={k: q.get(k) for k in OUTCOME_PARAMS},
         )
 
     def api_row(request: Request) -> Response:
         return api(view.row_detail(request.path_params["v"], request.path_params["i"]))
+
+    def api_outcomes(request: Request) -> Response:
+        return api(_outcomes(request))
+
+    def _outcomes(request: Request) -> dict[str, Any]:
+        q = request.query_params
+        return view.outcomes_info(q.get("version"), bins=q.get("bins"), points=q.get("points"))
 
     def api_diff(request: Request) -> Response:
         return api(view.diff(request.path_params["a"], request.path_params["b"]))
@@ -272,7 +281,25 @@ def create_app(
         base = request.scope.get("root_path", "")
         graph = graph_svg(detail, link=f"{base}/versions/{detail['version']}/rows/")
         api_path = f"/api/versions/{detail['version']}/rows/{detail['row']}"
-        return page(request, "row.html", api_path, detail=detail, graph=graph)
+        history = detail["outcomes"]
+        rate_chart = pass_rate_svg(history) if history else ""
+        return page(
+            request, "row.html", api_path, detail=detail, graph=graph, rate_chart=rate_chart
+        )
+
+    def outcomes_page(request: Request) -> Response:
+        data = _outcomes(request)
+        chart = band_svg(data["bands"]) if data["bands"] else ""
+        bins = data["bands"]["bins"] if data["bands"] else 0
+        swatches = [band_color(i, bins) for i in range(bins)]
+        return page(
+            request,
+            "outcomes.html",
+            "/api/outcomes" + qs(request),
+            data=data,
+            chart=chart,
+            swatches=swatches,
+        )
 
     def diff_form(request: Request) -> Response:
         q = request.query_params
@@ -303,6 +330,7 @@ def create_app(
         Route("/versions", guarded(versions_page)),
         Route("/versions/{v}", guarded(version_page)),
         Route("/versions/{v}/rows/{i}", guarded(row_page)),
+        Route("/outcomes", guarded(outcomes_page)),
         Route("/diff", guarded(diff_form)),
         Route("/diff/{a}/{b}", guarded(diff_page)),
         Route("/checkpoints/{k}", guarded(checkpoint_page)),
@@ -311,6 +339,7 @@ def create_app(
         Route("/api/versions/{v}", guarded(api_version)),
         Route("/api/versions/{v}/rows", guarded(api_rows)),
         Route("/api/versions/{v}/rows/{i}", guarded(api_row)),
+        Route("/api/outcomes", guarded(api_outcomes)),
         Route("/api/diff/{a}/{b}", guarded(api_diff)),
         Route("/api/checkpoints/{k}", guarded(api_checkpoint)),
         Mount("/static", StaticFiles(directory=str(_PACKAGE / "static")), name="static"),

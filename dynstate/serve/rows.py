@@ -28,7 +28,9 @@ from ..store import Store
 from .lineage import Rounds
 
 MAX_LIMIT = 500
-RESERVED = frozenset({"offset", "limit", "q"})
+# Query parameters that choose rows by their outcome statistics (dynstate.outcome_views).
+OUTCOME_PARAMS = ("sort", "min_pass_rate", "max_pass_rate", "min_attempts", "max_attempts")
+RESERVED = frozenset({"offset", "limit", "q", *OUTCOME_PARAMS})
 # Filters that select rows by the round that wrote them, unless the data has such a column.
 ROUND_FIELDS = ("generator", "step", "round")
 
@@ -110,9 +112,13 @@ class RowQuery:
         limit: str | None,
         q: str | None,
         filters: Mapping[str, Sequence[str]],
+        *,
+        order: np.ndarray | None = None,
     ) -> dict[str, Any]:
         """``limit`` rows from ``offset`` of the rows that pass ``filters`` and contain ``q``;
-        ``total`` is None while a scan has not reached the end."""
+        ``total`` is None while a scan has not reached the end. ``order``: only these rows,
+        in this order (rows chosen by their outcome statistics); the other filters then
+        scan the whole version once (cached), so the total is exact."""
         start = int_param(offset, "offset", 0, 0, None)
         n = int_param(limit, "limit", 50, 1, MAX_LIMIT)
         q = (q or "").strip()
@@ -120,12 +126,21 @@ class RowQuery:
         ranges = _round_ranges(rounds, round_filters)
         page: list[int]
         matches: np.ndarray | None = None
-        if data_filters or q:
+        if order is not None:
+            chosen = _in_ranges(order, ranges)
+            if data_filters or q:
+                # a scan for a page of every row reaches the end: ``every`` is all matches
+                found, _, every = self._scan(snap, ranges, data_filters, q, 0, snap.num_rows)
+                chosen = chosen[np.isin(chosen, every if every is not None else found)]
+            total, matches = int(chosen.size), chosen
+            page = chosen[start : start + n].tolist()
+        elif data_filters or q:
             page, total, matches = self._scan(snap, ranges, data_filters, q, start, n)
         else:
             total = sum(b - a for a, b in ranges)
             page = _take_ranges(ranges, start, n)
-        facets = self._facets(snap, rounds, round_filters, not (data_filters or q), matches)
+        exact = not (data_filters or q) or order is not None
+        facets = self._facets(snap, rounds, round_filters, exact, matches)
         values = self.read(snap, page)
         return {
             "rows_in_version": snap.num_rows,

@@ -1,0 +1,137 @@
+"""Outcome pictures of ``dynstate serve``, inline SVG like :mod:`.chart`: rows per pass-rate
+band after each step (from :meth:`dynstate.outcome_views.OutcomeViews.band_series`) and one
+row's pass rate over its steps (from ``row_history``). Markup only: the numbers are the
+library's."""
+
+from __future__ import annotations
+
+from typing import Any
+from xml.sax.saxutils import escape, quoteattr
+
+from .chart import _fmt, _grid, _ticks
+
+
+def band_color(i: int, bins: int) -> str:
+    """Red for the band of the hardest rows through amber to green for the easiest."""
+    t = i / max(bins - 1, 1)
+    hue = 120 * t
+    return f"hsl({hue:.0f}, 62%, {46 + 6 * (1 - abs(2 * t - 1)):.0f}%)"
+
+
+def _band_label(band: dict[str, Any], last: bool) -> str:
+    closing = "]" if last else ")"
+    return f"[{band['low']:.0%}, {band['high']:.0%}{closing}"
+
+
+def band_svg(series: dict[str, Any], *, width: int = 960) -> str:
+    """One stacked column per step kept: the trained rows in each band, the hardest band at
+    the bottom."""
+    steps, counts = series["steps"], series["counts"]
+    if not steps:
+        return '<p class="empty">no outcomes recorded</p>'
+    bins = series["bins"]
+    left, right, top, plot_h = 64, 16, 12, 220
+    height = top + plot_h + 40
+    plot_w = width - left - right
+    most = max(1, max(sum(c) for c in counts))
+    col = plot_w / len(steps)
+    out = [
+        f'<svg class="bands" role="img" viewBox="0 0 {width} {height}" width="{width}" '
+        f'height="{height}" xmlns="http://www.w3.org/2000/svg">',
+        "<title>trained rows per pass-rate band after each step</title>",
+    ]
+    for t in _ticks(0, most, 4, whole=True):
+        out.append(_grid(left, width - right, top + plot_h - t / most * plot_h, t))
+    out.append(
+        f'<text class="axis-label" x="14" y="{top + plot_h / 2:.1f}" '
+        f'transform="rotate(-90 14 {top + plot_h / 2:.1f})" text-anchor="middle">rows</text>'
+    )
+    for k, (step, column) in enumerate(zip(steps, counts, strict=True)):
+        x = left + k * col
+        y = top + plot_h
+        out.append(f'<g class="step" data-step="{step}">')
+        for i, n in enumerate(column):
+            if not n:
+                continue
+            h = n / most * plot_h
+            y -= h
+            label = _band_label(series["bands"][i], i == bins - 1)
+            tip = f"step {step}: {n:,} rows with pass rate {label}"
+            out.append(
+                f'<rect class="band band-{i}" x="{x:.2f}" y="{y:.2f}" '
+                f'width="{max(col - (1 if col > 3 else 0), 0.5):.2f}" height="{h:.2f}" '
+                f'fill="{band_color(i, bins)}" data-rows="{n}"><title>{escape(tip)}</title></rect>'
+            )
+        out.append("</g>")
+    for t in _ticks(steps[0], steps[-1], 8, whole=True):
+        # the column of the first step kept at or after the tick
+        k = next((j for j, s in enumerate(steps) if s >= t), len(steps) - 1)
+        x = left + (k + 0.5) * col
+        out.append(
+            f'<text class="tick" x="{x:.1f}" y="{top + plot_h + 16}" '
+            f'text-anchor="middle">{_fmt(t)}</text>'
+        )
+    out.append(
+        f'<text class="axis-label" x="{left + plot_w / 2:.1f}" y="{height - 6}" '
+        'text-anchor="middle">step</text>'
+    )
+    out.append("</svg>")
+    return "".join(out)
+
+
+def pass_rate_svg(history: dict[str, Any], *, width: int = 720) -> str:
+    """A row's pass rate through each step it was trained at (line) and each step's own
+    share of successes (dots)."""
+    points = history["steps"]
+    if not points:
+        return ""
+    left, right, top, plot_h = 48, 16, 10, 140
+    height = top + plot_h + 36
+    plot_w = width - left - right
+    x0, x1 = points[0]["step"], points[-1]["step"]
+    if x1 == x0:
+        x0, x1 = x0 - 1, x1 + 1
+
+    def sx(step: float) -> float:
+        return left + (step - x0) / (x1 - x0) * plot_w
+
+    def sy(rate: float) -> float:
+        return top + plot_h - rate * plot_h
+
+    out = [
+        f'<svg class="pass-rate" role="img" viewBox="0 0 {width} {height}" width="{width}" '
+        f'height="{height}" xmlns="http://www.w3.org/2000/svg">',
+        "<title>pass rate over the steps this row was trained at</title>",
+    ]
+    for t in (0, 0.5, 1):
+        y = sy(t)
+        out.append(
+            f'<line class="grid" x1="{left}" x2="{width - right}" y1="{y:.1f}" y2="{y:.1f}"/>'
+            f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{t:.0%}</text>'
+        )
+    line = " ".join(f"{sx(p['step']):.1f},{sy(p['pass_rate']):.1f}" for p in points)
+    out.append(
+        f'<polyline class="rate" fill="none" stroke="#2e8b57" stroke-width="2" points="{line}"/>'
+    )
+    for p in points:
+        own = p["successes"] / p["attempts"]
+        tip = (
+            f"step {p['step']}: {p['successes']}/{p['attempts']} passed; "
+            f"pass rate so far {p['pass_rate']:.0%}"
+        )
+        out.append(
+            f'<circle class="step-rate" cx="{sx(p["step"]):.1f}" cy="{sy(own):.1f}" r="3.5" '
+            f'fill="#3b6fb6" data-step={quoteattr(str(p["step"]))}><title>{escape(tip)}</title>'
+            "</circle>"
+        )
+    for t in _ticks(x0, x1, 6, whole=True):
+        out.append(
+            f'<text class="tick" x="{sx(t):.1f}" y="{top + plot_h + 16}" '
+            f'text-anchor="middle">{_fmt(t)}</text>'
+        )
+    out.append(
+        f'<text class="axis-label" x="{left + plot_w / 2:.1f}" y="{height - 4}" '
+        'text-anchor="middle">step</text>'
+    )
+    out.append("</svg>")
+    return "".join(out)
