@@ -215,8 +215,9 @@ def test_random_kills_local(tmp_path: Path) -> None:
     url = str(tmp_path / "store")
     seed_store(url, 88)  # the trials cross version 100: a kill may land in its checkpoint
     head = run_trials(url, tmp_path, trials=12, max_delay=1.2, seed=20261201)
+    # Past version 100, whose outcome checkpoint is written after its commit; a kill may land
+    # before it is (this seed's does): the checks above then read past it from further back.
     assert head > 100
-    assert Store.open(url).storage.exists(outcome_log.checkpoint_path(100))
 
 
 @pytest.mark.s3
