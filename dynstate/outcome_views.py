@@ -360,13 +360,9 @@ class OutcomeViews:
         won = (as_numpy(records.column("score")) > self.success_above).astype(np.int64)
         order = np.argsort(steps, kind="stable")
         rows, steps, won = rows[order], steps[order], won[order]
-        current = (
-            np.bincount(
-                band_of(series.successes, series.attempts, bins)[series.attempts > 0],
-                minlength=bins,
-            )
-            if (series.attempts > 0).any()
-            else np.zeros(bins, np.int64)
+        trained = series.attempts > 0
+        current = np.bincount(
+            band_of(series.successes[trained], series.attempts[trained], bins), minlength=bins
         )
         cuts = np.flatnonzero(np.diff(steps)) + 1
         for step_rows, step_won, at in zip(
