@@ -467,6 +467,25 @@ def test_bad_generator_state_is_refused_and_changes_nothing(
     assert files(url) == before
 
 
+def test_a_bad_round_with_good_outcomes_changes_nothing(tmp_path: Path) -> None:
+    """The outcome file is written before the round's shards; a round refused after it
+    takes the file (and its lease) away again."""
+    from dynstate import SchemaMismatchError
+
+    url = str(tmp_path / "s")
+    store = Store.open(url, create=True)
+    store.append(rows(0, 3))
+    store.append([], outcomes={"row": [0], "step": [0], "score": [1.0]})
+    before = files(url)
+    good = {"row": [1], "step": [1], "score": [0.5]}
+    with pytest.raises(SchemaMismatchError):
+        store.append([{"other": 1}], outcomes=good)
+    with pytest.raises(InvalidDataError):
+        store.append([{"step": 1, "i": 0, "text": float("nan") + 1j}], outcomes=good)
+    assert files(url) == before
+    assert store.append(rows(1, 1), outcomes=good) == 3
+
+
 def test_oversized_outcomes_and_deep_state(tmp_path: Path, monkeypatch) -> None:
     from dynstate import outcomes as o
 
