@@ -392,6 +392,9 @@ class Audit:
 # -- the orchestrator -----------------------------------------------------------------------
 
 ROLES = {"appender": 2, "stager": 2, "committer": 2, "compactor": 1, "resetter": 1, "gc": 1}
+# On S3 a gc run reads every kept record through the faults (tens of seconds): two of them,
+# one ahead and one behind, so that gc judges as often as the writers commit.
+ROLES_S3 = {**ROLES, "gc": 2}
 KILL_WEIGHTS = {"appender": 4, "stager": 2, "committer": 3, "compactor": 1, "resetter": 1, "gc": 2}
 # SIGSTOP, for up to three lease ttls: writers lose their leases (their commits are refused),
 # a committer stopped after its claim must keep its shards, and gc stopped between judging
@@ -583,7 +586,8 @@ def soak(
             url = str(workdir / "store")
         store = Store.open(url, create=True)
         audit = Audit(url, workdir)
-        chaos = Chaos(url, workdir, rng=rng, skew_s=skew_s, env=env, roles=roles or ROLES)
+        roles = roles or (ROLES_S3 if s3 else ROLES)
+        chaos = Chaos(url, workdir, rng=rng, skew_s=skew_s, env=env, roles=roles)
         start = time.monotonic()
         chaos.run(seconds, audit, store)
         chaos_s = time.monotonic() - start
