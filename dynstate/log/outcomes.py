@@ -656,7 +656,7 @@ def _read_parquet(data: bytes) -> pa.Table:
 
 def _steps(obj: dict[str, Any], where: str) -> Ranges:
     steps = obj.get("steps")
-    if not valid_ranges(steps):
+    if not isinstance(steps, list) or not valid_ranges(steps):
         raise CorruptStoreError(f"{where} has a malformed step list in its outcomes")
     return [list(r) for r in steps]
 
@@ -776,11 +776,11 @@ def verify(log_: Log, versions: Iterable[int], all_versions: bool) -> list[str]:
             outcomes.read_file(ref, version)
         except DynstateError as exc:
             problems.append(str(exc))
-    for ref in aggregates.values():
+    for agg_ref in aggregates.values():
         try:
-            outcomes.read_aggregate(ref)
+            outcomes.read_aggregate(agg_ref)
         except FileNotFoundError:
-            problems.append(f"outcome aggregate {log_.where(ref.path)} is missing")
+            problems.append(f"outcome aggregate {log_.where(agg_ref.path)} is missing")
         except DynstateError as exc:
             problems.append(str(exc))
     return problems
