@@ -843,3 +843,155 @@ def test_chat_prompts_are_shown_by_their_content(tmp_path):
         _, page = client.get("/versions/head")
         assert "system: Be brief. | user: 2+2?" in page and "&#34;role&#34;" not in page
         assert client.json("/api/versions/head/rows")["rows"][0]["values"]["prompt"] == chat
+
+
+# -- outcomes (issue 21.5) ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory) -> Iterator[tuple[Store, Client]]:
+    """tests/test_stats_cli.py's store: rows 0-2 always fail, 3 passes every other step, 4
+    always passes, 5-9 never trained; four steps, versions 2-5."""
+    from test_stats_cli import build as build_scored
+
+    store = build_scored(str(tmp_path_factory.mktemp("scored") / "store"))
+    with served(StoreView(store)) as base:
+        yield store, Client(base)
+
+
+def test_outcomes_page_bands_per_step_and_hardest_rows(scored):
+    from dynstate.outcomes import summarize
+
+    store, client = scored
+    data = client.json("/api/outcomes?bins=4")
+    assert (data["version"], data["recorded"], data["message"]) == (5, True, None)
+    assert data["summary"] == summarize(store.outcome_stats(), bins=4, top=10)
+    bands = data["bands"]
+    assert (bands["steps"], bands["steps_recorded"], bands["rows"]) == ([0, 1, 2, 3], 4, 10)
+    # step 0: row 3 failed (band 0); then 1/2, 1/3, 2/4
+    assert bands["counts"] == [[4, 0, 0, 1], [3, 0, 1, 1], [3, 1, 0, 1], [3, 0, 1, 1]]
+    assert bands["trained"] == [5, 5, 5, 5]
+    assert bands["counts"][-1] == [b["rows"] for b in data["summary"]["histogram"]]
+    assert client.json("/api/outcomes?bins=4&points=2")["bands"]["steps"] == [0, 3]
+    # an older version: its lineage only
+    older = client.json("/api/outcomes?version=3&bins=4")["bands"]
+    assert (older["steps"], older["counts"]) == ([0, 1], [[4, 0, 0, 1], [3, 0, 1, 1]])
+    status, page = client.get("/outcomes?bins=4")
+    assert status == 200
+    assert page.count('<g class="step" data-step=') == 4
+    assert page.count('class="band band-0"') == 4 and page.count('class="band band-2"') == 2
+    assert "<title>step 2: 1 row with pass rate [25%, 50%)</title>" in page
+    assert 'href="/versions/5?min_pass_rate=0.75&amp;max_pass_rate=1.0&amp;sort=pass_rate"' in page
+    assert '<a class="row-link" href="/versions/5/rows/0">0</a>' in page
+    assert 'href="/api/outcomes?bins=4">JSON</a>' in page
+    _, store_page = client.get("/")
+    assert 'href="/outcomes">20 outcome records in the head\'s lineage' in store_page
+    assert client.json("/api/store")["outcome_records"] == 20
+
+
+def test_row_page_shows_its_outcome_history(scored):
+    _store, client = scored
+    detail = client.json("/api/versions/5/rows/3")["outcomes"]
+    assert detail == {
+        "success_above": 0.5,
+        "row": 3,
+        "attempts": 4,
+        "successes": 2,
+        "mean_score": 0.5,
+        "ewma_score": pytest.approx(0.5173217448321853),
+        "first_step": 0,
+        "last_step": 3,
+        "pass_rate": 0.5,
+        "steps": [
+            {"step": 0, "scores": [0.0], "attempts": 1, "successes": 0, "pass_rate": 0.0,
+             "mean_score": 0.0},
+            {"step": 1, "scores": [1.0], "attempts": 1, "successes": 1, "pass_rate": 0.5,
+             "mean_score": 0.5},
+            {"step": 2, "scores": [0.0], "attempts": 1, "successes": 0,
+             "pass_rate": pytest.approx(1 / 3), "mean_score": pytest.approx(1 / 3)},
+            {"step": 3, "scores": [1.0], "attempts": 1, "successes": 1, "pass_rate": 0.5,
+             "mean_score": 0.5},
+        ],
+    }  # fmt: skip
+    # at version 3 only steps 0 and 1 were recorded
+    assert [p["step"] for p in client.json("/api/versions/3/rows/3")["outcomes"]["steps"]] == [0, 1]
+    _, page = client.get("/versions/5/rows/3")
+    assert (
+        "Trained 4 times at 4 steps (0\u20133): 2 passed (a score above 0.5), pass rate "
+        "<strong>50%</strong>, mean score 0.5, EWMA score 0.517." in page
+    )
+    assert page.count('<circle class="step-rate"') == 4 and '<svg class="pass-rate"' in page
+    history = page.split('<table class="outcome-history">')[1].split("</table>")[0]
+    assert history.count("<tr>") == 5  # header and four steps, newest first
+    assert history.index('<td class="num">3</td>') < history.index('<td class="num">0</td>')
+    _, never = client.get("/versions/5/rows/5")
+    assert "Never trained in the lineage of version 5." in never
+    assert client.json("/api/versions/5/rows/5")["outcomes"]["steps"] == []
+
+
+def test_rows_sorted_and_filtered_by_pass_rate_and_attempts(scored):
+    _store, client = scored
+
+    def rows(query: str) -> tuple[list[int], Any]:
+        data = client.json(f"/api/versions/5/rows?{query}")
+        return [r["row"] for r in data["rows"]], data
+
+    got, data = rows("sort=-pass_rate&limit=3")
+    assert got == [4, 3, 0] and data["total"] == 10 and data["next_offset"] == 3
+    assert data["rows"][1]["outcomes"] == {
+        "attempts": 4, "successes": 2, "pass_rate": 0.5, "mean_score": 0.5, "last_step": 3
+    }  # fmt: skip
+    assert data["outcomes"]["sort"] == "-pass_rate" and data["outcomes"]["recorded"]
+    assert rows("sort=-pass_rate&offset=3&limit=3")[0] == [1, 2, 5]
+    assert rows("sort=attempts")[0] == [5, 6, 7, 8, 9, 0, 1, 2, 3, 4]
+    assert rows("min_pass_rate=0.25&max_pass_rate=0.75")[0] == [3]
+    assert rows("max_attempts=0")[0] == [5, 6, 7, 8, 9]
+    got, data = rows("min_attempts=1&q=what+is+3")  # with a text search: the total is exact
+    assert (got, data["total"]) == ([3], 1)
+    got, data = rows("round=2&sort=pass_rate")  # round 2 wrote row 6
+    assert (got, data["total"]) == ([6], 1)
+    assert rows("answer=%3F&min_attempts=1")[0] == []
+    # the facets count the selected rows
+    facet = rows("min_attempts=1")[1]["facets"]["step"]
+    assert facet["exact"] and facet["values"] == [{"value": 0, "count": 5, "selected": False}]
+    _, page = client.get("/versions/5?sort=pass_rate&min_attempts=1")
+    assert '<a class="sort-pass_rate" href="?min_attempts=1&amp;sort=-pass_rate"' in page
+    assert "pass rate ▲" in page
+    assert page.count('<td class="num pass-rate">0%</td>') == 3
+    assert '<td class="num pass-rate">100%</td>' in page
+    assert 'name="min_attempts" min="0" step="1" value="1"' in page
+    assert '<input type="hidden" name="sort" value="pass_rate">' in page
+    for bad, message in (
+        ("sort=score", "cannot sort the rows of version 5"),
+        ("min_pass_rate=2", "min_pass_rate for the rows of version 5"),
+        ("max_attempts=-1", "max_attempts for the rows of version 5"),
+    ):
+        assert message in client.json(f"/api/versions/5/rows?{bad}", status=400)["error"]
+
+
+def test_a_store_without_outcomes_says_so_on_every_page(tmp_path):
+    store = Store.open(str(tmp_path / "store"), create=True)
+    store.append([{"prompt": "a"}, {"prompt": "b"}], meta={"step": 0})
+    with served(StoreView(store)) as base:
+        client = Client(base)
+        assert client.json("/api/outcomes") == {
+            "url": store.display_url,
+            "version": 1,
+            "recorded": False,
+            "message": "no outcomes recorded",
+            "summary": None,
+            "bands": None,
+        }
+        _, page = client.get("/outcomes")
+        assert "no outcomes recorded in the lineage of version 1." in page
+        _, page = client.get("/")
+        assert "no outcomes recorded in the head's lineage." in page
+        assert client.json("/api/versions/1/rows/0")["outcomes"] is None
+        _, page = client.get("/versions/1/rows/0")
+        assert "no outcomes recorded in the lineage of version 1." in page
+        data = client.json("/api/versions/1/rows?sort=pass_rate")  # nothing to sort by
+        assert [r["row"] for r in data["rows"]] == [0, 1] and "outcomes" not in data["rows"][0]
+        assert data["outcomes"]["message"] == "no outcomes recorded"
+        _, page = client.get("/versions/1?sort=pass_rate")
+        assert "no outcomes recorded in the lineage of version 1: no pass rates" in page
+        assert "sort-pass_rate" not in page

@@ -56,7 +56,7 @@ def band_svg(series: dict[str, Any], *, width: int = 960) -> str:
             h = n / most * plot_h
             y -= h
             label = _band_label(series["bands"][i], i == bins - 1)
-            tip = f"step {step}: {n:,} rows with pass rate {label}"
+            tip = f"step {step}: {n:,} row{'' if n == 1 else 's'} with pass rate {label}"
             out.append(
                 f'<rect class="band band-{i}" x="{x:.2f}" y="{y:.2f}" '
                 f'width="{max(col - (1 if col > 3 else 0), 0.5):.2f}" height="{h:.2f}" '
