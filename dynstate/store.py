@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -18,13 +18,14 @@ import pyarrow.parquet as pq
 from . import manifest as m
 from .errors import (
     CorruptStoreError,
+    DynstateError,
     InvalidDataError,
     MissingShardError,
     StoreExistsError,
     StoreNotFoundError,
     VersionNotFoundError,
 )
-from .log import DEFAULT_TTL_S, Log, Tags, checkpoint_bytes
+from .log import DEFAULT_TTL_S, Log, Tags
 from .log.outcomes import outcomes_of
 from .manifest import Commit, ShardRef
 from .outcomes import DEFAULT_HALF_LIFE, DEFAULT_SUCCESS_ABOVE, check_stats_params
@@ -115,11 +116,7 @@ class Store:
             storage.create(m.STORE_FILE, raw)
         except FileExistsError:
             return storage.read(m.STORE_FILE)  # another process created it first
-        root = Commit(
-            store_id, 0, None, "create", m.utc_now(), None, 0, 0, 0, base=m.ShardList((), ())
-        )
-        storage.create_if_absent(m.log_path(0), m.encode(root.to_json()))
-        storage.create_if_absent(m.checkpoint_path(0), checkpoint_bytes(root, root.base))
+        Log(storage, store_id, single_writer=single_writer).create_first()
         log.info("created store %s (id %s)", storage.display_url, store_id)
         return raw
 
@@ -144,6 +141,22 @@ class Store:
     def refresh(self) -> int:
         """Look for versions committed by other processes (and a new gc floor); the head."""
         return self.log.refresh()
+
+    @property
+    def writer(self) -> Writer:
+        """The write path of this handle (:class:`dynstate.writes.Writer`): the one commit
+        protocol, which maintenance (compaction) commits through."""
+        return self._writer
+
+    @property
+    def floor(self) -> int:
+        """The gc floor as of the last refresh: versions below it were collected."""
+        return self.log.floor
+
+    def lineage(self, version: int) -> Iterator[int]:
+        """The versions whose content makes up ``version``, newest first, down to the gc floor
+        (a reset's predecessor is its target; abandoned versions are never on the way)."""
+        return self.log.lineage(version)
 
     def commit_record(self, version: int) -> Commit:
         """The commit record of ``version``."""
@@ -191,6 +204,11 @@ class Store:
 
     def untag(self, name: str) -> None:
         self._tags.remove(name)
+
+    def check_tags(self) -> tuple[dict[str, int], dict[str, DynstateError]]:
+        """Every readable tag with its version, and the error of each damaged tag file by
+        name (:meth:`tags` raises on the first instead). Raises only if tags cannot be listed."""
+        return self._tags.read_all()
 
     # -- reading -----------------------------------------------------------------------------
 

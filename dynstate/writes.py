@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -23,6 +23,7 @@ from .errors import (
     SchemaMismatchError,
     StateMismatchError,
     StorageError,
+    VersionCollectedError,
 )
 from .log import Log, shard_path
 from .log.leases import host_id, process_gone
@@ -110,6 +111,7 @@ class Writer:
         attempts: list[Commit] = []
         nonce = uuid.uuid4().hex
         pending: Pending | None = None
+        claimed = False
         try:
             meta = check_meta(meta, self.display_url)
             if checked is None and (outcomes is not None or generator_state is not None):
@@ -135,6 +137,7 @@ class Writer:
                 self.log.leases.claim(leases, nonce, head=self.log.head)
             except CommitConflictError as exc:
                 raise self._claimed_elsewhere(exc, parts) from None
+            claimed = True
             self._check_unleased(parts)
             if schema is not None:
                 self.log.put_schema(schema)
@@ -148,7 +151,9 @@ class Writer:
             if pending is not None and pending.ref is not None:
                 # the outcome file goes (or stays) with the round's shards
                 parts = [*parts, Staged((pending.ref,), None, None, pending.lease, self.store_id)]
-            landed = self._resolve_failed_commit(parts, leases, attempts, exc, nonce, private)
+            landed = self._resolve_failed_commit(
+                parts, leases, attempts, exc, nonce, private=private, claimed=claimed
+            )
             if landed is not None and isinstance(exc, Exception):
                 return landed  # the reply was lost, the commit was not
             raise
@@ -186,18 +191,28 @@ class Writer:
         attempts: list[Commit],
         exc: BaseException,
         nonce: str,
+        *,
         private: bool = False,
+        claimed: bool = True,
+        sources: Sequence[int] = (),
+        what: str = "round",
     ) -> int | None:
         """Find out, by reading back, whether a failed commit landed anyway; returns its
-        version if so. Otherwise the parts' shards are removed — unless the store cannot be
-        read, a late request may still create the record (object stores: see
-        :meth:`Log.settle`), or another call owns them; then they are left (for gc, which
-        keeps them while a record may still name them)."""
-        if isinstance(exc, CommitConflictError) and not attempts:
+        version if so (checked as :meth:`Log.confirm` does). Otherwise the parts' shards are
+        removed — unless the store cannot be read, a late request may still create the record
+        (object stores: see :meth:`Log.settle`), or another call owns them; then they are
+        left (for gc, which keeps them while a record may still name them). ``claimed``:
+        whether this call won the parts' leases; ``what`` the commit is, for messages."""
+        if not claimed and isinstance(exc, CommitConflictError):
             self.log.leases.forget(leases)  # another call holds these parts: its to decide
             return None
         if getattr(exc, "dead_claim", False):
             self.log.leases.forget(leases)  # a dead committer's claim: gc removes its files
+            return None
+        if getattr(exc, "undone", None) is not None:
+            # Our record was created, then undone by a reset to its parent (a gc passed its
+            # source): that version stays, kept above the floor, and names the shards.
+            self.log.leases.end(leases, committed=True, tombstone=not private)
             return None
         if isinstance(exc, LeaseExpiredError) and not attempts:
             # The round cannot be committed; parts that ended stay as they are.
@@ -211,24 +226,51 @@ class Writer:
                 self.log.leases.keep_unsettled(leases, nonce, attempts[-1].version)
             self.log.leases.forget(leases)
             return None
+        settled = False
         if landed is None and late:
             # On an object store a PUT the client gave up on may still reach the server later
             # and create the record: its shards may go only once that provably cannot happen.
-            settled = self.log.settle(attempts[-1])
-            if settled is None:
-                self._keep_unsettled(leases, nonce, attempts[-1], exc)
+            outcome = self.log.settle(attempts[-1])
+            if outcome:
+                try:
+                    self.log.recheck_sources(attempts[-1], sources)
+                except VersionCollectedError:
+                    # Ours landed, and was undone: a gc passed its source meanwhile.
+                    self.log.leases.end(leases, committed=True, tombstone=not private)
+                    raise
+            if outcome is None:
+                self._keep_unsettled(leases, nonce, attempts[-1], exc, what)
                 return None  # an interrupt: the shards stay all the same
-            if settled:
-                landed = attempts[-1].version
+            if outcome:
+                landed, settled = attempts[-1].version, True
         if landed is not None:
             self.log.leases.end(leases, committed=True, tombstone=not private)
             log.info("version %d of %s was committed before %r", landed, self.display_url, exc)
+            if not settled:
+                self._confirm_landed(next(r for r in attempts if r.version == landed), sources)
             return landed
         self._discard(parts, nonce, strict=False, private=private)
         return None
 
+    def _confirm_landed(self, record: Commit, sources: Sequence[int]) -> None:
+        """The checks after a create, for a record found by reading back: it is committed
+        whatever they meet, so only an undo (a gc passed its source) is raised."""
+        try:
+            self.log.confirm(record, sources)
+        except VersionCollectedError:
+            raise
+        except DynstateError as exc:
+            log.warning(
+                "checks after version %d of %s failed: %s", record.version, self.display_url, exc
+            )
+
     def _keep_unsettled(
-        self, leases: set[str], nonce: str, record: Commit, exc: BaseException
+        self,
+        leases: set[str],
+        nonce: str,
+        record: Commit,
+        exc: BaseException,
+        what: str = "round",
     ) -> None:
         """The record's create may still land and nothing can tell now: keep the shards (their
         claim marked unsettled, which gc honours for an hour, longer than S3 accepts a signed
@@ -237,12 +279,21 @@ class Writer:
         if not isinstance(exc, Exception):
             return  # an interrupt stays an interrupt; the log says what happened
         log.warning("commit of version %d of %s is unsettled", record.version, self.display_url)
+        if what == "round":
+            raise StorageError(
+                f"the commit record of version {record.version} of {self.display_url} was sent "
+                f"but no reply came ({exc}); the request may still reach the store, so the "
+                "round's shards were kept. Once the store is reachable, check version "
+                f"{record.version} (`dynstate show`): if it holds this round, the round is "
+                "committed; if another round or nothing is there, append it again"
+            ) from exc
+        kept = ", so its new shards were kept" if leases else ""
         raise StorageError(
-            f"the commit record of version {record.version} of {self.display_url} was sent but "
-            f"no reply came ({exc}); the request may still reach the store, so the round's "
-            "shards were kept. Once the store is reachable, check version "
-            f"{record.version} (`dynstate show`): if it holds this round, the round is "
-            "committed; if another round or nothing is there, append it again"
+            f"the record of the {what} of {self.display_url} (version {record.version}) was "
+            f"sent but no reply came ({exc}); the request may still reach the store{kept}. "
+            f"Once the store is reachable, check version {record.version} (`dynstate show`): "
+            f"if it is this {record.op}, it is committed; if another version or nothing is "
+            f"there, run the {what} again"
         ) from exc
 
     def _claimed_elsewhere(self, exc: CommitConflictError, parts: Sequence[Staged]) -> Exception:
@@ -429,6 +480,55 @@ class Writer:
             raise
         return written
 
+    def stage_written(
+        self,
+        write: Callable[[Callable[[], str]], list[ShardRef]],
+        schema: pa.Schema | None,
+    ) -> tuple[list[ShardRef], Staged]:
+        """Stage shards that ``write`` writes itself (compaction streams its rewrite), under a
+        new lease like a round's: ``write(new_path)`` calls ``new_path()`` for the name of each
+        shard it creates and returns a shard list, which may also name existing shards. Returns
+        that list and the part holding only the new shards (for :meth:`commit_base`). If
+        ``write`` raises, every file it named is removed and the lease ended."""
+        self.log.require_writable()
+        lease = self.log.leases.acquire()
+        named: set[str] = set()
+
+        def new_path() -> str:
+            path = shard_path(lease)
+            named.add(path)
+            return path
+
+        try:
+            listed = list(write(new_path))
+            self.storage.sync_dir(m.DATA_DIR)
+        except BaseException:
+            for path in sorted(named):
+                try:
+                    self.storage.delete(path)
+                except DynstateError as exc:
+                    log.warning("could not remove %s: %s (gc will)", path, exc)
+            self.log.leases.end({lease}, committed=False)
+            raise
+        new = tuple(s for s in listed if s.path in named)
+        staged = Staged(new, schema, None, lease, self.store_id)
+        return listed, staged.keep_leased(self.storage, self.log.leases.ttl_s)
+
+    def appended_since(self, base: int, head: int, op: str = "compact") -> list[ShardRef]:
+        """The shards added by versions ``base+1 … head``, which must all be appends (else
+        :class:`CommitConflictError`: the head is no longer ``base`` plus rounds)."""
+        added: list[ShardRef] = []
+        for v in range(base + 1, head + 1):
+            record = self.log.commit_record(v)
+            if record.op != "append":
+                raise CommitConflictError(
+                    f"cannot {op} version {base} of {self.display_url}: version {v} is a "
+                    f"{record.op}, so the head is no longer version {base} plus appends; "
+                    f"{op} the head instead (run it again)"
+                )
+            added.extend(record.add)
+        return added
+
     def commit_base(
         self,
         shards: list[ShardRef],
@@ -438,42 +538,112 @@ class Writer:
         meta: dict[str, Any] | None = None,
         target: int | None = None,
         expected_parent: int | None = None,
+        staged: Staged | None = None,
+        appends_after: int | None = None,
     ) -> int:
-        """Commit a version whose complete shard list is ``shards`` (a reset). ``target``,
-        the version the shards come from, must not be collected when the record is created.
-        With ``expected_parent``, fail instead of rebasing if someone committed meanwhile."""
-        self.log.require_writable()
-        meta = check_meta(meta, self.display_url)
-        shard_list = self.log.put_shard_list(list(shards))
-        if schema is not None:
-            self.log.put_schema(schema)
-        fp = m.schema_fingerprint(schema) if schema is not None else None
-        # A reset brings back its target's outcomes and generator state with its rows.
-        carried = outcomes_of(self.log).carry(target) if target is not None else (None, None)
+        """Commit a version whose complete shard list is ``shards`` (a reset, a compaction),
+        through the same protocol as a round (:meth:`commit_staged`). ``target``, the version
+        the shards come from, must not be collected when the record is created. With
+        ``expected_parent``, fail instead of rebasing if someone committed meanwhile.
 
-        def make(parent: Commit) -> Commit:
-            if expected_parent is not None and parent.version != expected_parent:
-                raise CommitConflictError(
-                    f"{self.display_url} moved from version {expected_parent} to "
-                    f"{parent.version} during {op}; run it again"
+        ``staged``: the new shards among ``shards`` (from :meth:`stage_written`): their lease
+        is claimed before the record and ended after it; if nothing is committed they are
+        removed, and kept while a record of unknown outcome may still land (object stores).
+
+        ``appends_after`` (a compaction of that version): the head may have moved past it by
+        appends only (else :class:`CommitConflictError`); their shards follow ``shards``, and
+        the record carries the head's schema and outcomes. Otherwise it carries ``target``'s
+        outcomes and generator state (a reset brings them back with its rows)."""
+        shards = list(shards)
+        parts = [staged] if staged is not None and staged.shards else []
+        leases = {p.lease for p in parts if p.lease}
+        if parts:
+            self._check_parts(parts)
+            listed = {s.path for s in shards}
+            if any(s.path not in listed for s in parts[0].shards):
+                raise InvalidDataError(
+                    f"the staged shards of the {op} of {self.display_url} are not all in its "
+                    "shard list; nothing was committed"
                 )
-            return Commit(
-                self.store_id,
-                parent.version + 1,
-                parent.version,
-                op,
-                m.utc_now(),
-                fp,
-                sum(s.rows for s in shards),
-                len(shards),
-                sum(s.bytes for s in shards),
-                base=shard_list,
-                target=target,
-                meta=meta,
-                outcomes=carried[0],
-                generator_state=carried[1],
-            )
-
-        self.refresh()
+        what = {"reset": "reset", "compact": "compaction"}.get(op, op)
+        attempts: list[Commit] = []
+        nonce = uuid.uuid4().hex
         sources = [target] if target is not None else []
-        return self.log.commit(make, sources=sources)
+        claimed = False
+        try:
+            self.log.require_writable()
+            meta = check_meta(meta, self.display_url)
+            if leases:
+                self.log.leases.claim(leases, nonce, head=self.log.head)
+            claimed = True
+            if schema is not None:
+                self.log.put_schema(schema)
+            fp = m.schema_fingerprint(schema) if schema is not None else None
+            fixed = self.log.put_shard_list(shards) if appends_after is None else None
+            carried: dict[int, tuple[Any, Any]] = {}
+
+            def carry(version: int) -> tuple[Any, Any]:
+                # The record stands alone like its shard list: it carries the lineage's
+                # outcomes (written once per parent: a lost race rebases onto another).
+                if version not in carried:
+                    carried[version] = outcomes_of(self.log).carry(version)
+                return carried[version]
+
+            def make(parent: Commit) -> Commit:
+                if expected_parent is not None and parent.version != expected_parent:
+                    raise CommitConflictError(
+                        f"{self.display_url} moved from version {expected_parent} to "
+                        f"{parent.version} during {op}; run it again"
+                    )
+                if appends_after is None:
+                    listing, shard_list, schema_fp = shards, fixed, fp
+                    outcomes, state = carry(target) if target is not None else (None, None)
+                else:
+                    listing = shards + self.appended_since(appends_after, parent.version, op)
+                    if parent.num_rows != sum(s.rows for s in listing):  # pragma: no cover
+                        raise CommitConflictError(
+                            f"the {what} of {self.display_url} does not match version "
+                            f"{parent.version} ({parent.num_rows} rows); run it again"
+                        )
+                    shard_list = self.log.put_shard_list(listing)
+                    # Rounds appended meanwhile may have added nullable columns: the head's
+                    # schema is a superset of the base's, and shards read back conform to it.
+                    schema_fp = parent.schema
+                    self.schema_of(parent)  # cached, so a gc's removal can be repaired
+                    outcomes, state = carry(parent.version)
+                return Commit(
+                    self.store_id,
+                    parent.version + 1,
+                    parent.version,
+                    op,
+                    m.utc_now(),
+                    schema_fp,
+                    sum(s.rows for s in listing),
+                    len(listing),
+                    sum(s.bytes for s in listing),
+                    base=shard_list,
+                    target=target,
+                    meta=meta,
+                    outcomes=outcomes,
+                    generator_state=state,
+                )
+
+            self.refresh()
+            version = self.log.commit(make, sources=sources, attempts=attempts)
+        except BaseException as exc:
+            landed = self._resolve_failed_commit(
+                parts,
+                leases,
+                attempts,
+                exc,
+                nonce,
+                private=True,
+                claimed=claimed,
+                sources=sources,
+                what=what,
+            )
+            if landed is not None and isinstance(exc, Exception):
+                return landed  # the reply was lost, the commit was not
+            raise
+        self.log.leases.end(leases, committed=True, tombstone=False)
+        return version

@@ -14,12 +14,23 @@ import uuid
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import s3_url
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from s3_faults import FaultProxy
 
-from dynstate import CommitConflictError, InvalidDataError, ShardRef, Store
+from dynstate import (
+    CommitConflictError,
+    InvalidDataError,
+    ShardRef,
+    StorageError,
+    Store,
+    collect_garbage,
+)
+from dynstate import manifest as m
 from dynstate.maintenance import compact as compaction
 from dynstate.maintenance.compact import compact, compact_if_needed, plan
+from dynstate.maintenance.verify import verify_store
 
 SMALL = 16384  # target bytes: about 15 tiny (~1 KiB) shards per compacted shard
 
@@ -352,3 +363,125 @@ def test_small_shards_between_large_ones_are_left_alone() -> None:
     assert compact(store, target_bytes=target) == 6
     assert compact_if_needed(store, max_small_shards=1, target_bytes=target) is None
     assert store.refresh() == 6 and _data_files(store) == files
+
+
+# -- one commit protocol: compaction and reset commit through the writer ----------------------
+
+
+@pytest.fixture
+def late_proxy(s3_endpoint):
+    with FaultProxy(s3_endpoint) as proxy:
+        yield proxy
+
+
+def _s3_store(proxy: FaultProxy, url: str, create: bool = False) -> Store:
+    options = {"endpoint_url": proxy.url, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    store = Store.open(url, create=create, storage_options=options)
+    store.storage.retry_base_s = 0.001
+    return store
+
+
+def _new_data(store: Store, before: set[str]) -> set[str]:
+    return {f"data/{name}" for name in _data_files(store) - before}
+
+
+@pytest.mark.s3
+def test_compaction_record_put_delivered_late_finds_its_shards(late_proxy, s3_endpoint) -> None:
+    """Every PUT of the compaction's record is held (the client gives up, the request is still
+    on its way): the new shards must stay — through a gc too — so that the record, when it
+    lands, names files that exist."""
+    url = s3_url()
+    store = _s3_store(late_proxy, url, create=True)
+    expected = _fill(store, 6)
+    before = _data_files(store)
+    late_proxy.hold(method="PUT", path_contains=f"/{m.META_DIR}/log/")
+    with pytest.raises(StorageError, match="may still reach the store") as info:
+        compact(store, target_bytes=SMALL)
+    assert "version 7" in str(info.value) and "compaction" in str(info.value)
+    late_proxy.stop_holding()
+    direct = Store.open(url, storage_options={"endpoint_url": s3_endpoint})
+    written = _new_data(direct, before)
+    assert written, "the compaction wrote no shard"
+    result = collect_garbage(direct, grace_s=0)
+    assert not any(r.path.startswith("data/") for r in result.removed), result.removed
+    assert late_proxy.held and late_proxy.release(0) == 200  # the late PUT lands
+    direct = Store.open(url, storage_options={"endpoint_url": s3_endpoint})
+    assert direct.head == 7 and direct.commit_record(7).op == "compact"
+    assert {s.path for s in direct.snapshot().shards} == written
+    _assert_same_rows(expected, _rows(direct))
+    assert direct.append(_round(50, 2)) == 8
+    assert verify_store(direct, all_versions=True).ok
+
+
+@pytest.mark.s3
+def test_compaction_record_put_that_can_no_longer_land_removes_its_shards(
+    late_proxy, s3_endpoint
+) -> None:
+    """Another writer takes the version before the compaction settles it: a late copy can only
+    meet a 412 now, so the compaction's new shards go and nothing else changes."""
+    url = s3_url()
+    store = _s3_store(late_proxy, url, create=True)
+    expected = _fill(store, 6)
+    before = _data_files(store)
+    other = Store.open(url, storage_options={"endpoint_url": s3_endpoint})
+    settle = store.log.settle
+
+    def other_writer_first(record):
+        late_proxy.stop_holding()
+        assert other.append(_round(60, 2)) == 7
+        return settle(record)
+
+    store.log.settle = other_writer_first
+    late_proxy.hold(method="PUT", path_contains=f"/{m.META_DIR}/log/")
+    with pytest.raises(StorageError) as info:
+        compact(store, target_bytes=SMALL)
+    assert "may still reach" not in str(info.value)
+    assert late_proxy.held and late_proxy.release(0) == 412
+    direct = Store.open(url, storage_options={"endpoint_url": s3_endpoint})
+    assert direct.head == 7 and direct.commit_record(7).op == "append"
+    _assert_same_rows(expected + _round(60, 2), _rows(direct))
+    assert _new_data(direct, before) == {direct.commit_record(7).add[0].path}
+    assert verify_store(direct, all_versions=True).ok
+
+
+@pytest.mark.s3
+def test_reset_record_put_delivered_late_goes_through_the_same_path(
+    late_proxy, s3_endpoint
+) -> None:
+    """A reset is committed by the same writer call: its record of unknown outcome is settled
+    and reported as such (not a bare storage error), and lands late as the head."""
+    url = s3_url()
+    store = _s3_store(late_proxy, url, create=True)
+    expected = _fill(store, 4)
+    late_proxy.hold(method="PUT", path_contains=f"/{m.META_DIR}/log/")
+    with pytest.raises(StorageError, match="may still reach the store") as info:
+        store.reset(2)
+    assert "version 5" in str(info.value) and "reset" in str(info.value)
+    late_proxy.stop_holding()
+    assert late_proxy.held and late_proxy.release(0) == 200
+    direct = Store.open(url, storage_options={"endpoint_url": s3_endpoint})
+    assert direct.head == 5 and direct.commit_record(5).target == 2
+    _assert_same_rows(expected[: direct.snapshot(2).num_rows], _rows(direct))
+    assert verify_store(direct, all_versions=True).ok
+
+
+@pytest.mark.s3
+def test_reset_whose_reply_is_lost_returns_its_version(late_proxy, s3_endpoint) -> None:
+    """The first PUT of a reset's record is applied and its reply lost (every retry too): the
+    writer settles the name, finds its own record, and returns the version."""
+    url = s3_url()
+    store = _s3_store(late_proxy, url, create=True)
+    _fill(store, 4)
+    settle = store.log.settle
+
+    def deliver_first(record):
+        late_proxy.stop_holding()
+        assert late_proxy.release(0) == 200  # the held PUT arrives before the settle
+        return settle(record)
+
+    store.log.settle = deliver_first
+    late_proxy.hold(method="PUT", path_contains=f"/{m.META_DIR}/log/")
+    assert store.reset(2) == 5
+    direct = Store.open(url, storage_options={"endpoint_url": s3_endpoint})
+    assert direct.head == 5 and direct.commit_record(5).op == "reset"
+    assert verify_store(direct, all_versions=True).ok

@@ -31,31 +31,66 @@ class Catalog:
     def where(self, rel: str) -> str:
         return f"{self.display_url}/{rel}"
 
+    # -- checkpoints and chunks ------------------------------------------------------------
+
     def checkpoint(self, version: int) -> list[ShardRef] | None:
+        """The complete shard list the checkpoint of ``version`` holds, or None if there is no
+        checkpoint file (its writer died before writing it; replay further back instead)."""
+        shard_list = self.read_checkpoint(version)
+        if shard_list is None:
+            return None
+        return self.expand(shard_list, self.where(m.checkpoint_path(version)))
+
+    def read_checkpoint(self, version: int) -> m.ShardList | None:
+        """The shard list (chunk references and tail) of ``version``'s checkpoint, decoded and
+        checked but not expanded; None if there is no such file. A damaged file raises
+        :class:`CorruptStoreError` naming it."""
         rel = m.checkpoint_path(version)
         raw = self.storage.try_read(rel)
         if raw is None:
-            return None  # its writer died before writing it; replay further back instead
+            return None
         obj = m.decode(raw, self.where(rel))
-        return self.expand(
-            m.ShardList.from_json(obj.get("shards"), self.where(rel)), self.where(rel)
-        )
+        return m.ShardList.from_json(obj.get("shards"), self.where(rel))
+
+    def checkpoint_versions(self, floor: int = 0) -> list[int]:
+        """The versions from ``floor`` on that have a checkpoint file, by one listing. A name
+        counts only if :func:`dynstate.manifest.checkpoint_path` makes exactly it; anything else
+        in the folder is not a checkpoint."""
+        found = []
+        for name in self.storage.list(f"{m.META_DIR}/checkpoints"):
+            stem = name.removesuffix(".json")
+            if not (stem.isascii() and stem.isdigit()):
+                continue
+            version = int(stem)
+            if version >= floor and m.checkpoint_path(version).endswith(f"/{name}"):
+                found.append(version)
+        return sorted(found)
+
+    def read_chunk(self, digest: str, *, cached: bool = True) -> list[ShardRef] | None:
+        """The shard entries of chunk ``digest`` (checked against its content address), or
+        None if the file is missing. A damaged chunk raises (:class:`ChecksumMismatchError`,
+        :class:`CorruptStoreError`) naming it. ``cached=False`` reads the file even if this
+        handle read it before (verify: the file must be there now)."""
+        chunk = self._chunks.get(digest) if cached else None
+        if chunk is None:
+            rel = m.chunk_path(digest)
+            try:
+                raw = self.storage.read(rel)
+            except FileNotFoundError:
+                return None
+            chunk = m.decode_chunk(digest, raw, self.where(rel))
+            self._chunks[digest] = chunk
+        return chunk
 
     def expand(self, shard_list: m.ShardList, where: str) -> list[ShardRef]:
         out: list[ShardRef] = []
         for digest in shard_list.chunks:
-            chunk = self._chunks.get(digest)
+            chunk = self.read_chunk(digest)
             if chunk is None:
-                rel = m.chunk_path(digest)
-                try:
-                    raw = self.storage.read(rel)
-                except FileNotFoundError:
-                    raise CorruptStoreError(
-                        f"{where} refers to chunk {digest[:12]}, which is missing from "
-                        f"{self.display_url}; run `dynstate verify`"
-                    ) from None
-                chunk = m.decode_chunk(digest, raw, self.where(rel))
-                self._chunks[digest] = chunk
+                raise CorruptStoreError(
+                    f"{where} refers to chunk {digest[:12]}, which is missing from "
+                    f"{self.display_url}; run `dynstate verify`"
+                )
             out.extend(chunk)
         out.extend(shard_list.tail)
         return out
@@ -74,10 +109,12 @@ class Catalog:
 
     # -- schemas ---------------------------------------------------------------------------
 
-    def schema(self, fp: str | None, version: int) -> pa.Schema | None:
+    def schema(self, fp: str | None, version: int, *, cached: bool = True) -> pa.Schema | None:
+        """The schema ``fp`` that ``version`` names; a missing or damaged file raises naming
+        it. ``cached=False`` reads the file even if this handle read it before (verify)."""
         if fp is None:
             return None
-        schema = self._schemas.get(fp)
+        schema = self._schemas.get(fp) if cached else None
         if schema is None:
             rel = m.schema_path(fp)
             try:

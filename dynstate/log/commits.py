@@ -66,6 +66,14 @@ class Log(Catalog):
         """The gc floor as of the last refresh: versions below it are collected."""
         return self._floor
 
+    def create_first(self) -> None:
+        """Write version 0 of a new store — an empty base — and its checkpoint, once its
+        ``store.json`` exists (by the process that created that file)."""
+        empty = m.ShardList((), ())
+        root = Commit(self.store_id, 0, None, "create", m.utc_now(), None, 0, 0, 0, base=empty)
+        self.storage.create_if_absent(m.log_path(0), m.encode(root.to_json()))
+        self.storage.create_if_absent(m.checkpoint_path(0), checkpoint_bytes(root, empty))
+
     # -- the gc floor ----------------------------------------------------------------------
 
     def read_floor(self) -> int:
@@ -280,15 +288,22 @@ class Log(Catalog):
                 continue
             if self._stray(record, sources):
                 continue  # created below a floor a gc published meanwhile: commit above it
-            self.restore_named(record)
-            if sources:
-                self._recheck_sources(record, sources)
-            self._upkeep(record)
+            self.confirm(record, sources)
             return record.version
         raise CommitConflictError(
             f"gave up committing to {self.display_url} after {MAX_COMMIT_ATTEMPTS} lost races; "
             "too many concurrent writers — retry, or write rounds from fewer processes"
         )
+
+    def confirm(self, record: Commit, sources: Iterable[int] = ()) -> None:
+        """The checks after ``record`` was created — by :meth:`commit`, or found by a read-back
+        (:meth:`landed`) after its reply was lost: the schema and chunks it names exist (any a
+        gc removed meanwhile are written again); for a record reusing ``sources``' shards (a
+        reset, a compaction), no gc passed a source without seeing the record (else it is undone
+        and :class:`VersionCollectedError` raised); then the upkeep."""
+        self.restore_named(record)
+        self.recheck_sources(record, sources)
+        self._upkeep(record)
 
     def _stray(self, record: Commit, sources: list[int]) -> bool:
         """Whether ``record``, just created, lies below the gc floor where no reader looks.
@@ -343,10 +358,14 @@ class Log(Catalog):
         head = self.refresh()
         return any(s.path == path for s in self.materialize(head))
 
-    def _recheck_sources(self, record: Commit, sources: list[int]) -> None:
-        """A gc that published its floor while this record was being created may not have
-        seen the record; undo it (the parent is always kept) rather than leave a head whose
-        shards gc may remove."""
+    def recheck_sources(self, record: Commit, sources: Iterable[int]) -> None:
+        """After ``record``, reusing ``sources``' shards, was created: a gc that published its
+        floor past a source meanwhile may not have seen the record; undo it (a reset to its
+        parent, which is always kept) and raise :class:`VersionCollectedError`, rather than
+        leave a head whose shards gc may remove."""
+        sources = list(sources)
+        if not sources:
+            return
         floor = self.read_floor()
         if min(sources) >= floor:
             return
@@ -377,7 +396,10 @@ class Log(Catalog):
             )
 
         self.commit(make)
-        raise self.collected(min(sources))
+        err = self.collected(min(sources))
+        # Our record was created and is undone: the caller must not resolve it again.
+        err.undone = record.version  # type: ignore[attr-defined]
+        raise err
 
     def _publish(self, record: Commit) -> None:
         self.storage.create(m.log_path(record.version), m.encode(record.to_json()))
@@ -422,8 +444,9 @@ class Log(Catalog):
         """For a record whose create failed with its outcome unknown on a backend where a
         request may still arrive later (an object store): create the same bytes again, so
         that the name holds either our record or another's, and a late copy of ours can only
-        meet a 412. True: ours is there (committed); False: another record holds the name (ours
-        never will); None: still unknown (the store cannot be reached)."""
+        meet a 412. True: ours is there (committed; a record reusing sources' shards still
+        needs :meth:`recheck_sources`); False: another record holds the name (ours never will);
+        None: still unknown (the store cannot be reached)."""
         try:
             self._publish(record)  # identical bytes met at the name count as ours
         except FileExistsError:

@@ -46,15 +46,29 @@ class Tags:
         return version
 
     def all(self) -> dict[str, int]:
-        """Every tag and the version it names (kept or not: a listing never fails on one)."""
-        out = {}
-        for name in self.storage.list(f"{m.META_DIR}/tags"):
-            if name.endswith(".json") and is_safe_name(name[:-5]):
-                try:
-                    out[name[:-5]] = self._read(name[:-5])
-                except VersionNotFoundError:
-                    continue  # removed while we listed
-        return out
+        """Every tag and the version it names (kept or not: a listing never fails on one).
+        A damaged tag file raises :class:`CorruptStoreError` naming it."""
+        tags, damaged = self.read_all()
+        for error in damaged.values():
+            raise error
+        return tags
+
+    def read_all(self) -> tuple[dict[str, int], dict[str, DynstateError]]:
+        """Every readable tag and the version it names, and the error of each damaged tag
+        file by tag name (verify reports each, and checks the rest). Raises only if the tags
+        cannot be listed."""
+        tags: dict[str, int] = {}
+        damaged: dict[str, DynstateError] = {}
+        for name in sorted(self.storage.list(f"{m.META_DIR}/tags")):
+            if not (name.endswith(".json") and is_safe_name(name[:-5])):
+                continue
+            try:
+                tags[name[:-5]] = self._read(name[:-5])
+            except VersionNotFoundError:
+                continue  # removed while we listed
+            except DynstateError as exc:
+                damaged[name[:-5]] = exc
+        return tags, damaged
 
     def create(self, name: str, target: int, *, force: bool) -> None:
         raw = m.encode({"format": m.FORMAT, "version": target, "created": m.utc_now()})

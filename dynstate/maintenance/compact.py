@@ -11,23 +11,24 @@ Compaction races with writers: while version ``v`` is rewritten, other processes
 compacted ones — nothing is lost. If any of those versions is a reset or another compaction
 the rewrite no longer describes the head, so it is abandoned with :class:`CommitConflictError`
 and its new shards are removed.
+
+This module only plans and rewrites: the new shards are staged and committed by the store's
+writer (:meth:`dynstate.writes.Writer.stage_written`, :meth:`~dynstate.writes.Writer.commit_base`),
+the one commit protocol — lease, claim, exclusive create, the checks after it, and what happens
+to the shards when the record's outcome is unknown.
 """
 
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .. import manifest as m
-from ..errors import CommitConflictError, DynstateError, InvalidDataError
-from ..log import shard_path
-from ..log.outcomes import outcomes_of
-from ..manifest import Commit, ShardRef
+from ..errors import InvalidDataError
+from ..manifest import ShardRef
 from ..rounds import check_meta
 from ..snapshot import Snapshot
 from ..store import Store
@@ -99,38 +100,27 @@ def compact(
             f"not {target_bytes!r}"
         )
     meta = check_meta(meta, store.display_url)
+    writer = store.writer
     snap = store.snapshot(version)
     base = snap.version
     # Refuse early, before writing anything, when the head is not ``base`` plus appends.
-    _appended_since(store, base, store.refresh())
+    writer.appended_since(base, store.refresh())
     steps = plan(snap.shards, target_bytes)
     if all(isinstance(step, ShardRef) for step in steps):
         log.info("nothing to compact in version %d of %s", base, store.display_url)
         return base
-    store.log.require_writable()
-    written: list[ShardRef] = []
-    attempts: list[Commit] = []
-    # The new shards are staged files like any round's: a lease keeps gc away from them.
-    lease = store.log.leases.acquire()
-    try:
-        compacted = _rewrite(store, snap, steps, written, lease, progress)
-        if snap.schema is not None:
-            store.log.put_schema(snap.schema)
-        store.log.leases.claim({lease}, uuid.uuid4().hex)
-        new_version = store.log.commit(
-            lambda parent: _compact_record(store, parent, base, compacted, meta),
-            sources=[base],
-            attempts=attempts,
-        )
-    except BaseException:
-        if _any_committed(store, attempts):
-            store.log.leases.end({lease}, committed=True)
-        else:
-            for shard in written:
-                _delete_quietly(store, shard.path)
-            store.log.leases.end({lease}, committed=False)
-        raise
-    store.log.leases.end({lease}, committed=True)
+    compacted, staged = writer.stage_written(
+        lambda new_path: _rewrite(store, snap, steps, new_path, progress), snap.schema
+    )
+    new_version = writer.commit_base(
+        compacted,
+        op="compact",
+        schema=snap.schema,
+        meta=meta,
+        target=base,
+        staged=staged,
+        appends_after=base,
+    )
     log.info(
         "compacted version %d of %s: %d shards -> %d (version %d)",
         base,
@@ -146,12 +136,11 @@ def _rewrite(
     store: Store,
     snap: Snapshot,
     steps: list[Step],
-    written: list[ShardRef],
-    lease: str,
+    new_path: Callable[[], str],
     progress: Callable[[int, int], None] | None = None,
 ) -> list[ShardRef]:
-    """The compacted shard list of ``snap``; new shards are added to ``written`` as they are
-    written, so that a failure part-way can remove them."""
+    """The compacted shard list of ``snap``: runs are written as new shards named by
+    ``new_path`` (the writer removes them if this fails part-way)."""
     out: list[ShardRef] = []
     total = sum(len(step) for step in steps if not isinstance(step, ShardRef))
     done = 0
@@ -168,8 +157,7 @@ def _rewrite(
         if isinstance(step, ShardRef):
             out.append(step)
         else:
-            out.append(_write_group(store, snap, step, written, lease, tick))
-    store.storage.sync_dir(m.DATA_DIR)
+            out.append(_write_group(store, snap, step, new_path(), tick))
     return out
 
 
@@ -177,15 +165,13 @@ def _write_group(
     store: Store,
     snap: Snapshot,
     group: list[ShardRef],
-    written: list[ShardRef],
-    lease: str,
+    path: str,
     tick: Callable[[], None] | None = None,
 ) -> ShardRef:
-    """Write the rows of a run of shards, in order, as one shard. Source shards are read one
-    at a time (verified, shaped like the snapshot's schema so older shards gain later nullable
-    columns) and written as row groups of about ``_ROW_GROUP_BYTES``, so memory stays near
-    the output's size rather than several times the decoded group."""
-    path = shard_path(lease)
+    """Write the rows of a run of shards, in order, as one shard at ``path``. Source shards
+    are read one at a time (verified, shaped like the snapshot's schema so older shards gain
+    later nullable columns) and written as row groups of about ``_ROW_GROUP_BYTES``, so memory
+    stays near the output's size rather than several times the decoded group."""
     rows = 0
     with store.storage.new_shard(path) as sink:
         writer: pq.ParquetWriter | None = None
@@ -209,73 +195,7 @@ def _write_group(
         finally:
             if writer is not None:
                 writer.close()
-    ref = ShardRef(path, rows, sink.size, sink.sha256)
-    written.append(ref)
-    return ref
-
-
-def _appended_since(store: Store, base: int, head: int) -> list[ShardRef]:
-    """The shards added by versions ``base+1 … head``, which must all be appends."""
-    added: list[ShardRef] = []
-    for v in range(base + 1, head + 1):
-        record = store.commit_record(v)
-        if record.op != "append":
-            raise CommitConflictError(
-                f"cannot compact version {base} of {store.display_url}: version {v} is a "
-                f"{record.op}, so the head is no longer version {base} plus appends; compact "
-                "the head instead (run it again)"
-            )
-        added.extend(record.add)
-    return added
-
-
-def _compact_record(
-    store: Store, parent: Commit, base: int, compacted: list[ShardRef], meta: dict[str, Any]
-) -> Commit:
-    shards = compacted + _appended_since(store, base, parent.version)
-    shard_list = store.log.put_shard_list(shards)
-    # The new record stands alone like its shard list: it carries the lineage's outcomes.
-    outcomes, state = outcomes_of(store.log).carry(parent.version)
-    if parent.num_rows != sum(s.rows for s in shards):  # pragma: no cover - invariant
-        raise CommitConflictError(
-            f"compaction of {store.display_url} does not match version {parent.version} "
-            f"({parent.num_rows} rows); run it again"
-        )
-    return Commit(
-        store.store_id,
-        parent.version + 1,
-        parent.version,
-        "compact",
-        m.utc_now(),
-        # Rounds appended meanwhile may have added nullable columns; the head's schema is a
-        # superset of base's, and shards read back are conformed to it.
-        parent.schema,
-        parent.num_rows,
-        len(shards),
-        sum(s.bytes for s in shards),
-        base=shard_list,
-        target=base,
-        meta=meta,
-        outcomes=outcomes,
-        generator_state=state,
-    )
-
-
-def _any_committed(store: Store, attempts: list[Commit]) -> bool:
-    """Whether one of our records may have been committed even though an error was raised
-    (an object store can apply a PUT and then fail the response). When unsure, say yes:
-    leaving orphan shards for gc is safe, deleting committed ones is not."""
-    try:
-        return store.log.landed(attempts) is not None
-    except BaseException:
-        return True
-
-
-def _delete_quietly(store: Store, rel: str) -> None:
-    try:
-        store.storage.delete(rel)
-    except DynstateError as exc:
-        log.warning("could not remove %s of %s: %s (gc will)", rel, store.display_url, exc)
+    return ShardRef(path, rows, sink.size, sink.sha256)
 
 
 def compact_if_needed(

@@ -5,7 +5,6 @@ raised, so one run names all of them."""
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -13,15 +12,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import manifest as m
-from ..errors import DynstateError, VersionCollectedError, VersionNotFoundError
+from ..errors import DynstateError, VersionCollectedError
 from ..log.outcomes import verify as verify_outcomes
 from ..manifest import Commit, ShardRef
-from ..storage import is_safe_name
 from ..store import Store
 
 log = logging.getLogger("dynstate")
-
-_VERSION_FILE = re.compile(r"^(\d{20})\.json$")
 
 
 @dataclass
@@ -61,7 +57,7 @@ def verify_store(
     """Check ``store``; ``progress(done, total)`` is called per shard read, and
     ``records_progress(done, total)`` per commit record read before that."""
     head = store.refresh()
-    floor = store.log.floor
+    floor = store.floor
     report = VerifyReport(store.display_url, head, floor)
     records = _check_records(store, floor, head, report, records_progress)
     _check_schemas(store, records, report)
@@ -105,26 +101,17 @@ def verify_store(
 def _read_tags(store: Store, report: VerifyReport) -> dict[str, int]:
     """Every readable tag; each damaged tag file is a problem of its own, and the rest of the
     store is still checked."""
-    tags = store._tags
     try:
-        names = store.storage.list(f"{m.META_DIR}/tags")
+        tags, damaged = store.check_tags()
     except DynstateError as exc:
         report.problems.append(f"the tags of {store.display_url} cannot be listed: {exc}")
         return {}
-    out: dict[str, int] = {}
-    for name in sorted(names):
-        if not (name.endswith(".json") and is_safe_name(name[:-5])):
-            continue
-        try:
-            out[name[:-5]] = tags._read(name[:-5])
-        except VersionNotFoundError:
-            continue  # removed while we listed
-        except DynstateError as exc:
-            report.problems.append(
-                f"tag file {store.display_url}/{m.tag_path(name[:-5])}: {exc}; remove it with "
-                "`dynstate tag --delete` or restore it"
-            )
-    return out
+    for name, error in sorted(damaged.items()):
+        report.problems.append(
+            f"tag file {store.display_url}/{m.tag_path(name)}: {error}; remove it with "
+            "`dynstate tag --delete` or restore it"
+        )
+    return tags
 
 
 def _collect(
@@ -184,32 +171,31 @@ def _check_schemas(store: Store, records: dict[int, Commit], report: VerifyRepor
             continue
         seen.add(record.schema)
         try:
-            store.schema_of(record)
+            store.log.schema(record.schema, record.version, cached=False)
         except DynstateError as exc:
             report.problems.append(str(exc))
 
 
 def _check_checkpoints(store: Store, floor: int, report: VerifyReport) -> None:
-    """Checkpoints and the chunks they name (a reader may rely on any of them)."""
+    """Checkpoints and the chunks they name (a reader may rely on any of them), read from the
+    files now, not from the handle's caches."""
+    catalog = store.log
     chunks: set[str] = set()
-    for name in store.storage.list(f"{m.META_DIR}/checkpoints"):
-        match = _VERSION_FILE.match(name)
-        if match is None or int(match.group(1)) < floor:
-            continue
-        rel = f"{m.META_DIR}/checkpoints/{name}"
-        where = f"{store.display_url}/{rel}"
+    for version in catalog.checkpoint_versions(floor):
         try:
-            obj = m.decode(store.storage.read(rel), where)
-            chunks.update(m.ShardList.from_json(obj.get("shards"), where).chunks)
+            shard_list = catalog.read_checkpoint(version)
         except DynstateError as exc:
             report.problems.append(str(exc))
+            continue
+        if shard_list is not None:  # None: removed since the listing (a gc)
+            chunks.update(shard_list.chunks)
     for digest in sorted(chunks):
-        rel = m.chunk_path(digest)
-        where = f"{store.display_url}/{rel}"
         try:
-            m.decode_chunk(digest, store.storage.read(rel), where)
-        except FileNotFoundError:
-            report.problems.append(f"chunk {where} named by a checkpoint is missing")
+            if catalog.read_chunk(digest, cached=False) is None:
+                report.problems.append(
+                    f"chunk {store.display_url}/{m.chunk_path(digest)} named by a checkpoint "
+                    "is missing"
+                )
         except DynstateError as exc:
             report.problems.append(str(exc))
 

@@ -1,0 +1,82 @@
+"""verify reads the store's files through the log's own calls, and reads them now: a handle
+that read a schema, chunk or checkpoint before still sees that it is gone or damaged; files in
+the checkpoint folder that the log does not name are not checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynstate import CorruptStoreError, Store
+from dynstate import manifest as m
+from dynstate.maintenance.verify import verify_store
+
+
+def _store(tmp_path, shards: int = 300) -> tuple[str, Store]:
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    store.append([{"i": i} for i in range(shards)], shard_bytes=1)  # one full chunk
+    store.reset(1)  # a base record naming that chunk
+    return url, store
+
+
+def _one(store: Store, folder: str) -> str:
+    (name,) = store.storage.list(f"{m.META_DIR}/{folder}")
+    return f"{m.META_DIR}/{folder}/{name}"
+
+
+def test_a_long_lived_handle_sees_a_removed_schema(tmp_path) -> None:
+    _, store = _store(tmp_path)
+    assert verify_store(store, all_versions=True).ok  # the handle has read the schema
+    store.storage.delete(_one(store, "schemas"))
+    report = verify_store(store)
+    assert any("schema" in p and "missing" in p for p in report.problems), report.problems
+
+
+def test_checkpoints_and_their_chunks_are_read_from_the_files(tmp_path) -> None:
+    url, store = _store(tmp_path)
+    store.log.publish_floor(2)  # a checkpoint of version 2 naming the chunk
+    assert verify_store(store).ok
+    chunk = _one(store, "chunks")
+    store.storage.delete(chunk)
+    report = verify_store(store)
+    assert f"chunk {store.display_url}/{chunk} named by a checkpoint is missing" in (
+        report.problems
+    )
+    store.storage.put(chunk, b"{}")  # damaged: its content no longer matches its name
+    report = verify_store(Store.open(url))
+    assert any("content address" in p for p in report.problems), report.problems
+
+
+def test_a_damaged_checkpoint_is_named_and_foreign_names_are_ignored(tmp_path) -> None:
+    url, store = _store(tmp_path, shards=3)
+    folder = f"{m.META_DIR}/checkpoints"
+    for foreign in ("notes.json", "1.json", "0000000000000000000x.json", "README"):
+        store.storage.put(f"{folder}/{foreign}", b"not json")
+    assert verify_store(Store.open(url)).ok
+    assert store.log.checkpoint_versions() == [0]
+    store.storage.put(m.checkpoint_path(0), b"not json")
+    report = verify_store(Store.open(url))
+    assert len(report.problems) == 1 and m.checkpoint_path(0) in report.problems[0]
+
+
+def test_damaged_tags_are_reported_apart_from_the_rest(tmp_path) -> None:
+    url, store = _store(tmp_path, shards=3)
+    store.tag("good", 1)
+    store.tag("bad", 2)
+    store.storage.put(m.tag_path("bad"), b'{"format": 1, "version": "two"}')
+    tags, damaged = store.check_tags()
+    assert tags == {"good": 1} and set(damaged) == {"bad"}
+    assert isinstance(damaged["bad"], CorruptStoreError)
+    with pytest.raises(CorruptStoreError, match=r"bad\.json"):
+        store.tags()
+    report = verify_store(Store.open(url))
+    assert len(report.problems) == 1 and m.tag_path("bad") in report.problems[0]
+
+
+def test_a_new_store_has_the_log_s_first_version(tmp_path) -> None:
+    store = Store.open(tmp_path / "new", create=True)
+    record = store.commit_record(0)
+    assert record.op == "create" and record.base is not None and not record.base.chunks
+    assert store.log.checkpoint(0) == []
+    assert store.log.checkpoint_versions() == [0]
+    assert verify_store(store, all_versions=True).ok
