@@ -25,6 +25,7 @@ from dynstate import (
     ShardRef,
     StorageError,
     Store,
+    VersionCollectedError,
     collect_garbage,
 )
 from dynstate import manifest as m
@@ -485,3 +486,42 @@ def test_reset_whose_reply_is_lost_returns_its_version(late_proxy, s3_endpoint) 
     direct = Store.open(url, storage_options={"endpoint_url": s3_endpoint})
     assert direct.head == 5 and direct.commit_record(5).op == "reset"
     assert verify_store(direct, all_versions=True).ok
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_compaction_racing_a_gc_past_its_base_is_undone_once(tmp_path, monkeypatch, keep) -> None:
+    """gc runs right after the compaction's record (of version 4, rounds 5 and 6 appended
+    after it) is created. A floor past the parent (keep 1) means that gc saw the record: the
+    compaction stands. A floor past the base but not the parent (keep 2): the writer cannot
+    know, so it commits one reset back to its parent and raises; the compacted version stays
+    readable (kept above the floor) and its shards are never removed."""
+    from dynstate.log import Log
+
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    expected = _fill(store, 6)
+    real = Log._publish
+    fired: list[bool] = []
+
+    def publish_then_gc(self: Log, record) -> None:
+        real(self, record)
+        if record.op == "compact" and not fired:
+            fired.append(True)
+            collect_garbage(Store.open(url), keep=keep, grace_s=0)
+
+    monkeypatch.setattr(Log, "_publish", publish_then_gc)
+    if keep == 1:
+        assert compact(store, target_bytes=SMALL, version=4) == 7
+    else:
+        with pytest.raises(VersionCollectedError, match="oldest kept is 6"):
+            compact(store, target_bytes=SMALL, version=4)
+    monkeypatch.undo()
+    again = Store.open(url)
+    assert again.head == (7 if keep == 1 else 8)  # one undo, never two
+    if keep == 2:
+        undo = again.commit_record(8)
+        assert undo.op == "reset" and undo.target == 6 and undo.meta == {"undo": 7}
+    _assert_same_rows(expected, _rows(again))
+    _assert_same_rows(expected, _rows(again, 7))
+    collect_garbage(again, grace_s=0)
+    assert verify_store(Store.open(url), all_versions=True).ok
