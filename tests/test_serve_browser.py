@@ -124,3 +124,64 @@ def test_filter_rows_by_generator_and_search(page, site):
     rows = page.locator("table.rows a.row-link").all_inner_texts()
     assert [int(r) for r in rows] == list(run.rounds[14][2])
     assert "generator=proposer" in page.url  # the search kept the facet filter
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory) -> Iterator[str]:
+    from test_stats_cli import build as build_scored
+
+    store = build_scored(str(tmp_path_factory.mktemp("scored") / "store"))
+    with served(StoreView(store)) as base:
+        yield base
+
+
+@pytest.fixture
+def scored_page(browser, scored):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    foreign: list[str] = []
+    page.on("request", lambda r: None if r.url.startswith(scored) else foreign.append(r.url))
+    yield page
+    context.close()
+    assert foreign == []
+
+
+def test_outcomes_from_band_chart_to_sorted_rows_to_a_row_history(scored_page, scored, tmp_path):
+    """A store with outcomes: the band chart, its band link to the rows table sorted by pass
+    rate, the header that flips the order, the pass-rate form, and a row's history."""
+    page, base = scored_page, scored
+    page.goto(base + "/")
+    page.locator("a.outcomes-link").click()
+    page.wait_for_url(re.compile(r"/outcomes$"))
+    chart = page.locator("svg.bands")
+    assert chart.is_visible() and chart.bounding_box()["width"] > 500
+    assert page.locator("svg.bands g.step").count() == 4
+    page.locator("ul.bands-legend a", has_text="0\u201310%").click()
+    page.wait_for_url(re.compile(r"max_pass_rate=0.1"))
+    assert page.locator("table.rows a.row-link").all_inner_texts() == ["0", "1", "2"]
+
+    page.goto(base + "/versions/head?min_attempts=1")
+    page.locator("a.sort-pass_rate").click()  # ascending, then descending
+    page.locator("a.sort-pass_rate").click()
+    page.wait_for_url(re.compile(r"sort=-pass_rate"))
+    assert page.locator("table.rows a.row-link").all_inner_texts() == ["4", "3", "0", "1", "2"]
+    assert page.locator("table.rows td.pass-rate").first.inner_text() == "100%"
+    page.fill("form.filters input[name=min_pass_rate]", "0.4")
+    page.fill("form.filters input[name=max_pass_rate]", "0.6")
+    page.locator("form.filters button").click()
+    page.wait_for_url(re.compile(r"min_pass_rate=0.4"))
+    assert "sort=-pass_rate" in page.url  # the form kept the order
+    assert page.locator("table.rows a.row-link").all_inner_texts() == ["3"]
+
+    page.locator("table.rows a.row-link", has_text="3").click()
+    page.wait_for_url(re.compile(r"/rows/3$"))
+    assert "pass rate 50%" in page.locator("p.outcome-summary").inner_text()
+    assert page.locator("svg.pass-rate").is_visible()
+    assert page.locator("svg.pass-rate circle.step-rate").count() == 4
+    steps = page.locator("table.outcome-history tbody td:first-child").all_inner_texts()
+    assert steps == ["3", "2", "1", "0"]
+    shot = tmp_path / "row-outcomes.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("DYNSTATE_SERVE_OUTCOMES_SCREENSHOT"):  # docs/serve-row-outcomes.png
+        shutil.copy(shot, os.environ["DYNSTATE_SERVE_OUTCOMES_SCREENSHOT"])
