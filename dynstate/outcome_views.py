@@ -273,7 +273,7 @@ class OutcomeViews:
         outcome files committed since (all of them again after a rollback)."""
         series = self._fold(version, bins)
         steps, counts = series.steps, series.counts
-        picked = range(len(steps))
+        picked: list[int] | range = range(len(steps))
         if points is not None and len(steps) > points:
             picked = sorted(
                 {round(i * (len(steps) - 1) / max(points - 1, 1)) for i in range(points)}

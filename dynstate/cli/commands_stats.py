@@ -97,8 +97,10 @@ def stats_cmd(
     snap = store.snapshot(number)
     column = _preview_column(snap, preview, store.display_url)
     listed = [e["row"] for e in (*summary["hardest"], *summary["easiest"])]
-    values = read_rows_at(snap, listed, [column]) if column is not None and listed else []
-    texts = {row: r.cell(v[column]) for row, v in zip(listed, values, strict=True)}
+    texts: dict[int, str] = {}
+    if column is not None and listed:
+        values = read_rows_at(snap, listed, [column])
+        texts = {row: r.cell(v[column]) for row, v in zip(listed, values, strict=True)}
     for entry in (*summary["hardest"], *summary["easiest"]):
         entry["preview"] = texts.get(entry["row"])
     out = {

@@ -125,6 +125,7 @@ class RowQuery:
         round_filters, data_filters = self._split_filters(snap, filters)
         ranges = _round_ranges(rounds, round_filters)
         page: list[int]
+        total: int | None
         matches: np.ndarray | None = None
         if order is not None:
             chosen = _in_ranges(order, ranges)
