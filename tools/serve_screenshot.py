@@ -4,6 +4,9 @@ lost round, empty rounds and a compaction, shown in headless Chromium (Debian's 
 /usr/bin/chromium, or $DYNSTATE_CHROMIUM).
 
     python tools/serve_screenshot.py docs/           # writes serve-store.png, serve-row.png
+    python tools/serve_screenshot.py --outcomes docs/
+        # the same run with each step's outcomes (32 rows, 4 responses each): writes
+        # serve-outcomes.png (rows per pass-rate band per step) and serve-row-outcomes.png
 """
 
 from __future__ import annotations
@@ -47,13 +50,27 @@ def _row(question: str, answer: str, source: list[int] | None) -> dict:
     }
 
 
-def build(url: str, *, import_rows: int = IMPORT_ROWS, steps: int = STEPS) -> Store:
+def _outcomes(rng: random.Random, n: int, step: int) -> list[dict]:
+    """A step's scores: 32 rows of the version trained on, 4 responses each, each row passing
+    with a fixed chance of its own (its difficulty)."""
+    out = []
+    for row in rng.sample(range(n), min(32, n)):
+        chance = random.Random(row).random()
+        out += [{"row": row, "step": step, "score": float(rng.random() < chance)} for _ in range(4)]
+    return out
+
+
+def build(
+    url: str, *, import_rows: int = IMPORT_ROWS, steps: int = STEPS, outcomes: bool = False
+) -> Store:
     """A store shaped like a verl run's (what dynstate.verl writes): an import of
     ``import_rows`` rows with no step (verl's parquet files), then one round per training step
     from step 1, of 1-40 rows each with its ``_dynstate_source``; the run crashes after step 25
     and resumes from its checkpoint at step 21 (a rollback), step 22's first round is recorded
-    as lost, steps 9 and 17 generate nothing, and a compaction runs at step 31."""
+    as lost, steps 9 and 17 generate nothing, and a compaction runs at step 31. ``outcomes``:
+    each round also records its step's outcomes (the rows are the same either way)."""
     rng = random.Random(7)
+    scores = random.Random(11)  # its own stream: the rows do not depend on ``outcomes``
     store = Store.open(url, create=True)
     seed = []
     for _ in range(import_rows):
@@ -79,7 +96,8 @@ def build(url: str, *, import_rows: int = IMPORT_ROWS, steps: int = STEPS) -> St
             a, b = rng.randrange(1000), rng.randrange(1000)
             rows.append(_row(f"What is {a} * {b}? (a harder variant of {src})", str(a * b), src))
         meta = {"step": step, "generator": gen, "rows": size}
-        store.append(pa.Table.from_pylist(rows, SCHEMA), meta=meta)
+        scored = _outcomes(scores, n, step) if outcomes else None
+        store.append(pa.Table.from_pylist(rows, SCHEMA), meta=meta, outcomes=scored)
         if step == 21:
             store.tag("global_step_21", store.head)
         step += 1
@@ -98,13 +116,13 @@ def pick_row(view: StoreView) -> int:
     return best
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, *, outcomes: bool = False) -> None:
     out_dir = os.path.abspath(out_dir)
     from playwright.sync_api import sync_playwright
 
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)
-        store = build("runs/run1")
+        store = build("runs/run1", outcomes=outcomes)
         view = StoreView(store)
         sock = bind("127.0.0.1", 0)
         server = uvicorn.Server(uvicorn.Config(create_app(view), log_level="warning"))
@@ -119,6 +137,17 @@ def main(out_dir: str) -> None:
                 args=["--no-sandbox", "--disable-background-networking", "--headless"],
             )
             page = browser.new_page(viewport={"width": 1240, "height": 900})
+            if outcomes:
+                page.goto(base + "/outcomes")
+                page.screenshot(path=os.path.join(out_dir, "serve-outcomes.png"), full_page=True)
+                stats = store.outcome_stats().to_pydict()
+                row = max(range(len(stats["row"])), key=lambda i: (stats["attempts"][i], -i))
+                page.goto(f"{base}/versions/head/rows/{row}")
+                page.screenshot(path=os.path.join(out_dir, "serve-row-outcomes.png"))
+                browser.close()
+                server.should_exit = True
+                thread.join()
+                return
             page.goto(base + "/")
             page.screenshot(path=os.path.join(out_dir, "serve-store.png"), full_page=True)
             row = pick_row(view)
@@ -130,4 +159,5 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "docs")
+    args = [a for a in sys.argv[1:] if a != "--outcomes"]
+    main(args[0] if args else "docs", outcomes="--outcomes" in sys.argv[1:])
