@@ -193,47 +193,138 @@ class _Series:
     counts: list[list[int]]
 
 
+@dataclass(frozen=True)
+class _ByRow:
+    """The outcome records of the first ``files`` files of a lineage, sorted by row, then
+    step, then as recorded."""
+
+    files: int
+    last_file: str | None
+    max_step: int
+    rows: np.ndarray
+    steps: np.ndarray
+    scores: np.ndarray
+
+
+def _columns(tables: list[pa.Table]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    if not tables:
+        empty = np.empty(0, np.int64)
+        return empty, empty, np.empty(0, np.float64)
+    t = pa.concat_tables([x.select(["row", "step", "score"]) for x in tables])
+    return (
+        as_numpy(t.column("row")).astype(np.int64),
+        as_numpy(t.column("step")).astype(np.int64),
+        as_numpy(t.column("score")).astype(np.float64),
+    )
+
+
 class OutcomeViews:
-    """The views of one store, with what they cache: one row-sorted copy of the records of
-    the versions asked about last (row histories), and the band series per head, extended
-    with only the outcome files committed since (like the growth chart)."""
+    """The views of one store, with what they cache (versions are immutable, so nothing
+    goes stale): the statistics and row orders of the versions asked about last, their
+    records sorted by row (row histories), and the band series, each extended with only the
+    outcome files a newer version of the same lineage committed since (like the growth
+    chart)."""
 
     def __init__(self, store: Store, *, success_above: float = DEFAULT_SUCCESS_ABOVE):
         self.store = store
         self.success_above = success_above
-        self._by_row: OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+        self._by_row: OrderedDict[int, _ByRow] = OrderedDict()
+        self._stats: OrderedDict[int, pa.Table] = OrderedDict()
+        self._orders: OrderedDict[tuple[int, RowSelection], np.ndarray] = OrderedDict()
         self._series: dict[int, _Series] = {}
         self._lock = threading.Lock()
 
+    # -- statistics and selections of a version ----------------------------------------------
+
+    def stats(self, version: int) -> pa.Table:
+        """:meth:`Store.outcome_stats` of ``version`` with this view's ``success_above``."""
+        with self._lock:
+            cached = self._stats.get(version)
+            if cached is not None:
+                self._stats.move_to_end(version)
+                return cached
+        table = self.store.outcome_stats(version, success_above=self.success_above)
+        with self._lock:
+            self._stats[version] = table
+            while len(self._stats) > 2:
+                self._stats.popitem(last=False)
+        return table
+
+    def select(self, version: int, choice: RowSelection) -> np.ndarray:
+        """``choice.select`` over the statistics of ``version`` (cached: paging through a
+        sorted table sorts once)."""
+        key = (version, choice)
+        with self._lock:
+            cached = self._orders.get(key)
+            if cached is not None:
+                self._orders.move_to_end(key)
+                return cached
+        order = choice.select(self.stats(version))
+        with self._lock:
+            self._orders[key] = order
+            while len(self._orders) > 8:
+                self._orders.popitem(last=False)
+        return order
+
     # -- one row's history -----------------------------------------------------------------
 
-    def _records_by_row(self, version: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _records_by_row(self, version: int) -> _ByRow:
         with self._lock:
             cached = self._by_row.get(version)
             if cached is not None:
                 self._by_row.move_to_end(version)
                 return cached
-        records = self.store.outcome_records(version)
-        rows = as_numpy(records.column("row")).astype(np.int64)
-        steps = as_numpy(records.column("step")).astype(np.int64)
-        scores = as_numpy(records.column("score")).astype(np.float64)
+            known = list(self._by_row.values())
+        outcomes = outcomes_of(self.store.log)
+        lineage = outcomes.lineage(version)
+        count = lineage.count
+        base = None
+        for entry in known:  # the longest cached prefix of this lineage's files
+            if (
+                0 < entry.files <= count
+                and (base is None or entry.files > base.files)
+                and outcomes.file_at(lineage, entry.files - 1).path == entry.last_file
+            ):
+                base = entry
+        start = base.files if base is not None else 0
+        rows, steps, scores = _columns(
+            [outcomes.read_file(ref, version) for ref in outcomes.files_from(lineage, start)]
+        )
         order = np.lexsort((steps, rows))  # stable: a step's scores in the order recorded
-        entry = (rows[order], steps[order], scores[order])
+        rows, steps, scores = rows[order], steps[order], scores[order]
+        if base is not None and len(steps) and int(steps.min()) <= base.max_step:
+            # steps older than the cached ones: sort everything again
+            rows = np.concatenate([base.rows, rows])
+            steps = np.concatenate([base.steps, steps])
+            scores = np.concatenate([base.scores, scores])
+            order = np.lexsort((steps, rows))
+            rows, steps, scores = rows[order], steps[order], scores[order]
+        elif base is not None:
+            # every new record is of a later step: it goes after its row's older ones
+            at = np.searchsorted(base.rows, rows, side="right")
+            rows = np.insert(base.rows, at, rows)
+            steps = np.insert(base.steps, at, steps)
+            scores = np.insert(base.scores, at, scores)
+        last = outcomes.file_at(lineage, count - 1).path if count else None
+        top = int(steps.max()) if len(steps) else -1
+        found = _ByRow(count, last, top, rows, steps, scores)
         with self._lock:
-            self._by_row[version] = entry
+            self._by_row[version] = found
             while len(self._by_row) > 2:
                 self._by_row.popitem(last=False)
-        return entry
+        return found
 
     def row_history(self, version: int, row: int) -> dict[str, Any] | None:
         """Row ``row``'s outcomes in ``version``'s lineage, step by step: each step's scores
         and successes, and the row's pass rate and mean score through that step. None when
         the lineage holds no outcomes at all. The first request for a version reads its
-        outcome records once (a row's history is not in the aggregates); later rows of that
+        outcome records once (a row's history is not in the aggregates), or only the files
+        committed since a version of its lineage asked about before; later rows of that
         version are a binary search."""
         if not outcome_records_count(self.store, version):
             return None
-        rows, steps, scores = self._records_by_row(version)
+        by_row = self._records_by_row(version)
+        rows, steps, scores = by_row.rows, by_row.steps, by_row.scores
         lo, hi = np.searchsorted(rows, [row, row + 1])
         mine_steps, mine_scores = steps[lo:hi], scores[lo:hi]
         history: list[dict[str, Any]] = []
@@ -258,8 +349,7 @@ class OutcomeViews:
                         "mean_score": total / attempts,
                     }
                 )
-        stats = self.store.outcome_stats(version, success_above=self.success_above)
-        summary = row_stats(stats, [row])[0]
+        summary = row_stats(self.stats(version), [row])[0]
         return {"success_above": self.success_above, **summary, "steps": history}
 
     # -- rows per pass-rate band, per step -------------------------------------------------

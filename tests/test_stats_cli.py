@@ -309,6 +309,10 @@ def test_band_series_and_histories_match_a_reference(tmp_path: Path) -> None:
         assert list(zip(series["steps"], series["counts"], strict=True)) == want
         final = summarize(store.outcome_stats(), bins=5)["histogram"]
         assert series["counts"][-1] == [b["rows"] for b in final]
+        for row in (new[0][0], new[5][0]):  # each head extends the last one's sorted records
+            history = views.row_history(store.head, row)
+            mine = [(s, x) for r, s, x in records if r == row]
+            assert [(p["step"], x) for p in history["steps"] for x in p["scores"]] == mine
     # every kept version, asked afresh and through the shared handle, in a shuffled order
     versions = sorted(kept)
     rng.shuffle(versions)

@@ -198,8 +198,8 @@ class StoreView:
         where = f"version {v} of {self.store.display_url}"
         choice = RowSelection.parse(dict(outcome or {}), where)
         recorded = outcome_records_count(self.store, v) > 0
-        stats = self.store.outcome_stats(v) if recorded else None
-        order = choice.select(stats) if stats is not None and choice.active else None
+        stats = self.outcomes.stats(v) if recorded else None
+        order = self.outcomes.select(v, choice) if recorded and choice.active else None
         page = self.rows.page(
             self.store.snapshot(v),
             self.lineage.rounds(v),
@@ -243,7 +243,7 @@ class StoreView:
         }
         if not records:
             return {**info, "summary": None, "bands": None}
-        stats = self.store.outcome_stats(v)
+        stats = self.outcomes.stats(v)
         summary = summarize(stats, bins=n_bins, top=10)
         series = self.outcomes.band_series(v, bins=n_bins, points=n_points)
         return {**info, "summary": summary, "bands": series}
