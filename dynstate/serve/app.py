@@ -33,6 +33,7 @@ from ..errors import (
     StoreNotFoundError,
     VersionNotFoundError,
 )
+from ..outcome_views import outcome_records_count
 from .api import RowNotFoundError, StoreView, chart_failed, scrub
 from .chart import COLORS, graph_svg, growth_svg
 from .lineage import SOURCE_COLUMN
@@ -370,3 +371,11 @@ def _warm(view: StoreView) -> None:
         view.growth()
     except DynstateError as exc:
         log.warning("could not build the growth chart of %s: %s", view.store.display_url, exc)
+    try:
+        # The band series reads every outcome file of the head's lineage once: better here
+        # than in the first request for /outcomes.
+        head = view.store.refresh()
+        if outcome_records_count(view.store, head):
+            view.outcomes.band_series(head)
+    except DynstateError as exc:
+        log.warning("could not build the outcome bands of %s: %s", view.store.display_url, exc)
