@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
+import numpy as np
 import pyarrow as pa
 import torch
 from omegaconf import OmegaConf
@@ -36,13 +37,42 @@ from .generator import (
     DynstateGenerator,
     generator_name,
     load_generator,
+    load_state,
     run_generator,
+    state_of,
 )
 
 log = logging.getLogger("dynstate")
 
 IMPORT_META = "verl_import"
 SOURCE_TYPE = pa.list_(pa.int64())
+SCORE_KEY = "token_level_scores"  # verl's critic/score: its per-token sum is a sequence's score
+METRIC_PREFIX = "dynstate/"
+PASS_RATE_BANDS = 5  # metrics: trained rows per pass-rate band of width 0.2
+
+
+def batch_outcomes(batch: Any, step: int) -> dict[str, Any] | None:
+    """The outcomes of a scored verl ``batch`` trained at ``step``: one record per response
+    (GRPO's n responses of a prompt are n records of its row) — ``row`` (``dynstate_row``),
+    ``step``, ``score`` (``token_level_scores`` summed over the response, as verl's
+    ``critic/score/mean``) and ``response_length`` where the batch has ``response_mask``.
+    None when the batch carries no row numbers or no scores."""
+    non_tensors = getattr(batch, "non_tensor_batch", None) or {}
+    tensors = getattr(batch, "batch", None)
+    rows = non_tensors.get(ROW_KEY)
+    # TensorDict: membership through keys() (its __contains__ is not a key test everywhere)
+    keys = set(tensors.keys()) if tensors is not None else set()
+    if rows is None or SCORE_KEY not in keys:
+        return None
+    scores = tensors[SCORE_KEY].sum(-1).double().cpu().numpy()
+    out: dict[str, Any] = {
+        "row": np.asarray([int(r) for r in rows], dtype=np.int64),
+        "step": np.full(len(scores), int(step), dtype=np.int64),
+        "score": scores,
+    }
+    if "response_mask" in keys:
+        out["response_length"] = tensors["response_mask"].sum(-1).double().cpu().numpy()
+    return out
 
 
 @dataclass(frozen=True)
@@ -192,6 +222,7 @@ class DynstateRLDataset(RLHFDataset):
         )
         self.settings = None if self.fixed else Settings.from_config(config)
         self._committed: tuple[Any, int, int] | None = None  # (batch, step, version)
+        self.last_metrics: dict[str, float] = {}  # the figures of the last committed round
         self._rows: VersionedDataset | None = None
         self._frame: StoreFrame | None = None
         self._local_frame: datasets.Dataset | None = None
@@ -329,6 +360,37 @@ class DynstateRLDataset(RLHFDataset):
 
     # -- one round per step ------------------------------------------------------------------
 
+    def outcome_stats(self, version: int | None = None, **options: Any) -> pa.Table:
+        """Per-row statistics (:meth:`Store.outcome_stats`: ``row``, ``attempts``,
+        ``successes``, ``mean_score``, ``ewma_score``, ``first_step``, ``last_step``) of
+        ``version``, by default the version the dataset reads now. Inside a generator's
+        ``generate`` that is the version its round is appended to: every earlier step's
+        outcomes, not the current step's (those are in the batch)."""
+        assert self._rows is not None
+        return self.store.outcome_stats(
+            self._rows.version if version is None else version, **options
+        )
+
+    def round_metrics(self, version: int, added: int) -> dict[str, float]:
+        """The figures verl's tracker gets for the step whose round is ``version``."""
+        stats = self.store.outcome_stats(version)
+        attempts = np.asarray(stats.column("attempts").to_numpy(zero_copy_only=False))
+        successes = np.asarray(stats.column("successes").to_numpy(zero_copy_only=False))
+        trained = attempts > 0
+        out = {
+            f"{METRIC_PREFIX}version": float(version),
+            f"{METRIC_PREFIX}rows_added": float(added),
+            f"{METRIC_PREFIX}rows_total": float(stats.num_rows),
+            f"{METRIC_PREFIX}rows_trained": float(trained.sum()),
+        }
+        rate = successes[trained] / attempts[trained]
+        band = np.minimum((rate * PASS_RATE_BANDS).astype(np.int64), PASS_RATE_BANDS - 1)
+        counts = np.bincount(band, minlength=PASS_RATE_BANDS)
+        for i in range(PASS_RATE_BANDS):
+            low, high = i / PASS_RATE_BANDS, (i + 1) / PASS_RATE_BANDS
+            out[f"{METRIC_PREFIX}pass_rate_{low:.1f}_{high:.1f}"] = float(counts[i])
+        return out
+
     def round_of(self, step: int) -> int | None:
         """The version of the head's lineage that holds the round of ``step``, or None."""
         return steps.round_of(self.store.log, self.store.refresh(), step)
@@ -347,8 +409,11 @@ class DynstateRLDataset(RLHFDataset):
 
     def commit_round(self, batch: Any, step: int) -> int | None:
         """Generate and commit the round of training step ``step`` from its scored ``batch``;
-        returns the version holding it. Idempotent per step: a round already on the head's
-        lineage for ``step`` is returned without running the generator again."""
+        returns the version holding it. The same commit holds the step's outcomes
+        (:func:`batch_outcomes`) and the generator's ``state_dict()`` if it has one.
+        Idempotent per step: a round already on the head's lineage for ``step`` is returned
+        without running the generator again. :attr:`last_metrics` then holds the figures
+        verl's tracker gets (:meth:`round_metrics`)."""
         if self.fixed:
             return None
         self.step = step
@@ -358,6 +423,9 @@ class DynstateRLDataset(RLHFDataset):
                 "round of step %d is already version %d; not committing it twice", step, existing
             )
             self._committed = (batch, step, existing)
+            self.last_metrics = self.round_metrics(
+                existing, int(self.store.commit_record(existing).meta.get("rows", 0))
+            )
             return existing
         assert self._rows is not None and self.settings is not None
         self._rows.refresh()
@@ -378,9 +446,24 @@ class DynstateRLDataset(RLHFDataset):
         keep_source = isinstance(self.data_generator, DynstateGenerator)
         table = self._round_table(rows, keep_source)
         meta["rows"] = table.num_rows
-        version = self.store.append(table if table.num_rows else [], meta=meta)
+        outcomes = batch_outcomes(batch, step)
+        if outcomes is None:
+            log.warning(
+                "step %d: the batch has no %s or %s; committing its round without outcomes",
+                step,
+                ROW_KEY,
+                SCORE_KEY,
+            )
+        state = state_of(self.data_generator) if self.data_generator is not None else None
+        version = self.store.append(
+            table if table.num_rows else [],
+            meta=meta,
+            outcomes=outcomes,
+            generator_state=state,
+        )
         self._rows.refresh()
         self._committed = (batch, step, version)
+        self.last_metrics = self.round_metrics(version, table.num_rows)
         log.info("step %d: %s added %d rows as version %d", step, name, table.num_rows, version)
         return version
 
@@ -417,10 +500,11 @@ class DynstateRLDataset(RLHFDataset):
         ``step`` must be on the head's lineage (the trainer integration commits it before it
         writes the checkpoint), and the loader state must load with this run's
         ``data.dataloader_num_workers`` (rewritten for another worker count,
-        :mod:`dynstate.verl.loader_state`). Then rounds of later steps are rolled back (a new
-        reset commit; they stay listed) and the loader state is loaded — also where verl
-        skips it (``global_steps`` a multiple of the loader length, which means nothing for a
-        growing dataset)."""
+        :mod:`dynstate.verl.loader_state`). The generator's ``load_state_dict`` (if it has one)
+        gets the state committed with the checkpoint's lineage. Then rounds of later steps
+        are rolled back (a new reset commit; they stay listed) and the loader state is
+        loaded — also where verl skips it (``global_steps`` a multiple of the loader length,
+        which means nothing for a growing dataset)."""
         if self.fixed:
             return
         store = self.store
@@ -433,7 +517,8 @@ class DynstateRLDataset(RLHFDataset):
             sampler_state = find_sampler_state(state)
             assert sampler_state is not None  # read_loader_state refuses a state without one
             _check_checkpoint_step(sampler_state, step, path, store.display_url)
-            if self.round_of(step) is None:
+            round_version = self.round_of(step)
+            if round_version is None:
                 raise StateMismatchError(
                     f"{checkpoint_dir} is a checkpoint of step {step}, but {store.display_url} "
                     f"holds no round of step {step} on its head's lineage; it was not written "
@@ -454,11 +539,19 @@ class DynstateRLDataset(RLHFDataset):
             state = loader_state.for_workers(
                 state, int(loader.num_workers or 0), path, store.display_url
             )
+            if self.data_generator is not None:
+                # the state committed last on the checkpoint's lineage (the abandoned rounds'
+                # are not on it); loaded before the rollback commit, so a generator that
+                # refuses it leaves the store as it was
+                generator_state = store.generator_state(round_version)
+                if generator_state is not None and load_state(self.data_generator, generator_state):
+                    log.info("generator state of step %d (version %d) loaded", step, round_version)
         # Rounds of later steps leave the lineage (empty ones too: the resumed run would
         # otherwise take them for its own and skip those steps).
         rollback(store, step=step, meta={"verl_resume_step": step})
         if state is not None:
             loader.load_state_dict(state)
+
         self.step = step
         self._committed = None
         self._rows.refresh()  # type: ignore[union-attr]

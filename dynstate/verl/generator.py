@@ -12,6 +12,13 @@ Two interfaces are accepted, chosen by the class a generator derives from:
   receives the step's ``DataProto`` (with ``token_level_scores`` and the ``dynstate_row`` of each
   prompt) and the global step, and returns rows; a row's ``_dynstate_source`` (a list of store
   row numbers) records the rows it was derived from.
+
+Both interfaces can read what the policy solves so far: ``dataset.outcome_stats()`` (the
+per-row statistics of the version the round is appended to, every earlier step's outcomes;
+the step's own scores are in ``batch``). A generator of either interface may keep state:
+``state_dict()`` returning plain JSON types, and ``load_state_dict(state)``. The integration
+commits the state with the generator's round and, on resume, loads the state of the
+checkpointed version. Classes without these methods run unchanged.
 """
 
 from __future__ import annotations
@@ -56,7 +63,11 @@ class DynstateGenerator(ABC):
     def generate(self, batch: Any, step: int, dataset: Any) -> Any:
         """Return the new rows for ``step``: a list of dicts, a ``datasets.Dataset``, a pandas
         DataFrame or a pyarrow Table, with the store's columns and optionally
-        ``_dynstate_source`` (list of source row numbers, from ``batch``'s ``dynstate_row``)."""
+        ``_dynstate_source`` (list of source row numbers, from ``batch``'s ``dynstate_row``).
+        ``dataset.outcome_stats()`` gives the per-row statistics of the earlier steps."""
+
+    # Optional (both interfaces): ``state_dict() -> plain JSON types`` and
+    # ``load_state_dict(state)``; see :func:`state_of` and :func:`load_state`.
 
 
 def _install_old_module_alias() -> None:
@@ -110,3 +121,18 @@ def run_generator(generator: Any, batch: Any, step: int, dataset: Any) -> Any:
     if isinstance(generator, DynstateGenerator):
         return generator.generate(batch, step, dataset)
     return generator.generate(dataset)
+
+
+def state_of(generator: Any) -> Any:
+    """The generator's ``state_dict()`` (committed with its round), or None without one."""
+    method = getattr(generator, "state_dict", None)
+    return method() if callable(method) else None
+
+
+def load_state(generator: Any, state: Any) -> bool:
+    """Give ``state`` to the generator's ``load_state_dict``; False when it has none."""
+    method = getattr(generator, "load_state_dict", None)
+    if not callable(method):
+        return False
+    method(state)
+    return True

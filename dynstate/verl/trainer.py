@@ -9,11 +9,13 @@ last step. :class:`DynstateTrainerMixin` overrides these methods, everything els
 * ``_create_dataloader``: the train loader gets :meth:`DynstateRLDataset.make_sampler`;
 * ``_get_gen_batch``: the input columns (``raw_prompt``, ``dynstate_row``, …) stay on the
   training batch too, so the scored batch a generator receives carries them;
-* ``_update_actor``: keeps the step's scored batch (verl calls it after reward and
-  advantages, right before ``_save_checkpoint``);
-* ``_save_checkpoint``: commits the step's round *before* verl writes the checkpoint, so a
-  checkpoint never names a step whose round is missing (``on_batch_end`` then finds the round
-  and commits nothing); then mirrors the folder if configured;
+* ``_update_actor``: after verl's, commits the step's round from the scored batch (verl calls
+  it after reward and advantages, right before ``_save_checkpoint``), with the step's outcomes
+  and the generator's state in the same commit — so a checkpoint never names a step whose
+  round is missing (``on_batch_end`` then finds the round and commits nothing) — and adds
+  ``dynstate/*`` figures to the actor's metrics, which verl's tracker logs with the step;
+* ``_save_checkpoint``: checks that round is committed before verl writes the checkpoint;
+  then mirrors the folder if configured;
 * ``_load_checkpoint``: after verl's own, :meth:`DynstateRLDataset.resume` restores the store
   version and the exact sampler position;
 * ``fit``: after verl's loop, the last step's round (committed already if it was checkpointed).
@@ -118,9 +120,17 @@ class DynstateTrainerMixin:
 
     def _update_actor(self, batch):  # type: ignore[no-untyped-def]
         # verl calls this with the step's batch after reward and advantages, and writes the
-        # checkpoint right after: keep the batch for the round _save_checkpoint commits.
+        # checkpoint right after: the round is committed here, on every step, so the figures
+        # below reach the step's metrics (verl reduces the actor's metrics after the
+        # checkpoint, and logs before on_batch_end)
         self._dynstate_scored = (self.global_steps, batch)
-        return super()._update_actor(batch)  # type: ignore[misc]
+        output = super()._update_actor(batch)  # type: ignore[misc]
+        if (dataset := growing(self.train_dataset)) is not None:
+            dataset.commit_round(batch, self.global_steps)
+            metrics = getattr(output, "meta_info", {}).get("metrics")
+            if isinstance(metrics, dict):
+                metrics.update({k: [v] for k, v in dataset.last_metrics.items()})
+        return output
 
     def _save_checkpoint(self):  # type: ignore[no-untyped-def]
         if (dataset := growing(self.train_dataset)) is not None:

@@ -10,9 +10,11 @@ four overrides, everything else verl's code:
 - ``step``: after verl's, the step's scored batch is read back from TransferQueue (every
   trajectory that is not padding, all its fields) and kept;
 - ``_save_checkpoint`` and ``on_step_end``: commit the round of the step from that batch
-  (:meth:`DynstateRLDataset.commit_round`, idempotent per step) *before* verl writes
-  ``global_step_N`` — so a checkpoint never exists without its round — and on steps without
-  a checkpoint, before the next step draws rows;
+  (:meth:`DynstateRLDataset.commit_round`, idempotent per step, with the step's outcomes and
+  the generator's state in the same commit) *before* verl writes ``global_step_N`` — so a
+  checkpoint never exists without its round — and on steps without a checkpoint, before the
+  next step draws rows; the round's ``dynstate/*`` figures go into the step's ``metrics``,
+  which verl logs after ``on_step_end``;
 - ``_load_checkpoint``: after verl's, :meth:`DynstateRLDataset.resume` rolls the store back to
   the checkpoint's step and loads the loader state.
 
@@ -173,6 +175,7 @@ class DynstatePPOTrainer(PPOTrainerSync):
     def __init__(self, config: Any) -> None:
         check_config(config)
         self._scored: tuple[int, DataProto] | None = None
+        self._step_metrics: dict | None = None
         self._prompt_order: dict[str, int] = {}
         super().__init__(config)
 
@@ -257,6 +260,7 @@ class DynstatePPOTrainer(PPOTrainerSync):
 
     def step(self, metrics: dict, timing_raw: dict) -> Any:
         self._prompt_order = {}
+        self._step_metrics = metrics  # verl logs this very dict after on_step_end
         batch = super().step(metrics, timing_raw)
         if self.dynstate_dataset is not None:
             keys = [
@@ -280,6 +284,8 @@ class DynstatePPOTrainer(PPOTrainerSync):
             return None
         version = dataset.commit_round(batch, step)
         self._scored = None
+        if self._step_metrics is not None:
+            self._step_metrics.update(dataset.last_metrics)
         return version
 
     def _save_checkpoint(self) -> Any:

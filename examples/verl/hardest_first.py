@@ -1,0 +1,95 @@
+"""A stateful generator for verl + dynstate: variations of the tasks solved least often so far.
+
+"The model proposes new tasks based on which tasks currently succeed": after every step this
+generator reads the per-row statistics of the store (``dataset.outcome_stats()``: every
+earlier step's outcomes, which dynstate records with each round) and adds the step's own
+scores from the batch; it then picks the ``max_new`` hardest rows — lowest pass rate, then
+the rows it has picked least often, then the most attempts — among those not solved every
+time, and writes one variation of each, with its source row in ``_dynstate_source``.
+
+Its state (how many tasks it made, how often it picked each row) changes what it writes, so
+it must survive a crash: ``state_dict()`` / ``load_state_dict()`` are committed with each
+round and loaded from the checkpointed version on resume. Deterministic: the same statistics,
+batch, step and state give the same rows.
+
+Config (``data.datagen``)::
+
+    path: examples/verl/hardest_first.py
+    name: HardestFirst
+    max_new: 4           # new tasks per step
+    success_above: 0.5   # a response with a higher score solved its task
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from dynstate.verl import DynstateGenerator
+
+TASK = re.compile(r"What is (\d+) \+ (\d+)\?")
+
+
+def make_task(a: int, b: int, index: int, split: str = "train") -> dict[str, Any]:
+    return {
+        "data_source": "arith",
+        "prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        "extra_info": {"split": split, "index": index},
+    }
+
+
+def hardest_rows(
+    attempts: np.ndarray, successes: np.ndarray, picked: dict[int, int], n: int
+) -> list[int]:
+    """The ``n`` trained rows with the lowest pass rate (solved less than every time), ties
+    broken by fewest earlier picks, then most attempts, then row number."""
+    trained = np.flatnonzero((attempts > 0) & (successes < attempts))
+    rate = successes[trained] / attempts[trained]
+    times = np.array([picked.get(int(r), 0) for r in trained], dtype=np.int64)
+    order = np.lexsort((trained, -attempts[trained], times, rate))
+    return [int(trained[i]) for i in order[:n]]
+
+
+class HardestFirst(DynstateGenerator):
+    name = "hardest-first"
+
+    def __init__(self, config: Any = None):
+        super().__init__(config)
+        get = config.get if config is not None else (lambda _k, d=None: d)
+        self.max_new = int(get("max_new", 4))
+        self.success_above = float(get("success_above", 0.5))
+        self.made = 0
+        self.picked: dict[int, int] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"made": self.made, "picked": {str(r): n for r, n in sorted(self.picked.items())}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.made = int(state["made"])
+        self.picked = {int(r): int(n) for r, n in state["picked"].items()}
+
+    def generate(self, batch: Any, step: int, dataset: Any) -> list[dict[str, Any]]:
+        stats = dataset.outcome_stats(success_above=self.success_above)
+        attempts = np.asarray(stats.column("attempts").to_pylist(), dtype=np.int64)
+        successes = np.asarray(stats.column("successes").to_pylist(), dtype=np.int64)
+        # this step's scores are not in the store yet (they are committed with this round)
+        scores = batch.batch["token_level_scores"].sum(dim=-1).tolist()
+        for row, score in zip(batch.non_tensor_batch["dynstate_row"], scores, strict=True):
+            attempts[int(row)] += 1
+            successes[int(row)] += score > self.success_above
+        out: list[dict[str, Any]] = []
+        for row in hardest_rows(attempts, successes, self.picked, self.max_new):
+            found = TASK.search(dataset.dataframe[row]["prompt"][-1]["content"])
+            if found is None:
+                continue
+            a, b = int(found.group(1)), int(found.group(2))
+            self.made += 1
+            self.picked[row] = self.picked.get(row, 0) + 1
+            task = make_task(a + self.made, b + step, index=200_000 + self.made)
+            task["_dynstate_source"] = [row]
+            out.append(task)
+        return out

@@ -1,0 +1,268 @@
+"""Outcomes as data state through verl's real ``fit()`` (issue 21, points 3 and 4): each step's
+outcomes (one record per response, GRPO groups included, the score verl logs as
+``critic/score``) committed with the step's round, the stateful "hardest first" example
+generator (examples/verl/hardest_first.py) choosing its sources from the per-row statistics,
+its state committed with its round and loaded on resume, and the ``dynstate/*`` figures in
+the metrics verl's tracker logs. Killed at the instants the existing kill chains use and
+resumed: batches, final store, outcome records, statistics and generator states equal the
+uninterrupted run's.
+
+Legacy trainer: the CPU driver of tests/test_verl.py (tests/verl_cpu.py); V1 trainer: the one of
+tests/test_verl_v1.py (tests/verl_v1_standins.py). verl missing is a failure, never a skip."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+
+import numpy as np
+import pytest
+import verl  # noqa: F401 - a broken install must fail these tests
+
+import dynstate
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples", "verl"))
+
+import test_verl  # noqa: E402
+from hardest_first import hardest_rows  # noqa: E402
+from test_verl import (  # noqa: E402
+    IMPORTED,
+    STEPS,
+    batches,
+    call,
+    content,
+    events,
+    new_run,
+    output,
+    rounds,
+)
+
+world = test_verl.world  # the module's fixture: one zygote that has imported verl
+
+pytestmark = pytest.mark.filterwarnings("ignore:.* engine is not available:UserWarning")
+
+HARDEST = {
+    "path": os.path.join(ROOT, "examples", "verl", "hardest_first.py"),
+    "name": "HardestFirst",
+    "max_new": 3,
+}
+EPOCH = {"batch_size": 6}
+RESPONSES = 2  # actor_rollout_ref.rollout.n in both drivers: a GRPO group of 2 per prompt
+
+
+def outcome_state(url: str, storage_options=None) -> dict:
+    """What a run leaves of outcomes: the head's records and statistics, and the generator
+    state committed with each step's round."""
+    store = dynstate.Store.open(url, storage_options=storage_options)
+    states = {step: store.generator_state(v) for step, v in round_versions(store).items()}
+    return {
+        "records": store.outcome_records().to_pylist(),
+        "stats": store.outcome_stats().to_pylist(),
+        "states": states,
+    }
+
+
+def round_versions(store) -> dict[int, int]:
+    """Step -> the version of its round on the head's lineage (rollback resets excluded)."""
+    out = {}
+    for v in dynstate.lineage(store):
+        meta = store.commit_record(v).meta
+        if "step" in meta and "rollback_from" not in meta and "verl_resume_step" not in meta:
+            assert meta["step"] not in out
+            out[meta["step"]] = v
+    return out
+
+
+def tracked(spec: dict) -> dict[int, dict[str, float]]:
+    """The dynstate/* figures of each step in verl's console tracker output (the last run's
+    line wins for a step trained twice)."""
+    out: dict[int, dict[str, float]] = {}
+    with open(spec["output"]) as f:
+        for line in f:
+            if not line.startswith("step:"):
+                continue
+            step = int(line.split(" - ", 1)[0][len("step:") :])
+            figures = re.findall(r"dynstate/([\w.]+):(?:np\.float\d+\()?([-0-9.e+]+)", line)
+            if figures:
+                out[step] = {k: float(v) for k, v in figures}
+    return out
+
+
+def check_outcomes_of_run(url: str, log: dict[int, dict], imported: int, storage_options=None):
+    """Per step: the round's commit holds exactly the step's outcomes (one per response, the
+    batch's rows and sequence scores), the version before it none of them; the round's rows
+    vary the hardest rows by the statistics before it plus the step's batch; statistics are
+    those of the records."""
+    store = dynstate.Store.open(url, storage_options=storage_options)
+    lineage = list(dynstate.lineage(store))  # newest first
+    by_step = round_versions(store)
+    assert sorted(by_step) == sorted(log)
+    final = store.snapshot().to_arrow().to_pylist()
+    for step, v in by_step.items():
+        previous = lineage[lineage.index(v) + 1]  # the version the round was appended to
+        mine = [r for r in store.outcome_records(v).to_pylist() if r["step"] == step]
+        assert not [r for r in store.outcome_records(previous).to_pylist() if r["step"] == step]
+        b = log[step]
+        assert [r["row"] for r in mine] == b["rows"]
+        assert [r["score"] for r in mine] == pytest.approx(b["scores"])
+        # GRPO: every prompt of the step has its n responses recorded
+        counts = np.bincount(b["rows"])
+        assert set(counts[counts > 0]) == {RESPONSES}
+        # the generator's sources: the hardest rows by the statistics of the version before
+        # the round, with the step's own scores added, and the picks its state held then
+        stats = store.outcome_stats(previous)
+        attempts = np.asarray(stats.column("attempts").to_pylist())
+        successes = np.asarray(stats.column("successes").to_pylist())
+        for row, score in zip(b["rows"], b["scores"], strict=True):
+            attempts[row] += 1
+            successes[row] += score > 0.5
+        before = store.generator_state(previous) or {"picked": {}}
+        picked = {int(r): n for r, n in before["picked"].items()}
+        expected = hardest_rows(attempts, successes, picked, HARDEST["max_new"])
+        start = store.snapshot(previous).num_rows
+        added = final[start : store.snapshot(v).num_rows]
+        assert [r["_dynstate_source"] for r in added] == [[r] for r in expected], step
+    # statistics at the head against the records, brute force
+    records = store.outcome_records().to_pylist()
+    stats = {s["row"]: s for s in store.outcome_stats().to_pylist()}
+    assert len(stats) == len(final)
+    for row, s in stats.items():
+        mine = [r["score"] for r in records if r["row"] == row]
+        assert s["attempts"] == len(mine)
+        assert s["successes"] == sum(x > 0.5 for x in mine)
+        if mine:
+            assert s["mean_score"] == pytest.approx(sum(mine) / len(mine))
+    # generated rows were trained on too (they reach training in later epochs/steps)
+    assert any(s["attempts"] for row, s in stats.items() if row >= imported)
+
+
+# -- legacy trainer ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hardest_reference(world):
+    spec = new_run(world, "hardest-ref", datagen=HARDEST, **EPOCH)
+    assert call(world, spec) == 0, output(spec)
+    (run,) = events(spec)
+    assert run[0]["resumed_from"] == 0 and run[-1]["event"] == "done"
+    return spec, batches(run), content(spec), outcome_state(spec["store"])
+
+
+def test_legacy_records_outcomes_state_and_figures_with_each_round(hardest_reference):
+    spec, ref_batches, final, state = hardest_reference
+    assert sorted(ref_batches) == list(range(1, STEPS + 1))
+    check_outcomes_of_run(spec["store"], ref_batches, IMPORTED)
+    # the stateful generator: its state after each round, as committed with it
+    made = 0
+    for step in range(1, STEPS + 1):
+        made += rounds(spec)[step]["rows"]
+        assert state["states"][step]["made"] == made
+    assert made == len(final) - IMPORTED > 0
+    # the figures verl's tracker logged with each step
+    figures = tracked(spec)
+    assert sorted(figures) == list(range(1, STEPS + 1)), output(spec)
+    store = dynstate.Store.open(spec["store"])
+    for step, meta in rounds(spec).items():
+        f = figures[step]
+        v = meta["version"]
+        stats = store.outcome_stats(v).to_pylist()
+        rates = [s["successes"] / s["attempts"] for s in stats if s["attempts"]]
+        assert f["version"] == v and f["rows_added"] == meta["rows"]
+        assert f["rows_total"] == store.snapshot(v).num_rows
+        assert f["rows_trained"] == len(rates)
+        bands = [f[f"pass_rate_{i / 5:.1f}_{(i + 1) / 5:.1f}"] for i in range(5)]
+        assert bands == [sum(min(int(r * 5), 4) == i for r in rates) for i in range(5)]
+
+
+@pytest.mark.slow
+def test_legacy_stateful_generator_killed_at_every_instant_resumes_exactly(
+    world, hardest_reference
+):
+    _, ref_batches, ref_final, ref_state = hardest_reference
+    kills = [
+        (2, "committed"),  # round 2 (outcomes, state) committed, checkpoint 2 not written
+        (3, "committed"),  # round 3 committed, resume from checkpoint 2
+        (4, "saved"),  # right after checkpoint 4
+        (5, "rollout"),  # inside the agent loop of step 5
+        (6, "validation"),  # in validation, after checkpoint 6
+    ]
+    spec = new_run(world, "hardest-chain", datagen=HARDEST, **EPOCH)
+    for step, instant in kills:
+        status = call(world, {**spec, "kill": [step, instant]})
+        assert status == -9, f"not killed at {step}/{instant}: {status}\n{output(spec)}"
+    assert call(world, spec) == 0, output(spec)
+    runs = events(spec)
+    assert [run[0]["resumed_from"] for run in runs] == [0, 0, 2, 4, 4, 6]
+    for run in runs:
+        for step, b in batches(run).items():
+            ref = ref_batches[step]
+            assert (b["rows"], b["prompts"], b["scores"]) == (
+                ref["rows"],
+                ref["prompts"],
+                ref["scores"],
+            ), f"step {step} differs from the uninterrupted run"
+    assert content(spec) == ref_final
+    # the abandoned rounds' outcomes (steps 3, 5, 6 of killed runs) do not leak
+    assert outcome_state(spec["store"]) == ref_state
+
+
+# -- V1 trainer ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def v1_files(tmp_path_factory) -> dict:
+    import verl_v1_standins as standins
+
+    folder = tmp_path_factory.mktemp("verl_v1_outcomes")
+    model = standins.make_model_dir(str(folder / "model"))
+    train, val = standins.write_data(str(folder), n_train=30, n_val=4)
+    return {"model": model, "train": train, "val": val}
+
+
+@pytest.mark.slow
+def test_v1_stateful_generator_killed_at_every_instant_resumes_exactly(v1_files, tmp_path):
+    import verl_v1_standins as standins
+
+    steps = 6
+    common = {
+        "steps": steps,
+        "save_freq": 2,
+        "test_freq": 3,
+        "num_workers": 0,
+        "datagen": HARDEST,
+    }
+
+    def spec_for(name: str) -> dict:
+        return {
+            **v1_files,
+            "store": str(tmp_path / f"{name}-store"),
+            "ckpt": str(tmp_path / f"{name}-ckpt"),
+            "log": str(tmp_path / f"{name}.jsonl"),
+            "pids": str(tmp_path / f"{name}-pids.json"),
+            **common,
+        }
+
+    ref = spec_for("ref")
+    assert standins.run_driver(ref, None, timeout=900) == 0
+    ref_log = standins.read_log(ref["log"])
+    assert sorted(ref_log) == list(range(1, steps + 1))
+    imported = dynstate.Store.open(ref["store"]).snapshot(1).num_rows
+    check_outcomes_of_run(ref["store"], ref_log, imported)
+    ref_state = outcome_state(ref["store"])
+    assert all(ref_state["states"][s] is not None for s in range(1, steps + 1))
+
+    spec = spec_for("chain")
+    kills = [(3, "rollout"), (3, "validation"), (4, "saved"), (5, "committed")]
+    for kill in kills:
+        assert standins.run_driver(spec, kill, timeout=900) == -signal.SIGKILL
+    assert standins.run_driver(spec, None, timeout=900) == 0
+    got = standins.read_log(spec["log"])
+    for step in range(1, steps + 1):
+        assert got[step] == ref_log[step], f"step {step} trained another batch"
+    assert standins.store_summary(spec["store"]) == standins.store_summary(ref["store"])
+    assert outcome_state(spec["store"]) == ref_state
