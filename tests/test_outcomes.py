@@ -383,6 +383,38 @@ def test_gc_floor_past_an_aggregate_and_a_reset_record(tmp_path: Path) -> None:
     assert verify_store(fresh, all_versions=True).ok
 
 
+def test_gc_of_an_old_store_keeps_exactly_the_aggregates_kept_versions_name(tmp_path: Path) -> None:
+    """With every file older than gc's hour for unreferenced metadata, only what a kept
+    version names survives: the aggregates of abandoned checkpoints go, the kept ones stay."""
+    import os
+    import time
+
+    url = str(tmp_path / "s")
+    store, _ = build(url, 205, seed=4)  # aggregates at 100 and 200
+    at200 = json.loads(store.storage.read(outcome_log.checkpoint_path(200)))["aggregate"]
+    reset = store.reset(150)  # abandons 151-206 and the checkpoint of 200; carries 100's
+    store.append(rows(999, 1))
+    expected = store.outcome_stats()
+    old = time.time() - 3 * 3600
+    for path in (tmp_path / "s").rglob("*"):
+        os.utime(path, (old, old))
+    result = collect_garbage(store, keep=2, grace_s=0)
+    assert result.floor_after == reset
+    fresh = Store.open(url)
+    kept = {
+        f"{outcome_log.AGGREGATE_DIR}/{p.name}"
+        for p in (tmp_path / "s" / outcome_log.AGGREGATE_DIR).iterdir()
+    }
+    floor_checkpoint = json.loads(fresh.storage.read(outcome_log.checkpoint_path(reset)))
+    needed = {
+        fresh.commit_record(reset).outcomes["aggregate"]["path"],  # the reset carries 100's
+        floor_checkpoint["aggregate"]["path"],  # gc wrote the floor's outcome checkpoint
+    }
+    assert kept == needed and at200["path"] not in kept
+    assert fresh.outcome_stats().equals(expected)
+    assert verify_store(fresh, all_versions=True).ok
+
+
 def test_verify_finds_damaged_and_missing_outcome_files(tmp_path: Path) -> None:
     url = str(tmp_path / "s")
     store, _ = build(url, 5)

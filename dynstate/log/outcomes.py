@@ -743,8 +743,10 @@ def verify(log_: Log, versions: Iterable[int], all_versions: bool) -> list[str]:
         try:
             if all_versions:
                 record = log_.commit_record(version)
-                add, _, _ = outcomes._add_of(record)
-                base = outcomes._base_of(record) if record.base is not None else Lineage(version)
+                if record.base is not None or record.op != "append":
+                    add, base = [], outcomes._base_of(record)
+                else:
+                    add, base = outcomes._add_of(record)[0], Lineage(version)
                 named = [*outcomes.files(base), *add]
                 if version == log_.floor:
                     named.extend(outcomes.lineage_files(version))
