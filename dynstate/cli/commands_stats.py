@@ -79,12 +79,13 @@ def stats_cmd(
     pass rates (successes / attempts) as a histogram, the rows never trained, and the
     hardest and easiest rows. Only the outcomes of the version's lineage count. With
     --json, the same as one object; the hardest/easiest entries name each row's attempts,
-    successes, pass rate, mean and EWMA score and last step.
+    successes, pass rate, mean and EWMA score, last step and a preview (its --column value,
+    as `head` shows it). To list rows by a statistic, see `dynstate head --sort`.
 
     \b
     Example:
       dynstate stats ./runs/run1
-      dynstate stats ./runs/run1 step40 --top 5 --json
+      dynstate stats ./runs/run1 step40 --top 5 --threshold 0.9 --json
     """
     from ..outcomes import DEFAULT_HALF_LIFE, DEFAULT_SUCCESS_ABOVE, summarize
 
