@@ -291,6 +291,7 @@ def test_time_travel_tags_reset_and_rollback_give_exactly_that_versions_stats(
         Store.open(store_url).outcome_stats(v),
         reference(lineage_records(by_version, 7) + again, n, 0.5, 10.0),
     )
+    assert verify_store(Store.open(store_url), all_versions=True).ok
     # the abandoned versions still read as they were
     assert_stats(
         store.outcome_stats(13),
@@ -340,6 +341,7 @@ def test_compaction_never_changes_them(store_url: str) -> None:
     assert fresh.generator_state(new) == fresh.generator_state(state_v) == {"s": "x"}
     # the compaction record carries the complete outcome list: it stands alone
     assert "base" in fresh.commit_record(new).outcomes
+    assert verify_store(fresh, all_versions=True).ok
 
 
 def test_gc_keeps_what_kept_versions_need_and_removes_the_rest(durable_url: str) -> None:
