@@ -557,7 +557,7 @@ class Writer:
         shards = list(shards)
         parts = [staged] if staged is not None and staged.shards else []
         leases = {p.lease for p in parts if p.lease}
-        if parts:
+        if parts:  # a refusal changes nothing: the part stays the caller's
             self._check_parts(parts)
             listed = {s.path for s in shards}
             if any(s.path not in listed for s in parts[0].shards):
