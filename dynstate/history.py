@@ -18,7 +18,7 @@ from .store import Store
 def lineage(store: Store, version: int, floor: int = 0) -> list[int]:
     """Versions whose rows ``version`` carries, newest first, down to ``floor`` (the log's
     one lineage walker, which also stops at the gc floor)."""
-    return list(itertools.takewhile(lambda v: v >= floor, store.log.lineage(version)))
+    return list(itertools.takewhile(lambda v: v >= floor, store.lineage(version)))
 
 
 def ranges(versions: list[int]) -> str:
@@ -48,13 +48,13 @@ def version_rows(
     that has just refreshed the store and read its ``tags`` (as :func:`summary` does) can pass
     ``refresh=False`` and the tags to save those requests."""
     head = store.refresh() if refresh else store.head
-    floor = store.log.floor
+    floor = store.floor
     if include_abandoned:
         oldest = max(floor, head - limit + 1) if limit else floor
         versions = list(range(head, oldest - 1, -1))
-        line = set(itertools.takewhile(lambda v: v >= oldest, store.log.lineage(head)))
+        line = set(itertools.takewhile(lambda v: v >= oldest, store.lineage(head)))
     else:
-        versions = list(itertools.islice(store.log.lineage(head), limit))
+        versions = list(itertools.islice(store.lineage(head), limit))
         line = set(versions)
     by_version: dict[int, list[str]] = {}
     for name, v in sorted((store.tags() if tags is None else tags).items()):
@@ -99,7 +99,7 @@ def summary(store: Store) -> dict[str, Any]:
     """The store at a glance, as the header of ``dynstate ls`` shows it: reads the head's and
     the oldest kept version's records and the tags, whatever the length of the history."""
     head = store.refresh()
-    floor = store.log.floor
+    floor = store.floor
     last, first = store.commit_record(head), store.commit_record(floor)
     return {
         "url": store.display_url,
@@ -126,11 +126,11 @@ def describe(
     snap = store.snapshot(version)
     record = snap.commit
     head = store.refresh()
-    floor = store.log.floor
+    floor = store.floor
 
     def walk(start: int, stop: int) -> tuple[list[int], bool]:
         """The lineage of ``start`` down to ``stop``, and whether the limit cut it short."""
-        steps = itertools.takewhile(lambda v: v >= stop, store.log.lineage(start))
+        steps = itertools.takewhile(lambda v: v >= stop, store.lineage(start))
         got = list(itertools.islice(steps, lineage_limit)) if lineage_limit else list(steps)
         return got, bool(lineage_limit) and len(got) == lineage_limit and got[-1] > stop
 
@@ -215,7 +215,7 @@ def _diverged(store: Store, a: int, b: int) -> tuple[list[int], list[int], int |
     """Versions only ``a``'s lineage has, only ``b``'s, and the newest version both share
     (None if they share none above the gc floor). Lineages descend, so advancing whichever
     walk is ahead finds the meeting point after reading only the versions that differ."""
-    walk_a, walk_b = store.log.lineage(a), store.log.lineage(b)
+    walk_a, walk_b = store.lineage(a), store.lineage(b)
     only_a: list[int] = []
     only_b: list[int] = []
     x, y = next(walk_a, None), next(walk_b, None)
@@ -284,7 +284,7 @@ def growth(
     at the top with its number; ``scale["total"]`` the total-rows axis. The size of the result
     is bounded by the records read, whatever the steps."""
     if floor is None:
-        floor = store.log.floor
+        floor = store.floor
     if chain is None:
         head = store.refresh()
         chain = [store.commit_record(v) for v in reversed(lineage(store, head, floor))]
@@ -404,7 +404,7 @@ def _branch(store: Store, reset: Commit, axis: str, x: float, floor: int) -> lis
         return []
     try:
         stop = max(reset.target + 1, floor)
-        branch = itertools.islice(store.log.lineage(reset.parent), ABANDONED_POINTS)
+        branch = itertools.islice(store.lineage(reset.parent), ABANDONED_POINTS)
         records = [store.commit_record(v) for v in itertools.takewhile(lambda v: v >= stop, branch)]
     except DynstateError:
         return []  # collected by gc: the reset's label still says what it dropped

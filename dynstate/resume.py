@@ -22,7 +22,7 @@ def walk_lineage(store: Store, version: int) -> Iterator[int]:
     """Versions whose content makes up ``version``, newest first, down to the gc floor:
     appends and compactions lead to their parent, a reset to its target. Abandoned versions
     are never on the way (:meth:`dynstate.log.Log.lineage`)."""
-    return store.log.lineage(version)
+    return store.lineage(version)
 
 
 def lineage(store: Store, version: int | str | None = None) -> list[int]:
