@@ -97,6 +97,13 @@ WRITER = textwrap.dedent(
         if mode == "kill-after-record":
             publish(record)
             os.kill(os.getpid(), signal.SIGKILL)
+        if mode.endswith("-after-record") and not pause_before_record.done:
+            # created, but stopped before the floor is read again (see Log._stray)
+            publish(record)
+            pause_before_record.done = True
+            print(json.dumps({"paused": record.version}), flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
         if not pause_before_record.done:
             pause_before_record.done = True
             print(json.dumps({"paused": record.version}), flush=True)
@@ -108,6 +115,12 @@ WRITER = textwrap.dedent(
     try:
         if mode == "append":
             out = {"version": store.append(rows)}
+        elif mode.startswith("outcomes"):  # an empty round with only outcomes
+            out = {"version": store.append([], outcomes=rows)}
+        elif mode.startswith("meta"):  # an empty round with only meta
+            out = {"version": store.append([], meta=rows)}
+        elif mode == "reset":
+            out = {"version": store.reset(rows)}
         else:
             part = store.stage(rows)
             print(json.dumps({"part": base64.b64encode(pickle.dumps(part)).decode()}), flush=True)
@@ -205,6 +218,127 @@ def test_writer_paused_while_gc_passes_its_parent_lands_above_the_floor(durable_
         "paused",
     ]
     assert verify_store(reader).ok
+
+
+def _steps(store: Store, version: int | None = None) -> list[int]:
+    return store.outcome_records(version).column("step").to_pylist()
+
+
+def test_outcome_only_append_collected_right_after_its_create_is_committed_once(
+    durable_url: str,
+) -> None:
+    """An empty round with outcomes is created as version 2; before its writer reads the floor
+    again, others commit on it and gc --keep 1 collects it. It is committed (the head carries
+    its outcomes), so the writer must return 2 — not commit it again, which the repeated-step
+    check refuses, nor lose it."""
+    store = Store.open(durable_url, create=True)
+    store.append([{"w": "base"}])
+    proc = _writer(durable_url, "outcomes-after-record", {"row": [0], "step": [7], "score": [1]})
+    try:
+        assert _line(proc) == {"paused": 2}
+        _wait_stopped(proc)
+        for step in range(2):
+            store.append([{"w": f"other-{step}"}])  # 3 and 4 carry version 2's outcomes
+        collect_garbage(store, keep=1, grace_s=0)
+        assert store.log.read_floor() == 4
+        out = _continue(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert out == {"version": 2}, out
+    reader = _fresh(durable_url)
+    assert reader.head == 4 and _steps(reader) == [7]
+    assert verify_store(reader, all_versions=True).ok
+
+
+def test_outcome_only_append_created_below_a_new_floor_is_committed_above_it(
+    durable_url: str,
+) -> None:
+    """The writer stops before creating version 2 (an empty round with outcomes); gc --keep 1
+    frees the name; its create lands below the floor, in no lineage: committed again above it,
+    its outcomes in the head exactly once."""
+    store = Store.open(durable_url, create=True)
+    store.append([{"w": "base"}])
+    proc = _writer(durable_url, "outcomes", {"row": [0], "step": [7], "score": [1]})
+    try:
+        assert _line(proc) == {"paused": 2}
+        _wait_stopped(proc)
+        for step in range(3):
+            store.append([{"w": f"other-{step}"}])
+        collect_garbage(store, keep=1, grace_s=0)
+        out = _continue(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert out == {"version": 5}, out
+    reader = _fresh(durable_url)
+    assert reader.head == 5 and _steps(reader) == [7] and _steps(reader, 4) == []
+    assert verify_store(reader, all_versions=True).ok
+
+
+def test_meta_only_append_collected_right_after_its_create_is_committed_above_the_floor(
+    durable_url: str,
+) -> None:
+    """An empty round with only meta changes no version's rows or outcomes, so nothing tells
+    whether a gc saw it: created below the floor, it is committed again above it, and the kept
+    versions hold it exactly once (the copy a gc saw was collected with the others)."""
+    store = Store.open(durable_url, create=True)
+    store.append([{"w": "base"}])
+    proc = _writer(durable_url, "meta-after-record", {"note": "paused"})
+    try:
+        assert _line(proc) == {"paused": 2}
+        _wait_stopped(proc)
+        for step in range(2):
+            store.append([{"w": f"other-{step}"}])
+        collect_garbage(store, keep=1, grace_s=0)
+        out = _continue(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert out == {"version": 5}, out
+    reader = _fresh(durable_url)
+    kept = [reader.commit_record(v).meta for v in range(reader.floor, reader.head + 1)]
+    assert [m_ for m_ in kept if m_ and m_.get("note") == "paused"] == [{"note": "paused"}]
+    assert verify_store(reader, all_versions=True).ok
+
+
+# -- point 2 with outcomes: a reset's outcome chunks and aggregate collected while it is paused
+
+
+def test_reset_outcome_list_collected_while_its_committer_is_paused(
+    durable_url: str, monkeypatch
+) -> None:
+    """A reset carries its target's outcome list (one full chunk: 256 files) and the aggregate
+    of the outcome checkpoint at 200; the writer stops before its record. A gc that moves the
+    floor to 255 finds both unreferenced (the floor's list is shorter than a chunk, checkpoint
+    200 is collected) and, an hour on, removes them. The reset's version must read, outcomes
+    and statistics included, and verify clean."""
+    store = Store.open(durable_url, create=True)
+    store.append([{"w": "base"}])
+    for step in range(261):
+        store.append([], outcomes={"row": [0], "step": [step], "score": [step % 2]})
+    assert store.head == 262
+    proc = _writer(durable_url, "reset", 260)
+    try:
+        assert _line(proc) == {"paused": 263}
+        _wait_stopped(proc)
+        monkeypatch.setattr(gc_module, "BUSY_S", 0.0)  # as if the writer had slept an hour
+        result = collect_garbage(Store.open(durable_url), keep=8, grace_s=0)
+        assert result.floor_after == 255
+        removed = {r.path for r in result.removed}
+        assert any(p.startswith(f"{m.META_DIR}/chunks/") for p in removed), removed
+        assert any(p.startswith(f"{m.META_DIR}/aggregates/") for p in removed), removed
+        out = _continue(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert out == {"version": 263}, out
+    reader = _fresh(durable_url)
+    assert _steps(reader, 263) == list(range(259))
+    stats = reader.outcome_stats(263).to_pylist()
+    assert stats[0]["attempts"] == 259
+    report = verify_store(reader, all_versions=True)
+    assert report.ok, report
 
 
 # -- point 5: a committer killed between its claim and its record ------------------------------

@@ -138,7 +138,8 @@ class Catalog:
         self._schemas.setdefault(fp, schema)
 
     def restore_named(self, record: Commit) -> None:
-        """After ``record`` was created: make sure the schema and chunks it names exist,
+        """After ``record`` was created: make sure the schema and chunks it names exist — of
+        its shard list and of its outcome list (a reset's or compaction's ``outcomes.base``) —
         rewriting any that a gc removed between our write and the record's create (a gc that
         read the head before the record existed counts them as unreferenced). Rewriting is
         safe: they are content-addressed, and this handle holds their content."""
@@ -152,16 +153,28 @@ class Catalog:
                     self.display_url,
                 )
                 self._touch(m.schema_path(record.schema), m.encode(m.schema_to_json(schema)))
-        for digest in record.base.chunks if record.base is not None else ():
+        named = f"version {record.version}"
+        if record.base is not None:
+            self.restore_chunks(record.base, named)
+        field = record.outcomes
+        if isinstance(field, dict) and field.get("base") is not None:
+            where = self.where(m.log_path(record.version))
+            self.restore_chunks(m.ShardList.from_json(field["base"], where), named)
+
+    def restore_chunks(self, shard_list: m.ShardList, named_by: str) -> None:
+        """Rewrite any chunk of ``shard_list`` that is missing now and whose content this
+        handle holds (it wrote or read it): ``named_by`` (a record, a checkpoint) was created
+        naming it, and a gc that listed files before that create may have removed it."""
+        for digest in shard_list.chunks:
             rel = m.chunk_path(digest)
             entries = self._chunks.get(digest)
             if entries is None or self.storage.exists(rel):
                 continue
             files, _ = m.split_chunks(entries)
             log.warning(
-                "chunk %s of version %d of %s was removed by a concurrent gc; rewritten",
+                "chunk %s of %s of %s was removed by a concurrent gc; rewritten",
                 digest[:12],
-                record.version,
+                named_by,
                 self.display_url,
             )
             self._touch(rel, files[0][1])

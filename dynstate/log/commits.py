@@ -315,13 +315,13 @@ class Log(Catalog):
         a record created below the floor is seen here. Such a record was either seen by that gc
         (it existed when gc read the head, so later versions carry its rows, and it was
         collected with the rest — a committed round) or created after gc freed its name (in no
-        lineage). Appends tell the two apart by their shards: in the head's list, or not. A
-        stray append is committed again above the floor (True); a stray reset or compaction
-        raises: its source is below the floor too."""
+        lineage). Appends tell the two apart by what they add (see :meth:`_carried`): in the
+        head's lists, or not. A stray append is committed again above the floor (True); a
+        stray reset or compaction raises: its source is below the floor too."""
         floor = self.read_floor()
         if record.version >= floor:
             return False
-        if record.add and self._in_head(record.add[0].path):
+        if self._carried(record):
             log.info(
                 "version %d of %s was collected by a concurrent gc right after its commit; its "
                 "rows are in the head",
@@ -337,11 +337,11 @@ class Log(Catalog):
                 f"meanwhile: it is not the head (latest is {self.refresh()}); check the head "
                 "and run it again"
             )
-        for shard in record.add:
+        for shard in [*record.add, *outcomes_of(self).added(record)]:
             if not self.storage.exists(shard.path):
                 raise LeaseExpiredError(
                     f"version {record.version} of {self.display_url} was created below the gc "
-                    f"floor {floor} (a gc ran while this writer was paused) and its shard "
+                    f"floor {floor} (a gc ran while this writer was paused) and its file "
                     f"{shard.path} is gone; the round was NOT stored — append it again"
                 )
         log.warning(
@@ -354,9 +354,24 @@ class Log(Catalog):
         self.refresh()
         return True
 
-    def _in_head(self, path: str) -> bool:
+    def _carried(self, record: Commit) -> bool:
+        """Whether the head carries the round of ``record``, an append created below the
+        floor: its first shard is in the head's shard list, or (an empty round with outcomes)
+        its first outcome file in the head's outcome list. File names are unique, so only a
+        version built on ``record`` holds them. An append with neither — an empty round with
+        only meta or a generator state — changes no version's rows or outcomes, so nothing can
+        tell whether a gc saw it: False, and it is committed again above the floor. The kept
+        versions then hold it once either way (a copy a gc saw was collected with the versions
+        below the floor); its generator state becomes the head's again."""
         head = self.refresh()
-        return any(s.path == path for s in self.materialize(head))
+        if record.add:
+            first = record.add[0].path
+            return any(s.path == first for s in self.materialize(head))
+        added = outcomes_of(self).added(record)
+        if added:
+            first = added[0].path
+            return any(f.path == first for f in outcomes_of(self).lineage_files(head))
+        return False
 
     def recheck_sources(self, record: Commit, sources: Iterable[int]) -> None:
         """After ``record``, reusing ``sources``' shards, was created: a gc that published its
@@ -401,6 +416,11 @@ class Log(Catalog):
         err.undone = record.version  # type: ignore[attr-defined]
         raise err
 
+    def restore_named(self, record: Commit) -> None:
+        """:meth:`Catalog.restore_named`, and the outcome aggregate the record names."""
+        super().restore_named(record)
+        outcomes_of(self).restore_named(record)
+
     def _publish(self, record: Commit) -> None:
         self.storage.create(m.log_path(record.version), m.encode(record.to_json()))
         self._records[record.version] = record
@@ -415,6 +435,9 @@ class Log(Catalog):
                 self.storage.create_if_absent(
                     m.checkpoint_path(record.version), checkpoint_bytes(record, shard_list)
                 )
+                # A gc that listed files before the create may have taken its chunks for
+                # unreferenced; a checkpoint naming a missing chunk breaks materialize().
+                self.restore_chunks(shard_list, f"the checkpoint of version {record.version}")
                 outcomes_of(self).write_checkpoint(record)
             # No fsync: the hint only ever names a version already durable, and a hint lost
             # or torn by a power cut is ignored by refresh(), which then probes.
@@ -431,9 +454,7 @@ class Log(Catalog):
             rel = m.log_path(record.version)
             raw = self.storage.try_read(rel)
             if raw is not None and m.decode(raw, self.where(rel)) == record.to_json():
-                if record.version < self.read_floor() and not (
-                    record.add and self._in_head(record.add[0].path)
-                ):
+                if record.version < self.read_floor() and not self._carried(record):
                     continue  # a stray below the floor (see _stray): in no lineage
                 self._records[record.version] = record
                 self._head = max(self._head, record.version)
@@ -454,9 +475,7 @@ class Log(Catalog):
         except BaseException:  # unknown again (an interrupt: the caller re-raises its own)
             return None
         try:
-            if record.version < self.read_floor() and not (
-                record.add and self._in_head(record.add[0].path)
-            ):
+            if record.version < self.read_floor() and not self._carried(record):
                 return False  # ours, but a stray below the floor (see _stray)
             self.restore_named(record)
         except DynstateError:

@@ -186,6 +186,9 @@ class Outcomes:
         self._files_lock = threading.Lock()  # files are read from a thread pool
         self._dense: list[tuple[tuple[float, float], int, str | None, Aggregate]] = []
         self._since: int | None = None  # set once store.json says the store holds outcomes
+        # bytes of aggregates this handle just named in a record or checkpoint, to rewrite
+        # one a concurrent gc removed before that create (see restore_named)
+        self._named_aggregates: OrderedDict[str, bytes] = OrderedDict()
 
     @property
     def display_url(self) -> str:
@@ -281,6 +284,13 @@ class Outcomes:
             raise CorruptStoreError(f"{where} has malformed outcomes (no add list)")
         files = [ShardRef.from_json(s, where) for s in field["add"]]
         return files, _steps(field, where), _count(field, "records", where)
+
+    def added(self, record: Commit) -> list[ShardRef]:
+        """The outcome files an append record adds (none for other records)."""
+        field = record.outcomes
+        if field is None or record.base is not None or record.op != "append":
+            return []
+        return self._add_of(record)[0]
 
     def _base_of(self, record: Commit) -> Lineage:
         field = record.outcomes
@@ -602,13 +612,59 @@ class Outcomes:
         lineage = self.lineage(version)
         if not lineage.count and lineage.state is None:
             return None, None
+        aggregate = lineage.aggregate
+        if aggregate is not None and not self._touch_aggregate(aggregate):
+            aggregate = None  # it only repeats what the files say: statistics fold them
         field = {
             "base": self.log.put_shard_list(self.files(lineage)).to_json(),
             "steps": lineage.step_ranges,
             "records": lineage.records,
-            "aggregate": None if lineage.aggregate is None else lineage.aggregate.to_json(),
+            "aggregate": None if aggregate is None else aggregate.to_json(),
         }
         return field, lineage.state
+
+    def _touch_aggregate(self, ref: AggregateRef) -> bool:
+        """Rewrite a stored aggregate a new record is about to name (it may be an hour old
+        and named only by a checkpoint a gc collects meanwhile): its fresh time tells gc it is
+        in use, as for chunks, and its bytes are kept for :meth:`restore_named`. False if it
+        cannot be read intact (the record then names none)."""
+        try:
+            data = self.storage.read(ref.path)
+        except FileNotFoundError:
+            return False
+        if len(data) != ref.bytes or m.sha256(data) != ref.sha256:
+            log.warning("outcome aggregate %s does not match its checksum", ref.path)
+            return False
+        self.storage.put(ref.path, data)
+        self._keep_aggregate(ref.path, data)
+        return True
+
+    def _keep_aggregate(self, path: str, data: bytes) -> None:
+        self._named_aggregates[path] = data
+        self._named_aggregates.move_to_end(path)
+        while len(self._named_aggregates) > 4:  # one per commit in flight is plenty
+            self._named_aggregates.popitem(last=False)
+
+    def restore_named(self, record: Commit) -> None:
+        """After ``record`` was created: rewrite the aggregate it names if a gc removed it
+        between our write and the create (its outcome chunks: :meth:`Catalog.restore_named`)."""
+        field = record.outcomes
+        if isinstance(field, dict) and field.get("aggregate") is not None:
+            where = self.log.where(m.log_path(record.version))
+            ref = AggregateRef.from_json(field["aggregate"], where)
+            self._restore_aggregate(ref, f"version {record.version}")
+
+    def _restore_aggregate(self, ref: AggregateRef, named_by: str) -> None:
+        data = self._named_aggregates.get(ref.path)
+        if data is None or self.storage.exists(ref.path):
+            return
+        log.warning(
+            "outcome aggregate %s of %s of %s was removed by a concurrent gc; rewritten",
+            ref.sha256[:12],
+            named_by,
+            self.display_url,
+        )
+        self.storage.put(ref.path, data)
 
     def write_checkpoint(self, record: Commit) -> None:
         """The outcome checkpoint of ``record``'s version: its complete outcome list and an
@@ -621,11 +677,12 @@ class Outcomes:
         if lineage.count:
             agg = self._aggregate(record.version, DEFAULT_SUCCESS_ABOVE, DEFAULT_HALF_LIFE)
             aggregate = self._put_aggregate(agg, lineage.count)
+        files = self.log.put_shard_list(self.files(lineage))
         body: dict[str, Any] = {
             "format": m.OUTCOMES_FORMAT,
             "store_id": self.log.store_id,
             "version": record.version,
-            "files": self.log.put_shard_list(self.files(lineage)).to_json(),
+            "files": files.to_json(),
             "steps": lineage.step_ranges,
             "records": lineage.records,
             "aggregate": None if aggregate is None else aggregate.to_json(),
@@ -633,6 +690,11 @@ class Outcomes:
         if lineage.state is not None:
             body["generator_state"] = lineage.state
         self.storage.create_if_absent(rel, m.encode(body))
+        # A gc that listed files before the create may have taken them for unreferenced.
+        named = f"the outcome checkpoint of version {record.version}"
+        self.log.restore_chunks(files, named)
+        if aggregate is not None:
+            self._restore_aggregate(aggregate, named)
         # The next lineage walks stop here, with the aggregate.
         self._lineages.pop(record.version, None)
 
@@ -643,6 +705,7 @@ class Outcomes:
         digest = m.sha256(data)
         # Rewritten even if present (content-addressed): its fresh time tells gc it is in use.
         self.storage.put(aggregate_path(digest), data)
+        self._keep_aggregate(aggregate_path(digest), data)
         return AggregateRef(
             aggregate_path(digest), len(data), digest, files, agg.success_above, agg.half_life
         )
