@@ -341,6 +341,38 @@ def test_reset_outcome_list_collected_while_its_committer_is_paused(
     assert report.ok, report
 
 
+def test_checkpoint_chunks_and_aggregate_collected_before_its_create(tmp_path, monkeypatch):
+    """Version 100's upkeep writes its checkpoint's chunk (300 shards) and its outcome
+    checkpoint's aggregate; a gc an hour on (BUSY_S 0) runs just before each checkpoint is
+    created and removes them (nothing names them yet). Each checkpoint must not name a missing
+    file: a checkpoint whose chunk is gone breaks every read that replays from it."""
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    store.append([{"i": i} for i in range(300)], shard_bytes=1)  # 300 shards: one full chunk
+    for step in range(98):
+        store.append([], outcomes={"row": [step], "step": [step], "score": [1]})
+    assert store.head == 99
+    monkeypatch.setattr(gc_module, "BUSY_S", 0.0)
+    create = store.storage.create_if_absent
+    removed: set[str] = set()
+
+    def gc_first(rel, data):
+        if rel.endswith(f"{100:020d}.json"):
+            result = collect_garbage(Store.open(url), grace_s=0)
+            removed.update(r.path for r in result.removed)
+        return create(rel, data)
+
+    monkeypatch.setattr(store.storage, "create_if_absent", gc_first)
+    assert store.append([], outcomes={"row": [0], "step": [98], "score": [0]}) == 100
+    assert any(p.startswith(f"{m.META_DIR}/chunks/") for p in removed), removed
+    assert any(p.startswith(f"{m.META_DIR}/aggregates/") for p in removed), removed
+    reader = _fresh(url)
+    assert reader.append([{"i": 300}]) == 101
+    assert [r["i"] for r in _rows(_fresh(url), 101)] == list(range(301))
+    report = verify_store(_fresh(url), all_versions=True)
+    assert report.ok, report
+
+
 # -- point 5: a committer killed between its claim and its record ------------------------------
 
 
