@@ -163,13 +163,16 @@ def test_legacy_records_outcomes_state_and_figures_with_each_round(hardest_refer
         made += rounds(spec)[step]["rows"]
         assert state["states"][step]["made"] == made
     assert made == len(final) - IMPORTED > 0
-    # the figures verl's tracker logged with each step
-    figures = tracked(spec)
-    assert sorted(figures) == list(range(1, STEPS + 1)), output(spec)
-    store = dynstate.Store.open(spec["store"])
-    for step, meta in rounds(spec).items():
+    check_figures(spec["store"], tracked(spec), STEPS)
+
+
+def check_figures(url: str, figures: dict[int, dict[str, float]], steps: int) -> None:
+    """The dynstate/* figures verl's tracker logged with each step are those of its round."""
+    assert sorted(figures) == list(range(1, steps + 1))
+    store = dynstate.Store.open(url)
+    for step, v in round_versions(store).items():
         f = figures[step]
-        v = meta["version"]
+        meta = store.commit_record(v).meta
         stats = store.outcome_stats(v).to_pylist()
         rates = [s["successes"] / s["attempts"] for s in stats if s["attempts"]]
         assert f["version"] == v and f["rows_added"] == meta["rows"]
@@ -226,6 +229,9 @@ def v1_files(tmp_path_factory) -> dict:
 
 @pytest.mark.slow
 def test_v1_stateful_generator_killed_at_every_instant_resumes_exactly(v1_files, tmp_path):
+    """verl's V1 sync trainer, mix mode, local store, no loader workers, verl's
+    ``default_compute_score`` (gsm8k): the same checks as the legacy tests, and a kill chain
+    at the four instants of tests/test_verl_v1.py."""
     import verl_v1_standins as standins
 
     steps = 6
@@ -234,6 +240,8 @@ def test_v1_stateful_generator_killed_at_every_instant_resumes_exactly(v1_files,
         "save_freq": 2,
         "test_freq": 3,
         "num_workers": 0,
+        # mix mode: generated rows are drawn from the step after their round
+        "dynstate": {"mode": "mix", "fresh_share": 0.5, "lag": 1},
         "datagen": HARDEST,
     }
 
@@ -244,6 +252,7 @@ def test_v1_stateful_generator_killed_at_every_instant_resumes_exactly(v1_files,
             "ckpt": str(tmp_path / f"{name}-ckpt"),
             "log": str(tmp_path / f"{name}.jsonl"),
             "pids": str(tmp_path / f"{name}-pids.json"),
+            "output": str(tmp_path / f"{name}-out.txt"),
             **common,
         }
 
@@ -253,6 +262,7 @@ def test_v1_stateful_generator_killed_at_every_instant_resumes_exactly(v1_files,
     assert sorted(ref_log) == list(range(1, steps + 1))
     imported = dynstate.Store.open(ref["store"]).snapshot(1).num_rows
     check_outcomes_of_run(ref["store"], ref_log, imported)
+    check_figures(ref["store"], tracked(ref), steps)
     ref_state = outcome_state(ref["store"])
     assert all(ref_state["states"][s] is not None for s in range(1, steps + 1))
 
@@ -265,4 +275,59 @@ def test_v1_stateful_generator_killed_at_every_instant_resumes_exactly(v1_files,
     for step in range(1, steps + 1):
         assert got[step] == ref_log[step], f"step {step} trained another batch"
     assert standins.store_summary(spec["store"]) == standins.store_summary(ref["store"])
+    assert outcome_state(spec["store"]) == ref_state
+
+
+# -- verl's old generator interface, with state ----------------------------------------------
+
+OLD_STATEFUL = '''
+import datasets
+from verl.experimental.dynamic_dataset.dynamicgen_dataset import AbstractDataGenerator
+
+
+class LeastSolved(AbstractDataGenerator):
+    """verl's old interface with state: each call copies the trained row with the fewest
+    successes so far (the statistics of the dataset it receives), numbered by its calls."""
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.calls = 0
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state):
+        self.calls = state["calls"]
+
+    def generate(self, dataset):
+        self.calls += 1
+        trained = [s for s in dataset.outcome_stats().to_pylist() if s["attempts"]]
+        if not trained:
+            return []
+        pick = min(trained, key=lambda s: (s["successes"], s["row"]))["row"]
+        row = dict(dataset.dataframe[pick])
+        row["extra_info"] = {**row["extra_info"], "index": 300_000 + self.calls}
+        return datasets.Dataset.from_list([row])
+'''
+
+
+@pytest.mark.slow
+def test_old_interface_stateful_generator_resumes_exactly(world, tmp_path):
+    path = tmp_path / "old_stateful.py"
+    path.write_text(OLD_STATEFUL)
+    datagen = {"path": str(path), "name": "LeastSolved"}
+    ref = new_run(world, "old-stateful-ref", datagen=datagen, **EPOCH)
+    assert call(world, ref) == 0, output(ref)
+    ref_state = outcome_state(ref["store"])
+    assert ref_state["states"] == {s: {"calls": s} for s in range(1, STEPS + 1)}
+    final = content(ref)
+    assert [r["extra_info"]["index"] for r in final[IMPORTED:]] == [
+        300_000 + s for s in range(2, STEPS + 1)
+    ]
+    spec = new_run(world, "old-stateful-chain", datagen=datagen, **EPOCH)
+    for kill in ([3, "committed"], [4, "saved"]):
+        assert call(world, {**spec, "kill": kill}) == -9, output(spec)
+    assert call(world, spec) == 0, output(spec)
+    assert [run[0]["resumed_from"] for run in events(spec)] == [0, 2, 4]
+    assert content(spec) == final
     assert outcome_state(spec["store"]) == ref_state

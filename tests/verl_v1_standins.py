@@ -486,7 +486,11 @@ def _driver(spec: dict, kill: tuple[int, str] | None, timeout: float) -> tuple[i
             proc.kill()
             proc.wait()
         end_leftovers(proc, spec.get("pids"))
-    return proc.returncode, out.decode(errors="replace") if out else ""
+    text = out.decode(errors="replace") if out else ""
+    if spec.get("output"):  # kept for the caller, e.g. to read verl's console tracker
+        with open(spec["output"], "a") as f:
+            f.write(text)
+    return proc.returncode, text
 
 
 # -- the driver --------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ generator reads the per-row statistics of the store (``dataset.outcome_stats()``
 earlier step's outcomes, which dynstate records with each round) and adds the step's own
 scores from the batch; it then picks the ``max_new`` hardest rows — lowest pass rate, then
 the rows it has picked least often, then the most attempts — among those not solved every
-time, and writes one variation of each, with its source row in ``_dynstate_source``.
+time, and writes one variation of each (the source row with other operands: same data
+source, same prompt layout), with its source row in ``_dynstate_source``.
 
 Its state (how many tasks it made, how often it picked each row) changes what it writes, so
 it must survive a crash: ``state_dict()`` / ``load_state_dict()`` are committed with each
@@ -29,17 +30,25 @@ import numpy as np
 
 from dynstate.verl import DynstateGenerator
 
-TASK = re.compile(r"What is (\d+) \+ (\d+)\?")
+TASK = re.compile(r"What is (\d+) \+ (\d+)( ?)\?")
 
 
-def make_task(a: int, b: int, index: int, split: str = "train") -> dict[str, Any]:
-    return {
-        "data_source": "arith",
-        "prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-        "extra_info": {"split": split, "index": index},
-    }
+def variation(source: dict[str, Any], shift_a: int, shift_b: int, index: int) -> dict | None:
+    """``source`` (a store row) asking ``a + shift_a`` plus ``b + shift_b`` instead; None if
+    its last message is not an ``a + b`` task."""
+    messages = [dict(m) for m in source["prompt"]]
+    found = TASK.search(messages[-1]["content"])
+    if found is None:
+        return None
+    a, b = int(found.group(1)) + shift_a, int(found.group(2)) + shift_b
+    text = messages[-1]["content"]
+    asked = f"What is {a} + {b}{found.group(3)}?"
+    messages[-1]["content"] = text[: found.start()] + asked + text[found.end() :]
+    row = {k: v for k, v in source.items() if k != "_dynstate_source"}
+    row["prompt"] = messages
+    row["reward_model"] = {**(source.get("reward_model") or {}), "ground_truth": str(a + b)}
+    row["extra_info"] = {**(source.get("extra_info") or {}), "index": index}
+    return row
 
 
 def hardest_rows(
@@ -83,13 +92,11 @@ class HardestFirst(DynstateGenerator):
             successes[int(row)] += score > self.success_above
         out: list[dict[str, Any]] = []
         for row in hardest_rows(attempts, successes, self.picked, self.max_new):
-            found = TASK.search(dataset.dataframe[row]["prompt"][-1]["content"])
-            if found is None:
+            task = variation(dataset.dataframe[row], self.made + 1, step, 200_000 + self.made)
+            if task is None:
                 continue
-            a, b = int(found.group(1)), int(found.group(2))
             self.made += 1
             self.picked[row] = self.picked.get(row, 0) + 1
-            task = make_task(a + self.made, b + step, index=200_000 + self.made)
             task["_dynstate_source"] = [row]
             out.append(task)
         return out
