@@ -262,8 +262,8 @@ def test_reference_run_feeds_the_generator_on_verls_default_reward_path(referenc
 @pytest.mark.slow
 def test_killed_at_every_instant_resumes_to_the_uninterrupted_run(world, reference):
     kills = [
-        (2, "committed"),  # round 2 committed inside _save_checkpoint, checkpoint 2 not written
-        (3, "committed"),  # round 3 committed by on_batch_end; resume from checkpoint 2
+        (2, "committed"),  # round 2 committed after the actor update, checkpoint 2 not written
+        (3, "committed"),  # round 3 committed (no checkpoint step); resume from checkpoint 2
         (4, "saved"),  # right after checkpoint 4: the old lost-round window
         (5, "rollout"),  # inside the agent loop of step 5
         (6, "validation"),  # in validation, after checkpoint 6

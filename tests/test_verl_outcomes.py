@@ -214,6 +214,37 @@ def test_legacy_stateful_generator_killed_at_every_instant_resumes_exactly(
     assert outcome_state(spec["store"]) == ref_state
 
 
+@pytest.mark.slow
+@pytest.mark.s3
+def test_legacy_mix_mode_on_s3_with_workers_resumes_exactly(world, s3_endpoint):
+    """Mix mode, a store on the loopback S3 server, two loader workers: the stateful
+    generator's rounds, outcomes and state after kills right after a checkpoint and right
+    after a round's commit equal the uninterrupted run's."""
+    from conftest import s3_url
+
+    extra = {"num_workers": 2, "dynstate": {"mode": "mix", "fresh_share": 0.5, "lag": 5}}
+    ref = new_run(world, "hardest-mix-ref", store=s3_url(), datagen=HARDEST, **extra)
+    assert call(world, ref) == 0, output(ref)
+    (run,) = events(ref)
+    ref_batches = batches(run)
+    check_outcomes_of_run(ref["store"], ref_batches, IMPORTED)
+    ref_state = outcome_state(ref["store"])
+    spec = new_run(world, "hardest-mix-chain", store=s3_url(), datagen=HARDEST, **extra)
+    for kill in ([4, "saved"], [6, "committed"]):
+        assert call(world, {**spec, "kill": kill}) == -9, output(spec)
+    assert call(world, spec) == 0, output(spec)
+    runs = events(spec)
+    assert [r[0]["resumed_from"] for r in runs] == [0, 4, 4]
+    for r in runs:
+        for step, b in batches(r).items():
+            assert (b["rows"], b["scores"]) == (
+                ref_batches[step]["rows"],
+                ref_batches[step]["scores"],
+            ), step
+    assert content(spec) == content(ref)
+    assert outcome_state(spec["store"]) == ref_state
+
+
 # -- V1 trainer ----------------------------------------------------------------------------------
 
 
