@@ -99,7 +99,7 @@ def test_newer_format_says_upgrade(setup):
     ds, good = setup
     sampler = VersionedSampler(ds, seed=1, batch_size=4, mode="mix", lag=2)
     with pytest.raises(UnsupportedFormatError, match="upgrade dynstate"):
-        sampler.load_state_dict({**good, "format": 3})
+        sampler.load_state_dict({**good, "format": 4})  # 3: a state with a selection policy
 
 
 def test_constructor_refuses_bad_settings(setup):

@@ -33,7 +33,8 @@ from . import layout
 from .batching import Batching, check_lag, drawing_batcher
 from .dataset import VersionedDataset, encode_index
 from .permutation import EpochOrder, FeistelPermutation
-from .state import MODES, STATE_FORMAT, STATE_KIND, Position, _is_int, check_state
+from .selection import Plan, Policy, as_policy, step_rng
+from .state import MODES, SELECT_FORMAT, STATE_KIND, Position, _is_int, check_state
 
 log = logging.getLogger("dynstate")
 
@@ -82,6 +83,16 @@ class VersionedSampler(Sampler[int]):
     that does not fill a whole step on every rank, ``drop_last=False`` repeats rows from the
     start of the epoch so that every rank gets as many.
 
+    Selection (``select=``, :mod:`dynstate.loading.selection`): a policy over the per-row
+    outcome statistics — :class:`PassRateBand`, :class:`Learnability`,
+    :class:`DifficultyPools`, a module-level function ``fn(stats, step)`` or a
+    :class:`FunctionPolicy` — picks each step's rows instead of the epoch's permutation:
+    drawn with replacement by the policy's weights, from a stream keyed by ``(seed, epoch,
+    step)``, over the statistics of a version fixed by a rule on the history (epoch mode: the
+    version the epoch pinned; mix mode: the round of step ``s - lag``, the version fresh rows
+    come from). An epoch still has as many steps as without selection. The policy's identity
+    goes into the state: a resume with another policy is refused.
+
     ``state_dict()`` returns plain types (loadable with ``torch.load(weights_only=True)``);
     ``load_state_dict()`` continues exactly where the state was taken, with any number of
     ranks and workers.
@@ -103,6 +114,7 @@ class VersionedSampler(Sampler[int]):
         first_step: int = 0,
         wait_timeout: float = 600.0,
         prefetch: bool = True,
+        select: Any = None,
     ) -> None:
         if mode not in MODES:
             raise InvalidDataError(f"mode must be one of {MODES}, not {mode!r}")
@@ -143,6 +155,8 @@ class VersionedSampler(Sampler[int]):
         self.wait_timeout = wait_timeout
         self.prefetch = prefetch
         self.first_step = int(first_step)
+        self.select: Policy | None = as_policy(select)
+        self._plan: tuple[tuple[int, int | None], Plan] | None = None
         self.pos = Position(step=self.first_step)
         self._order = EpochOrder(shuffle, self.seed, _BLOCK)
         self._prefetched = -1
@@ -342,6 +356,9 @@ class VersionedSampler(Sampler[int]):
     def _iter_epoch(self) -> Iterator[int]:
         tag = encode_index(self.pos.version, 0)  # type: ignore[arg-type]
         replicas, rank = self.num_replicas, self.rank
+        if self.select is not None:
+            yield from self._iter_selected()
+            return
         if replicas == 1 and self.batch_size is None:
             # One index per step: the position moves index by index, in blocks.
             while (start := self.pos.slot) < self.pos.base_rows:
@@ -363,21 +380,64 @@ class VersionedSampler(Sampler[int]):
             self.pos = replace(self.pos, slot=slot, base_next=slot, step=self.pos.step + counted)
             yield from [tag | row for row in (rows[rank::replicas] if replicas > 1 else rows)]
 
+    # -- selection -----------------------------------------------------------------------
+
+    def _selected(self, version: int, count: int) -> list[int]:
+        """``count`` rows of the step at the position, drawn by the policy over the
+        statistics of ``version`` (fixed by the mode's rule, never by timing)."""
+        assert self.select is not None
+        step = self.pos.step
+        key = (version, step if self.select.uses_step else None)
+        if self._plan is None or self._plan[0] != key:
+            stats = self.dataset.store.outcome_stats(version)
+            where = f"selection policy {self.select.name!r} at step {step}, version {version}"
+            where += f" of {self.dataset.store.display_url}"
+            self._plan = (key, self.select.plan(stats, step, where))
+        rng = step_rng(self.seed, self.pos.epoch, step)
+        return self._plan[1].draw(rng, count).tolist()
+
+    def _iter_selected(self) -> Iterator[int]:
+        """Epoch mode with a policy: each step draws its slots by the policy's weights over
+        the statistics of the version the epoch pinned."""
+        if self.batch_size is None:
+            raise InvalidDataError(
+                f"a VersionedSampler with select= over {self.dataset.store.display_url} keys "
+                "each step's draw by the step, so it needs the loader's steps; pass "
+                "batch_size (the loader's), or draw through a DataLoader built with "
+                "sampler= and batch_size="
+            )
+        tag = encode_index(self.pos.version, 0)  # type: ignore[arg-type]
+        replicas, rank = self.num_replicas, self.rank
+        while (shape := self._step_shape()) is not None:
+            slots, per_rank = shape
+            rows = self._selected(self.pos.version, per_rank * replicas)  # type: ignore[arg-type]
+            slot = self.pos.slot + slots
+            self.pos = replace(self.pos, slot=slot, base_next=slot, step=self.pos.step + 1)
+            yield from [tag | row for row in (rows[rank::replicas] if replicas > 1 else rows)]
+
     def _iter_mix(self) -> Iterator[int]:
         assert self.batch_size is not None
         replicas, rank = self.num_replicas, self.rank
         want = max(1, round(self.fresh_share * self.batch_size))
         while (shape := self._step_shape()) is not None:
             slots, per_rank = shape
-            self._prefetch()
+            if self.select is None:
+                self._prefetch()
             fresh_version, fresh_rows = self._visible(self.pos.step - self.lag)
             p = self.pos
             n_fresh = max(0, min(min(want, per_rank) * replicas, slots, fresh_rows - p.fresh_next))
             n_base = slots - n_fresh
             base_tag, fresh_tag = encode_index(p.version, 0), encode_index(fresh_version, 0)  # type: ignore[arg-type]
-            batch = [base_tag | row for row in self._rows(p.base_next, n_base)]
+            if self.select is not None:
+                # The rest of the step by the policy, over the statistics of the same round
+                # the fresh rows come from (step - lag): the loader never waits on itself.
+                picked = self._selected(fresh_version, per_rank * replicas - n_fresh)
+                batch = [fresh_tag | row for row in picked]
+            else:
+                batch = [base_tag | row for row in self._rows(p.base_next, n_base)]
             batch += [fresh_tag | row for row in range(p.fresh_next, p.fresh_next + n_fresh)]
-            batch += [base_tag | row for row in self._padding(per_rank * replicas - slots)]
+            if self.select is None:
+                batch += [base_tag | row for row in self._padding(per_rank * replicas - slots)]
             self.pos = replace(
                 p,
                 slot=p.slot + slots,
@@ -413,8 +473,11 @@ class VersionedSampler(Sampler[int]):
     # -- state -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        # Format 3 only with a policy: a dynstate without selection refuses such a state
+        # (newer format) instead of resuming without the policy; other states stay format 2.
+        selection = {} if self.select is None else {"select": self.select.identity()}
         return {
-            "format": STATE_FORMAT,
+            "format": SELECT_FORMAT if self.select is not None else 2,
             "kind": STATE_KIND,
             "store_id": self.dataset.store_id,
             "store_url": self.dataset.store.display_url,
@@ -427,6 +490,7 @@ class VersionedSampler(Sampler[int]):
             "drop_last": self.drop_last,
             "num_replicas": self.num_replicas,
             **self.pos.state(self.mode),
+            **selection,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -447,6 +511,13 @@ class VersionedSampler(Sampler[int]):
                     f"sampler has {key}={getattr(self, key)!r}; construct the sampler with "
                     "the same settings to resume exactly"
                 )
+        mine = None if self.select is None else self.select.identity()
+        if state["select"] != mine:
+            raise StateMismatchError(
+                f"sampler state for {url} was saved with select={state['select']!r} but this "
+                f"sampler has select={mine!r}; construct the sampler with the same selection "
+                "policy and parameters to resume exactly"
+            )
         batching = self._batching.adopt(state["batch_size"], state["drop_last"], url)
         store = self.dataset.store
         if state["version"] is not None:

@@ -11,7 +11,8 @@ import numpy as np
 
 from ..errors import StateMismatchError, UnsupportedFormatError
 
-STATE_FORMAT = 2
+STATE_FORMAT = 3  # written only by a sampler with a selection policy; else 2
+SELECT_FORMAT = 3
 STATE_KIND = "dynstate.VersionedSampler"
 MODES = ("epoch", "mix")
 _MAX_ROWS = 2**40  # rows of one version; an index carries its row in 40 bits
@@ -46,6 +47,21 @@ _FIELDS_2: dict[str, tuple[str, bool]] = {
     "num_replicas": (_INT, False),
     "base_next": (_INT, False),
 }
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Plain JSON-like types only (what a policy's identity may hold)."""
+    if depth > 8:
+        return False
+    if value is None or type(value) in (bool, int, str):
+        return True
+    if type(value) is float:
+        return value == value and value not in (float("inf"), float("-inf"))
+    if type(value) is list:
+        return all(_plain(v, depth + 1) for v in value)
+    if type(value) is dict:
+        return all(type(k) is str and _plain(v, depth + 1) for k, v in value.items())
+    return False
 
 
 def _type_ok(value: Any, kind: str) -> bool:
@@ -108,6 +124,26 @@ def check_state(state: Any, store_id: str, url: str) -> dict[str, Any]:
         )
     out = {k: state[k] for k in fields}
     out["format"] = fmt
+    out["select"] = None  # formats 1 and 2: no selection policy
+    if fmt >= SELECT_FORMAT:
+        if "select" not in state:
+            raise StateMismatchError(
+                f"sampler state for {url} (format {fmt}) lacks select; it is damaged or was "
+                "not written by VersionedSampler.state_dict()"
+            )
+        select = state["select"]
+        if select is not None and not (
+            _plain(select)
+            and isinstance(select, dict)
+            and isinstance(select.get("policy"), str)
+            and isinstance(select.get("params"), dict)
+        ):
+            raise StateMismatchError(
+                f"sampler state for {url} has select={select!r}; expected None or "
+                '{"policy": str, "params": dict} of plain types, as VersionedSampler.'
+                "state_dict() writes it"
+            )
+        out["select"] = select
     if fmt == 1:
         # Format 1 counted only base rows in ``position``; slots include the fresh ones drawn.
         fresh_drawn = state["fresh_next"] - state["base_rows"] if state["mode"] == "mix" else 0
