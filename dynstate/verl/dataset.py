@@ -58,7 +58,7 @@ def batch_outcomes(batch: Any, step: int) -> dict[str, Any] | None:
     ``critic/score/mean``) and ``response_length`` where the batch has ``response_mask``.
     None when the batch carries no row numbers or no scores."""
     non_tensors = getattr(batch, "non_tensor_batch", None) or {}
-    tensors = getattr(batch, "batch", None)
+    tensors: Any = getattr(batch, "batch", None)
     rows = non_tensors.get(ROW_KEY)
     # TensorDict: membership through keys() (its __contains__ is not a key test everywhere)
     keys = set(tensors.keys()) if tensors is not None else set()
