@@ -55,11 +55,11 @@ _SALT = 0x5E1EC7  # keeps a selection's stream apart from any other use of the s
 def pass_rates(stats: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     """``(pass_rate, tried)`` per row of a statistics table: ``successes / attempts`` (NaN
     where a row was never tried) and whether it was."""
-    attempts = np.asarray(stats.column("attempts").to_numpy(zero_copy_only=False), np.float64)
-    successes = np.asarray(stats.column("successes").to_numpy(zero_copy_only=False), np.float64)
+    attempts = stats.column("attempts").to_numpy(zero_copy_only=False)
+    successes = stats.column("successes").to_numpy(zero_copy_only=False)
     tried = attempts > 0
     with np.errstate(invalid="ignore", divide="ignore"):
-        rate = np.where(tried, successes / np.where(tried, attempts, 1.0), np.nan)
+        rate = np.divide(successes, attempts, dtype=np.float64)  # NaN where never tried
     return rate, tried
 
 
@@ -95,26 +95,26 @@ def check_weights(values: Any, num_rows: int, where: str) -> np.ndarray:
             "return one weight (or bool) per row of the table, in row order"
         )
     if arr.dtype == np.bool_ or np.issubdtype(arr.dtype, np.number):
-        weights = arr.astype(np.float64)
+        weights = arr.astype(np.float64, copy=False)
     else:
         raise InvalidDataError(
             f"{where} returned {arr.dtype} values; return floats (weights) or bools (eligibility)"
         )
-    nan = np.isnan(weights)
-    if nan.any():
-        raise InvalidDataError(
-            f"{where} returned NaN weights (first at row {int(np.argmax(nan))}); give rows "
-            "never tried a number (e.g. a neutral weight), NaN cannot be drawn"
-        )
-    if np.isinf(weights).any():
-        raise InvalidDataError(f"{where} returned infinite weights; return finite numbers")
-    negative = weights < 0
-    if negative.any():
-        first = int(np.argmax(negative))
+    # one pass finds NaN and negatives alike (both fail >= 0); the message tells them apart
+    bad = ~(weights >= 0)
+    if bad.any():
+        first = int(np.argmax(bad))
+        if np.isnan(weights).any():
+            raise InvalidDataError(
+                f"{where} returned NaN weights (first at row {int(np.argmax(np.isnan(weights)))}); "
+                "give rows never tried a number (e.g. a neutral weight), NaN cannot be drawn"
+            )
         raise InvalidDataError(
             f"{where} returned negative weights (row {first}: {weights[first]}); weights "
             "must be >= 0 (0 leaves a row out)"
         )
+    if num_rows and weights.max() == np.inf:
+        raise InvalidDataError(f"{where} returned infinite weights; return finite numbers")
     if num_rows and not weights.any():
         raise InvalidDataError(
             f"{where} gives every one of the {num_rows} rows weight 0: nothing can be drawn; "
@@ -147,10 +147,15 @@ class Plan:
     def of(cls, num_rows: int, parts: Sequence[tuple[float, np.ndarray]], where: str) -> Plan:
         strata = []
         for share, weights in parts:
-            if share <= 0 or not weights.any():
-                continue  # an empty pool's share goes to the others
+            if share <= 0 or not len(weights):
+                continue
             cdf = np.cumsum(weights)
-            strata.append(_Stratum(share, cdf, float(cdf[-1]), int(np.flatnonzero(weights)[-1])))
+            total = float(cdf[-1])
+            if total <= 0:
+                continue  # an empty pool's share goes to the others
+            # the last row of positive weight: where the cumulative sum first reaches its total
+            last = int(np.searchsorted(cdf, total, side="left"))
+            strata.append(_Stratum(share, cdf, total, last))
         if num_rows and not strata:
             raise InvalidDataError(
                 f"{where} leaves no row that can be drawn (every pool empty or weighted 0); "
@@ -274,8 +279,10 @@ class Learnability(Policy):
 
     def weights(self, stats: pa.Table) -> np.ndarray:
         rate, tried = pass_rates(stats)
-        learn = np.maximum(np.nan_to_num(rate * (1.0 - rate)), self.floor)
-        return np.where(tried, learn, self.neutral)
+        learn = rate * (1.0 - rate)  # in place from here: this runs over every row
+        np.maximum(learn, self.floor, out=learn)  # NaN (never tried) stays NaN
+        learn[~tried] = self.neutral
+        return learn
 
     def parts(self, stats: pa.Table, step: int) -> list[tuple[float, np.ndarray]]:
         where = f"learnability (floor={self.floor}, neutral={self.neutral})"
