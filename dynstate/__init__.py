@@ -39,6 +39,10 @@ _LAZY = {
     "Store": "store",
     "VersionedDataset": "loading.dataset",
     "VersionedSampler": "loading.sampler",
+    "DifficultyPools": "loading.selection",
+    "FunctionPolicy": "loading.selection",
+    "Learnability": "loading.selection",
+    "PassRateBand": "loading.selection",
     "lineage": "resume",
     "rollback": "resume",
     "version_at_step": "resume",
@@ -54,6 +58,7 @@ _LAZY = {
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` loads these
     from .loading.dataset import VersionedDataset, decode_index, encode_index
     from .loading.sampler import VersionedSampler
+    from .loading.selection import DifficultyPools, FunctionPolicy, Learnability, PassRateBand
     from .loading.state import find_sampler_state
     from .maintenance.compact import compact
     from .maintenance.export import export
@@ -86,11 +91,15 @@ __all__ = [
     "CommitConflictError",
     "ConcurrencyUnsupportedError",
     "CorruptStoreError",
+    "DifficultyPools",
     "DynstateError",
+    "FunctionPolicy",
     "InvalidDataError",
+    "Learnability",
     "LeaseExpiredError",
     "MissingDependencyError",
     "MissingShardError",
+    "PassRateBand",
     "RoundFailedError",
     "RoundTimeoutError",
     "RowOutOfRangeError",
