@@ -47,13 +47,19 @@ def _fresh(url: str) -> Store:
 # -- point 1: the schema and chunk caches ------------------------------------------------------
 
 
-def test_schema_cached_by_a_long_lived_handle_survives_reset_and_gc(store_url: str) -> None:
+def test_schema_cached_by_a_long_lived_handle_survives_reset_and_gc(
+    store_url: str, monkeypatch
+) -> None:
     """reset to 0, then gc --keep 1 collects the schema with the old versions; the handle that
     wrote it appends the same columns again: its version must name a schema that exists."""
     store = Store.open(store_url, create=True)
     assert store.append([{"a": 1}]) == 1
     operator = Store.open(store_url)
     operator.reset(0)
+    # Right away gc keeps the schema (a committer may be about to name it again) ...
+    result = collect_garbage(operator, keep=1, grace_s=0)
+    assert not any(r.path.startswith(f"{m.META_DIR}/schemas/") for r in result.removed)
+    monkeypatch.setattr(gc_module, "BUSY_S", 0.0)  # ... and collects it once the hour passed
     result = collect_garbage(operator, keep=1, grace_s=0)
     assert any(r.path.startswith(f"{m.META_DIR}/schemas/") for r in result.removed)
     assert store.append([{"a": 2}]) == 3
@@ -162,7 +168,7 @@ def _continue(proc: subprocess.Popen) -> dict:
     return out
 
 
-def test_schema_collected_while_its_committer_is_paused(durable_url: str) -> None:
+def test_schema_collected_while_its_committer_is_paused(durable_url: str, monkeypatch) -> None:
     """The writer has written the schema and stops before its record; gc --keep 1 collects the
     schema (only collected versions named it); the writer's version must still read."""
     store = Store.open(durable_url, create=True)
@@ -172,6 +178,11 @@ def test_schema_collected_while_its_committer_is_paused(durable_url: str) -> Non
     try:
         assert _line(proc) == {"paused": 3}
         _wait_stopped(proc)
+        # A gc that judges the paused writer's fresh schema young keeps it; one whose BUSY_S
+        # has passed (a pause over an hour) collects it, and the writer must write it again.
+        result = collect_garbage(Store.open(durable_url), keep=1, grace_s=0)
+        assert not any(r.path.startswith(f"{m.META_DIR}/schemas/") for r in result.removed)
+        monkeypatch.setattr(gc_module, "BUSY_S", 0.0)
         result = collect_garbage(Store.open(durable_url), keep=1, grace_s=0)
         assert any(r.path.startswith(f"{m.META_DIR}/schemas/") for r in result.removed)
         out = _continue(proc)

@@ -378,7 +378,11 @@ def collect_garbage(
         reason = _classify(rel, floor, refs, collected, leases, result)
         if reason is None:
             continue
-        if reason == "orphan" and not _old_enough(store, rel, now, _min_age(rel, grace_s)):
+        # A schema or chunk that only collected versions name may be one a live committer
+        # is about to name again (every commit rewrites the ones its record names): it waits
+        # BUSY_S from its last write like an orphan, never "collected at once".
+        young = reason == "orphan" or _rewritten_by_commits(rel)
+        if young and not _old_enough(store, rel, now, _min_age(rel, grace_s)):
             result.kept_young += 1
             continue
         result.removed.append(Removal(rel, _size(store, rel), reason))
@@ -392,10 +396,23 @@ def collect_garbage(
         result.removed = [r for r in result.removed if not refs.needs(r.path)]
     # Data before metadata: an interrupted run leaves records the floor already hides.
     result.removed.sort(key=lambda r: (r.path.startswith(m.META_DIR), r.path.startswith(LEASE_DIR)))
+    # Schemas and chunks are judged again at the last moment, against a clock reading taken
+    # now: one a committer rewrote since the plan has a stamp past it and stays.
+    rewritable = any(_rewritten_by_commits(r.path) for r in result.removed)
+    now = _storage_now(store, dry_run) if rewritable else now
+    kept_late = set()
     for done, removal in enumerate(result.removed, 1):
+        if _rewritten_by_commits(removal.path) and not _old_enough(
+            store, removal.path, now, _min_age(removal.path, grace_s)
+        ):
+            kept_late.add(removal.path)
+            continue
         store.storage.delete(removal.path)
         if progress is not None:
             progress(done, len(result.removed))
+    if kept_late:
+        result.removed = [r for r in result.removed if r.path not in kept_late]
+        result.kept_young += len(kept_late)
     log.info(
         "gc of %s: removed %d files (%d bytes), floor %d -> %d",
         store.display_url,
@@ -562,6 +579,12 @@ def _classify(
         result.kept_leased += 1
         return None
     return "collected" if rel in collected else "orphan"
+
+
+def _rewritten_by_commits(rel: str) -> bool:
+    """Content-addressed metadata that every commit naming it writes again (schemas, chunks)."""
+    directory = rel.rsplit("/", 1)[0]
+    return directory in (f"{m.META_DIR}/schemas", f"{m.META_DIR}/chunks")
 
 
 def _min_age(rel: str, grace_s: float) -> float:
