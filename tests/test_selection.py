@@ -491,3 +491,24 @@ def test_resume_equivalence_property(
         seed=seed,
     )
     _check_resume(run, tmp, ckpt_at=ckpt_at)
+
+
+def test_a_step_is_drawn_without_replaying_earlier_steps(tmp_path):
+    """A state at step 10,000 draws its step from the key and one version's statistics:
+    the first batch is exactly the plan's draw for (seed, epoch, 10,000), nothing replayed."""
+    from dynstate.loading.selection import step_rng
+
+    attempts, successes = zip(*RATES, strict=True)
+    store = _store_with_rates(str(tmp_path / "s"), list(attempts), list(successes))
+    ds = VersionedDataset(store)
+    policy = Learnability()
+    sampler = VersionedSampler(ds, batch_size=4, select=policy, seed=11)
+    it = iter(sampler)
+    next(it)
+    state = {**sampler.state_dict(), "step": 10_000}
+    resumed = VersionedSampler(ds, batch_size=4, select=Learnability(), seed=11)
+    resumed.load_state_dict(state)
+    got = [i & ((1 << 40) - 1) for _, i in zip(range(4), iter(resumed), strict=False)]
+    plan = policy.plan(store.outcome_stats(state["version"]), 10_000, "t")
+    assert got == plan.draw(step_rng(11, state["epoch"], 10_000), 4).tolist()
+    assert resumed.pos.step == 10_001
