@@ -239,6 +239,16 @@ class DynstateRLDataset(RLHFDataset):
                 _GROWING.pop(id(config), None)
             raise
 
+    @property
+    def live_settings(self) -> Settings:
+        """The ``data.dynstate`` settings of the train set (a fixed, validation set has none)."""
+        if self.settings is None:
+            raise InvalidDataError(
+                "this DynstateRLDataset reads fixed files (a validation set): it has no store "
+                "settings; only the train set (data.train_files) grows"
+            )
+        return self.settings
+
     def __getstate__(self) -> dict[str, Any]:
         # What DataLoader workers get: they only read rows, so neither the generator (which may
         # hold a model, or not pickle at all) nor the last committed batch travels with it.

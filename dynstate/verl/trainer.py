@@ -62,7 +62,7 @@ class DynstateTrainerMixin:
     _dynstate_scored: tuple[int, Any] | None = None
     _dynstate_validating: bool = False
 
-    def _create_dataloader(self, train_dataset, val_dataset, collate_fn, train_sampler):  # type: ignore[no-untyped-def]
+    def _create_dataloader(self, train_dataset, val_dataset, collate_fn, train_sampler):
         if train_dataset is None:
             from verl.trainer.ppo.utils import create_rl_dataset
 
@@ -99,7 +99,7 @@ class DynstateTrainerMixin:
 
     # -- the scored batch carries the inputs -------------------------------------------------
 
-    def _get_gen_batch(self, batch):  # type: ignore[no-untyped-def]
+    def _get_gen_batch(self, batch):
         gen_batch = super()._get_gen_batch(batch)  # type: ignore[misc]
         if not self._dynstate_validating and growing(self.train_dataset) is not None:
             # verl moved the dataset's columns into gen_batch; the agent loop hands them back
@@ -109,7 +109,7 @@ class DynstateTrainerMixin:
                 batch.non_tensor_batch.setdefault(key, value)
         return gen_batch
 
-    def _validate(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def _validate(self, *args, **kwargs):
         self._dynstate_validating = True
         try:
             return super()._validate(*args, **kwargs)  # type: ignore[misc]
@@ -118,7 +118,7 @@ class DynstateTrainerMixin:
 
     # -- no lost round -----------------------------------------------------------------------
 
-    def _update_actor(self, batch):  # type: ignore[no-untyped-def]
+    def _update_actor(self, batch):
         # verl calls this with the step's batch after reward and advantages, and writes the
         # checkpoint right after: the round is committed here, on every step, so the figures
         # below reach the step's metrics (verl reduces the actor's metrics after the
@@ -132,7 +132,7 @@ class DynstateTrainerMixin:
                 metrics.update({k: [v] for k, v in dataset.last_metrics.items()})
         return output
 
-    def _save_checkpoint(self):  # type: ignore[no-untyped-def]
+    def _save_checkpoint(self):
         if (dataset := growing(self.train_dataset)) is not None:
             scored = self._dynstate_scored
             if scored is None or scored[0] != self.global_steps:
@@ -143,12 +143,12 @@ class DynstateTrainerMixin:
                 )
             dataset.commit_round(scored[1], self.global_steps)
         result = super()._save_checkpoint()  # type: ignore[misc]
-        if dataset is not None and (url := dataset.settings.checkpoint_mirror):
+        if dataset is not None and (url := dataset.live_settings.checkpoint_mirror):
             root = str(self.config.trainer.default_local_dir)
-            mirror.push(root, self.global_steps, url, dataset.settings.storage_options)
+            mirror.push(root, self.global_steps, url, dataset.live_settings.storage_options)
         return result
 
-    def fit(self):  # type: ignore[no-untyped-def]
+    def fit(self):
         result = super().fit()  # type: ignore[misc]
         # verl calls on_batch_end after every step but the last; without checkpoints
         # (save_freq <= 0) nothing else commits the last step's round. Idempotent otherwise.
@@ -157,17 +157,17 @@ class DynstateTrainerMixin:
             dataset.commit_round(batch, step)
         return result
 
-    def _load_checkpoint(self):  # type: ignore[no-untyped-def]
+    def _load_checkpoint(self):
         dataset = growing(self.train_dataset)
         root = str(self.config.trainer.default_local_dir)
-        url = dataset.settings.checkpoint_mirror if dataset is not None else None
+        url = dataset.live_settings.checkpoint_mirror if dataset is not None else None
         if (
             url
             and self.config.trainer.resume_mode != "disable"
             and not os.path.exists(os.path.join(root, mirror.TRACKER))
         ):
             # a fresh machine: bring the latest checkpoint next to the store back first
-            mirror.pull(root, url, dataset.settings.storage_options)  # type: ignore[union-attr]
+            mirror.pull(root, url, dataset.live_settings.storage_options)  # type: ignore[union-attr]
         result = super()._load_checkpoint()  # type: ignore[misc]
         if dataset is not None:
             folder = checkpoint_dir(self.config.trainer, self.global_steps)

@@ -172,6 +172,8 @@ class DynstatePPOTrainer(PPOTrainerSync):
     """verl's V1 ``sync`` trainer with a dynstate train set: one committed round per step,
     durable before the step's checkpoint, and an exact resume."""
 
+    train_dataloader: Any
+
     def __init__(self, config: Any) -> None:
         check_config(config)
         self._scored: tuple[int, DataProto] | None = None
@@ -292,12 +294,12 @@ class DynstatePPOTrainer(PPOTrainerSync):
         self.commit_step_round()  # the round first: a checkpoint never exists without it
         result = super()._save_checkpoint()
         dataset = self.dynstate_dataset
-        if dataset is not None and dataset.settings.checkpoint_mirror:
+        if dataset is not None and dataset.live_settings.checkpoint_mirror:
             mirror.push(
                 str(self.config.trainer.default_local_dir),
                 self.global_steps,
-                dataset.settings.checkpoint_mirror,
-                dataset.settings.storage_options,
+                dataset.live_settings.checkpoint_mirror,
+                dataset.live_settings.storage_options,
             )
         return result
 
@@ -310,13 +312,14 @@ class DynstatePPOTrainer(PPOTrainerSync):
     def _load_checkpoint(self) -> Any:
         dataset = self.dynstate_dataset
         root = str(self.config.trainer.default_local_dir)
+        url = dataset.live_settings.checkpoint_mirror if dataset is not None else None
         if (
             dataset is not None
-            and dataset.settings.checkpoint_mirror
+            and url
             and self.config.trainer.resume_mode != "disable"
             and not os.path.exists(os.path.join(root, mirror.TRACKER))
         ):
-            mirror.pull(root, dataset.settings.checkpoint_mirror, dataset.settings.storage_options)
+            mirror.pull(root, url, dataset.live_settings.storage_options)
         result = super()._load_checkpoint()
         if dataset is not None:
             folder = checkpoint_dir(self.config.trainer, self.global_steps)
