@@ -18,4 +18,5 @@ fi
 . "${DYNSTATE_VENV:-.venv}/bin/activate"
 ruff check dynstate tests tools examples
 ruff format --check dynstate tests tools examples
+mypy  # [tool.mypy] in pyproject.toml: the dynstate package
 python -m pytest -q --durations=20 "$@"

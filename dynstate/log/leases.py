@@ -123,7 +123,7 @@ class Leases:
         return {"storage": self.storage, "ttl_s": self.ttl_s}
 
     def __setstate__(self, state: dict[str, object]) -> None:
-        self.__init__(state["storage"], state["ttl_s"])  # type: ignore[misc, arg-type]
+        self.__init__(state["storage"], state["ttl_s"])  # type: ignore[misc]
 
     def _body(self, lease: str) -> bytes:
         return m.encode(
@@ -525,7 +525,8 @@ def _protected(
                 continue
             # The committer stopped renewing after it claimed: keep its shards while it
             # could still publish (both times the storage's, see _holder_state).
-            young = claimed is None or now is None
-            return young or now - claimed < stale_claim_s + storage.clock_resolution_s, "commit"
+            if claimed is None or now is None:
+                return True, "commit"
+            return now - claimed < stale_claim_s + storage.clock_resolution_s, "commit"
         return True, None  # unreadable outcome: keep, verify reports it
     return True, None
