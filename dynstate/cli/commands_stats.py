@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from . import render as r
-from .commands_read import preview_column, read_rows_at
+from .commands_rows import preview_column, read_rows_at
 from .options import Count, json_option, open_store, store_command, version_arg
 
 BAR_WIDTH = 40
