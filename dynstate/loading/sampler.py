@@ -33,7 +33,7 @@ from . import layout
 from .batching import Batching, check_lag, drawing_batcher
 from .dataset import VersionedDataset, encode_index
 from .permutation import EpochOrder, FeistelPermutation
-from .selection import Plan, Policy, as_policy, step_rng
+from .selection import Policy, Selector, as_policy, step_rng
 from .state import MODES, SELECT_FORMAT, STATE_KIND, Position, _is_int, check_state
 
 log = logging.getLogger("dynstate")
@@ -156,7 +156,7 @@ class VersionedSampler(Sampler[int]):
         self.prefetch = prefetch
         self.first_step = int(first_step)
         self.select: Policy | None = as_policy(select)
-        self._plan: tuple[tuple[int, int | None], Plan] | None = None
+        self._selector = None if self.select is None else Selector(self.select)
         self.pos = Position(step=self.first_step)
         self._order = EpochOrder(shuffle, self.seed, _BLOCK)
         self._prefetched = -1
@@ -385,16 +385,12 @@ class VersionedSampler(Sampler[int]):
     def _selected(self, version: int, count: int) -> list[int]:
         """``count`` rows of the step at the position, drawn by the policy over the
         statistics of ``version`` (fixed by the mode's rule, never by timing)."""
-        assert self.select is not None
-        step = self.pos.step
+        assert self.select is not None and self._selector is not None
+        step, store = self.pos.step, self.dataset.store
         key = (version, step if self.select.uses_step else None)
-        if self._plan is None or self._plan[0] != key:
-            stats = self.dataset.store.outcome_stats(version)
-            where = f"selection policy {self.select.name!r} at step {step}, version {version}"
-            where += f" of {self.dataset.store.display_url}"
-            self._plan = (key, self.select.plan(stats, step, where))
-        rng = step_rng(self.seed, self.pos.epoch, step)
-        return self._plan[1].draw(rng, count).tolist()
+        where = f"{self.select.describe()} at step {step}, version {version} of {store.display_url}"
+        plan = self._selector.plan(key, lambda: store.outcome_stats(version), step, where)
+        return plan.draw(step_rng(self.seed, self.pos.epoch, step), count).tolist()
 
     def _iter_selected(self) -> Iterator[int]:
         """Epoch mode with a policy: each step draws its slots by the policy's weights over

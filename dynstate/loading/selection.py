@@ -28,13 +28,13 @@ import importlib
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidDataError
+from .weights import Plan, check_weights, step_rng
 
 __all__ = [
     "DifficultyPools",
@@ -43,13 +43,12 @@ __all__ = [
     "PassRateBand",
     "Plan",
     "Policy",
+    "Selector",
     "as_policy",
     "check_weights",
     "pass_rates",
     "step_rng",
 ]
-
-_SALT = 0x5E1EC7  # keeps a selection's stream apart from any other use of the same seed
 
 
 def pass_rates(stats: pa.Table) -> tuple[np.ndarray, np.ndarray]:
@@ -63,144 +62,23 @@ def pass_rates(stats: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     return rate, tried
 
 
-def step_rng(seed: int, epoch: int, step: int) -> np.random.Generator:
-    """The random stream of one step's draw: a function of ``(seed, epoch, step)`` only."""
-    mask = (1 << 64) - 1
-    return np.random.Generator(np.random.PCG64([seed & mask, epoch & mask, step & mask, _SALT]))
-
-
-def check_weights(values: Any, num_rows: int, where: str) -> np.ndarray:
-    """``values`` as float64 weights of ``num_rows`` rows (bools: 1 eligible, 0 not); a
-    wrong length, a negative, NaN or infinite weight, or all zero raise
-    :class:`InvalidDataError` naming ``where`` (the policy, step and version)."""
-    if isinstance(values, (pa.Array, pa.ChunkedArray)):
-        if values.null_count:
-            raise InvalidDataError(
-                f"{where} returned {values.null_count} null weights; return a weight for "
-                "every row (0 to leave a row out)"
-            )
-        values = values.to_numpy(zero_copy_only=False)
-    try:
-        arr = np.asarray(values)
-    except (TypeError, ValueError) as exc:
-        raise InvalidDataError(f"{where} returned {type(values).__name__}, not an array") from exc
-    if arr.ndim != 1:
-        raise InvalidDataError(
-            f"{where} returned an array of shape {arr.shape}; return one weight per row "
-            f"(a 1-d array of {num_rows})"
-        )
-    if len(arr) != num_rows:
-        raise InvalidDataError(
-            f"{where} returned {len(arr)} weights for a statistics table of {num_rows} rows; "
-            "return one weight (or bool) per row of the table, in row order"
-        )
-    if arr.dtype == np.bool_ or np.issubdtype(arr.dtype, np.number):
-        weights = arr.astype(np.float64, copy=False)
-    else:
-        raise InvalidDataError(
-            f"{where} returned {arr.dtype} values; return floats (weights) or bools (eligibility)"
-        )
-    # one pass finds NaN and negatives alike (both fail >= 0); the message tells them apart
-    bad = ~(weights >= 0)
-    if bad.any():
-        first = int(np.argmax(bad))
-        if np.isnan(weights).any():
-            raise InvalidDataError(
-                f"{where} returned NaN weights (first at row {int(np.argmax(np.isnan(weights)))}); "
-                "give rows never tried a number (e.g. a neutral weight), NaN cannot be drawn"
-            )
-        raise InvalidDataError(
-            f"{where} returned negative weights (row {first}: {weights[first]}); weights "
-            "must be >= 0 (0 leaves a row out)"
-        )
-    if num_rows and weights.max() == np.inf:
-        raise InvalidDataError(f"{where} returned infinite weights; return finite numbers")
-    if num_rows and not weights.any():
-        raise InvalidDataError(
-            f"{where} gives every one of the {num_rows} rows weight 0: nothing can be drawn; "
-            "widen the band / raise the floor, or include rows never tried"
-        )
-    return weights
-
-
-# -- the plan a policy yields ------------------------------------------------------------
-
-
-@dataclass
-class _Stratum:
-    share: float
-    cdf: np.ndarray
-    total: float
-    last: int  # the last row of positive weight: a draw rounding up to the total lands here
-
-
-@dataclass
-class Plan:
-    """Strata of one step's draw: ``(share, weights)`` pairs. Built once per statistics
-    version (and per step for a policy that reads the step); drawing costs
-    O(k log n) for k slots over n rows."""
-
-    num_rows: int
-    strata: list[_Stratum] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, num_rows: int, parts: Sequence[tuple[float, np.ndarray]], where: str) -> Plan:
-        strata = []
-        for share, weights in parts:
-            if share <= 0 or not len(weights):
-                continue
-            cdf = np.cumsum(weights)
-            total = float(cdf[-1])
-            if total <= 0:
-                continue  # an empty pool's share goes to the others
-            # the last row of positive weight: where the cumulative sum first reaches its total
-            last = int(np.searchsorted(cdf, total, side="left"))
-            strata.append(_Stratum(share, cdf, total, last))
-        if num_rows and not strata:
-            raise InvalidDataError(
-                f"{where} leaves no row that can be drawn (every pool empty or weighted 0); "
-                "change the pools' bounds or shares"
-            )
-        return cls(num_rows, strata)
-
-    def counts(self, count: int) -> list[int]:
-        """Slots of each stratum among ``count``: shares by largest remainder (ties to the
-        first stratum), so every step gets each share as closely as whole slots allow."""
-        total = sum(s.share for s in self.strata)
-        exact = [count * s.share / total for s in self.strata]
-        out = [math.floor(x) for x in exact]
-        order = sorted(range(len(exact)), key=lambda i: (out[i] - exact[i], i))
-        for i in order[: count - sum(out)]:
-            out[i] += 1
-        return out
-
-    def draw(self, rng: np.random.Generator, count: int) -> np.ndarray:
-        """``count`` rows, with replacement, each stratum's in proportion to its weights."""
-        if count <= 0 or not self.strata:
-            return np.zeros(0, np.int64)
-        parts = []
-        for stratum, n in zip(self.strata, self.counts(count), strict=True):
-            u = rng.random(n) * stratum.total
-            rows = np.searchsorted(stratum.cdf, u, side="right")
-            parts.append(np.minimum(rows, stratum.last))
-        rows = np.concatenate(parts)
-        if len(parts) > 1:
-            rows = rows[rng.permutation(len(rows))]  # every rank's share mixes the pools
-        return rows.astype(np.int64)
-
-
 # -- policies ----------------------------------------------------------------------------
 
 
 class Policy:
-    """A selection policy: ``parts(stats, step)`` returns ``[(share, weights), ...]``.
+    """A selection policy: ``parts(stats, step)`` returns ``[(share, weights), ...]``, one
+    weight (or bool) per row of ``stats`` in each part.
 
     ``name`` and ``params()`` (plain types) identify it in the sampler state: a resume with
     another policy, or other parameters, is refused. ``uses_step``: whether the weights depend
-    on the step (then they are rebuilt every step, else once per statistics version)."""
+    on the step (then they are rebuilt every step, else once per statistics version).
+    ``reads``: the statistics columns a row's weights depend on, that row's only — then a
+    new statistics version re-weighs only the rows whose ``reads`` changed and the rows
+    added (:class:`Selector`); None: the weights may depend on every row, rebuilt in full."""
 
     name = "policy"
     uses_step = False
+    reads: tuple[str, ...] | None = None
 
     def params(self) -> dict[str, Any]:
         return {}
@@ -211,8 +89,23 @@ class Policy:
     def parts(self, stats: pa.Table, step: int) -> list[tuple[float, np.ndarray]]:
         raise NotImplementedError
 
+    def describe(self) -> str:
+        """The policy in words, for error messages."""
+        return f"selection policy {self.name!r}"
+
+    def checked_parts(
+        self, stats: pa.Table, step: int, where: str, *, whole: bool = True
+    ) -> list[tuple[float, np.ndarray]]:
+        """:meth:`parts`, each weight vector checked (:func:`check_weights`). ``whole``:
+        ``stats`` holds every row, so a lone part of all zeros is refused here already
+        (several parts: pools, of which some may be empty)."""
+        parts = self.parts(stats, step)
+        some = whole and len(parts) == 1
+        n = stats.num_rows
+        return [(share, check_weights(w, n, where, some=some)) for share, w in parts]
+
     def plan(self, stats: pa.Table, step: int, where: str) -> Plan:
-        return Plan.of(stats.num_rows, self.parts(stats, step), where)
+        return Plan.of(stats.num_rows, self.checked_parts(stats, step, where), where)
 
 
 def _number(value: Any, name: str, lo: float = -math.inf, hi: float = math.inf) -> float:
@@ -231,6 +124,7 @@ class PassRateBand(Policy):
     rows get outcomes some other way."""
 
     name = "band"
+    reads = ("attempts", "successes")
 
     def __init__(self, lo: float = 0.0, hi: float = 1.0, *, untried: bool = True) -> None:
         self.lo = _number(lo, "the band's lo", 0.0, 1.0)
@@ -253,10 +147,11 @@ class PassRateBand(Policy):
             inside = tried & (rate >= self.lo) & (rate <= self.hi)
         return inside | (~tried if self.untried else False)
 
+    def describe(self) -> str:
+        return f"the pass-rate band [{self.lo}, {self.hi}] (untried={self.untried})"
+
     def parts(self, stats: pa.Table, step: int) -> list[tuple[float, np.ndarray]]:
-        eligible = self.eligible(stats)
-        where = f"the pass-rate band [{self.lo}, {self.hi}] (untried={self.untried})"
-        return [(1.0, check_weights(eligible, stats.num_rows, where))]
+        return [(1.0, self.eligible(stats))]
 
 
 class Learnability(Policy):
@@ -264,6 +159,7 @@ class Learnability(Policy):
     weigh most), ``neutral`` for rows never tried (0.25 by default: as much as ``p = 0.5``)."""
 
     name = "learnability"
+    reads = ("attempts", "successes")
 
     def __init__(self, *, floor: float = 0.01, neutral: float = 0.25) -> None:
         self.floor = _number(floor, "learnability's floor", 0.0, 0.25)
@@ -284,9 +180,11 @@ class Learnability(Policy):
         learn[~tried] = self.neutral
         return learn
 
+    def describe(self) -> str:
+        return f"learnability (floor={self.floor}, neutral={self.neutral})"
+
     def parts(self, stats: pa.Table, step: int) -> list[tuple[float, np.ndarray]]:
-        where = f"learnability (floor={self.floor}, neutral={self.neutral})"
-        return [(1.0, check_weights(self.weights(stats), stats.num_rows, where))]
+        return [(1.0, self.weights(stats))]
 
 
 class DifficultyPools(Policy):
@@ -303,6 +201,7 @@ class DifficultyPools(Policy):
     """
 
     name = "pools"
+    reads = ("attempts", "successes")
 
     def __init__(
         self,
@@ -347,6 +246,9 @@ class DifficultyPools(Policy):
         rate, tried = pass_rates(stats)
         pool = np.searchsorted(np.asarray(self.bounds), np.nan_to_num(rate), side="right")
         return np.where(tried, pool, self.names.index(self.unseen))
+
+    def describe(self) -> str:
+        return f"difficulty pools {self.names} (bounds {self.bounds}, shares {self.shares})"
 
     def parts(self, stats: pa.Table, step: int) -> list[tuple[float, np.ndarray]]:
         pool = self.pool_of(stats)
@@ -393,11 +295,15 @@ class FunctionPolicy(Policy):
     def params(self) -> dict[str, Any]:
         return {"name": self.user_name, "params": self.user_params, "uses_step": self.uses_step}
 
+    def describe(self) -> str:
+        return f"selection policy {self.user_name!r}"
+
     def parts(self, stats: pa.Table, step: int) -> list[tuple[float, np.ndarray]]:
         where = f"selection policy {self.user_name!r} at step {step}"
-        weights = check_weights(self.fn(stats, step), stats.num_rows, where)
+        weights = self.fn(stats, step)
         if not self._checked:
-            again = check_weights(self.fn(stats, step), stats.num_rows, where)
+            weights = check_weights(weights, stats.num_rows, where, some=False)
+            again = check_weights(self.fn(stats, step), stats.num_rows, where, some=False)
             if not np.array_equal(weights, again):
                 raise InvalidDataError(
                     f"{where} returned different weights for the same statistics and step; "
@@ -406,6 +312,69 @@ class FunctionPolicy(Policy):
                 )
             self._checked = True
         return [(1.0, weights)]
+
+
+class Selector:
+    """The weights one sampler draws from: the plan of the statistics version it drew from
+    last, refreshed in place when the next version's statistics arrive.
+
+    For a policy whose rows weigh by their own statistics (``reads``) and not by the step,
+    the refresh re-weighs only the rows whose ``reads`` columns changed and the rows the
+    round added — found by one comparison of those columns with the last version's — and
+    the plan's :class:`~dynstate.loading.weights.CumulativeWeights` recompute only the
+    blocks that hold them. Its content is a pure function of the version's statistics, so
+    a refresh and a build at that version (a resumed run's) draw the same rows. Other
+    policies are built in full per version (and per step with ``uses_step``)."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self._key: Any = None
+        self._plan: Plan | None = None
+        self._seen: list[np.ndarray] = []  # the ``reads`` columns the plan was weighed by
+        self.rebuilds = 0  # plans built over every row (work counters, for tests and benches)
+        self.reweighed = 0  # rows re-weighed by refreshes
+
+    def plan(self, key: Any, stats: Callable[[], pa.Table], step: int, where: str) -> Plan:
+        """The plan for ``key`` (a statistics version, and the step for a policy that uses
+        it); ``stats()`` gives that version's statistics table when it is not the last one."""
+        if self._plan is not None and self._key == key:
+            return self._plan
+        table = stats()
+        policy, last = self.policy, self._plan
+        self._plan = None  # a refused refresh leaves no half-updated plan behind
+        if (
+            last is not None
+            and policy.reads is not None
+            and not policy.uses_step
+            and table.num_rows >= last.num_rows
+        ):
+            self._refresh(last, table, step, where)
+            plan = last
+        else:
+            plan = policy.plan(table, step, where)
+            self.rebuilds += 1
+        if policy.reads is not None:
+            self._seen = [_column(table, name) for name in policy.reads]
+        self._plan, self._key = plan, key
+        return plan
+
+    def _refresh(self, plan: Plan, table: pa.Table, step: int, where: str) -> None:
+        assert self.policy.reads is not None
+        old = plan.num_rows
+        changed = np.zeros(old, np.bool_)
+        for seen, name in zip(self._seen, self.policy.reads, strict=True):
+            changed |= seen != _column(table, name)[:old]
+        rows = np.concatenate([np.flatnonzero(changed), np.arange(old, table.num_rows)])
+        if not len(rows):
+            return
+        part = table.take(pa.array(rows))
+        parts = self.policy.checked_parts(part, step, where, whole=False)
+        plan.set(rows, [w for _, w in parts], table.num_rows, where)
+        self.reweighed += len(rows)
+
+
+def _column(table: pa.Table, name: str) -> np.ndarray:
+    return table.column(name).to_numpy(zero_copy_only=False)
 
 
 def _plain(value: Any, where: str) -> Any:

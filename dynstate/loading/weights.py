@@ -1,0 +1,249 @@
+"""Drawing rows by weight: the structure a selection policy's weights live in, refreshed in
+place when a round's statistics arrive, and the one keyed random stream a step draws from.
+
+:class:`CumulativeWeights` keeps a weight per row and a blocked cumulative sum: rows in
+blocks of :data:`BLOCK`, each block's running sum, and a running sum over the block totals.
+Setting the weights of ``k`` rows recomputes only the blocks that hold them (and the short
+sum over block totals), so a round that trained a few hundred rows of a million costs a few
+hundred blocks' work, not a pass over every row. Its content is a pure function of the
+weight vector — every block's sums are computed by the same sequential ``cumsum``, whichever
+rows changed and in whatever order — so weights refreshed round by round draw bit for bit
+what weights built in one go draw: a resumed run, which builds them at the version it resumes
+at, continues the same stream. Drawing ``k`` rows is two searches per row.
+
+:class:`Plan` is a policy's strata (a share of the step's slots and a weight structure
+each); :func:`step_rng` the stream a step draws from, keyed by ``(seed, epoch, step)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import InvalidDataError
+
+__all__ = ["BLOCK", "CumulativeWeights", "Plan", "check_weights", "step_rng"]
+
+BLOCK = 1024  # rows per block; fixed, as the draws' rounding (never their law) depends on it
+_SALT = 0x5E1EC7  # keeps a selection's stream apart from any other use of the same seed
+
+
+def step_rng(seed: int, epoch: int, step: int) -> np.random.Generator:
+    """The random stream of one step's draw: a function of ``(seed, epoch, step)`` only."""
+    mask = (1 << 64) - 1
+    return np.random.Generator(np.random.PCG64([seed & mask, epoch & mask, step & mask, _SALT]))
+
+
+def check_weights(values: Any, num_rows: int, where: str, *, some: bool = True) -> np.ndarray:
+    """``values`` as float64 weights of ``num_rows`` rows (bools: 1 eligible, 0 not); a
+    wrong length, a negative, NaN or infinite weight raise :class:`InvalidDataError` naming
+    ``where`` (the policy, step and version), and so do all zero when ``some`` (False: the
+    weights of some rows only, whose zeros the whole may make up for)."""
+    if isinstance(values, (pa.Array, pa.ChunkedArray)):
+        if values.null_count:
+            raise InvalidDataError(
+                f"{where} returned {values.null_count} null weights; return a weight for "
+                "every row (0 to leave a row out)"
+            )
+        values = values.to_numpy(zero_copy_only=False)
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError) as exc:
+        raise InvalidDataError(f"{where} returned {type(values).__name__}, not an array") from exc
+    if arr.ndim != 1:
+        raise InvalidDataError(
+            f"{where} returned an array of shape {arr.shape}; return one weight per row "
+            f"(a 1-d array of {num_rows})"
+        )
+    if len(arr) != num_rows:
+        raise InvalidDataError(
+            f"{where} returned {len(arr)} weights for a statistics table of {num_rows} rows; "
+            "return one weight (or bool) per row of the table, in row order"
+        )
+    if arr.dtype == np.bool_ or np.issubdtype(arr.dtype, np.number):
+        weights = arr.astype(np.float64, copy=False)
+    else:
+        raise InvalidDataError(
+            f"{where} returned {arr.dtype} values; return floats (weights) or bools (eligibility)"
+        )
+    # one pass finds NaN and negatives alike (both fail >= 0); the message tells them apart
+    bad = ~(weights >= 0)
+    if bad.any():
+        first = int(np.argmax(bad))
+        if np.isnan(weights).any():
+            raise InvalidDataError(
+                f"{where} returned NaN weights (first at row {int(np.argmax(np.isnan(weights)))}); "
+                "give rows never tried a number (e.g. a neutral weight), NaN cannot be drawn"
+            )
+        raise InvalidDataError(
+            f"{where} returned negative weights (row {first}: {weights[first]}); weights "
+            "must be >= 0 (0 leaves a row out)"
+        )
+    if len(weights) and weights.max() == np.inf:
+        raise InvalidDataError(f"{where} returned infinite weights; return finite numbers")
+    if some and num_rows and not weights.any():
+        raise InvalidDataError(all_zero(where, num_rows))
+    return weights
+
+
+def all_zero(where: str, num_rows: int) -> str:
+    return (
+        f"{where} gives every one of the {num_rows} rows weight 0: nothing can be drawn; "
+        "widen the band / raise the floor, or include rows never tried"
+    )
+
+
+class CumulativeWeights:
+    """A weight per row and its blocked cumulative sum (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.num_rows = 0
+        self._weights = np.zeros(0, np.float64)  # capacity: whole blocks, zero past num_rows
+        self._local = np.zeros((0, BLOCK), np.float64)  # running sum within each block
+        self._last = np.zeros(0, np.int64)  # per block: its last row of positive weight
+        self._top = np.zeros(0, np.float64)  # running sum over the blocks' totals
+        self.total = 0.0
+        self._last_block = 0
+
+    @classmethod
+    def of(cls, weights: np.ndarray) -> CumulativeWeights:
+        built = cls()
+        built.set(np.arange(len(weights)), weights, len(weights))
+        return built
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The weight of every row (a read-only view)."""
+        view = self._weights[: self.num_rows]
+        view.flags.writeable = False
+        return view
+
+    def set(self, rows: np.ndarray, values: np.ndarray, num_rows: int) -> None:
+        """Give ``rows`` the weights ``values`` (checked by the caller) and grow to
+        ``num_rows`` rows (never shrink); rows added and not named weigh 0. Work: the blocks
+        that hold ``rows``, plus the sum over block totals."""
+        if num_rows < self.num_rows:
+            raise ValueError("CumulativeWeights never shrinks; build a new one")
+        blocks = -(-num_rows // BLOCK)
+        if blocks > len(self._local):
+            self._grow(max(blocks, 2 * len(self._local)))
+        self.num_rows = num_rows
+        self._weights[rows] = values
+        dirty = np.unique(np.asarray(rows, np.int64) // BLOCK)
+        if len(dirty):
+            sums = np.cumsum(self._weights.reshape(-1, BLOCK)[dirty], axis=1)
+            self._local[dirty] = sums
+            # the first entry reaching the block's total is its last row of positive weight
+            self._last[dirty] = (sums < sums[:, -1:]).sum(axis=1)
+        self._top = np.cumsum(self._local[:blocks, -1])
+        self.total = float(self._top[-1]) if blocks else 0.0
+        self._last_block = int(np.searchsorted(self._top, self.total, side="left"))
+
+    def _grow(self, blocks: int) -> None:
+        old = len(self._local)
+        weights = np.zeros(blocks * BLOCK, np.float64)
+        weights[: old * BLOCK] = self._weights
+        local = np.zeros((blocks, BLOCK), np.float64)
+        local[:old] = self._local
+        last = np.zeros(blocks, np.int64)
+        last[:old] = self._last
+        self._weights, self._local, self._last = weights, local, last
+
+    def find(self, u: np.ndarray) -> np.ndarray:
+        """The row of each point ``u`` in ``[0, total]`` of the cumulative sum: row ``i`` for
+        ``u`` in its interval, so rows are hit in proportion to their weights and a row of
+        weight 0 never (a point rounding past the end lands on the last row that weighs)."""
+        block = np.searchsorted(self._top, u, side="right")
+        past = block >= len(self._top)
+        block[past] = self._last_block
+        start = np.where(block > 0, self._top[block - 1], 0.0)
+        rest = u - start
+        within = np.empty(len(u), np.int64)
+        order = np.argsort(block, kind="stable")
+        sorted_blocks = block[order]
+        cuts = np.flatnonzero(np.diff(sorted_blocks)) + 1
+        for group in np.split(order, cuts):
+            if len(group):
+                b = int(block[group[0]])
+                found = np.searchsorted(self._local[b], rest[group], side="right")
+                within[group] = np.minimum(found, self._last[b])
+        within[past] = self._last[block[past]]
+        return block * BLOCK + within
+
+
+class _Stratum:
+    def __init__(self, share: float, weights: CumulativeWeights) -> None:
+        self.share, self.weights = share, weights
+
+    @property
+    def active(self) -> bool:
+        return self.share > 0 and self.weights.total > 0
+
+
+class Plan:
+    """A policy's strata for one statistics version: each a share of the step's slots and a
+    :class:`CumulativeWeights`. Strata keep their place while empty (a pool with no row
+    gives its share to the others, and takes it back once it has rows), so refreshing a
+    plan in place and building one from the same weights agree. Drawing costs O(k log n)
+    for k slots over n rows."""
+
+    def __init__(self, num_rows: int, shares: Sequence[float]) -> None:
+        self.num_rows = num_rows
+        self.all_strata = [_Stratum(float(s), CumulativeWeights()) for s in shares]
+
+    @classmethod
+    def of(cls, num_rows: int, parts: Sequence[tuple[float, np.ndarray]], where: str) -> Plan:
+        """A plan built from ``(share, weights)`` pairs over all ``num_rows`` rows."""
+        plan = cls(num_rows, [share for share, _ in parts])
+        plan.set(np.arange(num_rows), [w for _, w in parts], num_rows, where)
+        return plan
+
+    def set(
+        self, rows: np.ndarray, weights: Sequence[np.ndarray], num_rows: int, where: str
+    ) -> None:
+        """Give ``rows`` new weights, one array per stratum, and grow to ``num_rows``."""
+        for stratum, values in zip(self.all_strata, weights, strict=True):
+            stratum.weights.set(rows, values, num_rows)
+        self.num_rows = num_rows
+        if num_rows and not self.strata:
+            if len(self.all_strata) == 1:
+                raise InvalidDataError(all_zero(where, num_rows))
+            raise InvalidDataError(
+                f"{where} leaves no row that can be drawn (every pool empty or weighted 0); "
+                "change the pools' bounds or shares"
+            )
+
+    @property
+    def strata(self) -> list[_Stratum]:
+        """The strata a step draws from: a share above 0 and some row of weight above 0."""
+        return [s for s in self.all_strata if s.active]
+
+    def counts(self, count: int) -> list[int]:
+        """Slots of each drawing stratum among ``count``: shares by largest remainder (ties
+        to the first stratum), so every step gets each share as closely as whole slots allow."""
+        strata = self.strata
+        total = sum(s.share for s in strata)
+        exact = [count * s.share / total for s in strata]
+        out = [math.floor(x) for x in exact]
+        order = sorted(range(len(exact)), key=lambda i: (out[i] - exact[i], i))
+        for i in order[: count - sum(out)]:
+            out[i] += 1
+        return out
+
+    def draw(self, rng: np.random.Generator, count: int) -> np.ndarray:
+        """``count`` rows, with replacement, each stratum's in proportion to its weights."""
+        strata = self.strata
+        if count <= 0 or not strata:
+            return np.zeros(0, np.int64)
+        parts = []
+        for stratum, n in zip(strata, self.counts(count), strict=True):
+            u = rng.random(n) * stratum.weights.total
+            parts.append(stratum.weights.find(u))
+        rows = np.concatenate(parts)
+        if len(parts) > 1:
+            rows = rows[rng.permutation(len(rows))]  # every rank's share mixes the pools
+        return rows.astype(np.int64)
