@@ -12,8 +12,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dynstate"
 # Bottom up. A module is placed by its longest matching prefix (a package or a module path).
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "_version"),
+    # the file-name grammar: pure and self-contained, below storage, whose backends name their
+    # temporary files and probes with it (the records layer's, placed where storage reaches it)
+    ("paths",),
     ("storage",),
-    ("manifest", "layout", "columns", "rounds", "outcomes"),
+    ("manifest", "layout", "columns", "rounds", "outcomes", "rowgroups"),
     ("log",),
     ("store", "writes", "snapshot", "history", "resume", "rollback", "outcome_views"),
     ("maintenance",),
