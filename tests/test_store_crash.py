@@ -38,7 +38,12 @@ def test_random_kills_with_gc_running_local(tmp_path: Path) -> None:
     """The same trials with gc at grace 0 in a tight loop against each writer: no committed
     round loses a shard, and after each kill gc leaves no uncommitted shard behind."""
     soak = soak_store.Soak(
-        str(tmp_path / "store"), tmp_path, max_delay=0.35, rng=random.Random(13), gc=True
+        str(tmp_path / "store"),
+        tmp_path,
+        max_delay=0.35,
+        rng=random.Random(13),
+        gc=True,
+        commit_first=0.5,
     )
     outcomes = [soak.trial() for _ in range(8)]
     soak.final_check()

@@ -121,6 +121,10 @@ class Soak:
     trials: int = 0
     full_every: int = 10
     gc: bool = False  # run gc at grace 0 against the writers
+    # The share of trials that wait for the writer's first commit before the random delay:
+    # on a loaded machine a writer racing gc may not commit within max_delay of "ready", and
+    # a run of trials that all kill before any commit would prove nothing.
+    commit_first: float = 0.0
     rows_of: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -148,7 +152,8 @@ class Soak:
             time.sleep(self.rng.uniform(0, 0.05))  # perhaps while it is still opening
         else:
             deadline = time.monotonic() + 60
-            while "ready" not in _read(log_file):
+            wanted = "commit " if self.rng.random() < self.commit_first else "ready"
+            while wanted not in _read(log_file):
                 if time.monotonic() > deadline or not proc.is_alive():
                     proc.kill()
                     raise TrialFailure(f"writer never became ready (exit {proc.exitcode})")
