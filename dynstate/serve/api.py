@@ -14,24 +14,19 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..cli.render import chat_text
 from ..errors import DynstateError, VersionNotFoundError
-from ..history import describe, diff, lineage
-from ..history import version_row as _version_row  # one row of `dynstate ls --json`: same keys
-from ..maintenance.gc import gc_floor
+from ..history import describe, diff, growth, lineage, summary, version_row
 from ..outcome_views import NO_OUTCOMES, OutcomeViews, RowSelection, outcome_records_count
 from ..outcomes import summarize
 from ..snapshot import Snapshot
 from ..storage.credentials import scrub, secrets_of
 from ..store import Store
-from .chart import growth
-from .lineage import SOURCE_COLUMN, LineageCache
+from .graph import ancestors, descendants, preview, sources
+from .lineage import LineageCache
 from .rows import MAX_LIMIT, RowQuery, int_param, jsonable
 
 log = logging.getLogger("dynstate")
 
-_ANCESTOR_DEPTH = 8
-_GRAPH_NODES = 40
 _DIFF_PREVIEW = 10
 
 
@@ -96,15 +91,14 @@ class StoreView:
     # -- store -------------------------------------------------------------------------------
 
     def growth(self) -> dict[str, Any]:
-        """The head lineage's growth, cached per head (built once; a later head re-reads only
-        records it has not read before, which the store caches)."""
+        """The head lineage's growth (:func:`dynstate.history.growth`), cached per head (a
+        later head re-reads only records it has not read before, which the store caches)."""
         head = self.store.refresh()
         with self._growth_lock:
             if self._growth is not None and self._growth[0] == head:
                 return self._growth[1]
-            floor = gc_floor(self.store)
             try:
-                data = growth(self.store, self.lineage.chain(head), floor)
+                data = growth(self.store)
             except DynstateError:
                 raise
             except (ArithmeticError, ValueError, TypeError, MemoryError) as exc:
@@ -113,29 +107,16 @@ class StoreView:
                 debug = log.isEnabledFor(logging.DEBUG)
                 what = f"{type(exc).__name__}: {exc}"
                 log.warning("growth chart of %s: %s", self.store.display_url, what, exc_info=debug)
-                data = chart_failed(floor, exc)
+                data = chart_failed(self.store.floor, exc)
             self._growth = (head, data)
             return data
 
     def store_info(self, *, with_growth: bool = True) -> dict[str, Any]:
-        head = self.store.refresh()
-        floor = gc_floor(self.store)
-        record, first = self.store.commit_record(head), self.store.commit_record(floor)
-        info: dict[str, Any] = {
-            "url": self.store.display_url,
-            "store_id": self.store.store_id,
-            "head": head,
-            "oldest": floor,
-            "versions": head - floor + 1,
-            "rows": record.num_rows,
-            "bytes": record.num_bytes,
-            "shards": record.num_shards,
-            "tags": dict(sorted(self.store.tags().items())),
-            "first_commit": first.created,
-            "last_commit": record.created,
-            "checkpoints": [{"id": k, "path": path} for k, path in enumerate(self.checkpoints)],
-            "outcome_records": outcome_records_count(self.store, head),
-        }
+        """:func:`dynstate.history.summary` (``dynstate ls``'s header), the checkpoints this
+        server was given, the head lineage's outcome record count and its growth."""
+        info = summary(self.store)
+        info["checkpoints"] = [{"id": k, "path": path} for k, path in enumerate(self.checkpoints)]
+        info["outcome_records"] = outcome_records_count(self.store, info["head"])
         if with_growth:
             info["growth"] = self.growth()
         return info
@@ -146,7 +127,7 @@ class StoreView:
         """Versions newest first: ``limit`` of them below ``before`` (default: from the head).
         Reads the records shown and the head's lineage down to the oldest one shown."""
         head = self.store.refresh()
-        floor = gc_floor(self.store)
+        floor = self.store.floor
         n = int_param(limit, "limit", 50, 1, MAX_LIMIT)
         top = int_param(before, "before", head + 1, 0, None)
         top = min(top, head + 1)
@@ -155,7 +136,7 @@ class StoreView:
         line = set(lineage(self.store, head, low))
         tags = self._tags_by_version()
         rows = [
-            _version_row(self.store.commit_record(v), head, line, tags.get(v, [])) for v in numbers
+            version_row(self.store.commit_record(v), head, line, tags.get(v, [])) for v in numbers
         ]
         more = bool(numbers) and numbers[-1] > floor
         return {
@@ -261,14 +242,14 @@ class StoreView:
         if seg is not None and seg.version is not None:
             record = self.store.commit_record(seg.version)
             round_info = {**seg.to_json(), "op": record.op, "meta": record.meta}
-        ancestors, up_edges = self._ancestors(snap, i, values)
+        up, up_edges = ancestors(snap, i, values, self.rows.read)
         index = self.lineage.index(v)
-        descendants, down_edges = self._descendants(index, i)
-        nodes = {n["row"]: n for n in [*ancestors, *descendants]}
+        down, down_edges = descendants(index, i)
+        nodes = {n["row"]: n for n in [*up, *down]}
         previews = self.rows.read(snap, list(nodes)) if nodes else []
         for (r, node), vals in zip(nodes.items(), previews, strict=True):
             node.update(self.rows.row_json(rounds, r, {}))
-            node["preview"] = _preview(vals)
+            node["preview"] = preview(vals)
             node.pop("values", None)
         return {
             "url": self.store.display_url,
@@ -276,9 +257,9 @@ class StoreView:
             "row": i,
             "round": round_info,
             "values": values,
-            "sources": _sources(values),
-            "ancestors": ancestors,
-            "descendants": descendants,
+            "sources": sources(values),
+            "ancestors": up,
+            "descendants": down,
             "edges": [*up_edges, *down_edges],
             "index": {"version": index.version, "rows": index.num_rows, "edges": index.edges},
             "outcomes": self.outcomes.row_history(v, i),
@@ -297,90 +278,31 @@ class StoreView:
             )
         return i
 
-    def _ancestors(
-        self, snap: Snapshot, row: int, values: dict[str, Any]
-    ) -> tuple[list[dict[str, Any]], list[list[int]]]:
-        """Rows ``row`` was derived from, and theirs, breadth first (bounded)."""
-        nodes: list[dict[str, Any]] = []
-        edges: list[list[int]] = []
-        seen = {row}
-        frontier = [(row, values)]
-        for depth in range(1, _ANCESTOR_DEPTH + 1):
-            nxt: list[int] = []
-            for child, vals in frontier:
-                for src in _sources(vals):
-                    edges.append([src, child])
-                    if src in seen or not 0 <= src < snap.num_rows:
-                        continue
-                    seen.add(src)
-                    if len(nodes) >= _GRAPH_NODES:
-                        continue
-                    nodes.append({"row": src, "depth": depth})
-                    nxt.append(src)
-            if not nxt:
-                break
-            frontier = list(zip(nxt, self.rows.read(snap, nxt), strict=True))
-        kept = {n["row"] for n in nodes} | {row}
-        return nodes, [e for e in edges if e[0] in kept and e[1] in kept]
-
-    def _descendants(self, index: Any, row: int) -> tuple[list[dict[str, Any]], list[list[int]]]:
-        nodes: list[dict[str, Any]] = []
-        edges: list[list[int]] = []
-        seen = {row}
-        frontier = [row]
-        depth = 0
-        while frontier and len(nodes) < _GRAPH_NODES and depth < _ANCESTOR_DEPTH:
-            depth += 1
-            nxt = []
-            for parent in frontier:
-                for child in index.children_of(parent):
-                    if len(nodes) >= _GRAPH_NODES and child not in seen:
-                        continue
-                    edges.append([parent, child])
-                    if child in seen:
-                        continue
-                    seen.add(child)
-                    nodes.append({"row": child, "depth": depth})
-                    nxt.append(child)
-            frontier = nxt
-        return nodes, edges
-
     # -- diff --------------------------------------------------------------------------------
 
     def diff(self, a: int | str | None, b: int | str | None) -> dict[str, Any]:
-        """``dynstate diff --json`` of two versions, plus the row ranges and rounds added and
-        removed: rows up to the newest version both lineages hold are shared (row
-        identity)."""
+        """``dynstate diff --json`` of two versions (:func:`dynstate.history.diff`: it reads
+        the records back to where the lineages meet, no further), plus the row ranges and
+        rounds added and removed and the first rows of each: rows up to the newest version
+        both lineages hold are shared (row identity), so the rows a side adds are those of
+        its versions that the other lacks."""
         va, vb = self.resolve(a), self.resolve(b)
         info = diff(self.store, va, vb)
-        floor = gc_floor(self.store)
-        line_a, line_b = lineage(self.store, va, floor), lineage(self.store, vb, floor)
-        common = set(line_a) & set(line_b)
-        ra, rb = self.store.commit_record(va), self.store.commit_record(vb)
-        base = max(common) if common else None
-        # The CLI's own figures where it has them; the same computation where it has not.
-        info.setdefault("common_version", base)
-        info.setdefault(
-            "shared_rows", self.store.commit_record(base).num_rows if base is not None else 0
-        )
         shared = info["shared_rows"]
-        info.setdefault("added_rows", rb.num_rows - shared)
-        info.setdefault("removed_rows", ra.num_rows - shared)
-        rounds_a, rounds_b = self.lineage.rounds(va), self.lineage.rounds(vb)
-        only_b, only_a = set(line_b) - common, set(line_a) - common
-        info["added_range"] = [shared, rb.num_rows]
-        info["removed_range"] = [shared, ra.num_rows]
-        info["added_rounds"] = [s.to_json() for s in rounds_b.segments if s.version in only_b]
-        info["removed_rounds"] = [s.to_json() for s in rounds_a.segments if s.version in only_a]
-        # The first rows of each side, read from the shards they are in only.
-        for key, v, rounds, (lo, hi) in (
-            ("added_preview", vb, rounds_b, info["added_range"]),
-            ("removed_preview", va, rounds_a, info["removed_range"]),
-        ):
-            rows = list(range(lo, min(hi, lo + _DIFF_PREVIEW)))
-            values = self.rows.read(self.store.snapshot(v), rows)
-            info[key] = [
-                self.rows.row_json(rounds, i, x) for i, x in zip(rows, values, strict=True)
+        sides = (("added", vb, info["added_versions"]), ("removed", va, info["removed_versions"]))
+        rounds = {side: self.lineage.rounds_of(v, versions) for side, v, versions in sides}
+        ends = {"added": info["rows"][1], "removed": info["rows"][0]}
+        for side, _, _ in sides:
+            info[f"{side}_range"] = [shared, ends[side]]
+        for side, _, _ in sides:
+            segments = rounds[side].segments
+            info[f"{side}_rounds"] = [s.to_json() for s in segments if s.version is not None]
+        for side, v, _ in sides:
+            # The first rows of the side, read from the shards they are in only.
+            first = list(range(shared, min(ends[side], shared + _DIFF_PREVIEW)))
+            values = self.rows.read(self.store.snapshot(v), first)
+            info[f"{side}_preview"] = [
+                self.rows.row_json(rounds[side], i, x) for i, x in zip(first, values, strict=True)
             ]
         return info
 
@@ -443,21 +365,3 @@ def _row_figures(stats: Any, rows: list[int]) -> list[dict[str, Any]]:
         if rows
         else []
     )
-
-
-def _sources(values: Mapping[str, Any]) -> list[int]:
-    raw = values.get(SOURCE_COLUMN)
-    if not isinstance(raw, list):
-        return []
-    return [int(x) for x in raw if isinstance(x, int) and not isinstance(x, bool)]
-
-
-def _preview(values: Mapping[str, Any]) -> str:
-    for name, value in values.items():
-        text = value if isinstance(value, str) else chat_text(value)
-        if text is not None and not name.startswith("_dynstate"):
-            return text[:80]
-    for name, value in values.items():
-        if not name.startswith("_dynstate"):
-            return str(value)[:80]
-    return ""

@@ -1,20 +1,17 @@
 """The Starlette application of ``dynstate serve``: HTML pages rendered on the server and their
 JSON twins under ``/api``, read-only (GET only), over one :class:`~dynstate.serve.api.StoreView`.
-"""
+Each route is a method of :class:`Site` that asks the view for one document and renders it;
+:data:`ROUTES` maps paths to them."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import re
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from importlib import resources
 from typing import Any
-from urllib.parse import urlencode
 
-import jinja2
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -24,8 +21,6 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from .._version import __version__
-from ..cli.render import chat_text
 from ..errors import (
     DynstateError,
     InvalidDataError,
@@ -35,9 +30,10 @@ from ..errors import (
 )
 from ..outcome_views import outcome_records_count
 from .api import RowNotFoundError, StoreView, chart_failed, scrub
-from .chart import COLORS, graph_svg, growth_svg
-from .lineage import SOURCE_COLUMN
+from .chart import growth_svg
+from .graph import graph_svg
 from .outcome_charts import band_color, band_svg, pass_rate_svg
+from .render import dumps, environment, qs, web_terms
 from .rows import OUTCOME_PARAMS, RESERVED
 
 log = logging.getLogger("dynstate")
@@ -55,66 +51,223 @@ def _status(exc: DynstateError) -> int:
     return 500
 
 
-# The library's advice names Python arguments and CLI commands; a page names pages.
-_WEB_TERMS = (
-    (
-        re.compile(r"pass version=None for the latest"),
-        "the versions page (/versions) lists them",
-    ),
-    (
-        re.compile(r"`dynstate ls` lists versions and tags"),
-        "the versions page (/versions) lists versions, and the store page (/) the tags",
-    ),
-    (
-        re.compile(r"\(dynstate serve URL --checkpoint PATH\)"),
-        "(start dynstate serve with --checkpoint PATH to show one)",
-    ),
+def _base(request: Request) -> str:
+    return str(request.scope.get("root_path", ""))
+
+
+Handler = Callable[["Site", Request], Response]
+
+
+class Site:
+    """The pages and JSON documents of one :class:`StoreView`: each route is a method that
+    asks the view for one document and renders it (a template, or the document as JSON);
+    :meth:`endpoint` turns a method into a Starlette endpoint that answers errors the one
+    way every route does. Nothing here computes what the library does not."""
+
+    def __init__(self, view: StoreView, *, warm: bool = True):
+        self.view = view
+        self.env = environment(str(_PACKAGE / "templates"))
+        self.warm = warm
+        self._started = threading.Event()
+
+    # -- responses ---------------------------------------------------------------------------
+
+    def body(self, text: str) -> bytes:
+        return scrub(text, self.view.secrets).encode()
+
+    def page(
+        self, request: Request, template: str, api: str, code: int = 200, **ctx: Any
+    ) -> Response:
+        base = _base(request)
+        html = self.env.get_template(template).render(
+            base=base, url=self.view.store.display_url, api=base + api, request=request, **ctx
+        )
+        return HTMLResponse(self.body(html), status_code=code)
+
+    def json(self, data: Any, status: int = 200) -> Response:
+        return Response(self.body(dumps(data)), status, media_type="application/json")
+
+    def error(self, request: Request, status: int, message: str) -> Response:
+        message = scrub(web_terms(message), self.view.secrets)
+        if request.url.path.startswith("/api/"):
+            return self.json({"error": message, "status": status}, status)
+        return self.page(
+            request, "error.html", "/api/store", status, status=status, message=message
+        )
+
+    def warm_up(self) -> None:
+        """Build the growth chart and the head's outcome bands in a background thread, once."""
+        if self.warm and not self._started.is_set():
+            self._started.set()
+            threading.Thread(
+                target=_warm, args=(self.view,), daemon=True, name="dynstate-warm"
+            ).start()
+
+    def endpoint(self, handler: Handler) -> Callable[[Request], Response]:
+        """``handler`` as an endpoint: a :class:`DynstateError` becomes its status and
+        message, anything else one line (the traceback only in the server's log)."""
+
+        def respond(request: Request) -> Response:
+            try:
+                return handler(self, request)
+            except DynstateError as exc:
+                status = _status(exc)
+                if status == 500:
+                    log.warning("%s: %s", request.url.path, scrub(str(exc), self.view.secrets))
+                return self.error(request, status, str(exc))
+            except Exception as exc:
+                # A bug or a record no view expected: one line to the browser, the traceback
+                # only in the server's log (with -vv), never a page of Python.
+                what = type(exc).__name__
+                text = " ".join(str(exc).split())[:200]
+                what = scrub(what + (f": {text}" if text else ""), self.view.secrets)
+                debug = log.isEnabledFor(logging.DEBUG)
+                log.warning("%s failed: %s", request.url.path, what, exc_info=debug)
+                message = f"this page could not be built ({what}); other pages may still work"
+                return self.error(request, 500, message)
+            finally:
+                self.warm_up()
+
+        return respond
+
+    async def not_found(self, request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 404
+        detail = exc.detail if isinstance(exc, HTTPException) else "not found"
+        if status == 404:
+            detail = f"no page at {request.url.path}; the store page is /, the API is /api/store"
+        return self.error(request, status, str(detail))
+
+    # -- documents shared by a page and its twin ---------------------------------------------
+
+    def rows(self, request: Request) -> dict[str, Any]:
+        q = request.query_params
+        filters: dict[str, list[str]] = {}
+        for key, value in q.multi_items():
+            if key not in RESERVED:
+                filters.setdefault(key, []).append(value)
+        return self.view.rows_page(
+            request.path_params["v"],
+            offset=q.get("offset"),
+            limit=q.get("limit"),
+            q=q.get("q"),
+            filters=filters,
+            outcome={k: q.get(k) for k in OUTCOME_PARAMS},
+        )
+
+    def outcomes(self, request: Request) -> dict[str, Any]:
+        q = request.query_params
+        return self.view.outcomes_info(q.get("version"), bins=q.get("bins"), points=q.get("points"))
+
+    # -- JSON --------------------------------------------------------------------------------
+
+    def api_store(self, request: Request) -> Response:
+        return self.json(self.view.store_info())
+
+    def api_versions(self, request: Request) -> Response:
+        q = request.query_params
+        return self.json(self.view.versions_page(limit=q.get("limit"), before=q.get("before")))
+
+    def api_version(self, request: Request) -> Response:
+        return self.json(self.view.version_info(request.path_params["v"]))
+
+    def api_rows(self, request: Request) -> Response:
+        return self.json(self.rows(request))
+
+    def api_row(self, request: Request) -> Response:
+        p = request.path_params
+        return self.json(self.view.row_detail(p["v"], p["i"]))
+
+    def api_outcomes(self, request: Request) -> Response:
+        return self.json(self.outcomes(request))
+
+    def api_diff(self, request: Request) -> Response:
+        return self.json(self.view.diff(request.path_params["a"], request.path_params["b"]))
+
+    def api_checkpoint(self, request: Request) -> Response:
+        return self.json(self.view.checkpoint(request.path_params["k"]))
+
+    # -- HTML --------------------------------------------------------------------------------
+
+    def store_page(self, request: Request) -> Response:
+        view = self.view
+        info = view.store_info()
+        recent = view.versions_page(limit="15")
+        try:
+            chart = growth_svg(info["growth"], link=f"{_base(request)}/versions/")
+        except (ArithmeticError, ValueError, TypeError, MemoryError) as exc:
+            log.warning("growth chart of %s: %s: %s", view.store.display_url,
+                        type(exc).__name__, exc)  # fmt: skip
+            info = {**info, "growth": chart_failed(info["growth"].get("floor", 0), exc)}
+            chart = ""
+        return self.page(request, "store.html", "/api/store", info=info, recent=recent, chart=chart)
+
+    def versions_page(self, request: Request) -> Response:
+        q = request.query_params
+        data = self.view.versions_page(limit=q.get("limit"), before=q.get("before"))
+        return self.page(request, "versions.html", "/api/versions" + qs(request), data=data)
+
+    def version_page(self, request: Request) -> Response:
+        info = self.view.version_info(request.path_params["v"])
+        rows = self.rows(request)
+        api_path = f"/api/versions/{info['version']}/rows{qs(request)}"
+        return self.page(request, "version.html", api_path, info=info, rows=rows)
+
+    def row_page(self, request: Request) -> Response:
+        detail = self.view.row_detail(request.path_params["v"], request.path_params["i"])
+        graph = graph_svg(detail, link=f"{_base(request)}/versions/{detail['version']}/rows/")
+        api_path = f"/api/versions/{detail['version']}/rows/{detail['row']}"
+        history = detail["outcomes"]
+        rate_chart = pass_rate_svg(history) if history else ""
+        return self.page(
+            request, "row.html", api_path, detail=detail, graph=graph, rate_chart=rate_chart
+        )
+
+    def outcomes_page(self, request: Request) -> Response:
+        data = self.outcomes(request)
+        bands = data["bands"]
+        chart = band_svg(bands) if bands else ""
+        swatches = [band_color(i, bands["bins"]) for i in range(bands["bins"] if bands else 0)]
+        api_path = "/api/outcomes" + qs(request)
+        return self.page(
+            request, "outcomes.html", api_path, data=data, chart=chart, swatches=swatches
+        )
+
+    def diff_form(self, request: Request) -> Response:
+        q = request.query_params
+        if q.get("a") and q.get("b"):
+            return RedirectResponse(f"{_base(request)}/diff/{q['a']}/{q['b']}", status_code=303)
+        head = self.view.store.refresh()
+        return self.page(request, "diff_form.html", "/api/store", head=head)
+
+    def diff_page(self, request: Request) -> Response:
+        data = self.view.diff(request.path_params["a"], request.path_params["b"])
+        api_path = f"/api/diff/{data['from']}/{data['to']}"
+        return self.page(request, "diff.html", api_path, data=data)
+
+    def checkpoint_page(self, request: Request) -> Response:
+        data = self.view.checkpoint(request.path_params["k"])
+        return self.page(request, "checkpoint.html", f"/api/checkpoints/{data['id']}", data=data)
+
+
+# Every route: its path and the Site method that answers it.
+ROUTES: tuple[tuple[str, Handler], ...] = (
+    ("/", Site.store_page),
+    ("/versions", Site.versions_page),
+    ("/versions/{v}", Site.version_page),
+    ("/versions/{v}/rows/{i}", Site.row_page),
+    ("/outcomes", Site.outcomes_page),
+    ("/diff", Site.diff_form),
+    ("/diff/{a}/{b}", Site.diff_page),
+    ("/checkpoints/{k}", Site.checkpoint_page),
+    ("/api/store", Site.api_store),
+    ("/api/versions", Site.api_versions),
+    ("/api/versions/{v}", Site.api_version),
+    ("/api/versions/{v}/rows", Site.api_rows),
+    ("/api/versions/{v}/rows/{i}", Site.api_row),
+    ("/api/outcomes", Site.api_outcomes),
+    ("/api/diff/{a}/{b}", Site.api_diff),
+    ("/api/checkpoints/{k}", Site.api_checkpoint),
 )
-
-
-def _web_terms(message: str) -> str:
-    for pattern, replacement in _WEB_TERMS:
-        message = pattern.sub(replacement, message)
-    return message
-
-
-def _dumps(data: Any) -> str:
-    return json.dumps(data, ensure_ascii=False, default=str, indent=1)
-
-
-def _fmt_bytes(n: Any) -> str:
-    if not isinstance(n, (int, float)):
-        return ""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _fmt_int(n: Any) -> str:
-    if n is None:
-        return ""
-    return f"{n:,}" if isinstance(n, int) and not isinstance(n, bool) else str(n)
-
-
-def _cell(value: Any, limit: int = 160) -> str:
-    """A value in a table cell: text as is, chat messages by their content (as the CLI
-    shows them), anything else as JSON; cut at ``limit`` characters."""
-    chat = chat_text(value)
-    if chat is not None:
-        text = chat
-    elif isinstance(value, str):
-        text = value
-    else:
-        text = json.dumps(value, ensure_ascii=False, default=str)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _scalar(value: Any) -> bool:
-    return isinstance(value, (str, int, float, bool)) and not (
-        isinstance(value, str) and len(value) > 80
-    )
 
 
 def create_app(
@@ -127,228 +280,13 @@ def create_app(
     the first page does not compete with it. ``allowed_hosts`` refuses requests whose Host
     header names another host: a web page elsewhere cannot read a store served on loopback by
     pointing a domain name of its own at 127.0.0.1 (DNS rebinding)."""
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(_PACKAGE / "templates")),
-        autoescape=jinja2.select_autoescape(["html"]),
-        trim_blocks=True,
-        lstrip_blocks=True,
-        undefined=jinja2.StrictUndefined,
-    )
-    env.filters.update(bytes=_fmt_bytes, num=_fmt_int, cell=_cell)
-    env.globals.update(
-        version=__version__, colors=COLORS, scalar=_scalar, source_column=SOURCE_COLUMN
-    )
-
-    def body(text: str) -> bytes:
-        return scrub(text, view.secrets).encode()
-
-    def page(request: Request, template: str, api: str, code: int = 200, **ctx: Any) -> Response:
-        base = request.scope.get("root_path", "")
-        html = env.get_template(template).render(
-            base=base, url=view.store.display_url, api=base + api, request=request, **ctx
-        )
-        return HTMLResponse(body(html), status_code=code)
-
-    def api(data: Any, status: int = 200) -> Response:
-        return Response(body(_dumps(data)), status, media_type="application/json")
-
-    def error(request: Request, status: int, message: str) -> Response:
-        message = scrub(_web_terms(message), view.secrets)
-        if request.url.path.startswith("/api/"):
-            return api({"error": message, "status": status}, status)
-        return page(request, "error.html", "/api/store", status, status=status, message=message)
-
-    started = threading.Event()
-
-    def warm_up() -> None:
-        if warm and not started.is_set():
-            started.set()
-            threading.Thread(target=_warm, args=(view,), daemon=True, name="dynstate-warm").start()
-
-    def guarded(fn: Callable[[Request], Response]) -> Callable[[Request], Response]:
-        def endpoint(request: Request) -> Response:
-            try:
-                return fn(request)
-            except DynstateError as exc:
-                status = _status(exc)
-                if status == 500:
-                    log.warning("%s: %s", request.url.path, scrub(str(exc), view.secrets))
-                return error(request, status, str(exc))
-            except Exception as exc:
-                # A bug or a record no view expected: one line to the browser, the traceback
-                # only in the server's log (with -vv), never a page of Python.
-                what = type(exc).__name__
-                text = " ".join(str(exc).split())[:200]
-                what = scrub(what + (f": {text}" if text else ""), view.secrets)
-                debug = log.isEnabledFor(logging.DEBUG)
-                log.warning("%s failed: %s", request.url.path, what, exc_info=debug)
-                message = f"this page could not be built ({what}); other pages may still work"
-                return error(request, 500, message)
-            finally:
-                warm_up()
-
-        return endpoint
-
-    def filters_of(request: Request) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        for key, value in request.query_params.multi_items():
-            if key not in RESERVED:
-                out.setdefault(key, []).append(value)
-        return out
-
-    def qs(request: Request, **changes: Any) -> str:
-        """The current query string with some parameters replaced (None removes one)."""
-        items = [(k, v) for k, v in request.query_params.multi_items() if k not in changes]
-        for key, value in changes.items():
-            if value is None:
-                continue
-            for v in value if isinstance(value, list) else [value]:
-                items.append((key, str(v)))
-        return "?" + urlencode(items) if items else "?"
-
-    env.globals["qs"] = qs
-
-    # -- JSON --------------------------------------------------------------------------------
-
-    def api_store(request: Request) -> Response:
-        return api(view.store_info())
-
-    def api_versions(request: Request) -> Response:
-        q = request.query_params
-        return api(view.versions_page(limit=q.get("limit"), before=q.get("before")))
-
-    def api_version(request: Request) -> Response:
-        return api(view.version_info(request.path_params["v"]))
-
-    def api_rows(request: Request) -> Response:
-        return api(_rows(request))
-
-    def _rows(request: Request) -> dict[str, Any]:
-        q = request.query_params
-        return view.rows_page(
-            request.path_params["v"],
-            offset=q.get("offset"),
-            limit=q.get("limit"),
-            q=q.get("q"),
-            filters=filters_of(request),
-            outcome={k: q.get(k) for k in OUTCOME_PARAMS},
-        )
-
-    def api_row(request: Request) -> Response:
-        return api(view.row_detail(request.path_params["v"], request.path_params["i"]))
-
-    def api_outcomes(request: Request) -> Response:
-        return api(_outcomes(request))
-
-    def _outcomes(request: Request) -> dict[str, Any]:
-        q = request.query_params
-        return view.outcomes_info(q.get("version"), bins=q.get("bins"), points=q.get("points"))
-
-    def api_diff(request: Request) -> Response:
-        return api(view.diff(request.path_params["a"], request.path_params["b"]))
-
-    def api_checkpoint(request: Request) -> Response:
-        return api(view.checkpoint(request.path_params["k"]))
-
-    # -- HTML --------------------------------------------------------------------------------
-
-    def store_page(request: Request) -> Response:
-        info = view.store_info()
-        recent = view.versions_page(limit="15")
-        base = request.scope.get("root_path", "")
-        try:
-            chart = growth_svg(info["growth"], link=f"{base}/versions/")
-        except (ArithmeticError, ValueError, TypeError, MemoryError) as exc:
-            log.warning("growth chart of %s: %s: %s", view.store.display_url,
-                        type(exc).__name__, exc)  # fmt: skip
-            info = {**info, "growth": chart_failed(info["growth"].get("floor", 0), exc)}
-            chart = ""
-        return page(request, "store.html", "/api/store", info=info, recent=recent, chart=chart)
-
-    def versions_page(request: Request) -> Response:
-        q = request.query_params
-        data = view.versions_page(limit=q.get("limit"), before=q.get("before"))
-        return page(request, "versions.html", "/api/versions" + qs(request), data=data)
-
-    def version_page(request: Request) -> Response:
-        v = request.path_params["v"]
-        info = view.version_info(v)
-        rows = _rows(request)
-        api_path = f"/api/versions/{info['version']}/rows{qs(request)}"
-        return page(request, "version.html", api_path, info=info, rows=rows)
-
-    def row_page(request: Request) -> Response:
-        detail = view.row_detail(request.path_params["v"], request.path_params["i"])
-        base = request.scope.get("root_path", "")
-        graph = graph_svg(detail, link=f"{base}/versions/{detail['version']}/rows/")
-        api_path = f"/api/versions/{detail['version']}/rows/{detail['row']}"
-        history = detail["outcomes"]
-        rate_chart = pass_rate_svg(history) if history else ""
-        return page(
-            request, "row.html", api_path, detail=detail, graph=graph, rate_chart=rate_chart
-        )
-
-    def outcomes_page(request: Request) -> Response:
-        data = _outcomes(request)
-        chart = band_svg(data["bands"]) if data["bands"] else ""
-        bins = data["bands"]["bins"] if data["bands"] else 0
-        swatches = [band_color(i, bins) for i in range(bins)]
-        return page(
-            request,
-            "outcomes.html",
-            "/api/outcomes" + qs(request),
-            data=data,
-            chart=chart,
-            swatches=swatches,
-        )
-
-    def diff_form(request: Request) -> Response:
-        q = request.query_params
-        if q.get("a") and q.get("b"):
-            base = request.scope.get("root_path", "")
-            return RedirectResponse(f"{base}/diff/{q['a']}/{q['b']}", status_code=303)
-        head = view.store.refresh()
-        return page(request, "diff_form.html", "/api/store", head=head)
-
-    def diff_page(request: Request) -> Response:
-        data = view.diff(request.path_params["a"], request.path_params["b"])
-        api_path = f"/api/diff/{data['from']}/{data['to']}"
-        return page(request, "diff.html", api_path, data=data)
-
-    def checkpoint_page(request: Request) -> Response:
-        data = view.checkpoint(request.path_params["k"])
-        return page(request, "checkpoint.html", f"/api/checkpoints/{data['id']}", data=data)
-
-    async def not_found(request: Request, exc: Exception) -> Response:
-        status = exc.status_code if isinstance(exc, HTTPException) else 404
-        detail = exc.detail if isinstance(exc, HTTPException) else "not found"
-        if status == 404:
-            detail = f"no page at {request.url.path}; the store page is /, the API is /api/store"
-        return error(request, status, str(detail))
-
-    routes = [
-        Route("/", guarded(store_page)),
-        Route("/versions", guarded(versions_page)),
-        Route("/versions/{v}", guarded(version_page)),
-        Route("/versions/{v}/rows/{i}", guarded(row_page)),
-        Route("/outcomes", guarded(outcomes_page)),
-        Route("/diff", guarded(diff_form)),
-        Route("/diff/{a}/{b}", guarded(diff_page)),
-        Route("/checkpoints/{k}", guarded(checkpoint_page)),
-        Route("/api/store", guarded(api_store)),
-        Route("/api/versions", guarded(api_versions)),
-        Route("/api/versions/{v}", guarded(api_version)),
-        Route("/api/versions/{v}/rows", guarded(api_rows)),
-        Route("/api/versions/{v}/rows/{i}", guarded(api_row)),
-        Route("/api/outcomes", guarded(api_outcomes)),
-        Route("/api/diff/{a}/{b}", guarded(api_diff)),
-        Route("/api/checkpoints/{k}", guarded(api_checkpoint)),
-        Mount("/static", StaticFiles(directory=str(_PACKAGE / "static")), name="static"),
-    ]
+    site = Site(view, warm=warm)
+    routes: list[Route | Mount] = [Route(path, site.endpoint(fn)) for path, fn in ROUTES]
+    routes.append(Mount("/static", StaticFiles(directory=str(_PACKAGE / "static")), name="static"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        timer = threading.Timer(1.0, warm_up)
+        timer = threading.Timer(1.0, site.warm_up)
         timer.daemon = True
         if warm:
             timer.start()
@@ -361,7 +299,7 @@ def create_app(
     return Starlette(
         routes=routes,
         middleware=middleware,
-        exception_handlers={404: not_found, 405: not_found},
+        exception_handlers={404: site.not_found, 405: site.not_found},
         lifespan=lifespan,
     )
 

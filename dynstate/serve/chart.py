@@ -1,22 +1,21 @@
-"""Pictures of ``dynstate serve``, drawn on the server as inline SVG (no script, no CDN): the
-growth of a store over training steps, and the lineage graph of one row.
+"""The growth chart of ``dynstate serve``, drawn on the server as inline SVG (no script, no
+CDN): rows added per round and total rows over training steps, with the run's events marked.
 
-The growth data is the library's model (:func:`dynstate.history.growth`, also what
-``dynstate plot`` draws, and part of ``/api/store``); :func:`growth_svg` and :func:`graph_svg`
-turn data into markup.
+The data is the library's model (:func:`dynstate.history.growth`, also what ``dynstate plot``
+draws, and part of ``/api/store``); :func:`growth_svg` turns it into markup and computes
+nothing the model lacks. The row lineage graph is :mod:`.graph`.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
-from ..history import growth
+from .svg import fmt, grid, ticks
 
-__all__ = ["COLORS", "graph_svg", "growth", "growth_svg"]
+__all__ = ["COLORS", "growth_svg"]
 
 # Colours of the marks, also used by the legend and the stylesheet.
 COLORS = {
@@ -35,33 +34,10 @@ COLORS = {
 _MAX_MARKS = 300
 
 
-def _ticks(lo: float, hi: float, count: int = 6, *, whole: bool = False) -> list[float]:
-    """Round numbers from ``lo`` to ``hi``; ``whole``: integers only (steps, versions)."""
-    if hi <= lo:
-        return [lo]
-    raw = (hi - lo) / count
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    if whole:
-        step = max(1, round(step))
-    first = math.ceil(lo / step) * step
-    return [first + k * step for k in range(int((hi - first) / step + 1e-9) + 1)]
-
-
-def _fmt(v: float) -> str:
-    if abs(v) >= 1e9:
-        return f"{v:.3g}"
-    if abs(v) >= 1e6:
-        return f"{v / 1e6:g}M"
-    if abs(v) >= 1e4:
-        return f"{v / 1e3:g}k"
-    return f"{v:g}"
-
-
 def _tip(p: dict[str, Any], axis: str, extra: str = "") -> str:
-    where = f"{axis} {_fmt(p['x'])}"
+    where = f"{axis} {fmt(p['x'])}"
     if p.get("placed"):
-        where = f"after {where}" if p["kind"] != "import" else f"before step {_fmt(p['x'] + 1)}"
+        where = f"after {where}" if p["kind"] != "import" else f"before step {fmt(p['x'] + 1)}"
     gen = f" ({p['generator']})" if p.get("generator") else ""
     name = "import" if p["kind"] == "import" else f"version {p['version']}"
     if p["kind"] == "import":
@@ -108,20 +84,20 @@ def growth_svg(data: dict[str, Any], *, width: int = 960, link: str = "versions/
         f"<title>growth over {escape(axis)}s</title>",
     ]
     # Axes and grid.
-    for t in _ticks(0, bar_top, 4):
+    for t in ticks(0, bar_top, 4):
         y = y_bars + panel - t / bar_top * panel
-        out.append(_grid(left, width - right, y, t))
-    for t in _ticks(lo, hi, 5):
-        out.append(_grid(left, width - right, sy_total(t), t))
+        out.append(grid(left, width - right, y, t))
+    for t in ticks(lo, hi, 5):
+        out.append(grid(left, width - right, sy_total(t), t))
     for y0, label in ((y_bars, "rows added"), (y_line, "total rows")):
         out.append(
             f'<text class="axis-label" x="14" y="{y0 + panel / 2:.1f}" '
             f'transform="rotate(-90 14 {y0 + panel / 2:.1f})" text-anchor="middle">{label}</text>'
         )
-    for t in _ticks(min(xs), max(xs), 10, whole=True):
+    for t in ticks(min(xs), max(xs), 10, whole=True):
         out.append(
             f'<text class="tick x-tick" x="{sx(t):.1f}" y="{base_y + 16}" text-anchor="middle">'
-            f"{_fmt(t)}</text>"
+            f"{fmt(t)}</text>"
         )
     out.append(
         f'<text class="axis-label" x="{left + plot_w / 2:.1f}" y="{base_y + 34}" '
@@ -170,14 +146,6 @@ def growth_svg(data: dict[str, Any], *, width: int = 960, link: str = "versions/
     out.extend(_marks(data, sx, top, y_bars, panel, base_y, link))
     out.append("</svg>")
     return "".join(out)
-
-
-def _grid(x_from: float, x_to: float, y: float, value: float) -> str:
-    return (
-        f'<line class="grid" x1="{x_from}" x2="{x_to}" y1="{y:.1f}" y2="{y:.1f}"/>'
-        f'<text class="tick" x="{x_from - 6}" y="{y + 4:.1f}" text-anchor="end">'
-        f"{_fmt(value)}</text>"
-    )
 
 
 def _bars(
@@ -337,73 +305,3 @@ def _marks(
                 f"<title>{escape(tip)}</title></g></a>"
             )
     return out
-
-
-def graph_svg(detail: dict[str, Any], *, link: str, width: int = 960) -> str:
-    """The row, its ancestors above and its descendants below, joined by source edges; each
-    node links to its row page (``link`` + row number)."""
-    row = detail["row"]
-    layers: dict[int, list[dict[str, Any]]] = {0: [{"row": row, "step": None, "preview": ""}]}
-    round_info = detail.get("round") or {}
-    layers[0][0].update({"step": round_info.get("step"), "generator": round_info.get("generator")})
-    for node in detail["ancestors"]:
-        layers.setdefault(-node["depth"], []).append(node)
-    for node in detail["descendants"]:
-        layers.setdefault(node["depth"], []).append(node)
-    per_layer = 7
-    box_w, box_h, layer_h = 118, 38, 74
-    order = sorted(layers)
-    height = len(order) * layer_h + 10
-    pos: dict[int, tuple[float, float]] = {}
-    out = [
-        f'<svg class="lineage" role="img" viewBox="0 0 {width} {height}" width="{width}" '
-        f'height="{height}" xmlns="http://www.w3.org/2000/svg">',
-        "<title>lineage</title>",
-        '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
-        'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" '
-        'fill="#888"/></marker></defs>',
-    ]
-    boxes = []
-    for li, depth in enumerate(order):
-        nodes = sorted(layers[depth], key=lambda n: n["row"])
-        extra = len(nodes) - per_layer
-        nodes = nodes[:per_layer]
-        slots = len(nodes) + (1 if extra > 0 else 0)
-        y = 6 + li * layer_h
-        for ni, node in enumerate(nodes):
-            x = (ni + 0.5) * width / slots - box_w / 2
-            pos[node["row"]] = (x + box_w / 2, y)
-            cls = "node self" if depth == 0 else ("node up" if depth < 0 else "node down")
-            sub = f"step {node.get('step')}" if node.get("step") is not None else ""
-            if node.get("generator"):
-                sub += f" · {node['generator']}"
-            tip = f"row {node['row']}" + (f": {node['preview']}" if node.get("preview") else "")
-            href = quoteattr(f"{link}{node['row']}")
-            boxes.append(
-                f'<a href={href} data-row="{node["row"]}">'
-                f'<g class="{cls}"><rect x="{x:.1f}" y="{y}" width="{box_w}" height="{box_h}" '
-                f'rx="6"/><text x="{x + box_w / 2:.1f}" y="{y + 16}" text-anchor="middle" '
-                f'class="node-title">row {node["row"]}</text><text x="{x + box_w / 2:.1f}" '
-                f'y="{y + 31}" text-anchor="middle" class="node-sub">{escape(sub[:22])}</text>'
-                f"<title>{escape(tip)}</title></g></a>"
-            )
-        if extra > 0:
-            x = (slots - 0.5) * width / slots
-            boxes.append(
-                f'<text x="{x:.1f}" y="{y + 24}" text-anchor="middle" class="node-more">'
-                f"+{extra} more</text>"
-            )
-    for src, child in detail["edges"]:
-        if src in pos and child in pos:
-            (xa, ya), (xb, yb) = pos[src], pos[child]
-            if ya < yb:
-                y1, y2 = ya + box_h, yb
-            else:
-                y1, y2 = ya, yb + box_h
-            out.append(
-                f'<line class="edge" x1="{xa:.1f}" y1="{y1:.1f}" x2="{xb:.1f}" y2="{y2:.1f}" '
-                'stroke="#888" marker-end="url(#arrow)"/>'
-            )
-    out.extend(boxes)
-    out.append("</svg>")
-    return "".join(out)

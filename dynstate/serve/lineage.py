@@ -24,7 +24,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..history import lineage
-from ..maintenance.gc import gc_floor
 from ..manifest import Commit
 from ..store import Store
 
@@ -153,7 +152,7 @@ class LineageCache:
 
     def chain(self, version: int) -> list[Commit]:
         """Commit records of ``version``'s lineage, oldest first, down to the gc floor."""
-        floor = gc_floor(self.store)
+        floor = self.store.floor
         return [self.store.commit_record(v) for v in reversed(lineage(self.store, version, floor))]
 
     def rounds(self, version: int) -> Rounds:
@@ -163,12 +162,19 @@ class LineageCache:
                 self._rounds.move_to_end(version)
                 return cached
         record = self.store.commit_record(version)
-        rounds = Rounds(version, record.num_rows, self.chain(version), gc_floor(self.store))
+        rounds = Rounds(version, record.num_rows, self.chain(version), self.store.floor)
         with self._lock:
             self._rounds[version] = rounds
             while len(self._rounds) > 4 * self.max_versions:
                 self._rounds.popitem(last=False)
         return rounds
+
+    def rounds_of(self, version: int, versions: list[int]) -> Rounds:
+        """The rounds of ``version`` written by ``versions`` only (a diff's side: the records
+        it has read already, not the whole lineage); its other rows have no round."""
+        record = self.store.commit_record(version)
+        chain = [self.store.commit_record(v) for v in sorted(versions)]
+        return Rounds(version, record.num_rows, chain, self.store.floor)
 
     def cached_index(self, version: int) -> DescendantIndex | None:
         with self._lock:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
-from .chart import _fmt, _grid, _ticks
+from .svg import fmt, grid, ticks
 
 
 def band_color(i: int, bins: int) -> str:
@@ -40,8 +40,8 @@ def band_svg(series: dict[str, Any], *, width: int = 960) -> str:
         f'height="{height}" xmlns="http://www.w3.org/2000/svg">',
         "<title>trained rows per pass-rate band after each step</title>",
     ]
-    for t in _ticks(0, most, 4, whole=True):
-        out.append(_grid(left, width - right, top + plot_h - t / most * plot_h, t))
+    for t in ticks(0, most, 4, whole=True):
+        out.append(grid(left, width - right, top + plot_h - t / most * plot_h, t))
     out.append(
         f'<text class="axis-label" x="14" y="{top + plot_h / 2:.1f}" '
         f'transform="rotate(-90 14 {top + plot_h / 2:.1f})" text-anchor="middle">rows</text>'
@@ -63,13 +63,13 @@ def band_svg(series: dict[str, Any], *, width: int = 960) -> str:
                 f'fill="{band_color(i, bins)}" data-rows="{n}"><title>{escape(tip)}</title></rect>'
             )
         out.append("</g>")
-    for t in _ticks(steps[0], steps[-1], 8, whole=True):
+    for t in ticks(steps[0], steps[-1], 8, whole=True):
         # the column of the first step kept at or after the tick
         k = next((j for j, s in enumerate(steps) if s >= t), len(steps) - 1)
         x = left + (k + 0.5) * col
         out.append(
             f'<text class="tick" x="{x:.1f}" y="{top + plot_h + 16}" '
-            f'text-anchor="middle">{_fmt(t)}</text>'
+            f'text-anchor="middle">{fmt(t)}</text>'
         )
     out.append(
         f'<text class="axis-label" x="{left + plot_w / 2:.1f}" y="{height - 6}" '
@@ -124,10 +124,10 @@ def pass_rate_svg(history: dict[str, Any], *, width: int = 720) -> str:
             f'fill="#3b6fb6" data-step={quoteattr(str(p["step"]))}><title>{escape(tip)}</title>'
             "</circle>"
         )
-    for t in _ticks(x0, x1, 6, whole=True):
+    for t in ticks(x0, x1, 6, whole=True):
         out.append(
             f'<text class="tick" x="{sx(t):.1f}" y="{top + plot_h + 16}" '
-            f'text-anchor="middle">{_fmt(t)}</text>'
+            f'text-anchor="middle">{fmt(t)}</text>'
         )
     out.append(
         f'<text class="axis-label" x="{left + plot_w / 2:.1f}" y="{height - 4}" '

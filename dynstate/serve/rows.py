@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import InvalidDataError
-from ..manifest import ShardRef
+from ..loading.cache import ShardCache
 from ..snapshot import Snapshot
 from ..store import Store
 from .lineage import Rounds
@@ -52,35 +52,6 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-class ShardTables:
-    """Decoded shards of the versions being looked at, least recently used out, bounded in
-    bytes (shards are immutable, so a cached table never goes stale)."""
-
-    def __init__(self, max_bytes: int = 256 * 2**20):
-        self.max_bytes = max_bytes
-        self._tables: OrderedDict[tuple[str, str | None], pa.Table] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def get(self, snap: Snapshot, index: int) -> pa.Table:
-        shard: ShardRef = snap.shards[index]
-        key = (shard.path, snap.commit.schema)
-        with self._lock:
-            table = self._tables.get(key)
-            if table is not None:
-                self._tables.move_to_end(key)
-                return table
-        table = snap.read_shard(index)
-        with self._lock:
-            if key not in self._tables:
-                self._tables[key] = table
-                self._bytes += table.nbytes
-            while self._bytes > self.max_bytes and len(self._tables) > 1:
-                _, old = self._tables.popitem(last=False)
-                self._bytes -= old.nbytes
-        return table
-
-
 def int_param(value: str | None, name: str, default: int, lo: int, hi: int | None) -> int:
     if value is None or value == "":
         return default
@@ -95,12 +66,14 @@ def int_param(value: str | None, name: str, default: int, lo: int, hi: int | Non
 
 
 class RowQuery:
-    """Pages of rows of one store's versions, with a cache of decoded shards and of complete
-    scans."""
+    """Pages of rows of one store's versions, with a cache of complete scans. Decoded shards
+    come from the dataset's shard cache (:class:`dynstate.loading.cache.ShardCache`: bounded
+    in bytes, least recently used out, keyed by checksum and schema; shards are immutable, so
+    a cached table never goes stale)."""
 
     def __init__(self, store: Store, *, cache_bytes: int = 256 * 2**20):
         self.store = store
-        self.tables = ShardTables(cache_bytes)
+        self.shards = ShardCache(cache_bytes)
         self._matches: OrderedDict[tuple[Any, ...], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -210,7 +183,7 @@ class RowQuery:
             if count > start + n:
                 complete = False
                 break
-            table = self.tables.get(snap, i)
+            table = self.table(snap, i)
             mask = _mask(table, filters, q, snap.version, self.store.display_url)
             wanted = np.zeros(table.num_rows, dtype=bool)
             for a, b in parts:
@@ -271,6 +244,12 @@ class RowQuery:
             }
         return out
 
+    def table(self, snap: Snapshot, index: int) -> pa.Table:
+        """Shard ``index`` of ``snap``, shaped like its version's schema."""
+        shard = snap.shards[index]
+        schema = snap.schema
+        return self.shards.shard(self.store, shard, schema, snap.commit.schema, snap.version).table
+
     def read(self, snap: Snapshot, rows: Sequence[int]) -> list[dict[str, Any]]:
         """Values of ``rows`` of ``snap``, reading only the shards they are in."""
         by_shard: dict[int, list[tuple[int, int]]] = {}
@@ -279,7 +258,7 @@ class RowQuery:
             by_shard.setdefault(shard, []).append((pos, local))
         out: list[dict[str, Any]] = [{} for _ in rows]
         for shard, wanted in by_shard.items():
-            table = self.tables.get(snap, shard)
+            table = self.table(snap, shard)
             taken = table.take(pa.array([local for _, local in wanted], pa.int64()))
             for (pos, _), values in zip(wanted, taken.to_pylist(), strict=True):
                 out[pos] = {k: jsonable(x) for k, x in values.items()}
