@@ -367,7 +367,8 @@ class Selector:
         rows = np.concatenate([np.flatnonzero(changed), np.arange(old, table.num_rows)])
         if not len(rows):
             return
-        part = table.take(pa.array(rows))
+        # the rows' own statistics: all a row-local policy reads
+        part = pa.table({name: _column(table, name)[rows] for name in self.policy.reads})
         parts = self.policy.checked_parts(part, step, where, whole=False)
         plan.set(rows, [w for _, w in parts], table.num_rows, where)
         self.reweighed += len(rows)

@@ -28,7 +28,7 @@ from ..errors import InvalidDataError
 
 __all__ = ["BLOCK", "CumulativeWeights", "Plan", "check_weights", "step_rng"]
 
-BLOCK = 1024  # rows per block; fixed, as the draws' rounding (never their law) depends on it
+BLOCK = 256  # rows per block; fixed, as the draws' rounding (never their law) depends on it
 _SALT = 0x5E1EC7  # keeps a selection's stream apart from any other use of the same seed
 
 
@@ -111,8 +111,12 @@ class CumulativeWeights:
 
     @classmethod
     def of(cls, weights: np.ndarray) -> CumulativeWeights:
+        """Built over every row in one go (no search for the blocks a change touched)."""
         built = cls()
-        built.set(np.arange(len(weights)), weights, len(weights))
+        built._grow(-(-len(weights) // BLOCK))
+        built.num_rows = len(weights)
+        built._weights[: len(weights)] = weights
+        built._sum_blocks(slice(None))
         return built
 
     @property
@@ -133,12 +137,15 @@ class CumulativeWeights:
             self._grow(max(blocks, 2 * len(self._local)))
         self.num_rows = num_rows
         self._weights[rows] = values
-        dirty = np.unique(np.asarray(rows, np.int64) // BLOCK)
-        if len(dirty):
-            sums = np.cumsum(self._weights.reshape(-1, BLOCK)[dirty], axis=1)
-            self._local[dirty] = sums
-            # the first entry reaching the block's total is its last row of positive weight
-            self._last[dirty] = (sums < sums[:, -1:]).sum(axis=1)
+        self._sum_blocks(np.unique(np.asarray(rows, np.int64) // BLOCK))
+
+    def _sum_blocks(self, dirty: slice | np.ndarray) -> None:
+        """Recompute the sums of the ``dirty`` blocks and the sum over all blocks."""
+        blocks = -(-self.num_rows // BLOCK)
+        sums = np.cumsum(self._weights.reshape(-1, BLOCK)[dirty], axis=1)
+        self._local[dirty] = sums
+        # the first entry reaching the block's total is its last row of positive weight
+        self._last[dirty] = (sums < sums[:, -1:]).sum(axis=1)
         self._top = np.cumsum(self._local[:blocks, -1])
         self.total = float(self._top[-1]) if blocks else 0.0
         self._last_block = int(np.searchsorted(self._top, self.total, side="left"))
@@ -162,15 +169,10 @@ class CumulativeWeights:
         block[past] = self._last_block
         start = np.where(block > 0, self._top[block - 1], 0.0)
         rest = u - start
-        within = np.empty(len(u), np.int64)
-        order = np.argsort(block, kind="stable")
-        sorted_blocks = block[order]
-        cuts = np.flatnonzero(np.diff(sorted_blocks)) + 1
-        for group in np.split(order, cuts):
-            if len(group):
-                b = int(block[group[0]])
-                found = np.searchsorted(self._local[b], rest[group], side="right")
-                within[group] = np.minimum(found, self._last[b])
+        # within each point's block: how many of its running sums are <= the rest (a search
+        # of every point at once over the blocks it fell in: k x BLOCK comparisons)
+        found = (self._local[block] <= rest[:, None]).sum(axis=1)
+        within = np.minimum(found, self._last[block])
         within[past] = self._last[block[past]]
         return block * BLOCK + within
 
@@ -191,15 +193,16 @@ class Plan:
     plan in place and building one from the same weights agree. Drawing costs O(k log n)
     for k slots over n rows."""
 
-    def __init__(self, num_rows: int, shares: Sequence[float]) -> None:
+    def __init__(self, num_rows: int, strata: list[_Stratum]) -> None:
         self.num_rows = num_rows
-        self.all_strata = [_Stratum(float(s), CumulativeWeights()) for s in shares]
+        self.all_strata = strata
 
     @classmethod
     def of(cls, num_rows: int, parts: Sequence[tuple[float, np.ndarray]], where: str) -> Plan:
         """A plan built from ``(share, weights)`` pairs over all ``num_rows`` rows."""
-        plan = cls(num_rows, [share for share, _ in parts])
-        plan.set(np.arange(num_rows), [w for _, w in parts], num_rows, where)
+        strata = [_Stratum(float(s), CumulativeWeights.of(w)) for s, w in parts]
+        plan = cls(num_rows, strata)
+        plan._check(where)
         return plan
 
     def set(
@@ -209,6 +212,10 @@ class Plan:
         for stratum, values in zip(self.all_strata, weights, strict=True):
             stratum.weights.set(rows, values, num_rows)
         self.num_rows = num_rows
+        self._check(where)
+
+    def _check(self, where: str) -> None:
+        num_rows = self.num_rows
         if num_rows and not self.strata:
             if len(self.all_strata) == 1:
                 raise InvalidDataError(all_zero(where, num_rows))
