@@ -38,6 +38,8 @@ SORT_KEYS = (
     "last_step",
 )
 NO_OUTCOMES = "no outcomes recorded"
+# Band counts of single versions kept (a few charts' worth of points).
+_BANDS_CACHED = 4096
 
 
 def outcome_records_count(store: Store, version: int) -> int:
@@ -180,6 +182,13 @@ def band_of(successes: np.ndarray, attempts: np.ndarray, bins: int) -> np.ndarra
     return np.minimum((rate * bins).astype(np.int64), bins - 1)
 
 
+def _picked(n: int, points: int | None) -> list[int] | range:
+    """At most ``points`` of ``range(n)``, evenly spaced, the last always kept."""
+    if points is None or n <= points:
+        return range(n)
+    return sorted({round(i * (n - 1) / max(points - 1, 1)) for i in range(points)})
+
+
 @dataclass
 class _Series:
     """The band series folded so far over the first ``files`` files of a lineage."""
@@ -232,6 +241,7 @@ class OutcomeViews:
         self._stats: OrderedDict[int, pa.Table] = OrderedDict()
         self._orders: OrderedDict[tuple[int, RowSelection], np.ndarray] = OrderedDict()
         self._series: dict[int, _Series] = {}
+        self._bands: OrderedDict[tuple[int, int], list[int]] = OrderedDict()
         self._lock = threading.Lock()
 
     # -- statistics and selections of a version ----------------------------------------------
@@ -359,15 +369,30 @@ class OutcomeViews:
         (their pass rate over every outcome up to and including that step), as
         :func:`dynstate.outcomes.summarize` bins them; the last point equals its histogram.
         ``points``: at most this many steps, evenly spaced, the last always kept (the counts
-        are exact at the steps kept). Cached per version: a later head folds only the
-        outcome files committed since (all of them again after a rollback)."""
-        series = self._fold(version, bins)
-        steps, counts = series.steps, series.counts
-        picked: list[int] | range = range(len(steps))
-        if points is not None and len(steps) > points:
-            picked = sorted(
-                {round(i * (len(steps) - 1) / max(points - 1, 1)) for i in range(points)}
-            )
+        are exact at the steps kept).
+
+        Where every commit of the lineage that holds outcomes adds one step, later than the
+        steps before it (what a training loop writes), the counts after a step are the bands
+        of :meth:`Store.outcome_stats` at the version that committed it: each point costs one
+        stored aggregate plus the outcome files since it (fewer than
+        :data:`~dynstate.manifest.CHECKPOINT_INTERVAL`), never the whole history. Otherwise
+        (steps committed out of order, several steps in one commit, steps below the gc
+        floor) every outcome record of the lineage is folded once, cached per version: a
+        later head folds only the files committed since (all of them again after a
+        rollback)."""
+        plan = self._step_versions(version)
+        if plan is None:
+            series = self._fold(version, bins)
+            steps, counts = series.steps, series.counts
+            picked = _picked(len(steps), points)
+            kept_steps = [steps[i] for i in picked]
+            kept_counts = [counts[i] for i in picked]
+            recorded = len(steps)
+        else:
+            picked = _picked(len(plan), points)
+            kept_steps = [plan[i][0] for i in picked]
+            kept_counts = [self._bands_at(plan[i][1], bins) for i in picked]
+            recorded = len(plan)
         return {
             "version": version,
             "bins": bins,
@@ -375,11 +400,52 @@ class OutcomeViews:
             "bands": [{"low": i / bins, "high": (i + 1) / bins} for i in range(bins)],
             "rows": self.store.commit_record(version).num_rows,
             "records": outcome_records_count(self.store, version),
-            "steps_recorded": len(steps),
-            "steps": [steps[i] for i in picked],
-            "counts": [counts[i] for i in picked],
-            "trained": [sum(counts[i]) for i in picked],
+            "steps_recorded": recorded,
+            "steps": kept_steps,
+            "counts": kept_counts,
+            "trained": [sum(c) for c in kept_counts],
         }
+
+    def _step_versions(self, version: int) -> list[tuple[int, int]] | None:
+        """``(step, version that committed it)`` along ``version``'s lineage, oldest first,
+        when each commit with outcomes adds exactly one step, newer than every step before
+        it, and all of them are above the gc floor; None otherwise. From the commit records
+        and outcome lineages alone (no outcome file is read)."""
+        outcomes = outcomes_of(self.store.log)
+        versions = list(self.store.lineage(version))[::-1]
+        plan: list[tuple[int, int]] = []
+        count, top, records = 0, -1, 0
+        for v in versions:
+            lineage = outcomes.lineage(v)
+            if lineage.records == records:
+                continue
+            n = sum(b - a + 1 for a, b in lineage.steps)
+            last = lineage.steps[-1][1] if lineage.steps else -1
+            if n != count + 1 or last <= top:
+                return None  # several steps in one commit, or one out of order
+            plan.append((last, v))
+            count, top, records = n, last, lineage.records
+        return plan
+
+    def _bands_at(self, version: int, bins: int) -> list[int]:
+        """Trained rows per pass-rate band in the statistics of ``version`` (cached)."""
+        key = (version, bins)
+        with self._lock:
+            cached = self._bands.get(key)
+            if cached is not None:
+                return cached
+        stats = self.store.outcome_stats(version, success_above=self.success_above)
+        attempts = as_numpy(stats.column("attempts")).astype(np.int64)
+        successes = as_numpy(stats.column("successes")).astype(np.int64)
+        trained = attempts > 0
+        found = np.bincount(
+            band_of(successes[trained], attempts[trained], bins), minlength=bins
+        ).tolist()
+        with self._lock:
+            self._bands[key] = found
+            while len(self._bands) > _BANDS_CACHED:
+                self._bands.popitem(last=False)
+        return found
 
     def _fold(self, version: int, bins: int) -> _Series:
         outcomes = outcomes_of(self.store.log)

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from click.testing import CliRunner
@@ -995,3 +996,74 @@ def test_a_store_without_outcomes_says_so_on_every_page(tmp_path):
         _, page = client.get("/versions/1?sort=pass_rate")
         assert "no outcomes recorded in the lineage of version 1: no pass rates" in page
         assert "sort-pass_rate" not in page
+
+
+def _counting_reads(store: Store) -> list[str]:
+    """Every path ``store``'s storage reads from now on (instrumenting the real backend)."""
+    paths: list[str] = []
+    read = store.storage.read
+
+    def counted(path: str, *args: Any, **kwargs: Any) -> Any:
+        paths.append(path)
+        return read(path, *args, **kwargs)
+
+    store.storage.read = counted  # type: ignore[method-assign]
+    return paths
+
+
+def test_the_first_band_chart_reads_aggregates_not_every_outcome_file(tmp_path):
+    """Issue 21: the first /outcomes of a long run costs, per point drawn, one stored
+    aggregate and the outcome files committed since it (fewer than CHECKPOINT_INTERVAL),
+    not every outcome file of the lineage — and draws the counts the full fold draws."""
+    from dynstate.manifest import CHECKPOINT_INTERVAL
+    from dynstate.outcome_views import band_of
+
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    store.append([{"prompt": f"p{i}"} for i in range(8)])
+    steps = 2 * CHECKPOINT_INTERVAL + 30
+    records: list[tuple[int, int, float]] = []
+    for step in range(steps):
+        mine = [(step % 8, step, float(step % 3 == 0)), ((5 * step + 3) % 8, step, 1.0)]
+        scored = [{"row": r, "step": s, "score": x} for r, s, x in mine]
+        store.append([], meta={"step": step}, outcomes=scored)
+        records += mine
+
+    def reference(step: int) -> list[int]:
+        attempts, wins = np.zeros(8, np.int64), np.zeros(8, np.int64)
+        for r, s, x in records:
+            if s <= step:
+                attempts[r] += 1
+                wins[r] += x > 0.5
+        trained = attempts > 0
+        return np.bincount(band_of(wins[trained], attempts[trained], 4), minlength=4).tolist()
+
+    fresh = Store.open(url)
+    reads = _counting_reads(fresh)
+    bands = StoreView(fresh).outcomes_info(None, bins="4", points="3")["bands"]
+    assert (bands["steps_recorded"], bands["steps"]) == (steps, [0, 114, 229])
+    assert bands["counts"] == [reference(s) for s in bands["steps"]]
+    outcome_files = [p for p in reads if p.startswith("data/")]
+    # versions 2, 116 and 231 hold steps 0, 114 and 229: 1 file, then the aggregate of
+    # version 100 and 16 files, then that of version 200 and 31 files
+    assert len(outcome_files) <= 1 + 16 + 31 < steps
+    assert sum("/aggregates/" in p for p in reads) <= 3
+    # what the fold of every record (the path for lineages it cannot serve) would read
+    folded = Store.open(url)
+    all_reads = _counting_reads(folded)
+    folded.outcome_records()
+    assert sum(p.startswith("data/") for p in all_reads) == steps
+
+
+def test_band_chart_of_steps_the_aggregates_cannot_split_folds_the_records(tmp_path):
+    """Two steps in one commit: no version holds the statistics after the first of them, so
+    the series folds the records (and still counts exactly)."""
+    store = Store.open(str(tmp_path / "store"), create=True)
+    store.append([{"prompt": f"p{i}"} for i in range(4)])
+    both = [{"row": 0, "step": 0, "score": 1.0}, {"row": 0, "step": 1, "score": 0.0}]
+    store.append([], outcomes=both)
+    store.append([], outcomes=[{"row": 1, "step": 2, "score": 1.0}])
+    bands = StoreView(store).outcomes_info(None, bins="4")["bands"]
+    # after step 0 row 0 has passed 1 of 1 (the statistics of its version say 1 of 2)
+    want = [[0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 1, 1]]
+    assert (bands["steps"], bands["counts"]) == ([0, 1, 2], want)

@@ -28,7 +28,6 @@ from ..errors import (
     StoreNotFoundError,
     VersionNotFoundError,
 )
-from ..outcome_views import outcome_records_count
 from .api import RowNotFoundError, StoreView, chart_failed, scrub
 from .chart import growth_svg
 from .graph import graph_svg
@@ -310,10 +309,8 @@ def _warm(view: StoreView) -> None:
     except DynstateError as exc:
         log.warning("could not build the growth chart of %s: %s", view.store.display_url, exc)
     try:
-        # The band series reads every outcome file of the head's lineage once: better here
-        # than in the first request for /outcomes.
-        head = view.store.refresh()
-        if outcome_records_count(view.store, head):
-            view.outcomes.band_series(head)
+        # The head's /outcomes document (its statistics and bands per step, at the page's
+        # defaults): better built here than in the first request for it.
+        view.outcomes_info(None)
     except DynstateError as exc:
         log.warning("could not build the outcome bands of %s: %s", view.store.display_url, exc)
