@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import manifest as m
+from . import paths
 from .errors import (
     CorruptStoreError,
     DynstateError,
@@ -31,7 +31,7 @@ from .manifest import Commit, ShardRef
 from .outcomes import DEFAULT_HALF_LIFE, DEFAULT_SUCCESS_ABOVE, check_stats_params
 from .rounds import check_meta, conform
 from .snapshot import Snapshot, Staged, verify_shard_bytes
-from .storage import Storage, is_safe_name, open_storage
+from .storage import Storage, open_storage
 from .writes import DEFAULT_SHARD_BYTES, Writer
 
 log = logging.getLogger("dynstate")
@@ -88,7 +88,7 @@ class Store:
         ):
             raise InvalidDataError(f"lease_ttl_s must be a positive number, not {lease_ttl_s!r}")
         storage = open_storage(url, storage_options)
-        raw = storage.try_read(m.STORE_FILE)
+        raw = storage.try_read(paths.STORE_FILE)
         if raw is None:
             if not create:
                 raise StoreNotFoundError(
@@ -96,29 +96,20 @@ class Store:
                     "create=True to make a new store there"
                 )
             raw = cls._create(storage, single_writer)
-        store_id = m.store_identity(raw, f"{storage.display_url}/{m.STORE_FILE}")
+        store_id = m.store_identity(raw, f"{storage.display_url}/{paths.STORE_FILE}")
         store = cls(storage, store_id, single_writer=single_writer, lease_ttl_s=lease_ttl_s)
         store.refresh()
         return store
 
     @staticmethod
     def _create(storage: Storage, single_writer: bool) -> bytes:
-        foreign = [n for n in storage.list("") if n != m.META_DIR]
+        foreign = [n for n in storage.list("") if n != paths.META_DIR]
         if foreign:
             raise StoreExistsError(
                 f"{storage.display_url} already holds files ({', '.join(foreign[:3])}) but no "
                 "dynstate store; choose an empty location for a new store"
             )
-        storage.require_exclusive_create(single_writer)
-        store_id = uuid.uuid4().hex
-        raw = m.encode({"format": m.FORMAT, "store_id": store_id, "created": m.utc_now()})
-        try:
-            storage.create(m.STORE_FILE, raw)
-        except FileExistsError:
-            return storage.read(m.STORE_FILE)  # another process created it first
-        Log(storage, store_id, single_writer=single_writer).create_first()
-        log.info("created store %s (id %s)", storage.display_url, store_id)
-        return raw
+        return Log.create_store(storage, single_writer=single_writer)
 
     # -- identity and versions ---------------------------------------------------------------
 
@@ -192,7 +183,7 @@ class Store:
         """Name a version. Tags are never moved unless ``force=True``; gc never collects a
         tagged version. Tagging a version gc collected (seen from any handle, however old)
         raises :class:`VersionCollectedError`."""
-        if not is_safe_name(name) or name.isdigit():
+        if not paths.is_safe_name(name) or name.isdigit():
             raise InvalidDataError(
                 f"invalid tag name {name!r} for {self.display_url}: use letters, digits, '.', "
                 "'_' and '-', starting with a letter or digit, and not only digits"
@@ -296,7 +287,7 @@ class Store:
                 self._writer.discard_outcomes(checked)
             raise
         if checked is not None and checked.ref is not None and not staged.shards:
-            self.storage.sync_dir(m.DATA_DIR)
+            self.storage.sync_dir(paths.DATA_DIR)
         return self._writer.commit_staged([staged], meta=meta, private=True, checked=checked)
 
     def stage(

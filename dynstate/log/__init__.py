@@ -3,15 +3,8 @@
 
 from .catalog import Catalog, checkpoint_bytes
 from .commits import MAX_COMMIT_ATTEMPTS, Log
-from .leases import (
-    DEFAULT_TTL_S,
-    LEASE_DIR,
-    Leases,
-    LeaseState,
-    lease_of,
-    shard_path,
-    survey,
-)
+from .leases import DEFAULT_TTL_S, LEASE_DIR, Leases, lease_of, shard_path
+from .survey import LeaseState, survey
 from .tags import Tags
 
 __all__ = [

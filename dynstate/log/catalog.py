@@ -9,6 +9,7 @@ import logging
 import pyarrow as pa
 
 from .. import manifest as m
+from .. import paths
 from ..errors import ChecksumMismatchError, CorruptStoreError
 from ..manifest import Commit, ShardRef
 from ..storage import Storage
@@ -39,13 +40,13 @@ class Catalog:
         shard_list = self.read_checkpoint(version)
         if shard_list is None:
             return None
-        return self.expand(shard_list, self.where(m.checkpoint_path(version)))
+        return self.expand(shard_list, self.where(paths.checkpoint_path(version)))
 
     def read_checkpoint(self, version: int) -> m.ShardList | None:
         """The shard list (chunk references and tail) of ``version``'s checkpoint, decoded and
         checked but not expanded; None if there is no such file. A damaged file raises
         :class:`CorruptStoreError` naming it."""
-        rel = m.checkpoint_path(version)
+        rel = paths.checkpoint_path(version)
         raw = self.storage.try_read(rel)
         if raw is None:
             return None
@@ -54,15 +55,12 @@ class Catalog:
 
     def checkpoint_versions(self, floor: int = 0) -> list[int]:
         """The versions from ``floor`` on that have a checkpoint file, by one listing. A name
-        counts only if :func:`dynstate.manifest.checkpoint_path` makes exactly it; anything else
-        in the folder is not a checkpoint."""
+        counts only if :func:`dynstate.paths.match_checkpoint` accepts it; anything else in
+        the folder is not a checkpoint."""
         found = []
-        for name in self.storage.list(f"{m.META_DIR}/checkpoints"):
-            stem = name.removesuffix(".json")
-            if not (stem.isascii() and stem.isdigit()):
-                continue
-            version = int(stem)
-            if version >= floor and m.checkpoint_path(version).endswith(f"/{name}"):
+        for name in self.storage.list(paths.CHECKPOINT_DIR):
+            version = paths.match_checkpoint(f"{paths.CHECKPOINT_DIR}/{name}")
+            if version is not None and version >= floor:
                 found.append(version)
         return sorted(found)
 
@@ -73,7 +71,7 @@ class Catalog:
         handle read it before (verify: the file must be there now)."""
         chunk = self._chunks.get(digest) if cached else None
         if chunk is None:
-            rel = m.chunk_path(digest)
+            rel = paths.chunk_path(digest)
             try:
                 raw = self.storage.read(rel)
             except FileNotFoundError:
@@ -102,7 +100,7 @@ class Catalog:
         refreshes the time by which gc judges it."""
         files, shard_list = m.split_chunks(shards)
         for digest, data in files:
-            self._touch(m.chunk_path(digest), data)
+            self._touch(paths.chunk_path(digest), data)
             if digest not in self._chunks:
                 self._chunks[digest] = m.decode_chunk(digest, data, digest)
         return shard_list
@@ -116,7 +114,7 @@ class Catalog:
             return None
         schema = self._schemas.get(fp) if cached else None
         if schema is None:
-            rel = m.schema_path(fp)
+            rel = paths.schema_path(fp)
             try:
                 raw = self.storage.read(rel)
             except FileNotFoundError:
@@ -134,7 +132,7 @@ class Catalog:
         """Write the schema file before a record names it, every time (see
         :meth:`put_shard_list`: a cached schema may have been collected since)."""
         fp = m.schema_fingerprint(schema)
-        self._touch(m.schema_path(fp), m.encode(m.schema_to_json(schema)))
+        self._touch(paths.schema_path(fp), m.encode(m.schema_to_json(schema)))
         self._schemas.setdefault(fp, schema)
 
     def restore_named(self, record: Commit) -> None:
@@ -143,7 +141,7 @@ class Catalog:
         rewriting any that a gc removed between our write and the record's create (a gc that
         read the head before the record existed counts them as unreferenced). Rewriting is
         safe: they are content-addressed, and this handle holds their content."""
-        if record.schema is not None and not self.storage.exists(m.schema_path(record.schema)):
+        if record.schema is not None and not self.storage.exists(paths.schema_path(record.schema)):
             schema = self._schemas.get(record.schema)
             if schema is not None:
                 log.warning(
@@ -152,13 +150,13 @@ class Catalog:
                     record.version,
                     self.display_url,
                 )
-                self._touch(m.schema_path(record.schema), m.encode(m.schema_to_json(schema)))
+                self._touch(paths.schema_path(record.schema), m.encode(m.schema_to_json(schema)))
         named = f"version {record.version}"
         if record.base is not None:
             self.restore_chunks(record.base, named)
         field = record.outcomes
         if isinstance(field, dict) and field.get("base") is not None:
-            where = self.where(m.log_path(record.version))
+            where = self.where(paths.log_path(record.version))
             self.restore_chunks(m.ShardList.from_json(field["base"], where), named)
 
     def restore_chunks(self, shard_list: m.ShardList, named_by: str) -> None:
@@ -166,7 +164,7 @@ class Catalog:
         handle holds (it wrote or read it): ``named_by`` (a record, a checkpoint) was created
         naming it, and a gc that listed files before that create may have removed it."""
         for digest in shard_list.chunks:
-            rel = m.chunk_path(digest)
+            rel = paths.chunk_path(digest)
             entries = self._chunks.get(digest)
             if entries is None or self.storage.exists(rel):
                 continue

@@ -12,10 +12,12 @@ import json
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .. import manifest as m
+from .. import paths
 from ..errors import (
     CommitConflictError,
     CorruptStoreError,
@@ -66,27 +68,43 @@ class Log(Catalog):
         """The gc floor as of the last refresh: versions below it are collected."""
         return self._floor
 
+    @classmethod
+    def create_store(cls, storage: Storage, *, single_writer: bool = False) -> bytes:
+        """Make a new store at ``storage``: ``store.json`` (created exclusively: of two
+        processes creating one store, one wins) and, by the process that created it, version
+        0. Returns the bytes of ``store.json`` (the other process's where it won)."""
+        storage.require_exclusive_create(single_writer)
+        store_id = uuid.uuid4().hex
+        raw = m.encode({"format": m.FORMAT, "store_id": store_id, "created": m.utc_now()})
+        try:
+            storage.create(paths.STORE_FILE, raw)
+        except FileExistsError:
+            return storage.read(paths.STORE_FILE)  # another process created it first
+        cls(storage, store_id, single_writer=single_writer).create_first()
+        log.info("created store %s (id %s)", storage.display_url, store_id)
+        return raw
+
     def create_first(self) -> None:
         """Write version 0 of a new store — an empty base — and its checkpoint, once its
         ``store.json`` exists (by the process that created that file)."""
         empty = m.ShardList((), ())
         root = Commit(self.store_id, 0, None, "create", m.utc_now(), None, 0, 0, 0, base=empty)
-        self.storage.create_if_absent(m.log_path(0), m.encode(root.to_json()))
-        self.storage.create_if_absent(m.checkpoint_path(0), checkpoint_bytes(root, empty))
+        self.storage.create_if_absent(paths.log_path(0), m.encode(root.to_json()))
+        self.storage.create_if_absent(paths.checkpoint_path(0), checkpoint_bytes(root, empty))
 
     # -- the gc floor ----------------------------------------------------------------------
 
     def read_floor(self) -> int:
         """The floor ``_dynstate/gc.json`` names now (0 before the first gc)."""
-        raw = self.storage.try_read(m.GC_FILE)
+        raw = self.storage.try_read(paths.GC_FILE)
         if raw is None:
             self._floor = 0
             return 0
-        obj = m.decode(raw, self.where(m.GC_FILE))
+        obj = m.decode(raw, self.where(paths.GC_FILE))
         floor = obj.get("floor")
         if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
             raise CorruptStoreError(
-                f"{self.where(m.GC_FILE)} has no valid floor ({floor!r}); the file is damaged "
+                f"{self.where(paths.GC_FILE)} has no valid floor ({floor!r}); the file is damaged "
                 "— restore it, or remove it if no gc collected versions"
             )
         self._floor = floor
@@ -108,10 +126,10 @@ class Log(Catalog):
         record = self.commit_record(floor)
         shard_list = self.put_shard_list(self.materialize(floor))
         self.storage.create_if_absent(
-            m.checkpoint_path(floor), checkpoint_bytes(record, shard_list)
+            paths.checkpoint_path(floor), checkpoint_bytes(record, shard_list)
         )
         outcomes_of(self).write_checkpoint(record)  # the floor's outcomes stand alone too
-        self.storage.put(m.GC_FILE, m.encode({"format": m.FORMAT, "floor": floor}))
+        self.storage.put(paths.GC_FILE, m.encode({"format": m.FORMAT, "floor": floor}))
         self._floor = floor
 
     # -- the head --------------------------------------------------------------------------
@@ -120,11 +138,11 @@ class Log(Catalog):
         """Read the floor and find the head: from the largest of the known head, the floor and
         the hint, gallop and bisect over record names (records are gap-free). No LIST."""
         self.read_floor()
-        hint = self.storage.try_read(m.HEAD_HINT)
+        hint = self.storage.try_read(paths.HEAD_HINT)
         start = max(self._head, self._floor)
         if hint is not None:
             try:
-                start = max(start, int(m.load_json(hint, self.where(m.HEAD_HINT))["version"]))
+                start = max(start, int(m.load_json(hint, self.where(paths.HEAD_HINT))["version"]))
             except (ValueError, KeyError, TypeError, OverflowError, CorruptStoreError):
                 log.warning("ignoring unreadable head hint in %s", self.display_url)
         if self.record(start) is None:
@@ -157,7 +175,7 @@ class Log(Catalog):
         cached = self._records.get(version)
         if cached is not None:
             return cached
-        rel = m.log_path(version)
+        rel = paths.log_path(version)
         raw = self.storage.try_read(rel)
         if raw is None:
             return None
@@ -169,6 +187,17 @@ class Log(Catalog):
             )
         self._records[version] = commit
         return commit
+
+    def record_time(self, version: int) -> float | None:
+        """When the storage stamped the record of ``version`` (a record never changes after
+        its create), plus the stamps' resolution, so that an age taken from it is never
+        overestimated: by the storage's clock, never the ``created`` its writer's host wrote.
+        None where the file is gone (collected meanwhile) or the backend keeps no times."""
+        try:
+            stamped = self.storage.modified(paths.log_path(version))
+        except FileNotFoundError:
+            return None
+        return None if stamped is None else stamped + self.storage.clock_resolution_s
 
     def not_found(self, version: Any) -> str:
         return (
@@ -229,7 +258,7 @@ class Log(Catalog):
                 )
             record = self.commit_record(v)
             if record.base is not None:
-                shards = self.expand(record.base, self.where(m.log_path(v)))
+                shards = self.expand(record.base, self.where(paths.log_path(v)))
                 break
             # At the gc floor the checkpoint is the only way back, even for the floor itself.
             if v == self._floor or v % m.CHECKPOINT_INTERVAL == 0:
@@ -422,7 +451,7 @@ class Log(Catalog):
         outcomes_of(self).restore_named(record)
 
     def _publish(self, record: Commit) -> None:
-        self.storage.create(m.log_path(record.version), m.encode(record.to_json()))
+        self.storage.create(paths.log_path(record.version), m.encode(record.to_json()))
         self._records[record.version] = record
         self._head = max(self._head, record.version)
         log.debug("committed version %d to %s", record.version, self.display_url)
@@ -433,7 +462,7 @@ class Log(Catalog):
             if record.version % m.CHECKPOINT_INTERVAL == 0:
                 shard_list = self.put_shard_list(self.materialize(record.version))
                 self.storage.create_if_absent(
-                    m.checkpoint_path(record.version), checkpoint_bytes(record, shard_list)
+                    paths.checkpoint_path(record.version), checkpoint_bytes(record, shard_list)
                 )
                 # A gc that listed files before the create may have taken its chunks for
                 # unreferenced; a checkpoint naming a missing chunk breaks materialize().
@@ -442,7 +471,7 @@ class Log(Catalog):
             # No fsync: the hint only ever names a version already durable, and a hint lost
             # or torn by a power cut is ignored by refresh(), which then probes.
             hint = json.dumps({"version": record.version}).encode()
-            self.storage.put(m.HEAD_HINT, hint, durable=False)
+            self.storage.put(paths.HEAD_HINT, hint, durable=False)
         except DynstateError as exc:
             log.warning("post-commit upkeep of %s failed: %s", self.display_url, exc)
 
@@ -451,7 +480,7 @@ class Log(Catalog):
         (the record holds exactly our bytes), or None. Raises if the store cannot be read:
         then the caller must assume the commit may have landed."""
         for record in attempts:
-            rel = m.log_path(record.version)
+            rel = paths.log_path(record.version)
             raw = self.storage.try_read(rel)
             if raw is not None and m.decode(raw, self.where(rel)) == record.to_json():
                 if record.version < self.read_floor() and not self._carried(record):

@@ -12,7 +12,9 @@ ways, decided by an exclusive create of ``_dynstate/leases/<id>.outcome.json``:
   lease's shards.
 
 Exclusive create lets only one of them win, so gc never removes shards a commit is about to
-name, and a commit never names shards gc removes. See docs/format.md, "Leases".
+name, and a commit never names shards gc removes. See docs/format.md, "Leases". This module
+is the writer's side (acquire, renew, adopt, claim, end); :mod:`dynstate.log.survey` is gc's
+(which leases still protect their files).
 """
 
 from __future__ import annotations
@@ -22,58 +24,36 @@ import os
 import socket
 import threading
 import time
-import uuid
-from dataclasses import dataclass
 
 from .. import manifest as m
+from .. import paths
 from ..errors import CommitConflictError, DynstateError, LeaseExpiredError
 from ..storage import Storage
 
 log = logging.getLogger("dynstate")
 
-LEASE_DIR = f"{m.META_DIR}/leases"
+LEASE_DIR = paths.LEASE_DIR
 DEFAULT_TTL_S = 120.0
-_MAX_PID = 2**31 - 1  # pid_t; os.kill overflows past it
 # A heartbeat stops renewing a lease nobody committed or discarded after this long.
 MAX_LIFETIME_S = 7 * 86400.0
 
-
-def lease_path(lease: str) -> str:
-    return f"{LEASE_DIR}/{lease}.json"
-
-
-def outcome_path(lease: str) -> str:
-    return f"{LEASE_DIR}/{lease}.outcome.json"
-
-
-def holder_path(lease: str, holder: str) -> str:
-    """The file a process that took ``lease`` over renews: each holder writes only its own
-    file, so no holder's renewal can overwrite another's (see :meth:`Leases.adopt`)."""
-    return f"{LEASE_DIR}/{lease}.{holder}.json"
-
+# The names of a lease's files (made and matched in dynstate.paths).
+lease_path = paths.lease_path
+outcome_path = paths.claim_path
+holder_path = paths.holder_path
+shard_path = paths.shard_path
+lease_of = paths.lease_of
 
 _HOLDER: tuple[int, str] | None = None
 
 
 def process_holder() -> str:
-    """This process's holder id (32 hex), new in every process (also after a fork)."""
+    """This process's holder id (32 hex), new in every process (also after a fork): the
+    holder part of :func:`dynstate.paths.holder_path`."""
     global _HOLDER
     if _HOLDER is None or _HOLDER[0] != os.getpid():
-        _HOLDER = (os.getpid(), uuid.uuid4().hex)
+        _HOLDER = (os.getpid(), paths.new_id())
     return _HOLDER[1]
-
-
-def shard_path(lease: str) -> str:
-    """A fresh name for a shard written under ``lease``."""
-    return f"{m.DATA_DIR}/{lease}-{uuid.uuid4().hex}.parquet"
-
-
-def lease_of(rel: str) -> str | None:
-    """The lease a shard path was written under, or None for an unleased name."""
-    name = rel.rsplit("/", 1)[-1]
-    if len(name) == 32 + 1 + 32 + 8 and name[32] == "-":
-        return name[:32]
-    return None
 
 
 def host_id() -> str:
@@ -139,7 +119,7 @@ class Leases:
 
     def acquire(self) -> str:
         """A new lease, written before any file it protects."""
-        lease = uuid.uuid4().hex
+        lease = paths.new_id()
         # No fsync: after a crash of the machine the writer is gone too, and so is the lease.
         self.storage.create(lease_path(lease), self._body(lease), durable=False)
         with self._lock:
@@ -362,171 +342,3 @@ def read_outcome(storage: Storage, lease: str) -> dict[str, object] | None:
         return m.decode(raw, f"{storage.display_url}/{outcome_path(lease)}")
     except DynstateError:
         return {"outcome": "unreadable"}
-
-
-@dataclass
-class LeaseState:
-    lease: str
-    protected: bool  # its shards must stay
-    outcome: str | None  # "commit", "expired", "discarded" or None (undecided)
-    files: list[str]  # the lease's own files, removable once its shards are dealt with
-
-
-def survey(
-    storage: Storage, *, claim: bool, now: float | None, stale_claim_s: float
-) -> dict[str, LeaseState]:
-    """Decide, for each lease in the store, whether its shards must stay. A lease neither
-    renewed within its ttl nor committed is ended as ``expired`` (when ``claim``; a dry run
-    only reports). A commit claim whose lease went stale is kept for ``stale_claim_s``
-    unless its process is known to be gone.
-
-    ``now`` is the storage's clock (:meth:`Storage.now`), read before the survey: every age
-    here is ``now`` minus a modification time the storage stamped, never a host's clock
-    against the storage's (None: the backend keeps no times, and no lease is judged stale)."""
-    here = host_id()
-    names = storage.list(LEASE_DIR)
-    ids = {n.split(".", 1)[0] for n in names if _LEASE_NAME(n)}
-    out: dict[str, LeaseState] = {}
-    for lease in sorted(ids):
-        files = [
-            f"{LEASE_DIR}/{n}" for n in names if n.split(".", 1)[0] == lease and _LEASE_NAME(n)
-        ]
-        holders = _holders(names, lease)
-        protected, outcome = _protected(storage, lease, here, claim, now, stale_claim_s, holders)
-        out[lease] = LeaseState(lease, protected, outcome, files)
-    return out
-
-
-def _is_hex32(text: str) -> bool:
-    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
-
-
-def _LEASE_NAME(name: str) -> bool:
-    stem, _, rest = name.partition(".")
-    return _is_hex32(stem) and (
-        rest in ("json", "outcome.json") or (rest.endswith(".json") and _is_hex32(rest[:-5]))
-    )
-
-
-def _holders(names: list[str], lease: str) -> list[str]:
-    """The holder files (:func:`holder_path`) of ``lease`` among the names of LEASE_DIR."""
-    return [
-        f"{LEASE_DIR}/{n}"
-        for n in names
-        if n.startswith(lease + ".") and n.endswith(".json") and _is_hex32(n[33:-5])
-    ]
-
-
-def _fresh(
-    storage: Storage, lease: str, here: str, now: float | None, holders: list[str]
-) -> tuple[bool, bool, bool]:
-    """(whether a holder of the lease renewed it within its ttl, whether every holder is known
-    to be gone — a process of this machine that no longer exists —, whether a holder that
-    stopped renewing is a process of this machine that still exists: paused, not dead).
-    The stager's lease file is read
-    first; only if it is not live are the holder files listed again and read — listed after
-    that read, so a process that took the lease over before the stager died or stopped is
-    seen. ``holders`` (from the survey's listing) stand in where the lease file is gone, and
-    an adopter refuses a lease whose file is gone."""
-    first = _holder_state(storage, lease, lease_path(lease), here, now)
-    if first == "alive":
-        return True, False, False
-    states = [first]
-    if first != "absent":
-        holders = _holders(storage.list(LEASE_DIR), lease)
-    for rel in holders:
-        state = _holder_state(storage, lease, rel, here, now)
-        if state == "alive":
-            return True, False, False
-        states.append(state)
-    present = [s for s in states if s != "absent"]
-    gone = bool(present) and all(s == "gone" for s in present)
-    return False, gone, "paused-here" in states
-
-
-def _holder_state(storage: Storage, lease: str, rel: str, here: str, now: float | None) -> str:
-    """One holder file: ``alive`` (renewed within its ttl by the storage's clock), ``stale``,
-    ``paused-here`` (stale, but its process of this machine exists), ``gone`` (its process of
-    this machine no longer exists) or ``absent``."""
-    local = False
-    raw = storage.try_read(rel)
-    if raw is None:
-        return "absent"
-    try:
-        modified = storage.modified(rel)
-    except FileNotFoundError:
-        return "absent"
-    try:
-        body = m.decode(raw, rel)
-        ttl = float(body.get("ttl_s", DEFAULT_TTL_S))
-        pid = body.get("pid")
-        # What no writer wrote (a pid past pid_t, 10**30, a bool; a ttl past a float) makes
-        # the lease damaged, not a reason for gc to fail: it is judged by age like an
-        # unreadable one.
-        if type(pid) is not int or not 0 < pid <= _MAX_PID:
-            raise ValueError(f"lease {lease} names pid {pid!r}")
-        local = body.get("host") == here
-        if local and process_gone(pid):
-            return "gone"
-    except (DynstateError, TypeError, ValueError, OverflowError):
-        ttl = DEFAULT_TTL_S  # unreadable: judge by age alone
-    if modified is None or now is None:
-        return "alive"  # no clock to judge by: keep
-    # Both times are the storage's; never judge closer than its stamps' resolution.
-    if now - modified < ttl + storage.clock_resolution_s:
-        return "alive"
-    return "paused-here" if local else "stale"
-
-
-def _protected(
-    storage: Storage,
-    lease: str,
-    here: str,
-    claim: bool,
-    now: float | None,
-    stale_claim_s: float,
-    holders: list[str],
-) -> tuple[bool, str | None]:
-    """(whether the lease's shards must stay, its outcome)."""
-    for _ in range(3):
-        outcome = read_outcome(storage, lease)
-        kind = outcome.get("outcome") if outcome is not None else None
-        if kind in ("expired", "discarded"):
-            return False, str(kind)  # ended: no holder to read
-        alive, gone, paused_here = _fresh(storage, lease, here, now, holders)
-        if outcome is None:
-            if alive:
-                return True, None
-            if not claim:
-                return False, None
-            body = m.encode({"format": m.FORMAT, "outcome": "expired", "by": "gc"})
-            try:
-                storage.create(outcome_path(lease), body)
-                log.info("gc: lease %s of %s expired", lease, storage.display_url)
-                return False, "expired"
-            except FileExistsError:
-                continue  # a commit claimed it just now: decide again
-        if kind == "commit":
-            if alive:
-                return True, "commit"  # the commit is in flight
-            # An unsettled claim's record may still land (a late PUT) after its process exited.
-            unsettled = outcome.get("unsettled") is not None
-            if (gone and not unsettled) or not storage.exists(lease_path(lease)):
-                # The committer is gone, or published and cleaned up (lease file first).
-                return False, "commit"
-            if paused_here:
-                # A holder of this machine stopped renewing, but its process exists: a
-                # committer paused (SIGSTOP, a debugger, swapped out) between its claim and
-                # its record keeps its shards for as long as it lives, whatever the pause.
-                return True, "commit"
-            try:
-                claimed = storage.modified(outcome_path(lease))
-            except FileNotFoundError:
-                continue
-            # The committer stopped renewing after it claimed: keep its shards while it
-            # could still publish (both times the storage's, see _holder_state).
-            if claimed is None or now is None:
-                return True, "commit"
-            return now - claimed < stale_claim_s + storage.clock_resolution_s, "commit"
-        return True, None  # unreadable outcome: keep, verify reports it
-    return True, None

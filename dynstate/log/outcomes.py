@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -30,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import manifest as m
+from .. import paths
 from ..errors import (
     ChecksumMismatchError,
     CorruptStoreError,
@@ -58,22 +58,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dynstate")
 
-OUTCOME_DIR = f"{m.META_DIR}/outcomes"
-AGGREGATE_DIR = f"{m.META_DIR}/aggregates"
-# gc's matchers for the two folders (makers: checkpoint_path, aggregate_path)
-CHECKPOINT_FILE = re.compile(r"^(\d{20})\.json$")
-AGGREGATE_FILE = re.compile(r"^([0-9a-f]{64})\.parquet$")
-_AGGREGATE_PATH = re.compile(r"^_dynstate/aggregates/([0-9a-f]{64})\.parquet$")
+# The names of outcome checkpoints and aggregates are made and matched in dynstate.paths.
+OUTCOME_DIR = paths.OUTCOME_DIR
+AGGREGATE_DIR = paths.AGGREGATE_DIR
+checkpoint_path = paths.outcome_checkpoint_path
+aggregate_path = paths.aggregate_path
 
 OUTCOME_SCHEMA = pa.schema([("row", pa.int64()), ("step", pa.int64()), ("score", pa.float64())])
-
-
-def checkpoint_path(version: int) -> str:
-    return f"{OUTCOME_DIR}/{version:020d}.json"
-
-
-def aggregate_path(digest: str) -> str:
-    return f"{AGGREGATE_DIR}/{digest}.parquet"
 
 
 @dataclass(frozen=True)
@@ -101,8 +92,7 @@ class AggregateRef:
     def from_json(cls, obj: Any, where: str) -> AggregateRef:
         try:
             path, digest = obj["path"], obj["sha256"]
-            match = _AGGREGATE_PATH.match(path) if isinstance(path, str) else None
-            if match is None or match.group(1) != digest:
+            if paths.match_aggregate(path) != digest:
                 from ..errors import UnsafePathError
 
                 raise UnsafePathError(
@@ -760,10 +750,10 @@ class References:
         if lineage.aggregate is not None:
             self.aggregates.add(lineage.aggregate.path)
         for name in log_.storage.list(OUTCOME_DIR):
-            match = CHECKPOINT_FILE.match(name)
-            if match is None or int(match.group(1)) < floor:
-                continue
             rel = f"{OUTCOME_DIR}/{name}"
+            number = paths.match_outcome_checkpoint(rel)
+            if number is None or number < floor:
+                continue
             raw = log_.storage.try_read(rel)
             if raw is None:
                 continue
@@ -791,8 +781,7 @@ class References:
     def needs(self, rel: str) -> bool:
         if rel in self.data or rel in self.aggregates:
             return True
-        directory, name = rel.rsplit("/", 1)
-        return directory == f"{m.META_DIR}/chunks" and name[:-5] in self.chunks
+        return paths.match_chunk(rel) in self.chunks
 
 
 def verify(log_: Log, versions: Iterable[int], all_versions: bool) -> list[str]:
@@ -825,11 +814,11 @@ def verify(log_: Log, versions: Iterable[int], all_versions: bool) -> list[str]:
         if agg is not None:
             aggregates[agg.path] = agg
     for name in sorted(log_.storage.list(OUTCOME_DIR)):
-        match = CHECKPOINT_FILE.match(name)
-        if match is None or int(match.group(1)) < log_.floor:
+        number = paths.match_outcome_checkpoint(f"{OUTCOME_DIR}/{name}")
+        if number is None or number < log_.floor:
             continue
         try:
-            found = outcomes.read_checkpoint(int(match.group(1)))
+            found = outcomes.read_checkpoint(number)
         except DynstateError as exc:
             problems.append(str(exc))
             continue

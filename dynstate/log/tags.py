@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 
 from .. import manifest as m
+from .. import paths
 from ..errors import CorruptStoreError, DynstateError, StoreExistsError, VersionNotFoundError
-from ..storage import is_safe_name
 from .commits import Log
 
 log = logging.getLogger("dynstate")
@@ -24,12 +24,12 @@ class Tags:
         self.storage = commits.storage
 
     def _read(self, name: str) -> int:
-        raw = self.storage.try_read(m.tag_path(name)) if is_safe_name(name) else None
+        raw = self.storage.try_read(paths.tag_path(name)) if paths.is_safe_name(name) else None
         if raw is None:
             raise VersionNotFoundError(
                 f"no tag {name!r} in {self.log.display_url}; `dynstate ls` lists versions and tags"
             )
-        where = self.log.where(m.tag_path(name))
+        where = self.log.where(paths.tag_path(name))
         version = m.decode(raw, where).get("version")
         if type(version) is not int or not 0 <= version <= m.MAX_COUNT:
             raise CorruptStoreError(
@@ -59,20 +59,21 @@ class Tags:
         cannot be listed."""
         tags: dict[str, int] = {}
         damaged: dict[str, DynstateError] = {}
-        for name in sorted(self.storage.list(f"{m.META_DIR}/tags")):
-            if not (name.endswith(".json") and is_safe_name(name[:-5])):
+        for file_name in sorted(self.storage.list(paths.TAG_DIR)):
+            name = paths.match_tag(f"{paths.TAG_DIR}/{file_name}")
+            if name is None:
                 continue
             try:
-                tags[name[:-5]] = self._read(name[:-5])
+                tags[name] = self._read(name)
             except VersionNotFoundError:
                 continue  # removed while we listed
             except DynstateError as exc:
-                damaged[name[:-5]] = exc
+                damaged[name] = exc
         return tags, damaged
 
     def create(self, name: str, target: int, *, force: bool) -> None:
         raw = m.encode({"format": m.FORMAT, "version": target, "created": m.utc_now()})
-        rel = m.tag_path(name)
+        rel = paths.tag_path(name)
         previous: bytes | None = None
         try:
             self.storage.create(rel, raw)
@@ -101,4 +102,4 @@ class Tags:
 
     def remove(self, name: str) -> None:
         self._read(name)
-        self.storage.delete(m.tag_path(name))
+        self.storage.delete(paths.tag_path(name))

@@ -11,8 +11,11 @@ Two kinds of garbage:
 * **Collected versions** — with a retention rule, the versions below a new *floor* ``f``. The
   floor never passes the head or a tagged version, and every file a kept version lists stays.
 
-gc only ever deletes names dynstate writes (``data/<hex>.parquet``, ``_dynstate/log/<n>.json``
-...), never follows a symlink out of the store root, and orders its steps so that a crash at
+gc only ever deletes names a matcher of :mod:`dynstate.paths` accepts (``data/<hex>.parquet``,
+``_dynstate/log/<n>.json`` ...: the kinds in :data:`dynstate.paths.COLLECTABLE`, next to the
+makers writers name them with), reads what kept and collected versions name through the log
+(:class:`dynstate.log.Log`), never decodes a record itself, never follows a symlink out of the
+store root, and orders its steps so that a crash at
 any point leaves a readable store: the floor's checkpoint, then ``gc.json``, then data, then
 metadata. A rerun finishes whatever an interrupted one left.
 """
@@ -20,16 +23,32 @@ metadata. A rerun finishes whatever an interrupted one left.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import manifest as m
+from .. import paths
 from ..errors import CorruptStoreError, InvalidDataError, StorageError
-from ..log import LEASE_DIR, LeaseState, lease_of, survey
+from ..log import LeaseState, survey
 from ..log import outcomes as outcome_log
 from ..store import Store
+from .retention import Retention, parse_duration, retention_floor, retention_plan, tagged
+
+__all__ = [
+    "BUSY_S",
+    "DEFAULT_GRACE_S",
+    "STALE_CLAIM_S",
+    "TOMBSTONE_S",
+    "GcResult",
+    "Removal",
+    "Retention",
+    "collect_garbage",
+    "gc_floor",
+    "parse_duration",
+    "retention_floor",
+    "retention_plan",
+]
 
 log = logging.getLogger("dynstate")
 
@@ -43,36 +62,6 @@ STALE_CLAIM_S = 3600.0
 # Ended leases leave their outcome file as a tombstone, so that a writer that wakes up after
 # gc removed its files cannot claim the lease again.
 TOMBSTONE_S = 7 * 86400.0
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-_VERSION_FILE = re.compile(r"^(\d{20})\.json$")
-_HASH_FILE = re.compile(r"^([0-9a-f]{64})\.json$")
-_SHARD_FILE = re.compile(r"^[0-9a-f]{32}(-[0-9a-f]{32})?\.parquet$")
-_TMP_FILE = re.compile(r"^\.tmp-[0-9a-f]{32}$")
-_PROBE_FILE = re.compile(r"^[0-9a-f]{32}$")
-_META_SUBDIRS = (
-    "log",
-    "checkpoints",
-    "chunks",
-    "schemas",
-    "tags",
-    "probe",
-    "leases",
-    "outcomes",
-    "aggregates",
-)
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in ``"90"``, ``"30s"``, ``"15m"``, ``"2h"``, ``"7d"`` or ``"1w"``."""
-    match = _DURATION.match(text)
-    if match is None:
-        raise InvalidDataError(
-            f"cannot read duration {text!r}; write a number with an optional unit s, m, h, d "
-            "or w, e.g. 30m or 7d"
-        )
-    return float(match.group(1)) * _UNITS[match.group(2)]
 
 
 @dataclass(frozen=True)
@@ -142,182 +131,6 @@ class GcResult:
 def gc_floor(store: Store) -> int:
     """The oldest version not yet collected (0 if gc never collected any)."""
     return store.log.read_floor()
-
-
-@dataclass(frozen=True)
-class Retention:
-    """A retention rule's plan: the floor the rule alone asks for, the tags that may hold it
-    lower, and so the floor, with the reason for every kept range.
-
-    Retention is a floor: every version from it to the head is kept, abandoned ones too, and
-    the floor never passes a tagged version (docs/format.md, "Retention", says why tags pin
-    the range above them rather than only the tagged version, as Lance does)."""
-
-    keep: int | None
-    older_than_s: float | None
-    floor_before: int
-    asked: int  # the floor the rule alone gives
-    floor: int  # after tags
-    tags: dict[str, int]  # the tags at or above floor_before
-    note: str | None = None  # why the rule could not be applied, where it could not
-
-    def _rule(self) -> str:
-        if self.keep is not None:
-            return f"keep {self.keep}"
-        if self.older_than_s is not None:
-            return f"older than {_duration(self.older_than_s)}"
-        return "no retention rule"
-
-    def _asked_reason(self) -> str:
-        if self.keep is not None:
-            plural = "" if self.keep == 1 else "s"
-            return f"keep {self.keep}: the newest {self.keep:,} version{plural}"
-        if self.older_than_s is not None:
-            age = _duration(self.older_than_s)
-            return f"older than {age}: committed within the last {age}"
-        return "no retention rule (keep or older than): every version is kept"
-
-    def pinned_by(self, floor: int) -> list[dict[str, object]]:
-        """What sets the floor: the tags on it when they hold it below what the rule asks
-        (``{"kind": "tag", "name", "version"}``), else the rule itself or the earlier floor."""
-        if floor < self.asked:
-            on = sorted(name for name, v in self.tags.items() if v == floor)
-            if on:
-                return [{"kind": "tag", "name": name, "version": floor} for name in on]
-        if self.keep is None and self.older_than_s is None:
-            return [{"kind": "no rule", "version": floor}]
-        if floor > self.floor_before and floor == self.asked:
-            kind = "keep" if self.keep is not None else "older_than"
-            return [{"kind": kind, "version": floor}]
-        return [{"kind": "earlier floor", "version": floor}]
-
-    def kept(self, floor: int, head: int) -> list[dict[str, object]]:
-        """Kept ranges, oldest first, each ``{"from", "to", "reason"}``."""
-        out: list[dict[str, object]] = []
-        start = max(floor, min(self.asked, head))
-        if floor < start:
-            pins = self.pinned_by(floor)
-            names = ", ".join(str(p["name"]) for p in pins if p["kind"] == "tag")
-            tagged = [f"{n} ({v})" for n, v in sorted(self.tags.items(), key=lambda kv: kv[1])
-                      if floor <= v < start]  # fmt: skip
-            reason = (
-                f"tag {names} names version {floor}: the floor never passes a tagged version"
-                if names
-                else "a tag created while gc ran holds the floor here"
-            )
-            if len(tagged) > len(pins):
-                reason += f" (tags in this range: {', '.join(tagged)})"
-            out.append({"from": floor, "to": start - 1, "reason": reason})
-        reason = self._asked_reason()
-        if self.note:
-            reason = f"{reason}; {self.note}"
-        elif self.asked <= floor == self.floor_before and self._rule() != "no retention rule":
-            reason += " (every kept version already falls within it)"
-        out.append({"from": start, "to": head, "reason": reason})
-        return out
-
-    def to_json(self, floor: int) -> dict[str, object]:
-        return {
-            "rule": self._rule(),
-            "keep": self.keep,
-            "older_than_s": self.older_than_s,
-            "asked_floor": self.asked,
-            "floor": floor,
-            "tags": dict(sorted(self.tags.items())),
-            "note": self.note,
-        }
-
-
-def _duration(seconds: float) -> str:
-    for unit, size in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
-            return f"{seconds / size:g}{unit}"
-    return f"{seconds:g}s"
-
-
-def retention_floor(
-    store: Store, *, keep: int | None = None, older_than_s: float | None = None
-) -> int:
-    """The floor a retention rule asks for: never above the head or a tagged version."""
-    return retention_plan(store, keep=keep, older_than_s=older_than_s).floor
-
-
-def retention_plan(
-    store: Store, *, keep: int | None = None, older_than_s: float | None = None
-) -> Retention:
-    """:func:`retention_floor` with its reasons: the floor the rule alone asks for and the
-    tags that hold it lower."""
-    floor_before = store.log.floor
-    asked = _asked_floor(store, keep=keep, older_than_s=older_than_s)
-    tags = _tags_from(store, floor_before)
-    floor = max(floor_before, min([asked, *tags.values()]))
-    return Retention(keep, older_than_s, floor_before, asked, floor, tags)
-
-
-def _asked_floor(
-    store: Store, *, keep: int | None = None, older_than_s: float | None = None
-) -> int:
-    """The floor the retention rule alone asks for (tags not considered)."""
-    head = store.refresh()
-    floor = store.log.floor
-    if keep is None and older_than_s is None:
-        return floor
-    if keep is not None and older_than_s is not None:
-        raise InvalidDataError(
-            f"gc of {store.display_url}: give either keep or older_than, not both"
-        )
-    candidate = head
-    if keep is not None:
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise InvalidDataError(
-                f"gc of {store.display_url}: keep must be at least 1 (the head), not {keep!r}"
-            )
-        candidate = head - keep + 1
-    else:
-        # A version's age is its record's, by the storage's clock (the time the storage
-        # stamped on the record, against a probe it stamped just now): the ``created`` a
-        # writer wrote in it is its host's clock, which may be hours off.
-        now = store.storage.now()
-        if now is None:
-            log.warning(
-                "gc of %s: the storage keeps no modification times, so no version is "
-                "older than %gs by its clock; none collected",
-                store.display_url,
-                older_than_s,
-            )
-            return floor
-        cutoff = now - float(older_than_s or 0)
-        # Walk down from the head while versions are recent; only that run is loaded.
-        while candidate - 1 >= floor and _created(store, candidate - 1) >= cutoff:
-            candidate -= 1
-    return max(floor, candidate)
-
-
-def _tags_from(store: Store, floor: int) -> dict[str, int]:
-    """Tags naming versions from ``floor`` on (a tag below it names a collected version)."""
-    out = {}
-    for name, version in store.tags().items():
-        if version < floor:
-            log.warning("tag %r of %s names collected version %d", name, store.display_url, version)
-        else:
-            out[name] = version
-    return out
-
-
-def _tagged(store: Store, floor: int) -> list[int]:
-    """Versions tags name, from ``floor`` on."""
-    return list(_tags_from(store, floor).values())
-
-
-def _created(store: Store, version: int) -> float:
-    """When the storage stamped the record of ``version`` (records never change after their
-    create), plus the stamps' resolution (an age is never overestimated); +inf (recent:
-    kept) where it has no stamp."""
-    try:
-        stamped = store.storage.modified(m.log_path(version))
-    except FileNotFoundError:
-        stamped = None  # collected by a gc meanwhile: the floor says what is kept
-    return float("inf") if stamped is None else stamped + store.storage.clock_resolution_s
 
 
 def _storage_now(store: Store, dry_run: bool) -> float | None:
@@ -395,7 +208,9 @@ def collect_garbage(
         refs.add_versions(head + 1, latest)
         result.removed = [r for r in result.removed if not refs.needs(r.path)]
     # Data before metadata: an interrupted run leaves records the floor already hides.
-    result.removed.sort(key=lambda r: (r.path.startswith(m.META_DIR), r.path.startswith(LEASE_DIR)))
+    result.removed.sort(
+        key=lambda r: (r.path.startswith(paths.META_DIR), r.path.startswith(paths.LEASE_DIR))
+    )
     # Schemas and chunks are judged again at the last moment, against a clock reading taken
     # now: one a committer rewrote since the plan has a stamp past it and stays.
     rewritable = any(_rewritten_by_commits(r.path) for r in result.removed)
@@ -429,7 +244,7 @@ def _publish_floor(store: Store, floor: int, floor_before: int) -> int:
     not see the new floor yet) lowers it again, before anything is deleted."""
     while True:
         store.log.publish_floor(floor, previous=floor_before)
-        lowest = min([floor, *_tagged(store, floor_before)])
+        lowest = min([floor, *tagged(store, floor_before)])
         if lowest >= floor:
             return floor
         log.info("gc of %s: a new tag pins version %d; floor lowered", store.display_url, lowest)
@@ -448,15 +263,10 @@ class _References:
         self.outcomes = outcome_log.References(store.log, floor)
         self.chunks: set[str] = set()
         self.schemas: set[str] = set()
-        for name in store.storage.list(f"{m.META_DIR}/checkpoints"):
-            match = _VERSION_FILE.match(name)
-            if match is None or int(match.group(1)) < floor:
-                continue
-            rel = f"{m.META_DIR}/checkpoints/{name}"
-            raw = store.storage.try_read(rel)
-            if raw is not None:
-                obj = m.decode(raw, f"{store.display_url}/{rel}")
-                self.chunks.update(m.ShardList.from_json(obj.get("shards"), rel).chunks)
+        for version in store.log.checkpoint_versions(floor):
+            shard_list = store.log.read_checkpoint(version)
+            if shard_list is not None:  # None: removed since the listing
+                self.chunks.update(shard_list.chunks)
 
     def add_versions(self, start: int, end: int) -> None:
         for version in range(start, end + 1):
@@ -473,88 +283,78 @@ class _References:
     def needs(self, rel: str) -> bool:
         if self.outcomes.needs(rel):
             return True
-        directory, name = rel.rsplit("/", 1)
-        if directory == m.DATA_DIR:
+        match = paths.classify(rel)
+        if match is None:
+            return False
+        if match.kind == "shard":
             return rel in self.shards
-        match = _HASH_FILE.match(name)
-        if match and directory == f"{m.META_DIR}/chunks":
-            return match.group(1) in self.chunks
-        if match and directory == f"{m.META_DIR}/schemas":
-            return match.group(1) in self.schemas
+        if match.kind == "chunk":
+            return match.parts in self.chunks
+        if match.kind == "schema":
+            return match.parts in self.schemas
         return False
 
 
 def _references_below(store: Store, start: int, floor: int) -> set[str]:
     """Files the versions being collected referred to: removed without waiting out the grace
-    period, since they are committed data and not a live writer's work in progress."""
+    period, since they are committed data and not a live writer's work in progress. Read
+    through the log (records below the floor, their checkpoints, the chunks they name); a
+    damaged one is skipped with a warning, and what it named is judged as an orphan."""
     shards: set[str] = set()
     chunks: set[str] = set()
     schemas: set[str] = set()
     lists: list[m.ShardList] = []
     for version in range(start, floor):
-        for rel in (m.log_path(version), m.checkpoint_path(version)):
-            raw = store.storage.try_read(rel)
-            if raw is None:
-                continue
-            try:
-                obj = m.decode(raw, rel)
-                if rel.startswith(f"{m.META_DIR}/log/"):
-                    commit = m.Commit.from_json(obj, rel)
-                    shards.update(s.path for s in commit.add)
-                    if commit.schema is not None:
-                        schemas.add(commit.schema)
-                    if commit.base is not None:
-                        lists.append(commit.base)
-                else:
-                    lists.append(m.ShardList.from_json(obj.get("shards"), rel))
-            except CorruptStoreError as exc:
-                log.warning("gc: reading collected %s of %s: %s", rel, store.display_url, exc)
+        try:
+            record = store.log.record(version)
+        except CorruptStoreError as exc:
+            log.warning("gc: reading collected version %d of %s: %s", version, store.display_url,
+                        exc)  # fmt: skip
+            record = None
+        if record is not None:
+            shards.update(s.path for s in record.add)
+            if record.schema is not None:
+                schemas.add(record.schema)
+            if record.base is not None:
+                lists.append(record.base)
+        try:
+            checkpoint = store.log.read_checkpoint(version)
+        except CorruptStoreError as exc:
+            log.warning("gc: reading the collected checkpoint of version %d of %s: %s", version,
+                        store.display_url, exc)  # fmt: skip
+            checkpoint = None
+        if checkpoint is not None:
+            lists.append(checkpoint)
     for shard_list in lists:
         shards.update(s.path for s in shard_list.tail)
         for digest in shard_list.chunks:
             chunks.add(digest)
-            raw = store.storage.try_read(m.chunk_path(digest))
-            if raw is not None:
-                try:
-                    shards.update(s.path for s in m.decode_chunk(digest, raw, digest))
-                except CorruptStoreError as exc:
-                    log.warning("gc: reading chunk %s: %s", digest[:12], exc)
-    return shards | {m.chunk_path(c) for c in chunks} | {m.schema_path(s) for s in schemas}
-
-
-def _ours(directory: str, name: str) -> bool:
-    """Whether dynstate writes files of this name in this folder (nothing else is touched)."""
-    if directory == m.DATA_DIR:
-        return bool(_SHARD_FILE.match(name))
-    if _TMP_FILE.match(name):
-        return True
-    sub = directory[len(m.META_DIR) + 1 :] if directory.startswith(m.META_DIR + "/") else None
-    if sub in ("log", "checkpoints", "outcomes"):
-        return bool(_VERSION_FILE.match(name))
-    if sub == "aggregates":
-        return bool(outcome_log.AGGREGATE_FILE.match(name))
-    if sub in ("chunks", "schemas"):
-        return bool(_HASH_FILE.match(name))
-    if sub == "probe":
-        return bool(_PROBE_FILE.match(name))
-    return False  # tags, leases (handled apart), the store file, anything not ours
+            try:
+                entries = store.log.read_chunk(digest)
+            except CorruptStoreError as exc:
+                log.warning("gc: reading chunk %s: %s", digest[:12], exc)
+                entries = None
+            shards.update(s.path for s in entries or ())
+    return shards | {paths.chunk_path(c) for c in chunks} | {paths.schema_path(s) for s in schemas}
 
 
 def _list_files(store: Store) -> tuple[list[str], list[str]]:
     """(dynstate's own files gc may consider, names it leaves alone) — never through a
-    symlink that leads out of the store root."""
-    dirs = [m.DATA_DIR, m.META_DIR, *(f"{m.META_DIR}/{sub}" for sub in _META_SUBDIRS)]
+    symlink that leads out of the store root. What is ours is what a matcher of
+    :data:`dynstate.paths.COLLECTABLE` accepts."""
     ours, foreign = [], []
-    for directory in dirs:
+    for directory in (paths.DATA_DIR, paths.META_DIR, *paths.META_SUBDIRS):
         for name in store.storage.list(directory):
             rel = f"{directory}/{name}"
-            if directory == m.META_DIR and not _TMP_FILE.match(name):
+            match = paths.classify(rel)
+            kind = match.kind if match is not None else None
+            if directory == paths.META_DIR and kind != "tmp":
                 continue  # store.json, gc.json, the hint and the subfolders
-            if directory == LEASE_DIR and not _TMP_FILE.match(name):
+            if directory == paths.LEASE_DIR and kind != "tmp":
                 continue  # lease files are decided by the lease survey
-            if _ours(directory, name) and store.storage.contained(rel):
+            if kind in paths.COLLECTABLE and store.storage.contained(rel):
                 ours.append(rel)
-            elif directory != f"{m.META_DIR}/tags":
+            elif directory != paths.TAG_DIR:
                 foreign.append(rel)  # not a name we write, or behind a link out of the root
     return ours, foreign
 
@@ -568,29 +368,34 @@ def _classify(
     result: GcResult,
 ) -> str | None:
     """Why ``rel`` may go ("orphan" / "collected"), or None if it stays."""
-    directory, name = rel.rsplit("/", 1)
-    if directory in (f"{m.META_DIR}/log", f"{m.META_DIR}/checkpoints", outcome_log.OUTCOME_DIR):
-        match = _VERSION_FILE.match(name)
-        return "collected" if match and int(match.group(1)) < floor else None
+    directory = rel.rsplit("/", 1)[0]
+    if directory in _BY_VERSION_DIRS:
+        # Judged by their version alone (a temporary file beside them has always stayed).
+        match = paths.classify(rel)
+        if match is None or match.kind not in paths.BY_VERSION:
+            return None
+        return "collected" if match.parts < floor else None
     if refs.needs(rel):
         return None
-    lease = lease_of(rel) if directory == m.DATA_DIR else None
+    lease = paths.lease_of(rel)
     if lease is not None and lease in leases and leases[lease].protected:
         result.kept_leased += 1
         return None
     return "collected" if rel in collected else "orphan"
 
 
+_BY_VERSION_DIRS = (paths.LOG_DIR, paths.CHECKPOINT_DIR, paths.OUTCOME_DIR)
+
+
 def _rewritten_by_commits(rel: str) -> bool:
     """Content-addressed metadata that every commit naming it writes again (schemas, chunks)."""
-    directory = rel.rsplit("/", 1)[0]
-    return directory in (f"{m.META_DIR}/schemas", f"{m.META_DIR}/chunks")
+    return rel.rsplit("/", 1)[0] in (paths.SCHEMA_DIR, paths.CHUNK_DIR)
 
 
 def _min_age(rel: str, grace_s: float) -> float:
     """Staged shards are protected by leases; everything else a live writer may be about to
     use (temporary files, probes, schemas and chunks it just wrote) gets at least BUSY_S."""
-    if rel.startswith(m.DATA_DIR + "/"):
+    if rel.startswith(paths.DATA_DIR + "/"):
         return grace_s
     return max(grace_s, BUSY_S)
 
@@ -604,7 +409,7 @@ def _lease_files(store: Store, leases: dict[str, LeaseState], now: float | None)
         if state.protected:
             continue
         for rel in state.files:
-            tombstone = rel.endswith(".outcome.json") and state.outcome in (
+            tombstone = paths.match_claim(rel) is not None and state.outcome in (
                 "expired",
                 "discarded",
                 "commit",

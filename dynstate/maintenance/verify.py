@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .. import manifest as m
+from .. import paths
 from ..errors import DynstateError, VersionCollectedError
 from ..log.outcomes import verify as verify_outcomes
 from ..manifest import Commit, ShardRef
@@ -108,7 +108,7 @@ def _read_tags(store: Store, report: VerifyReport) -> dict[str, int]:
         return {}
     for name, error in sorted(damaged.items()):
         report.problems.append(
-            f"tag file {store.display_url}/{m.tag_path(name)}: {error}; remove it with "
+            f"tag file {store.display_url}/{paths.tag_path(name)}: {error}; remove it with "
             "`dynstate tag --delete` or restore it"
         )
     return tags
@@ -155,7 +155,7 @@ def _check_records(
         except VersionCollectedError:
             report.problems.append(
                 f"the commit record of version {version} ({store.display_url}/"
-                f"{m.log_path(version)}) is missing; restore it from a backup"
+                f"{paths.log_path(version)}) is missing; restore it from a backup"
             )
         except DynstateError as exc:
             report.problems.append(f"version {version}: {exc}")
@@ -193,7 +193,7 @@ def _check_checkpoints(store: Store, floor: int, report: VerifyReport) -> None:
         try:
             if catalog.read_chunk(digest, cached=False) is None:
                 report.problems.append(
-                    f"chunk {store.display_url}/{m.chunk_path(digest)} named by a checkpoint "
+                    f"chunk {store.display_url}/{paths.chunk_path(digest)} named by a checkpoint "
                     "is missing"
                 )
         except DynstateError as exc:
