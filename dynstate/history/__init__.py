@@ -50,18 +50,22 @@ def version_rows(
     newest_first: bool = True,
     refresh: bool = True,
     tags: dict[str, int] | None = None,
+    before: int | None = None,
 ) -> list[dict[str, Any]]:
     """One row per kept version, as ``dynstate ls`` shows them, newest first (oldest first
     with ``newest_first=False``). Status is "head", "abandoned" (not in the head's lineage;
     listed only with ``include_abandoned``) or None. ``limit`` keeps the newest rows and only
-    their records are read, so the cost does not grow with the store's history. A caller
-    that has just refreshed the store and read its ``tags`` (as :func:`summary` does) can pass
-    ``refresh=False`` and the tags to save those requests."""
+    their records are read, so the cost does not grow with the store's history; with
+    ``include_abandoned``, ``before`` starts the rows below that version (a page further
+    down, as ``dynstate serve`` pages them). A caller that has just refreshed the store and
+    read its ``tags`` (as :func:`summary` does) can pass ``refresh=False`` and the tags to
+    save those requests."""
     head = store.refresh() if refresh else store.head
     floor = store.floor
     if include_abandoned:
-        oldest = max(floor, head - limit + 1) if limit else floor
-        versions = list(range(head, oldest - 1, -1))
+        top = head if before is None else min(head, before - 1)
+        oldest = max(floor, top - limit + 1) if limit else floor
+        versions = list(range(top, oldest - 1, -1))
         line = set(itertools.takewhile(lambda v: v >= oldest, store.lineage(head)))
     else:
         versions = list(itertools.islice(store.lineage(head), limit))

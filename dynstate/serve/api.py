@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import DynstateError, VersionNotFoundError
-from ..history import describe, diff, growth, lineage, summary, version_row
+from ..history import describe, diff, growth, summary, version_rows
 from ..outcome_views import NO_OUTCOMES, OutcomeViews, RowSelection, outcome_records_count
 from ..outcomes import summarize
 from ..snapshot import Snapshot
@@ -82,12 +82,6 @@ class StoreView:
             return self.store.refresh()
         return self.store.resolve(version)
 
-    def _tags_by_version(self) -> dict[int, list[str]]:
-        tags: dict[int, list[str]] = {}
-        for name, v in sorted(self.store.tags().items()):
-            tags.setdefault(v, []).append(name)
-        return tags
-
     # -- store -------------------------------------------------------------------------------
 
     def growth(self) -> dict[str, Any]:
@@ -131,13 +125,8 @@ class StoreView:
         n = int_param(limit, "limit", 50, 1, MAX_LIMIT)
         top = int_param(before, "before", head + 1, 0, None)
         top = min(top, head + 1)
-        numbers = list(range(top - 1, max(floor, top - n) - 1, -1))
-        low = numbers[-1] if numbers else top
-        line = set(lineage(self.store, head, low))
-        tags = self._tags_by_version()
-        rows = [
-            version_row(self.store.commit_record(v), head, line, tags.get(v, [])) for v in numbers
-        ]
+        rows = version_rows(self.store, include_abandoned=True, limit=n, before=top, refresh=False)
+        numbers = [r["version"] for r in rows]
         more = bool(numbers) and numbers[-1] > floor
         return {
             "url": self.store.display_url,
