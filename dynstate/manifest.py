@@ -174,27 +174,84 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
     return body
 
 
+_HEXES = re.compile(r"(?:[0-9a-f]{64})+")
+
+
+class RowGroups(NamedTuple):
+    """Where a shard's row groups lie and what they hash to, so that a reader can fetch and
+    verify only the ones it needs (docs/format.md, "Row groups"). The file is cut into
+    consecutive byte segments: one per row group (the first also holds the leading magic),
+    then the footer; ``bytes`` and ``sha256`` have one entry per segment, ``rows`` one per
+    row group."""
+
+    rows: tuple[int, ...]
+    bytes: tuple[int, ...]
+    sha256: str  # the segments' SHA-256s in hex, concatenated: one string parses fast
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rows": list(self.rows), "bytes": list(self.bytes), "sha256": self.sha256}
+
+    def digest(self, segment: int) -> str:
+        return self.sha256[64 * segment : 64 * segment + 64]
+
+    @classmethod
+    def checked(cls, obj: Any, rows: int, nbytes: int, where: str) -> RowGroups:
+        """RowGroups from an untrusted entry of a shard of ``rows`` rows and ``nbytes`` bytes:
+        the segments must add up to the shard, or a reader would verify the wrong bytes."""
+        try:
+            counts, sizes, digests = obj["rows"], obj["bytes"], obj["sha256"]
+        except (KeyError, TypeError):
+            raise CorruptStoreError(f"{where} has a malformed row group entry {obj!r}") from None
+        if not (
+            isinstance(counts, list)
+            and isinstance(sizes, list)
+            and isinstance(digests, str)
+            and len(sizes) == len(counts) + 1
+            and len(digests) == 64 * len(sizes)
+            and all(type(c) is int and 0 <= c <= MAX_COUNT for c in counts)
+            and all(type(b) is int and 0 <= b <= MAX_COUNT for b in sizes)
+            and sum(counts) == rows
+            and sum(sizes) == nbytes
+            and _HEXES.fullmatch(digests)
+        ):
+            raise CorruptStoreError(
+                f"{where} has a malformed row group entry for a shard of {rows} rows and "
+                f"{nbytes} bytes; the record is damaged — reset to a version without it"
+            )
+        return cls(tuple(counts), tuple(sizes), digests)
+
+
 class ShardRef(NamedTuple):
     """One immutable Parquet file of a version: its path relative to the store root.
-    (A named tuple: versions of 10k shards are opened by building 10k of these.)"""
+    (A named tuple: versions of 10k shards are opened by building 10k of these.)
+    ``groups`` is None for shards written before row groups were recorded: those are read
+    and verified whole."""
 
     path: str
     rows: int
     bytes: int
     sha256: str
+    groups: RowGroups | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "rows": self.rows, "bytes": self.bytes, "sha256": self.sha256}
+        obj = {"path": self.path, "rows": self.rows, "bytes": self.bytes, "sha256": self.sha256}
+        if self.groups is not None:
+            obj["groups"] = self.groups.to_json()
+        return obj
 
     @classmethod
     def from_json(cls, obj: Any, where: str) -> ShardRef:
         try:
-            return cls.checked(obj["path"], obj["rows"], obj["bytes"], obj["sha256"], where)
+            return cls.checked(
+                obj["path"], obj["rows"], obj["bytes"], obj["sha256"], where, obj.get("groups")
+            )
         except (KeyError, TypeError) as exc:
             raise CorruptStoreError(f"{where} has a malformed shard entry {obj!r}") from exc
 
     @classmethod
-    def checked(cls, path: Any, rows: Any, nbytes: Any, digest: Any, where: str) -> ShardRef:
+    def checked(
+        cls, path: Any, rows: Any, nbytes: Any, digest: Any, where: str, groups: Any = None
+    ) -> ShardRef:
         """A ShardRef from untrusted values, refusing paths outside ``data/``."""
         if not isinstance(path, str) or not _SHARD_PATH.match(path) or ".." in path:
             raise UnsafePathError(
@@ -210,7 +267,9 @@ class ShardRef(NamedTuple):
             raise CorruptStoreError(f"{where} has a malformed shard entry for {path}")
         if not isinstance(digest, str) or not _HASH.match(digest):
             raise CorruptStoreError(f"{where} has a malformed checksum for {path}")
-        return cls(path, rows, nbytes, digest)
+        if groups is None:
+            return cls(path, rows, nbytes, digest)
+        return cls(path, rows, nbytes, digest, RowGroups.checked(groups, rows, nbytes, where))
 
 
 @dataclass(frozen=True)
@@ -236,6 +295,10 @@ class ShardList:
         return cls(tuple(obj["chunks"]), tuple(ShardRef.from_json(s, where) for s in tail))
 
 
+# The columns every chunk has; "groups" is added only to chunks with row group entries.
+_CHUNK_FIELDS = ("path", "rows", "bytes", "sha256")
+
+
 def split_chunks(shards: list[ShardRef]) -> tuple[list[tuple[str, bytes]], ShardList]:
     """Cut ``shards`` into content-addressed chunks; returns (chunk files, shard list).
     Chunks are columnar (one list per field): 10k entries parse several times faster than
@@ -244,7 +307,11 @@ def split_chunks(shards: list[ShardRef]) -> tuple[list[tuple[str, bytes]], Shard
     files: list[tuple[str, bytes]] = []
     for start in range(0, full, CHUNK_ENTRIES):
         run = shards[start : start + CHUNK_ENTRIES]
-        columns = {name: [getattr(s, name) for s in run] for name in ShardRef._fields}
+        columns: dict[str, list[Any]] = {
+            name: [getattr(s, name) for s in run] for name in _CHUNK_FIELDS
+        }
+        if any(s.groups is not None for s in run):  # absent otherwise: old chunks stay valid
+            columns["groups"] = [None if s.groups is None else s.groups.to_json() for s in run]
         data = _canonical({"format": FORMAT, **columns})
         files.append((sha256(data), data))
     return files, ShardList(tuple(d for d, _ in files), tuple(shards[full:]))
@@ -262,10 +329,13 @@ def decode_chunk(digest: str, data: bytes, where: str) -> list[ShardRef]:
     if obj.get("format", 0) > FORMAT:
         raise UnsupportedFormatError(f"{where} uses format {obj['format']}; upgrade dynstate")
     try:
-        columns = [obj[name] for name in ShardRef._fields]
+        columns = [obj[name] for name in _CHUNK_FIELDS]
+        columns.append(obj.get("groups") or [None] * len(columns[0]))
         if len({len(c) for c in columns}) != 1:
             raise CorruptStoreError(f"{where} has columns of different lengths")
-        return [ShardRef.checked(p, r, b, d, where) for p, r, b, d in zip(*columns, strict=True)]
+        return [
+            ShardRef.checked(p, r, b, d, where, g) for p, r, b, d, g in zip(*columns, strict=True)
+        ]
     except (KeyError, TypeError) as exc:
         raise CorruptStoreError(f"{where} is not a chunk of shard entries") from exc
 

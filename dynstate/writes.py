@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from . import manifest as m
 from .errors import (
@@ -30,6 +29,7 @@ from .log.leases import host_id, process_gone
 from .log.outcomes import Pending, outcomes_of
 from .manifest import Commit, ShardRef
 from .rounds import check_meta, conform_round, to_table
+from .rowgroups import write_shard
 from .snapshot import Staged
 
 log = logging.getLogger("dynstate")
@@ -468,8 +468,8 @@ class Writer:
                 part = table.slice(start, per_shard)
                 path = shard_path(lease)
                 with self.storage.new_shard(path) as sink:
-                    pq.write_table(part, sink)
-                written.append(ShardRef(path, part.num_rows, sink.size, sink.sha256))
+                    groups = write_shard(part, sink)
+                written.append(ShardRef(path, part.num_rows, sink.size, sink.sha256, groups))
             self.storage.sync_dir(m.DATA_DIR)
         except BaseException:
             for shard in written:

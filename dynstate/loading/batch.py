@@ -1,5 +1,6 @@
-"""Batch assembly for :class:`~dynstate.VersionedDataset`: column values gathered from decoded
-shards, and rows or columns built from them."""
+"""Batch assembly for :class:`~dynstate.VersionedDataset`: where a batch's rows lie (blocks,
+shards or row groups of the cache, the missing row groups fetched together), column values
+gathered from them, and rows, columns or an Arrow batch built from those."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .cache import _Shard
+from ..store import Store
+from .cache import ShardCache, _Shard
+from .ranged import group_starts
 
 if TYPE_CHECKING:
     from .dataset import _View
@@ -87,3 +90,155 @@ def _merge_columns(
             for p, value in zip(where, column, strict=True):
                 target[p] = value
     return out
+
+
+def starts_of(view: _View, shard: int) -> np.ndarray:
+    """The first row of each row group of a shard of ``view`` (which has them), and its end."""
+    starts = view.group_starts.get(shard)
+    if starts is None:
+        info = view.shards[shard].groups
+        assert info is not None
+        starts = view.group_starts[shard] = group_starts(info)
+    return starts
+
+
+def _whole(cache: ShardCache, store: Store, view: _View, index: int) -> _Shard:
+    snap = view.snap
+    return cache.shard(store, view.shards[index], snap.schema, view.fingerprint, snap.version)
+
+
+def row_source(
+    cache: ShardCache, store: Store, view: _View, index: int, local: int
+) -> tuple[_Shard, int]:
+    """The decoded data holding row ``local`` of shard ``index`` of ``view``, and the row's
+    place in it: the whole shard when it is cached or has no row groups, else its row group."""
+    shard = view.shards[index]
+    snap = view.snap
+    if cache.reads_whole(store, shard, 1) or cache.cached(shard, snap.schema, view.fingerprint):
+        return _whole(cache, store, view, index), local
+    starts = starts_of(view, index)
+    group = int(np.searchsorted(starts, local, side="right")) - 1
+    entry = cache.groups(store, [(shard, [group])], snap.schema, view.fingerprint, snap.version)
+    return entry[0][0], local - int(starts[group])
+
+
+def pieces(cache: ShardCache, store: Store, view: _View, rows: np.ndarray) -> list[_Piece]:
+    """Where ``rows`` (in range, at least one) lie: per block of shards the cache holds as
+    one table, else per shard or, for a shard read in part, per row group, the decoded data,
+    the positions in ``rows`` it serves and the rows within it. The row groups the cache
+    lacks are fetched in one storage call (concurrent ranged GETs on object stores)."""
+    by_block: list[tuple[int, np.ndarray | None]]
+    by_shard: list[tuple[int, np.ndarray | None]]
+    if len(view.blocks) == 1:
+        by_block = [(0, None)]
+    else:
+        by_block = _split(np.searchsorted(view.block_offsets, rows, side="right") - 1)
+    out: list[_Piece] = []
+    # Shards read by row group: (shard, positions, rows within it, [(group, sub)])
+    partial: list[tuple[int, np.ndarray | None, np.ndarray, list[tuple[int, Any]]]] = []
+    snap = view.snap
+    for block, where in by_block:
+        lo, hi = view.blocks[block]
+        block_rows = rows if where is None else rows[where]
+        if hi - lo > 1:
+            entry = cache.block(view, block)
+            if entry is not None:
+                out.append((entry, where, block_rows - view.offsets[lo]))
+                continue
+            by_shard = _split(np.searchsorted(view.np_offsets, block_rows, side="right") - 1)
+        else:
+            by_shard = [(lo, None)]
+        for index, sub in by_shard:
+            shard_rows = block_rows if sub is None else block_rows[sub]
+            here = sub if where is None else (where if sub is None else where[sub])
+            local = shard_rows - view.offsets[index]
+            shard = view.shards[index]
+            if shard.groups is not None and len(shard.groups.rows) > 1:
+                whole = cache.cached(shard, snap.schema, view.fingerprint)
+                if whole is not None:
+                    out.append((whole, here, local))
+                    continue
+                starts = starts_of(view, index)
+                split = _split(np.searchsorted(starts, local, side="right") - 1)
+                if not cache.reads_whole(store, shard, len(split)):
+                    partial.append((index, here, local, split))
+                    continue
+            out.append((_whole(cache, store, view, index), here, local))
+    if partial:
+        wanted = [(view.shards[index], [g for g, _ in split]) for index, _, _, split in partial]
+        decoded = cache.groups(store, wanted, snap.schema, view.fingerprint, snap.version)
+        for (index, here, local, split), entries in zip(partial, decoded, strict=True):
+            starts = starts_of(view, index)
+            for (group, sub), entry in zip(split, entries, strict=True):
+                at = here if sub is None else (sub if here is None else here[sub])
+                group_rows = local if sub is None else local[sub]
+                out.append((entry, at, group_rows - starts[group]))
+    return out
+
+
+def columns_at(cache: ShardCache, store: Store, view: _View, rows: np.ndarray) -> list[list[Any]]:
+    """The values of ``view.names`` at ``rows`` (in range), one list per column, in the
+    order of ``rows``: one take per column per block, shard or row group touched, numeric
+    columns through numpy, the pieces put back in order with one inverse permutation."""
+    n = len(rows)
+    cols = view.positions if view.positions is not None else range(len(view.names))
+    if n == 0:
+        return [[] for _ in cols]
+    found = pieces(cache, store, view, rows)
+    if len(found) == 1:  # one block, shard or row group: already in order
+        data, _, local = found[0]
+        return [_take(data, c, local) for c in cols]
+    inverse: list[int] | None = None
+    out = []
+    for c in cols:
+        maybe = [data.views[c] for data, _, _ in found]
+        np_views = [v for v in maybe if v is not None]
+        if len(np_views) == len(maybe) and len({v.dtype for v in np_views}) == 1:
+            gathered = np.empty(n, dtype=np_views[0].dtype)
+            for v, (_, where, local) in zip(np_views, found, strict=True):
+                gathered[where] = v[local]
+            out.append(gathered.tolist())
+            continue
+        in_piece_order: list[Any] = []
+        for data, _, local in found:
+            in_piece_order += _take(data, c, local)
+        if inverse is None:
+            order = np.concatenate([where for _, where, _ in found])
+            inv = np.empty(n, dtype=np.int64)
+            inv[order] = np.arange(n)
+            inverse = inv.tolist()
+        out.append(list(map(in_piece_order.__getitem__, inverse)))
+    return out
+
+
+def arrow_batch(
+    cache: ShardCache,
+    store: Store,
+    groups: list[tuple[np.ndarray, _View, np.ndarray]],
+    n: int,
+    empty: _View,
+) -> pa.RecordBatch:
+    """The rows of ``groups`` (positions in the batch, view, rows) as one record batch in
+    the batch's order; ``empty`` gives the schema of a batch with no rows."""
+    tables, positions = [], []
+    for batch_positions, view, rows in groups:
+        if len(rows) == 0:
+            continue
+        for data, where, local in pieces(cache, store, view, rows):
+            table = data.table
+            if view.positions is not None:
+                table = table.select(view.positions)
+            tables.append(table.take(local))
+            positions.append(batch_positions if where is None else batch_positions[where])
+    if not tables:
+        schema = empty.snap.schema if empty.snap.schema is not None else pa.schema([])
+        if empty.positions is not None:
+            schema = pa.schema([schema.field(i) for i in empty.positions])
+        return pa.RecordBatch.from_pylist([], schema=schema)
+    table = pa.concat_tables(tables, promote_options="default")
+    order = np.concatenate(positions)
+    if not (order[1:] > order[:-1]).all():
+        inverse = np.empty(n, dtype=np.int64)
+        inverse[order] = np.arange(n)
+        table = table.take(inverse)
+    return table.combine_chunks().to_batches()[0]

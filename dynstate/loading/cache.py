@@ -1,5 +1,8 @@
-"""The shard cache: decoded shards in memory, least recently used first out, bounded in bytes,
-with remote shards also kept (bounded) on local disk and prefetched there in the background."""
+"""The shard cache: decoded shards and row groups in memory, least recently used first out,
+bounded in bytes, with remote shards also kept (bounded) on local disk and prefetched there in
+the background. A shard whose row groups its commit recorded is read a row group at a time
+(:mod:`.ranged`) until most of it is wanted; once all its row groups are decoded they are
+joined into the whole shard, which can then join a block."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -20,6 +23,7 @@ from ..errors import DynstateError
 from ..rounds import conform
 from ..snapshot import verify_shard_bytes
 from ..store import Store
+from .ranged import Footers, read_groups
 
 if TYPE_CHECKING:
     from .dataset import _View
@@ -73,8 +77,10 @@ class ShardCache:
         self.max_bytes = max_bytes
         self.disk_dir = disk_dir
         # Keyed by (checksum, schema fingerprint): a shard read under a newer, wider schema
-        # is conformed once, not on every read; a block by ("block", fingerprint, digest).
-        self._shards: OrderedDict[tuple[str | None, ...], _Shard] = OrderedDict()
+        # is conformed once, not on every read; a row group by (checksum, fingerprint, group);
+        # a block by ("block", fingerprint, digest).
+        self._shards: OrderedDict[tuple[Any, ...], _Shard] = OrderedDict()
+        self.footers = Footers()
         self._bytes = 0
         self._disk: OrderedDict[str, int] = OrderedDict()
         self._disk_bytes = 0
@@ -115,8 +121,101 @@ class ShardCache:
             if key not in self._shards:
                 self._shards[key] = entry
                 self._bytes += entry.nbytes
+                if shard.groups is not None:  # row groups read earlier are now redundant
+                    for g in range(len(shard.groups.rows)):
+                        old = self._shards.pop((*key, g), None)
+                        if old is not None:
+                            self._bytes -= old.nbytes
                 self._evict()
         return entry
+
+    def cached(self, shard: m.ShardRef, schema: pa.Schema | None, fingerprint: str | None):
+        """The whole shard if it is decoded already, else None."""
+        key = (shard.sha256, fingerprint if schema is not None else None)
+        with self._lock:
+            entry = self._shards.get(key)
+            if entry is not None:
+                self._shards.move_to_end(key)
+                self.hits += 1
+            return entry
+
+    def reads_whole(self, store: Store, shard: m.ShardRef, groups: int) -> bool:
+        """Whether a read that needs ``groups`` of the shard's row groups should read it
+        whole: no row groups recorded (an older store), one only, more than half of them
+        wanted (one range and one decode beat many), or a copy on the local disk cache."""
+        info = shard.groups
+        if info is None or len(info.rows) <= 1 or 2 * groups > len(info.rows):
+            return True
+        if store.storage.local or self.disk_dir is None:
+            return False
+        return os.path.exists(os.path.join(self.disk_dir, f"{shard.sha256}.parquet"))
+
+    def groups(
+        self,
+        store: Store,
+        wanted: Sequence[tuple[m.ShardRef, Sequence[int]]],
+        schema: pa.Schema | None,
+        fingerprint: str | None,
+        version: int,
+    ) -> list[list[_Shard]]:
+        """The decoded row groups ``wanted`` (shard, sorted group numbers), shaped like
+        ``schema``; those not cached are fetched together in one storage call."""
+        fp = fingerprint if schema is not None else None
+        out: list[list[_Shard | None]] = []
+        missing: list[tuple[int, m.ShardRef, list[int]]] = []
+        with self._lock:
+            for shard, groups in wanted:
+                found: list[_Shard | None] = []
+                lacking = []
+                for g in groups:
+                    entry = self._shards.get((shard.sha256, fp, g))
+                    if entry is None:
+                        lacking.append(g)
+                        self.misses += 1
+                    else:
+                        self._shards.move_to_end((shard.sha256, fp, g))
+                        self.hits += 1
+                    found.append(entry)
+                if lacking:
+                    missing.append((len(out), shard, lacking))
+                out.append(found)
+        if missing:
+            tables = read_groups(store, [(s, g) for _, s, g in missing], version, self.footers)
+            for (k, shard, lacking), decoded in zip(missing, tables, strict=True):
+                entries = {
+                    g: _Shard(conform(t, schema) if schema is not None else t)
+                    for g, t in zip(lacking, decoded, strict=True)
+                }
+                row = out[k]
+                for i, g in enumerate(wanted[k][1]):
+                    if row[i] is None:
+                        row[i] = entries[g]
+                with self._lock:
+                    for g, entry in entries.items():
+                        if (shard.sha256, fp, g) not in self._shards:
+                            self._shards[(shard.sha256, fp, g)] = entry
+                            self._bytes += entry.nbytes
+                    self._join(shard, fp)
+                    self._evict()
+        return out  # type: ignore[return-value]  # every None was filled above
+
+    def _join(self, shard: m.ShardRef, fp: str | None) -> None:
+        """With the lock held: once every row group of ``shard`` is decoded, replace them by
+        the whole shard (one take per column for a batch, and it can join a block)."""
+        assert shard.groups is not None
+        keys = [(shard.sha256, fp, g) for g in range(len(shard.groups.rows))]
+        parts = [self._shards.get(key) for key in keys]
+        if any(p is None for p in parts) or (shard.sha256, fp) in self._shards:
+            return
+        try:
+            entry = _Shard(pa.concat_tables([p.table for p in parts if p is not None]))
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            return
+        for key in keys:
+            old = self._shards.pop(key)
+            self._bytes -= old.nbytes
+        self._shards[(shard.sha256, fp)] = entry
+        self._bytes += entry.nbytes
 
     def block(self, view: _View, block: int) -> _Shard | None:
         """Consecutive shards of a version as one contiguous table, so that a batch spread

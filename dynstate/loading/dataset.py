@@ -17,8 +17,8 @@ from .. import manifest as m
 from ..errors import InvalidDataError, RowOutOfRangeError
 from ..snapshot import Snapshot
 from ..store import Store
-from .batch import _merge_columns, _Piece, _row_maker, _rows, _split, _take
-from .cache import DEFAULT_CACHE_BYTES, ShardCache, _Shard
+from .batch import _merge_columns, _row_maker, _rows, arrow_batch, columns_at, row_source
+from .cache import DEFAULT_CACHE_BYTES, ShardCache
 
 BATCH_FORMATS = ("rows", "columns", "arrow")
 # Decoded Arrow bytes per Parquet byte assumed when planning blocks (text compresses ~2-4x);
@@ -62,6 +62,7 @@ class _View:
         "block_starts",
         "blocks",
         "fingerprint",
+        "group_starts",
         "names",
         "np_offsets",
         "num_rows",
@@ -92,6 +93,7 @@ class _View:
             names = tuple(columns)
         self.names = names
         self.too_big: set[int] = set()
+        self.group_starts: dict[int, np.ndarray] = {}  # filled by batch.starts_of
         self._plan_blocks(block_bytes)
 
     def _plan_blocks(self, block_bytes: int) -> None:
@@ -301,11 +303,6 @@ class VersionedDataset(Dataset):
     def __len__(self) -> int:
         return self.snapshot().num_rows
 
-    def _shard(self, view: _View, index: int) -> _Shard:
-        return self.cache.shard(
-            self.store, view.shards[index], view.snap.schema, view.fingerprint, view.snap.version
-        )
-
     def __getitem__(self, index: int) -> dict[str, Any]:
         try:
             version, row = decode_index(index)
@@ -326,8 +323,7 @@ class VersionedDataset(Dataset):
                 local = row - view.offsets[lo]
         if data is None:
             shard = bisect.bisect_right(view.offsets, row) - 1
-            local = row - view.offsets[shard]
-            data = self._shard(view, shard)
+            data, local = row_source(self.cache, self.store, view, shard, row - view.offsets[shard])
         positions = view.positions if view.positions is not None else range(len(view.names))
         values = []
         for c in positions:
@@ -354,12 +350,17 @@ class VersionedDataset(Dataset):
             raise InvalidDataError(f"format must be one of {BATCH_FORMATS}, not {format!r}")
         groups = self._groups(indices)
         if format == "arrow":
-            batch = self._arrow_batch(groups, len(indices))
+            empty = groups[0][1] if groups else self._view(self.version)
+            batch = arrow_batch(self.cache, self.store, groups, len(indices), empty)
             if self.row_column is None:
                 return batch
             numbers = pa.array(self._row_numbers(groups, len(indices)), pa.int64())
             return batch.append_column(self.row_column, numbers)
-        parts = [(positions, view, self._columns(view, rows)) for positions, view, rows in groups]
+        cache, store = self.cache, self.store
+        parts = [
+            (positions, view, columns_at(cache, store, view, rows))
+            for positions, view, rows in groups
+        ]
         if format == "columns":
             columns = _merge_columns(parts, len(indices))
             if self.row_column is not None:
@@ -420,95 +421,6 @@ class VersionedDataset(Dataset):
                 raise self._out_of_range(view, top)
             groups.append((positions, view, rows))
         return groups
-
-    def _pieces(self, view: _View, rows: np.ndarray) -> list[_Piece]:
-        """Where ``rows`` (in range, at least one) lie: per block of shards the cache holds
-        as one table, else per shard, the decoded data, the positions in ``rows`` it serves
-        and the rows within it."""
-        by_block: list[tuple[int, np.ndarray | None]]
-        by_shard: list[tuple[int, np.ndarray | None]]
-        if len(view.blocks) == 1:
-            by_block = [(0, None)]
-        else:
-            by_block = _split(np.searchsorted(view.block_offsets, rows, side="right") - 1)
-        pieces: list[_Piece] = []
-        for block, where in by_block:
-            lo, hi = view.blocks[block]
-            block_rows = rows if where is None else rows[where]
-            if hi - lo > 1:
-                entry = self.cache.block(view, block)
-                if entry is not None:
-                    pieces.append((entry, where, block_rows - view.offsets[lo]))
-                    continue
-                by_shard = _split(np.searchsorted(view.np_offsets, block_rows, side="right") - 1)
-            else:
-                by_shard = [(lo, None)]
-            for shard, sub in by_shard:
-                shard_rows = block_rows if sub is None else block_rows[sub]
-                here = sub if where is None else (where if sub is None else where[sub])
-                pieces.append((self._shard(view, shard), here, shard_rows - view.offsets[shard]))
-        return pieces
-
-    def _columns(self, view: _View, rows: np.ndarray) -> list[list[Any]]:
-        """The values of ``view.names`` at ``rows`` (in range), one list per column, in the
-        order of ``rows``: one take per column per block or shard touched, numeric columns
-        through numpy, the pieces put back in order with one inverse permutation."""
-        n = len(rows)
-        cols = view.positions if view.positions is not None else range(len(view.names))
-        if n == 0:
-            return [[] for _ in cols]
-        pieces = self._pieces(view, rows)
-        if len(pieces) == 1:  # one block or shard: already in order
-            data, _, local = pieces[0]
-            return [_take(data, c, local) for c in cols]
-        inverse: list[int] | None = None
-        out = []
-        for c in cols:
-            maybe = [data.views[c] for data, _, _ in pieces]
-            np_views = [v for v in maybe if v is not None]
-            if len(np_views) == len(maybe) and len({v.dtype for v in np_views}) == 1:
-                gathered = np.empty(n, dtype=np_views[0].dtype)
-                for v, (_, where, local) in zip(np_views, pieces, strict=True):
-                    gathered[where] = v[local]
-                out.append(gathered.tolist())
-                continue
-            in_piece_order: list[Any] = []
-            for data, _, local in pieces:
-                in_piece_order += _take(data, c, local)
-            if inverse is None:
-                order = np.concatenate([where for _, where, _ in pieces])
-                inv = np.empty(n, dtype=np.int64)
-                inv[order] = np.arange(n)
-                inverse = inv.tolist()
-            out.append(list(map(in_piece_order.__getitem__, inverse)))
-        return out
-
-    def _arrow_batch(
-        self, groups: list[tuple[np.ndarray, _View, np.ndarray]], n: int
-    ) -> pa.RecordBatch:
-        tables, positions = [], []
-        for batch_positions, view, rows in groups:
-            if len(rows) == 0:
-                continue
-            for data, where, local in self._pieces(view, rows):
-                table = data.table
-                if view.positions is not None:
-                    table = table.select(view.positions)
-                tables.append(table.take(local))
-                positions.append(batch_positions if where is None else batch_positions[where])
-        if not tables:
-            view = groups[0][1] if groups else self._view(self.version)
-            schema = view.snap.schema if view.snap.schema is not None else pa.schema([])
-            if view.positions is not None:
-                schema = pa.schema([schema.field(i) for i in view.positions])
-            return pa.RecordBatch.from_pylist([], schema=schema)
-        table = pa.concat_tables(tables, promote_options="default")
-        order = np.concatenate(positions)
-        if not (order[1:] > order[:-1]).all():
-            inverse = np.empty(n, dtype=np.int64)
-            inverse[order] = np.arange(n)
-            table = table.take(inverse)
-        return table.combine_chunks().to_batches()[0]
 
     def __repr__(self) -> str:
         return f"VersionedDataset({self.store.display_url!r}, version={self.version})"

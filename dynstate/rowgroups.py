@@ -1,0 +1,121 @@
+"""A shard's row groups: written at a size chosen for random access, each with its byte
+range and SHA-256 recorded, so that a reader fetches and verifies only the row groups a batch
+needs (docs/format.md, "Row groups").
+
+The writer cuts the file at the points where pyarrow finished each row group and hashes each
+segment as it streams past; it then checks the cuts against the footer's own column-chunk
+offsets, and records nothing (the shard is then read and verified whole, as before) if they
+disagree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .manifest import RowGroups
+
+log = logging.getLogger("dynstate")
+
+# Rows per row group. A random batch reads one row group per row it asks for, so the bytes
+# it reads grow with this size; the footer, its parse time and the manifest grow with the
+# number of row groups (~100-200 footer bytes per column per group, 64 hex digits + two
+# numbers per group in the manifest). docs/format.md gives the figures behind the choice.
+ROW_GROUP_ROWS = 1024
+
+
+class _Segments:
+    """A write-only file object in front of a shard sink that also hashes the bytes since the
+    last cut, so each row group's checksum costs no second pass over the data."""
+
+    def __init__(self, sink: Any):
+        self._sink = sink
+        self._hash = hashlib.sha256()
+        self._size = 0
+        self._start = 0
+        self._tail: list[bytes] | None = None  # the footer's bytes, kept to check the cuts
+        self.cuts: list[tuple[int, str]] = []  # (end offset, sha256) per finished segment
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self._hash.update(view)
+        if self._tail is not None:
+            self._tail.append(bytes(view))
+        written = self._sink.write(view)
+        self._size += len(view)
+        return written if written is not None else len(view)
+
+    def tell(self) -> int:
+        return self._size
+
+    def flush(self) -> None:
+        self._sink.flush()
+
+    def cut(self) -> None:
+        self.cuts.append((self._size, self._hash.hexdigest()))
+        self._hash = hashlib.sha256()
+
+    def keep_tail(self) -> None:
+        self._tail = []
+
+    def tail(self) -> bytes:
+        return b"".join(self._tail or [])
+
+
+def write_shard(table: pa.Table, sink: Any, row_group_rows: int | None = None) -> RowGroups | None:
+    """Write ``table`` to ``sink`` as Parquet in row groups of ``row_group_rows`` rows (the
+    module's ROW_GROUP_ROWS by default); returns where each lies and its checksum, or None
+    when the file's layout did not come out as the cuts say (then readers verify it whole)."""
+    rows = row_group_rows or ROW_GROUP_ROWS
+    out = _Segments(sink)
+    counts = []
+    with pq.ParquetWriter(out, table.schema) as writer:
+        for start in range(0, table.num_rows, rows):
+            part = table.slice(start, rows)
+            writer.write_table(part, row_group_size=rows)
+            out.cut()
+            counts.append(part.num_rows)
+        out.keep_tail()
+    out.cut()
+    ends = [end for end, _ in out.cuts]
+    if not _layout_matches(out.tail(), ends, counts):
+        log.warning("row groups of a shard did not land where expected; it will be read whole")
+        return None
+    sizes = [b - a for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    return RowGroups(tuple(counts), tuple(sizes), "".join(d for _, d in out.cuts))
+
+
+def _layout_matches(footer: bytes, ends: list[int], counts: list[int]) -> bool:
+    """Whether the footer says row group i starts where segment i-1 ended (the first just
+    after the magic) and holds the rows written into it: the cuts then partition the file."""
+    try:
+        meta = read_footer(footer)
+    except (pa.ArrowException, OSError):
+        return False
+    if meta.num_row_groups != len(counts) or len(ends) != len(counts) + 1:
+        return False
+    if counts and meta.num_columns == 0:
+        return False
+    starts = [4, *ends[:-2]]
+    for i in range(meta.num_row_groups):
+        group = meta.row_group(i)
+        if group.num_rows != counts[i]:
+            return False
+        first = group.column(0)
+        begin = first.dictionary_page_offset or first.data_page_offset
+        last = group.column(group.num_columns - 1)
+        end = (last.dictionary_page_offset or last.data_page_offset) + last.total_compressed_size
+        if begin != starts[i] or end > ends[i]:
+            return False
+    return True
+
+
+def read_footer(footer: bytes | memoryview) -> pq.FileMetaData:
+    """The metadata of a Parquet file from its footer segment alone (the serialized metadata,
+    its length and the trailing magic)."""
+    return pq.read_metadata(pa.BufferReader(footer))

@@ -1,0 +1,257 @@
+"""Reading only the row groups a batch needs (issue 23.1): the checksums each new shard's
+commit records per row group, ranged reads locally and on S3, a flipped byte in any row group
+or footer still a ChecksumMismatchError naming the shard, and stores without row group
+records read and verified whole as before."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import s3_url
+
+import dynstate.writes as writes_module
+from dynstate import ChecksumMismatchError, CorruptStoreError, Store, VersionedDataset
+from dynstate import manifest as m
+from dynstate.rowgroups import ROW_GROUP_ROWS, write_shard
+
+ROWS = 4 * ROW_GROUP_ROWS + 100  # five row groups per shard
+
+
+def _table(start: int, n: int) -> pa.Table:
+    ids = np.arange(start, start + n)
+    return pa.table(
+        {
+            "id": pa.array(ids, pa.int64()),
+            "prompt": pa.array([f"task {i}: what is {i} + 3?" for i in ids.tolist()]),
+            "reward": pa.array((ids % 7) / 7.0),
+        }
+    )
+
+
+def _build(url: str, shards: int = 3, **options) -> tuple[Store, pa.Table]:
+    store = Store.open(url, create=True, **options)
+    for k in range(shards):
+        store.append(_table(k * ROWS, ROWS))
+    return store, pa.concat_tables([_table(k * ROWS, ROWS) for k in range(shards)])
+
+
+class _Counted:
+    """The storage's own ranged read, with what it was asked for remembered (the real read
+    runs: nothing stands in for the backend)."""
+
+    def __init__(self, storage):
+        self.ranges: list[tuple[str, int, int]] = []
+        self.whole: list[str] = []
+        self._ranges, self._cat = storage._cat_ranges, storage._cat
+        storage._cat_ranges = self.cat_ranges
+        storage._cat = self.cat
+
+    def cat_ranges(self, ranges):
+        self.ranges += ranges
+        return self._ranges(ranges)
+
+    def cat(self, rel):
+        if rel.startswith(m.DATA_DIR + "/"):
+            self.whole.append(rel)  # shards only: records are read whole as ever
+        return self._cat(rel)
+
+    def bytes_read(self) -> int:
+        return sum(end - start for _, start, end in self.ranges)
+
+
+def _flip(store: Store, shard: m.ShardRef, offset: int) -> None:
+    path = store.storage.path(shard.path)
+    data = bytearray(store.storage.read(shard.path))
+    data[offset] ^= 0xFF
+    if store.storage.local:
+        os.chmod(path, 0o644)
+        with open(path, "r+b") as fh:
+            fh.write(data)
+    else:
+        store.storage.put(shard.path, bytes(data))
+
+
+def test_new_shards_record_row_groups_that_partition_the_file(tmp_path):
+    store, _ = _build(str(tmp_path / "s"), shards=1)
+    shard = store.snapshot().shards[0]
+    assert shard.groups is not None
+    assert shard.groups.rows == (ROW_GROUP_ROWS,) * 4 + (100,)
+    data = store.storage.read(shard.path)
+    bounds = [0]
+    for size in shard.groups.bytes:
+        bounds.append(bounds[-1] + size)
+    assert bounds[-1] == len(data) == shard.bytes
+    for seg in range(len(shard.groups.bytes)):
+        assert m.sha256(data[bounds[seg] : bounds[seg + 1]]) == shard.groups.digest(seg)
+    meta = pq.read_metadata(pa.BufferReader(data))
+    for g in range(meta.num_row_groups):  # row group g starts where its segment does
+        col = meta.row_group(g).column(0)
+        assert (col.dictionary_page_offset or col.data_page_offset) == max(bounds[g], 4)
+    # the entry survives the record's round trip, and reopening the store
+    assert m.ShardRef.from_json(json.loads(json.dumps(shard.to_json())), "t") == shard
+    assert Store.open(str(tmp_path / "s")).snapshot().shards[0] == shard
+
+
+def test_a_batch_reads_only_the_row_groups_holding_its_rows(tmp_path):
+    store, table = _build(str(tmp_path / "s"))
+    counted = _Counted(store.storage)
+    ds = VersionedDataset(store)
+    rows = [5, ROWS + 2 * ROW_GROUP_ROWS + 1, 2 * ROWS + ROWS - 1]  # one row group per shard
+    assert ds.read_batch(rows) == [table.slice(r, 1).to_pylist()[0] for r in rows]
+    assert counted.whole == []
+    shards = store.snapshot().shards
+    # per shard its row group and its footer; the last shard's are adjacent: one range
+    assert len(counted.ranges) == 5
+    assert counted.bytes_read() < 0.5 * sum(s.bytes for s in shards)
+    # the same rows again cost nothing; a row in a read row group neither
+    before = len(counted.ranges)
+    more = [*rows, 6]
+    assert ds.read_batch(more) == [table.slice(r, 1).to_pylist()[0] for r in more]
+    assert (
+        ds[ROWS + 2 * ROW_GROUP_ROWS + 7]
+        == table.slice(ROWS + 2 * ROW_GROUP_ROWS + 7, 1).to_pylist()[0]
+    )
+    assert len(counted.ranges) == before
+
+
+def test_random_batches_equal_the_table_while_row_groups_join_into_shards(tmp_path):
+    store, table = _build(str(tmp_path / "s"))
+    expected = table.to_pylist()
+    ds = VersionedDataset(store)
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        idx = rng.choice(table.num_rows, 16).tolist()
+        assert ds.read_batch(idx) == [expected[i] for i in idx]
+        assert ds.read_batch(idx, "arrow").to_pylist() == [expected[i] for i in idx]
+        assert ds.read_batch(idx, "columns")["id"] == idx
+        assert ds[idx[0]] == expected[idx[0]]
+    # every row group of every shard read by now: they were joined into whole shards
+    keys = list(ds.cache._shards)
+    assert all(len(k) == 2 for k in keys if k[0] != "block"), keys
+    assert ds.cache.nbytes == sum(e.nbytes for e in ds.cache._shards.values())
+
+
+@pytest.mark.parametrize("segment", [0, 2, 4, "footer"])
+def test_a_flipped_byte_in_any_row_group_names_the_shard(tmp_path, segment):
+    store, _ = _build(str(tmp_path / "s"))
+    shard = store.snapshot().shards[1]
+    assert shard.groups is not None
+    seg = len(shard.groups.rows) if segment == "footer" else segment
+    start = sum(shard.groups.bytes[:seg])
+    _flip(store, shard, start + shard.groups.bytes[seg] // 2)
+    ds = VersionedDataset(str(tmp_path / "s"))
+    row = ROWS + (min(seg, 4) * ROW_GROUP_ROWS)  # a row of the damaged group (or any, footer)
+    with pytest.raises(ChecksumMismatchError, match=shard.path):
+        ds.read_batch([row])
+    with pytest.raises(ChecksumMismatchError, match=shard.path):
+        VersionedDataset(str(tmp_path / "s"))[row]
+    # rows of the other shards still read
+    assert ds.read_batch([0, 2 * ROWS])[0]["id"] == 0
+
+
+@pytest.mark.s3
+def test_on_s3_a_batch_reads_ranges_and_a_flipped_byte_is_refused(s3_endpoint):
+    url = s3_url()
+    store, table = _build(url)
+    counted = _Counted(store.storage)
+    ds = VersionedDataset(store)
+    rows = [3, ROWS + ROW_GROUP_ROWS + 3, 2 * ROWS + 2 * ROW_GROUP_ROWS]
+    assert ds.read_batch(rows) == [table.slice(r, 1).to_pylist()[0] for r in rows]
+    assert counted.whole == []
+    assert counted.bytes_read() < 0.5 * sum(s.bytes for s in store.snapshot().shards)
+    shard = store.snapshot().shards[2]
+    assert shard.groups is not None
+    _flip(store, shard, sum(shard.groups.bytes[:3]) + 10)  # row group 3
+    fresh = VersionedDataset(url, cache_dir=None)
+    with pytest.raises(ChecksumMismatchError, match=shard.path):
+        fresh.read_batch([2 * ROWS + 3 * ROW_GROUP_ROWS + 1])
+    assert fresh.read_batch([2 * ROWS + 1])[0]["id"] == 2 * ROWS + 1  # row group 0 is intact
+
+
+def _without_row_groups(table: pa.Table, sink, row_group_rows=None):
+    """How shards were written before row groups were recorded."""
+    pq.write_table(table, sink)
+    return None
+
+
+def test_a_store_without_row_group_records_reads_and_verifies_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(writes_module, "write_shard", _without_row_groups)
+    store, table = _build(str(tmp_path / "s"))
+    monkeypatch.undo()
+    record = json.loads(store.storage.read(m.log_path(1)))
+    assert "groups" not in record["add"][0]  # what an older dynstate wrote
+    store.append(_table(3 * ROWS, ROWS))  # a newer shard beside the old ones
+    shards = store.snapshot().shards
+    assert [s.groups is None for s in shards] == [True, True, True, False]
+    table = pa.concat_tables([table, _table(3 * ROWS, ROWS)])
+    counted = _Counted(store.storage)
+    ds = VersionedDataset(store)
+    rows = [1, ROWS + 5, 3 * ROWS + 7]
+    assert ds.read_batch(rows) == [table.slice(r, 1).to_pylist()[0] for r in rows]
+    assert sorted(counted.whole) == sorted(s.path for s in shards[:2])  # old: whole
+    assert {r[0] for r in counted.ranges} == {shards[3].path}  # new: its row group
+    _flip(store, shards[0], shards[0].bytes // 2)
+    with pytest.raises(ChecksumMismatchError, match=shards[0].path):
+        VersionedDataset(str(tmp_path / "s")).read_batch([0])
+
+
+def test_chunked_shard_lists_keep_row_groups_and_old_chunks_still_decode():
+    groups = m.RowGroups((2, 1), (10, 8, 6), "a" * 64 + "b" * 64 + "c" * 64)
+    shards = [m.ShardRef(f"data/{i}.parquet", 3, 24, "d" * 64, groups) for i in range(3)]
+    shards += [m.ShardRef(f"data/x{i}.parquet", 3, 24, "e" * 64) for i in range(m.CHUNK_ENTRIES)]
+    files, _ = m.split_chunks(shards)
+    digest, data = files[0]
+    assert m.decode_chunk(digest, data, "chunk") == shards[: m.CHUNK_ENTRIES]
+    old = shards[3 : 3 + m.CHUNK_ENTRIES]
+    files, _ = m.split_chunks(old)
+    assert b"groups" not in files[0][1]  # no row groups: the chunk is as an older one
+    assert m.decode_chunk(*files[0], "chunk") == old
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"rows": [2, 2], "bytes": [10, 8, 6], "sha256": "a" * 192},  # rows do not add up
+        {"rows": [2, 1], "bytes": [10, 8, 5], "sha256": "a" * 192},  # bytes do not add up
+        {"rows": [2, 1], "bytes": [10, 14], "sha256": "a" * 128},  # a segment missing
+        {"rows": [2, 1], "bytes": [10, 8, 6], "sha256": "A" * 192},  # not a digest
+        {"rows": [2, True], "bytes": [10, 8, 6], "sha256": "a" * 192},
+        {"rows": [2, 1], "bytes": [10, 8, 6]},
+        [1, 2],
+    ],
+)
+def test_a_malformed_row_group_entry_is_refused(bad):
+    entry = {"path": "data/a.parquet", "rows": 3, "bytes": 24, "sha256": "d" * 64, "groups": bad}
+    with pytest.raises(CorruptStoreError, match="row group entry"):
+        m.ShardRef.from_json(entry, "log/1.json")
+
+
+def test_write_shard_of_an_empty_table_records_only_the_footer():
+    class Sink:
+        def __init__(self):
+            self.data = bytearray()
+            self.closed = False
+
+        def write(self, data):
+            self.data += data
+            return len(data)
+
+        def tell(self):
+            return len(self.data)
+
+        def flush(self):
+            pass
+
+    sink = Sink()
+    groups = write_shard(_table(0, 0), sink)
+    assert groups is not None and groups.rows == () and groups.bytes == (len(sink.data),)
+    assert groups.digest(0) == m.sha256(bytes(sink.data))
+    sink = Sink()
+    groups = write_shard(_table(0, 10), sink, row_group_rows=4)
+    assert groups is not None and groups.rows == (4, 4, 2)
+    assert pq.read_table(pa.BufferReader(bytes(sink.data))).equals(_table(0, 10))
