@@ -19,15 +19,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import manifest as m
-from ..errors import (
-    DynstateError,
-    InvalidDataError,
-    MissingDependencyError,
-    StorageError,
-    StoreExistsError,
-)
+from ..errors import InvalidDataError, MissingDependencyError, StoreExistsError
 from ..snapshot import Snapshot
-from ..storage import redact
+from ..storage import Location, open_location, redact
 
 FORMATS = ("parquet", "datasets")
 Progress = Callable[[int, int], None]
@@ -48,32 +42,27 @@ def export(
     out = os.fspath(out)
     if fmt not in FORMATS:
         raise InvalidDataError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
-    fs, path, local = _target(snap.store, out, storage_options)
+    where = _target(snap.store, out, storage_options)
+    path = where.path
+    if not overwrite and where.exists(path):
+        raise StoreExistsError(
+            f"{redact(out)} exists; choose another path or pass overwrite=True to replace it"
+        )
+    _existing(where, path, out)  # refuses a directory that is not a datasets export
+    parent = path.rsplit("/", 1)[0] if "/" in path else ""
+    tmp = f"{parent}/.{uuid.uuid4().hex}.tmp" if parent else f".{uuid.uuid4().hex}.tmp"
+    if where.local and parent:
+        where.makedirs(parent)
     try:
-        if not overwrite and fs.exists(path):
-            raise StoreExistsError(
-                f"{out} exists; choose another path or pass overwrite=True to replace it"
-            )
-        _existing(fs, path, out)  # refuses a directory that is not a datasets export
-        parent = path.rsplit("/", 1)[0] if "/" in path else ""
-        tmp = f"{parent}/.{uuid.uuid4().hex}.tmp" if parent else f".{uuid.uuid4().hex}.tmp"
-        if local and parent:
-            fs.makedirs(parent, exist_ok=True)
-        try:
-            if fmt == "parquet":
-                _write_parquet(snap, fs, tmp, progress)
-            else:
-                _write_datasets(snap, out, fs, tmp, progress, storage_options)
-            _remove(fs, path)
-            fs.mv(tmp, path, recursive=fmt == "datasets")
-        finally:
-            _remove(fs, tmp)
-    except StoreExistsError:
-        raise
-    except Exception as exc:
-        if isinstance(exc, (InvalidDataError, MissingDependencyError)):
-            raise
-        raise StorageError(f"cannot write version {snap.version} to {out}: {exc}") from exc
+        # failures name OUT (the temporary name would mean nothing to the user)
+        if fmt == "parquet":
+            _write_parquet(snap, where, tmp, path, progress)
+        else:
+            _write_datasets(snap, out, where, tmp, path, progress, storage_options)
+        where.remove(path)
+        where.move(tmp, path, recursive=fmt == "datasets")
+    finally:
+        where.remove(tmp)
     return out
 
 
@@ -102,74 +91,49 @@ def output_plan(
     naming ``action``), and returns what writing ``out`` would replace (``"a file of 1.2
     KiB"``), or None when nothing is there. Nothing is written."""
     out = os.fspath(out)
-    fs, path, _ = _target(store, out, storage_options, action)
-    try:
-        return _existing(fs, path, out)
-    except DynstateError:
-        raise
-    except Exception as exc:
-        raise StorageError(f"cannot check {out}: {exc}") from exc
+    where = _target(store, out, storage_options, action)
+    return _existing(where, where.path, out)
 
 
 def _target(
     store: Any, out: str, storage_options: dict[str, Any] | None, action: str = "export to"
-) -> tuple[Any, str, bool]:
-    """(filesystem, path, is local) of ``out``, refused where it overlaps the store."""
-    import fsspec
-
-    try:
-        fs, path = fsspec.core.url_to_fs(out, **(storage_options or {}))
-    except ImportError as exc:
-        raise MissingDependencyError(
-            f"cannot write {out}: its filesystem is not installed ({exc}); for s3:// "
-            "pip install 'dynstate[s3]'"
-        ) from exc
-    except (ValueError, TypeError) as exc:
-        raise InvalidDataError(f"cannot write to {out}: {exc}") from exc
-    local = _LOCAL in _protocols(fs)
-    if local:
-        path = os.path.abspath(path)
-    _refuse_overlap(store, out, fs, path, storage_options or {}, action)
-    _refuse_any_store(fs, path, out, local, action)
-    return fs, path, local
+) -> Location:
+    """The location of ``out``, refused where it overlaps the store or any other store."""
+    where = open_location(out, storage_options)
+    _refuse_overlap(store, out, where, action)
+    _refuse_any_store(where, out, action)
+    return where
 
 
-def _refuse_any_store(fs: Any, path: str, out: str, local: bool, action: str) -> None:
+def _refuse_any_store(where: Location, out: str, action: str) -> None:
     """An OUT inside *another* store (or one that is a store) would replace its shards or its
     ``store.json`` just as surely as one inside the exported store: OUT and every folder
     above it are looked at for a store's ``_dynstate/store.json``."""
-    place = os.path.realpath(path) if local else path.rstrip("/")
+    local = where.local
+    place = os.path.realpath(where.path) if local else where.path.rstrip("/")
     sep = os.sep if local else "/"
     kind = "is"
-    try:
-        while place:
-            if fs.exists(f"{place.rstrip(sep)}{sep}{m.STORE_FILE.replace('/', sep)}"):
-                raise InvalidDataError(
-                    f"cannot {action} {redact(out)}: it {kind} the dynstate store at "
-                    f"{redact(place)}, whose files it would replace or alter; choose an OUT "
-                    "outside every store"
-                )
-            parent = os.path.dirname(place) if local else place.rpartition("/")[0]
-            if parent == place:
-                break
-            place, kind = parent, "lies inside"
-    except DynstateError:
-        raise
-    except Exception as exc:
-        raise StorageError(f"cannot check {redact(out)} for a store around it: {exc}") from exc
+    while place:
+        if where.exists(f"{place.rstrip(sep)}{sep}{m.STORE_FILE.replace('/', sep)}"):
+            raise InvalidDataError(
+                f"cannot {action} {redact(out)}: it {kind} the dynstate store at "
+                f"{where.show(place)}, whose files it would replace or alter; choose an OUT "
+                "outside every store"
+            )
+        parent = os.path.dirname(place) if local else place.rpartition("/")[0]
+        if parent == place:
+            break
+        place, kind = parent, "lies inside"
 
 
 _LOCAL = "file"
 
 
-def _protocols(fs: Any) -> tuple[str, ...]:
-    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-
-
-def _location(fs: Any, path: str, options: dict[str, Any]) -> tuple[str, str, list[str]]:
+def _location(
+    protocols: tuple[str, ...], path: str, options: dict[str, Any]
+) -> tuple[str, str, list[str]]:
     """(backend, endpoint, path components) that name the same place for the same bytes:
     symlinks resolved on a local disk; protocol, endpoint and bucket/key elsewhere."""
-    protocols = _protocols(fs)
     if _LOCAL in protocols:
         return _LOCAL, "", [p for p in os.path.realpath(path).split(os.sep) if p]
     backend = "s3" if "s3" in protocols else str(protocols[0])
@@ -180,24 +144,24 @@ def _location(fs: Any, path: str, options: dict[str, Any]) -> tuple[str, str, li
     return backend, str(endpoint or "").rstrip("/"), [p for p in path.split("/") if p]
 
 
-def _refuse_overlap(
-    store: Any, out: str, fs: Any, path: str, options: dict[str, Any], action: str
-) -> None:
+def _refuse_overlap(store: Any, out: str, where: Location, action: str) -> None:
     """Writing onto, into or around the store would replace (or pollute) the store itself:
     one mistyped OUT would destroy its identity, a record or every version."""
     storage = getattr(store, "storage", None)
     if storage is None:
         return
-    backend, endpoint, parts = _location(fs, path, options)
+    backend, endpoint, parts = _location(where.protocols, where.path, where.storage_options)
+    s_protocols = storage.fs.protocol
+    s_protocols = tuple(s_protocols) if isinstance(s_protocols, (tuple, list)) else (s_protocols,)
     s_backend, s_endpoint, s_parts = _location(
-        storage.fs, storage.root, getattr(storage, "storage_options", {}) or {}
+        s_protocols, storage.root, getattr(storage, "storage_options", {}) or {}
     )
     if backend != s_backend or (endpoint and s_endpoint and endpoint != s_endpoint):
         return
     common = min(len(parts), len(s_parts))
     if parts[:common] != s_parts[:common]:
         return
-    where = (
+    relation = (
         "is the store"
         if len(parts) == len(s_parts)
         else "lies inside the store"
@@ -205,27 +169,27 @@ def _refuse_overlap(
         else "contains the store"
     )
     raise InvalidDataError(
-        f"cannot {action} {redact(out)}: it {where} at {store.display_url}, which would "
+        f"cannot {action} {redact(out)}: it {relation} at {store.display_url}, which would "
         "be destroyed or altered; choose an OUT outside the store"
     )
 
 
-def _existing(fs: Any, path: str, out: str) -> str | None:
+def _existing(where: Location, path: str, out: str) -> str | None:
     """None if nothing is at ``path``; else what overwriting would replace. A directory is
     replaced only if it is a ``datasets`` export: any other folder (a project, a home
     directory, a bucket prefix of other files) is refused, never deleted."""
-    if not fs.exists(path):
+    if not where.exists(path):
         return None
-    if not fs.isdir(path):
-        return f"a file of {_size(fs.size(path) or 0)}"
-    names = {str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+    if not where.isdir(path):
+        return f"a file of {_size(where.size(path))}"
+    names = where.names(path)
     if not names >= _DATASETS_FILES:
         raise InvalidDataError(
             f"cannot replace {redact(out)}: it is a directory that is not a datasets export "
             f"(no {' or '.join(sorted(_DATASETS_FILES - names))}); choose another OUT, or "
             "remove it yourself"
         )
-    files = fs.find(path, detail=True)
+    files = where.find(path)
     stores = sorted(str(p)[: -len(m.STORE_FILE)] for p in files if str(p).endswith(m.STORE_FILE))
     if stores:
         # replacing the directory would remove a whole store inside it
@@ -249,12 +213,6 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def _remove(fs: Any, path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        if fs.exists(path):
-            fs.rm(path, recursive=fs.isdir(path))
-
-
 def _tables(snap: Snapshot, progress: Progress | None) -> Iterator[pa.Table]:
     total = len(snap.shards)
     if progress is not None:
@@ -265,9 +223,11 @@ def _tables(snap: Snapshot, progress: Progress | None) -> Iterator[pa.Table]:
             progress(i + 1, total)
 
 
-def _write_parquet(snap: Snapshot, fs: Any, path: str, progress: Progress | None) -> None:
+def _write_parquet(
+    snap: Snapshot, where: Location, tmp: str, path: str, progress: Progress | None
+) -> None:
     schema = snap.schema if snap.schema is not None else pa.schema([])
-    with fs.open(path, "wb") as fh, pq.ParquetWriter(fh, schema) as writer:
+    with where.open(tmp, "wb", name=path) as fh, pq.ParquetWriter(fh, schema) as writer:
         for table in _tables(snap, progress):
             writer.write_table(table)
 
@@ -289,8 +249,9 @@ def _quiet_datasets() -> Iterator[None]:
 def _write_datasets(
     snap: Snapshot,
     out: str,
-    fs: Any,
+    where: Location,
     tmp: str,
+    path: str,
     progress: Progress | None,
     storage_options: dict[str, Any] | None,
 ) -> None:
@@ -304,4 +265,9 @@ def _write_datasets(
     table = pa.concat_tables(tables) if tables else snap.to_arrow()
     target = tmp if "://" not in out else f"{out.split('://', 1)[0]}://{tmp}"
     with _quiet_datasets():
-        datasets.Dataset(table).save_to_disk(target, storage_options=storage_options)
+        # datasets writes through fsspec itself; its failures are translated all the same
+        where.call(
+            "write",
+            path,
+            lambda: datasets.Dataset(table).save_to_disk(target, storage_options=storage_options),
+        )

@@ -2,7 +2,10 @@
 
 ``open_storage(url, options)`` picks the backend: :class:`LocalStorage` for paths and
 ``file://``, :class:`MemoryStorage` for ``memory://``, :class:`ObjectStorage` for everything
-else (``s3://``, ``gs://``...). Errors are translated and credentials scrubbed here.
+else (``s3://``, ``gs://``...). ``open_location(url, options)`` opens a place outside any
+store (an export's OUT, a checkpoint mirror). Errors are translated (the client-error table
+in :mod:`.errors`) and credentials scrubbed (:mod:`.credentials`) here; :mod:`.preflight`
+holds the quick checks an interactive command asks for before it opens a store.
 """
 
 from __future__ import annotations
@@ -13,21 +16,27 @@ from typing import Any
 from ..errors import InvalidDataError
 from .base import ShardSink, Storage, is_safe_name
 from .credentials import redact
+from .errors import is_client_error, translate
 from .local import LocalStorage
+from .locations import Location, open_location
 from .memory import MemoryStorage
 from .objectstore import ObjectStorage
 from .retry import is_transient
 
 __all__ = [
     "LocalStorage",
+    "Location",
     "MemoryStorage",
     "ObjectStorage",
     "ShardSink",
     "Storage",
+    "is_client_error",
     "is_safe_name",
     "is_transient",
+    "open_location",
     "open_storage",
     "redact",
+    "translate",
 ]
 
 

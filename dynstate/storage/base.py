@@ -4,52 +4,41 @@
 relative to that root. Its public methods (read, exclusive create, overwrite, list, delete,
 stat) are the same on every backend: they run the backend's primitives (``_cat``,
 ``_create``, ``_put``, ...) through :meth:`Storage._call`, the one place where failures are
-retried and translated into :mod:`dynstate.errors` types. Two built-in exceptions pass through
-on purpose because callers act on them: ``FileNotFoundError`` (object missing) and
-``FileExistsError`` (an exclusive create lost the race).
+retried and translated into :mod:`dynstate.errors` types by the client-error table
+(:mod:`.errors`; the filesystem itself is built by :mod:`.connect`). Two built-in exceptions
+pass through on purpose because callers act on them: ``FileNotFoundError`` (object missing)
+and ``FileExistsError`` (an exclusive create lost the race).
 """
 
 from __future__ import annotations
 
-import ftplib
 import hashlib
-import inspect
 import logging
 import os
-import re
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
 
 import fsspec
 
+from .. import paths
 from ..errors import (
     ConcurrencyUnsupportedError,
     CorruptStoreError,
-    DynstateError,
-    InvalidDataError,
-    MissingDependencyError,
     StorageError,
     StoreNotFoundError,
 )
+from .connect import check_options, connect
 from .credentials import Scrubber, redact, secrets_of
-from .retry import backoff, is_client_library_error, is_transient
+from .errors import translate
+from .retry import backoff, is_transient
 
 log = logging.getLogger("dynstate")
 T = TypeVar("T")
 
 # Probe objects: the conditional-write check and the storage's clock (see Storage.now).
-PROBE_DIR = "_dynstate/probe"
-
-_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
-# Backends whose every option is known here (s3fs's leftovers go to aiobotocore's session).
-_CHECKED_PROTOCOLS = frozenset({"file", "local", "memory", "s3", "s3a"})
-# Options every fsspec filesystem takes (AbstractFileSystem's own), whatever its signature.
-_COMMON_OPTIONS = frozenset(
-    {"use_listings_cache", "listings_expiry_time", "max_paths", "skip_instance_cache", "loop"}
-)
+PROBE_DIR = paths.PROBE_DIR
 
 
 class Storage:
@@ -83,61 +72,10 @@ class Storage:
         return options
 
     def _check_options(self) -> None:
-        """Refuse option names the filesystem does not take, before it is built: fsspec
-        filesystems accept any keyword and fail much later (s3fs: a raw ``TypeError`` from
-        aiobotocore on the first request)."""
-        if not self.storage_options:
-            return
-        protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
-        if protocol not in _CHECKED_PROTOCOLS:
-            return  # where options flow on to libraries we do not know, we cannot tell
-        try:
-            cls = fsspec.get_filesystem_class(protocol)
-        except (ImportError, ValueError):
-            return  # _connect reports it
-        known = set(_COMMON_OPTIONS)
-        for klass in [*cls.__mro__, *self._option_sinks()]:
-            init = klass.__dict__.get("__init__")
-            if init is None:
-                continue
-            params = inspect.signature(init).parameters.values()
-            known |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-        known.discard("self")
-        unknown = sorted(set(self.storage_options) - known)
-        if unknown:
-            raise InvalidDataError(
-                f"unknown storage option {', '.join(map(repr, unknown))} for "
-                f"{self.display_url}; {protocol}:// takes {', '.join(sorted(known))}"
-            )
-
-    def _option_sinks(self) -> list[type]:
-        """Classes the filesystem hands unknown options on to (their names are valid too)."""
-        return []
+        check_options(self.url, self.storage_options, self.display_url)
 
     def _connect(self) -> tuple[fsspec.AbstractFileSystem, str]:
-        try:
-            return fsspec.core.url_to_fs(self.url, **self.storage_options)
-        except ImportError:
-            scheme = self.url.split("://", 1)[0]
-            extra = _EXTRAS.get(scheme, scheme)
-            raise MissingDependencyError(
-                f"cannot open {self.display_url}: the {scheme}:// filesystem is not installed; "
-                f"pip install 'dynstate[{extra}]'"
-            ) from None
-        except (ValueError, TypeError) as exc:
-            raise StorageError(
-                f"cannot open {self.display_url}: {self.scrub(str(exc))}; check the URL and "
-                "storage options"
-            ) from None
-        except DynstateError:
-            raise
-        except (OSError, EOFError, ftplib.Error) as exc:
-            # Filesystems that connect in their constructor (ftp://, sftp://, smb://) fail
-            # here with socket and protocol errors.
-            raise StorageError(
-                f"could not reach {self.display_url}: {type(exc).__name__}: "
-                f"{self.scrub(str(exc))}; check the URL and that the host is reachable"
-            ) from None
+        return connect(self.url, self.storage_options, self.display_url, self.scrub)
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
@@ -188,7 +126,7 @@ class Storage:
                     )
                     time.sleep(delay)
                     continue
-                err: Exception | None = self._translate(what, rel, exc, attempt + 1)
+                err: BaseException | None = self._translate(what, rel, exc, attempt + 1)
                 try:
                     if err is exc:
                         raise
@@ -202,25 +140,17 @@ class Storage:
     def _is_secret_bearing(self, exc: BaseException) -> bool:
         return self.scrub(str(exc)) != str(exc)
 
-    def _translate(self, what: str, rel: str, exc: Exception, attempts: int) -> Exception:
-        if isinstance(exc, (FileNotFoundError, FileExistsError, CorruptStoreError, StorageError)):
-            return exc
-        where = f"{self.display_url}/{rel}"
-        tries = f" after {attempts} attempts" if attempts > 1 else ""
-        text = self.scrub(str(exc))  # botocore's messages may quote a credential
-        if isinstance(exc, PermissionError):
-            return StorageError(
-                f"permission denied to {what} {where}; check the credentials and permissions "
-                "for this location"
-            )
-        if isinstance(exc, (OSError, RuntimeError, ValueError, TypeError)):
-            return StorageError(
-                f"could not {what} {where}{tries}: {text}; check that the location is reachable "
-                "and retry"
-            )
-        if is_client_library_error(exc):  # botocore / aiohttp errors s3fs did not translate
-            return StorageError(f"could not {what} {where}{tries}: {text}; retry later")
-        return exc
+    def _translate(self, what: str, rel: str, exc: Exception, attempts: int) -> BaseException:
+        """The one client-error table (:mod:`.errors`); the builtins callers act on pass."""
+        return translate(
+            exc,
+            what=what,
+            url=self.display_url,
+            path=f"{self.display_url}/{rel}" if rel else self.display_url,
+            scrub=self.scrub,
+            attempts=attempts,
+            keep=(FileNotFoundError, FileExistsError),
+        )
 
     # -- backend primitives (overridden per backend) ---------------------------------------
 
@@ -325,7 +255,7 @@ class Storage:
         modified(rel)`` is the difference of two readings of the same clock: no host's clock
         enters it, and a skew between hosts of any size changes nothing. A probe left behind
         by a crash has a name gc removes (``_dynstate/probe/<32 hex>``)."""
-        probe = f"{PROBE_DIR}/{uuid.uuid4().hex}"
+        probe = paths.probe_path()
         self.put(probe, b"clock", durable=False)
         try:
             return self.modified(probe)
@@ -396,7 +326,7 @@ class Storage:
         """Whether the backend really refuses a second exclusive create of the same key.
         Some S3-compatible stores ignore ``If-None-Match``; find out once, by trying."""
         if self._exclusive_ok is None:
-            probe = f"{PROBE_DIR}/{uuid.uuid4().hex}"
+            probe = paths.probe_path()
             try:
                 self.create(probe, b"1")
                 try:
@@ -433,11 +363,7 @@ class Storage:
         )
 
 
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-def is_safe_name(name: str) -> bool:
-    return bool(_SAFE_NAME.match(name)) and ".." not in name
+is_safe_name = paths.is_safe_name  # the name grammar lives in dynstate.paths
 
 
 class ShardSink:

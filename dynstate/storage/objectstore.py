@@ -46,16 +46,6 @@ class ObjectStorage(Storage):
         options.setdefault("use_listings_cache", False)
         return options
 
-    def _option_sinks(self) -> list[type]:
-        # s3fs passes options it does not know to aiobotocore's session (profile=...).
-        if self.url.split("://", 1)[0] not in ("s3", "s3a"):
-            return []
-        try:
-            from aiobotocore.session import AioSession
-        except ImportError:
-            return []
-        return [AioSession]
-
     def _cat(self, rel: str) -> bytes:
         return self.fs.cat_file(self.path(rel), **self._read_kwargs)
 

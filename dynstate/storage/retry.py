@@ -12,6 +12,7 @@ import errno
 import random
 
 from ..errors import CorruptStoreError
+from .errors import CLIENT_LIBRARIES
 
 _THROTTLE_CODES = frozenset(
     {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded"}
@@ -20,7 +21,6 @@ _TRANSIENT_ERRNOS = frozenset(
     {errno.EIO, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE}
     | ({errno.EREMOTEIO} if hasattr(errno, "EREMOTEIO") else set())
 )
-CLIENT_LIBRARIES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "s3fs")
 
 
 def backoff(attempt: int, base_s: float, cap_s: float) -> float:

@@ -13,47 +13,49 @@ import logging
 import os
 from typing import Any
 
-import fsspec
-
-from ..errors import StorageError, StoreNotFoundError
-from ..storage import redact
+from ..errors import CorruptStoreError, StorageError, StoreNotFoundError
+from ..storage import Location, open_location, redact
 
 log = logging.getLogger("dynstate")
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def _fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
-    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    return fs, root.rstrip("/")
+def _mirror(url: str, storage_options: dict[str, Any] | None) -> tuple[Location, str]:
+    where = open_location(url, storage_options)
+    return where, where.path.rstrip("/")
 
 
 def push(
     local_root: str, step: int, url: str, storage_options: dict[str, Any] | None = None
 ) -> None:
-    """Copy ``local_root/global_step_<step>`` to ``url``, then point the mirror's tracker at it."""
+    """Copy ``local_root/global_step_<step>`` to ``url``, then point the mirror's tracker at it.
+    A failure leaves the local checkpoint intact and the mirror's tracker where it was."""
     folder = os.path.join(local_root, f"global_step_{step}")
     if not os.path.isdir(folder):
         raise StoreNotFoundError(f"no checkpoint folder {folder} to mirror to {redact(url)}")
-    fs, root = _fs(url, storage_options)
-    try:
-        fs.put(folder, f"{root}/global_step_{step}", recursive=True)
-        fs.pipe_file(f"{root}/{TRACKER}", str(step).encode())
-    except OSError as exc:
-        raise StorageError(
-            f"could not mirror global_step_{step} to {redact(url)}: {exc}; the local "
-            "checkpoint is intact — check the mirror's credentials and retry"
-        ) from exc
+    where, root = _mirror(url, storage_options)
+    where.upload(folder, f"{root}/global_step_{step}")
+    where.write(f"{root}/{TRACKER}", str(step).encode())
     log.info("mirrored global_step_%d to %s", step, redact(url))
 
 
 def latest_step(url: str, storage_options: dict[str, Any] | None = None) -> int | None:
     """The step the mirror's tracker names, or None if the mirror holds no checkpoint."""
-    fs, root = _fs(url, storage_options)
+    where, root = _mirror(url, storage_options)
+    tracker = f"{root}/{TRACKER}"
     try:
-        return int(fs.cat_file(f"{root}/{TRACKER}").decode().strip())
+        text = where.read(tracker)
     except FileNotFoundError:
         return None
+    try:
+        return int(text.decode().strip())
+    except (UnicodeDecodeError, ValueError):
+        raise CorruptStoreError(
+            f"the tracker {where.show(tracker)} of the checkpoint mirror does not hold a step "
+            f"number ({text[:40]!r}); write the step of a complete global_step_N folder there, "
+            "or remove it"
+        ) from None
 
 
 def pull(local_root: str, url: str, storage_options: dict[str, Any] | None = None) -> int | None:
@@ -67,10 +69,10 @@ def pull(local_root: str, url: str, storage_options: dict[str, Any] | None = Non
         raise StorageError(
             f"{target} already exists; not overwriting it with the copy from {redact(url)}"
         )
-    fs, root = _fs(url, storage_options)
+    where, root = _mirror(url, storage_options)
     os.makedirs(local_root, exist_ok=True)
     partial = f"{target}.partial"
-    fs.get(f"{root}/global_step_{step}/", partial + "/", recursive=True)
+    where.download(f"{root}/global_step_{step}", partial)
     os.replace(partial, target)
     with open(os.path.join(local_root, TRACKER), "w") as fh:
         fh.write(str(step))

@@ -1,0 +1,97 @@
+"""From a URL and storage options to an fsspec filesystem: the one place a filesystem is
+built, for stores (:class:`~dynstate.storage.base.Storage`) and for locations outside them
+(:class:`~dynstate.storage.locations.Location`) alike. Option names the filesystem does not
+take are refused before it is built, a missing extra says which one to install, and a
+filesystem that connects in its constructor has its failures translated here."""
+
+from __future__ import annotations
+
+import ftplib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import fsspec
+
+from ..errors import DynstateError, InvalidDataError, MissingDependencyError, StorageError
+
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
+# Backends whose every option is known here (s3fs's leftovers go to aiobotocore's session).
+_CHECKED_PROTOCOLS = frozenset({"file", "local", "memory", "s3", "s3a"})
+# Options every fsspec filesystem takes (AbstractFileSystem's own), whatever its signature.
+_COMMON_OPTIONS = frozenset(
+    {"use_listings_cache", "listings_expiry_time", "max_paths", "skip_instance_cache", "loop"}
+)
+
+
+def protocol_of(url: str) -> str:
+    return url.split("://", 1)[0].lower() if "://" in url else "file"
+
+
+def _option_sinks(protocol: str) -> list[type]:
+    """Classes the filesystem hands unknown options on to (their names are valid too)."""
+    if protocol not in ("s3", "s3a"):
+        return []
+    try:  # s3fs passes options it does not know to aiobotocore's session (profile=...)
+        from aiobotocore.session import AioSession
+    except ImportError:
+        return []
+    return [AioSession]
+
+
+def check_options(url: str, options: dict[str, Any], shown: str) -> None:
+    """Refuse option names the filesystem does not take, before it is built: fsspec
+    filesystems accept any keyword and fail much later (s3fs: a raw ``TypeError`` from
+    aiobotocore on the first request). ``shown`` is the URL as messages print it."""
+    if not options:
+        return
+    protocol = protocol_of(url)
+    if protocol not in _CHECKED_PROTOCOLS:
+        return  # where options flow on to libraries we do not know, we cannot tell
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError):
+        return  # connect reports it
+    known = set(_COMMON_OPTIONS)
+    for klass in [*cls.__mro__, *_option_sinks(protocol)]:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        known |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    known.discard("self")
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise InvalidDataError(
+            f"unknown storage option {', '.join(map(repr, unknown))} for "
+            f"{shown}; {protocol}:// takes {', '.join(sorted(known))}"
+        )
+
+
+def connect(
+    url: str, options: dict[str, Any], shown: str, scrub: Callable[[str], str]
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, path inside it) of ``url``; ``shown`` and ``scrub`` keep credentials out
+    of the messages."""
+    try:
+        return fsspec.core.url_to_fs(url, **options)
+    except ImportError:
+        scheme = url.split("://", 1)[0]
+        extra = _EXTRAS.get(scheme, scheme)
+        raise MissingDependencyError(
+            f"cannot open {shown}: the {scheme}:// filesystem is not installed; "
+            f"pip install 'dynstate[{extra}]'"
+        ) from None
+    except (ValueError, TypeError) as exc:
+        raise StorageError(
+            f"cannot open {shown}: {scrub(str(exc))}; check the URL and storage options"
+        ) from None
+    except DynstateError:
+        raise
+    except (OSError, EOFError, ftplib.Error) as exc:
+        # Filesystems that connect in their constructor (ftp://, sftp://, smb://) fail
+        # here with socket and protocol errors.
+        raise StorageError(
+            f"could not reach {shown}: {type(exc).__name__}: "
+            f"{scrub(str(exc))}; check the URL and that the host is reachable"
+        ) from None

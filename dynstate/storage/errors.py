@@ -1,0 +1,313 @@
+"""The client-error table: what a failure of a filesystem or its client libraries (botocore,
+aiobotocore, aiohttp, urllib3, s3fs, fsspec) means, as a :mod:`dynstate.errors` type whose
+message names the URL and what to do.
+
+Every storage call outside this package's boundaries (:meth:`Storage._call
+<dynstate.storage.base.Storage._call>` for stores, :class:`~dynstate.storage.locations.Location`
+for export targets and checkpoint mirrors) runs through :func:`translate`, and nothing else in
+the package matches a client library's exception. Classes are matched by identity
+(``isinstance`` against the libraries' own classes, looked up only when the library is already
+imported: an exception of a library nobody imported cannot exist), S3 replies by their error
+code, most specific row first; the cause chain is searched too, because s3fs turns a botocore
+``ClientError`` into a builtin ``OSError`` whose ``__cause__`` still says what S3 answered.
+Every message goes through the location's scrubber (:mod:`.credentials`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import DynstateError, InvalidDataError, StorageError, StoreNotFoundError
+
+#: Packages whose exceptions are the client libraries' (matched by origin in the last row).
+CLIENT_LIBRARIES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "s3fs", "fsspec")
+
+# S3 error codes (and bare HTTP statuses) by meaning.
+_REFUSED_CODES = frozenset(
+    {
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "AccessDenied",
+        "Forbidden",
+        "403",
+        "InvalidToken",
+        "ExpiredToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+        "InvalidSecurity",
+    }
+)
+_NO_BUCKET_CODES = frozenset({"NoSuchBucket"})
+_NO_KEY_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+_BUSY_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded"}
+)
+
+_TO_CONFIGURE = "AWS_ENDPOINT_URL or the endpoint_url storage option"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: the exceptions it takes and the error they become."""
+
+    name: str
+    error: type[DynstateError]
+    template: str  # fields: what, url, path, tries, kind, detail, code
+
+
+# The rows, most specific first. The fields: ``what`` the operation ("read"), ``url`` the
+# location, ``path`` the object, ``tries`` " after N attempts" or "", ``kind`` the exception's
+# class name, ``detail`` its scrubbed text, ``code`` the S3 error code.
+CREDENTIALS = Row(
+    "credentials missing",
+    StorageError,
+    "no S3 credentials found for {url}; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
+    "AWS_PROFILE), or pass the storage options key=... and secret=... ({kind}: {detail})",
+)
+REFUSED = Row(
+    "credentials refused",
+    StorageError,
+    "S3 refused the credentials for {url} ({code}, trying to {what} {path}); check "
+    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's permissions",
+)
+NO_BUCKET = Row(
+    "bucket missing",
+    StoreNotFoundError,
+    "the bucket of {url} does not exist; check the bucket name and the endpoint "
+    f"({_TO_CONFIGURE})",
+)
+NO_KEY = Row("object missing", StoreNotFoundError, "nothing at {path} ({code}); check the URL")
+BUSY = Row(
+    "service busy or failing",
+    StorageError,
+    "could not {what} {path}{tries}: the service answered {code} ({detail}); retry later",
+)
+ANSWERED = Row(
+    "refused by the service",
+    StorageError,
+    "could not {what} {path}: the service answered {code} ({detail}); check the URL, the "
+    "permissions and the storage options",
+)
+UNREACHABLE = Row(
+    "endpoint unreachable",
+    StorageError,
+    "cannot reach the endpoint of {url} to {what} {path}{tries} ({kind}: {detail}); check "
+    f"that it is up, and {_TO_CONFIGURE}, and retry",
+)
+BAD_REQUEST = Row(
+    "request or configuration invalid",
+    InvalidDataError,
+    "cannot {what} {path}: the client refused the request before sending it ({kind}: "
+    "{detail}); check the URL and the storage options",
+)
+DENIED = Row(
+    "permission denied",
+    StorageError,
+    "permission denied to {what} {path}; check the credentials and permissions for this location",
+)
+CLIENT = Row(
+    "other client-library failure",
+    StorageError,
+    "could not {what} {path}{tries}: {kind}: {detail}; retry later",
+)
+OS = Row(
+    "operating-system failure",
+    StorageError,
+    "could not {what} {path}{tries}: {detail}; check that the location is reachable and retry",
+)
+OTHER = Row(
+    "anything else",
+    StorageError,
+    "could not {what} {path}{tries}: {kind}: {detail}; check the location and retry",
+)
+
+
+def _module(name: str) -> object | None:
+    return sys.modules.get(name)
+
+
+def _classes(module: str, *names: str) -> tuple[type[BaseException], ...]:
+    found = _module(module)
+    if found is None:
+        return ()
+    return tuple(getattr(found, n) for n in names if isinstance(getattr(found, n, None), type))
+
+
+def _class_rows() -> list[tuple[tuple[type[BaseException], ...], Row]]:
+    """(classes, row) for the libraries imported so far, most specific first."""
+    boto = "botocore.exceptions"
+    rows = [
+        (
+            _classes(
+                boto,
+                "NoCredentialsError",
+                "PartialCredentialsError",
+                "CredentialRetrievalError",
+                "ProfileNotFound",
+                "NoAuthTokenError",
+                "TokenRetrievalError",
+                "SSOError",
+                "LoginError",
+                "RefreshWithMFAUnsupportedError",
+                "UnknownCredentialError",
+                "UnknownTokenProviderError",
+                "MetadataRetrievalError",
+                "InfiniteLoopConfigError",
+                "ConfigNotFound",
+                "ConfigParseError",
+            ),
+            CREDENTIALS,
+        ),
+        (
+            _classes(boto, "ConnectionError", "HTTPClientError", "IncompleteReadError")
+            + _classes(
+                "aiohttp", "ClientConnectionError", "ClientPayloadError", "ConnectionTimeoutError"
+            )
+            + _classes("fsspec.exceptions", "FSTimeoutError")
+            + _classes("urllib3.exceptions", "HTTPError"),
+            UNREACHABLE,
+        ),
+        (
+            _classes(
+                boto,
+                "ValidationError",
+                "ParamValidationError",
+                "MissingParametersError",
+                "InvalidDNSNameError",
+                "UnknownClientMethodError",
+                "BaseEndpointResolverError",
+                "EndpointProviderError",
+                "UnknownRegionError",
+                "UnknownServiceStyle",
+                "UnknownSignatureVersionError",
+                "UnsupportedSignatureVersionError",
+                "InvalidConfigError",
+                "InvalidRetryConfigurationError",
+                "InvalidS3AddressingStyleError",
+                "InvalidEndpointConfigurationError",
+                "InvalidProxiesConfigError",
+                "InvalidChecksumConfigError",
+                "InvalidDefaultsMode",
+                "InvalidIMDSEndpointError",
+                "InvalidIMDSEndpointModeError",
+                "InvalidHostLabelError",
+                "InvalidExpressionError",
+                "InvalidEndpointDiscoveryConfigurationError",
+                "InvalidS3UsEast1RegionalEndpointConfigError",
+                "InvalidSTSRegionalEndpointsConfigError",
+                "UnsupportedS3ArnError",
+                "UnsupportedS3ConfigurationError",
+                "UnsupportedS3AccesspointConfigurationError",
+                "UnsupportedOutpostResourceError",
+                "UnsupportedS3ControlArnError",
+                "UnsupportedS3ControlConfigurationError",
+                "UnseekableStreamError",
+                "OperationNotPageableError",
+            )
+            + _classes("aiohttp", "InvalidURL")
+            + _classes("fsspec.exceptions", "BlocksizeMismatchError"),
+            BAD_REQUEST,
+        ),
+        # The rest of each library: server replies without an S3 code, checksum failures of
+        # a body, waiters, data files botocore could not load, warnings raised as errors.
+        (
+            _classes(boto, "BotoCoreError", "ClientError", "UndefinedModelAttributeError")
+            + _classes("aiohttp", "ClientError"),
+            CLIENT,
+        ),
+    ]
+    return [(classes, row) for classes, row in rows if classes]
+
+
+def _code(exc: BaseException) -> tuple[str, int] | None:
+    """(S3 error code, HTTP status) of a botocore ``ClientError``-shaped exception."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict) or not isinstance(response.get("Error"), dict):
+        return None
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+    return str(response["Error"].get("Code", "") or status or "unknown"), int(status)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in seen and len(seen) < 8:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def is_client_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) comes from a client library."""
+    return any(type(link).__module__.split(".")[0] in CLIENT_LIBRARIES for link in _chain(exc))
+
+
+def row_of(exc: BaseException) -> tuple[Row, str]:
+    """The table's row for ``exc`` and the S3 error code it carries ("" if none)."""
+    links = _chain(exc)
+    for link in links:
+        code = _code(link)
+        if code is not None:
+            name, status = code
+            if name in _REFUSED_CODES:
+                return REFUSED, name
+            if name in _NO_BUCKET_CODES:
+                return NO_BUCKET, name
+            if name in _NO_KEY_CODES:
+                return NO_KEY, name
+            if name in _BUSY_CODES or status >= 500 or status == 429:
+                return BUSY, name
+            return ANSWERED, name
+    class_rows = _class_rows()
+    for link in links:
+        for classes, row in class_rows:
+            if isinstance(link, classes):
+                return row, ""
+    if isinstance(exc, PermissionError):
+        return DENIED, ""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return UNREACHABLE, ""
+    if any(type(link).__module__.split(".")[0] in CLIENT_LIBRARIES for link in links):
+        return CLIENT, ""
+    if isinstance(exc, (OSError, RuntimeError, ValueError, TypeError, EOFError)):
+        return OS, ""
+    return OTHER, ""
+
+
+def _text(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except Exception:  # a client library's __str__ that needs attributes it was not given
+        text = ""
+    return " ".join(text.split()) or type(exc).__name__
+
+
+def translate(
+    exc: BaseException,
+    *,
+    what: str,
+    url: str,
+    path: str | None = None,
+    scrub: Callable[[str], str],
+    attempts: int = 1,
+    keep: tuple[type[BaseException], ...] = (),
+) -> BaseException:
+    """The :mod:`dynstate.errors` type ``exc`` means: ``what`` is the operation ("read"),
+    ``url`` the location's printable URL, ``path`` the object's (default: ``url``), ``scrub``
+    the location's scrubber. ``exc`` itself comes back when it already is a dynstate error or
+    one of ``keep`` (builtins a caller acts on, e.g. ``FileNotFoundError``)."""
+    if isinstance(exc, DynstateError) or (keep and isinstance(exc, keep)):
+        return exc
+    row, code = row_of(exc)
+    message = row.template.format(
+        what=what,
+        url=url,
+        path=path or url,
+        tries=f" after {attempts} attempts" if attempts > 1 else "",
+        kind=type(exc).__name__,
+        detail=_text(exc),
+        code=code,
+    )
+    return row.error(scrub(message))
