@@ -27,12 +27,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .. import manifest as m
 from .. import paths
-from ..errors import CorruptStoreError, InvalidDataError, StorageError
+from ..errors import InvalidDataError, StorageError
 from ..log import LeaseState, survey
-from ..log import outcomes as outcome_log
 from ..store import Store
+from .references import References, references_below
 from .retention import Retention, parse_duration, retention_floor, retention_plan, tagged
 
 __all__ = [
@@ -182,9 +181,9 @@ def collect_garbage(
     if floor > floor_before and not dry_run:
         floor = _publish_floor(store, floor, floor_before)
     head = store.refresh()
-    refs = _References(store, floor)
+    refs = References(store, floor)
     refs.add_versions(floor, head)
-    collected = _references_below(store, floor_before, floor)
+    collected = references_below(store, floor_before, floor)
     result = GcResult(store.display_url, dry_run, head, floor_before, floor, foreign=foreign,
                       retention=plan)  # fmt: skip
     for rel in files:
@@ -251,93 +250,6 @@ def _publish_floor(store: Store, floor: int, floor_before: int) -> int:
         floor = lowest
 
 
-class _References:
-    """Shards, chunks and schemas that kept versions need. The shard set equals the union of
-    every kept version's materialized list: a version's list is the floor's, or the latest
-    base record's, followed by the rounds appended since."""
-
-    def __init__(self, store: Store, floor: int) -> None:
-        self.store = store
-        self.floor = floor
-        self.shards = {s.path for s in store.log.materialize(floor)}
-        self.outcomes = outcome_log.References(store.log, floor)
-        self.chunks: set[str] = set()
-        self.schemas: set[str] = set()
-        for version in store.log.checkpoint_versions(floor):
-            shard_list = store.log.read_checkpoint(version)
-            if shard_list is not None:  # None: removed since the listing
-                self.chunks.update(shard_list.chunks)
-
-    def add_versions(self, start: int, end: int) -> None:
-        for version in range(start, end + 1):
-            record = self.store.commit_record(version)
-            if record.schema is not None:
-                self.schemas.add(record.schema)
-            self.shards.update(s.path for s in record.add)
-            self.outcomes.add_record(record, full=version > self.floor)
-            if record.base is not None:
-                self.chunks.update(record.base.chunks)
-                if version > self.floor:
-                    self.shards.update(s.path for s in self.store.log.materialize(version))
-
-    def needs(self, rel: str) -> bool:
-        if self.outcomes.needs(rel):
-            return True
-        match = paths.classify(rel)
-        if match is None:
-            return False
-        if match.kind == "shard":
-            return rel in self.shards
-        if match.kind == "chunk":
-            return match.parts in self.chunks
-        if match.kind == "schema":
-            return match.parts in self.schemas
-        return False
-
-
-def _references_below(store: Store, start: int, floor: int) -> set[str]:
-    """Files the versions being collected referred to: removed without waiting out the grace
-    period, since they are committed data and not a live writer's work in progress. Read
-    through the log (records below the floor, their checkpoints, the chunks they name); a
-    damaged one is skipped with a warning, and what it named is judged as an orphan."""
-    shards: set[str] = set()
-    chunks: set[str] = set()
-    schemas: set[str] = set()
-    lists: list[m.ShardList] = []
-    for version in range(start, floor):
-        try:
-            record = store.log.record(version)
-        except CorruptStoreError as exc:
-            log.warning("gc: reading collected version %d of %s: %s", version, store.display_url,
-                        exc)  # fmt: skip
-            record = None
-        if record is not None:
-            shards.update(s.path for s in record.add)
-            if record.schema is not None:
-                schemas.add(record.schema)
-            if record.base is not None:
-                lists.append(record.base)
-        try:
-            checkpoint = store.log.read_checkpoint(version)
-        except CorruptStoreError as exc:
-            log.warning("gc: reading the collected checkpoint of version %d of %s: %s", version,
-                        store.display_url, exc)  # fmt: skip
-            checkpoint = None
-        if checkpoint is not None:
-            lists.append(checkpoint)
-    for shard_list in lists:
-        shards.update(s.path for s in shard_list.tail)
-        for digest in shard_list.chunks:
-            chunks.add(digest)
-            try:
-                entries = store.log.read_chunk(digest)
-            except CorruptStoreError as exc:
-                log.warning("gc: reading chunk %s: %s", digest[:12], exc)
-                entries = None
-            shards.update(s.path for s in entries or ())
-    return shards | {paths.chunk_path(c) for c in chunks} | {paths.schema_path(s) for s in schemas}
-
-
 def _list_files(store: Store) -> tuple[list[str], list[str]]:
     """(dynstate's own files gc may consider, names it leaves alone) — never through a
     symlink that leads out of the store root. What is ours is what a matcher of
@@ -362,7 +274,7 @@ def _list_files(store: Store) -> tuple[list[str], list[str]]:
 def _classify(
     rel: str,
     floor: int,
-    refs: _References,
+    refs: References,
     collected: set[str],
     leases: dict[str, LeaseState],
     result: GcResult,

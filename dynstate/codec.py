@@ -1,0 +1,124 @@
+"""The encoding every store file shares, apart from what the records hold
+(:mod:`dynstate.manifest`): JSON with a SHA-256 checksum over its canonical form
+(:func:`encode`, :func:`decode`), one bounded parser for any store file (:func:`load_json`),
+content hashes and timestamps. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from datetime import datetime, timezone
+from typing import Any
+
+from .errors import ChecksumMismatchError, CorruptStoreError, UnsupportedFormatError
+
+# The highest store format this dynstate reads (dynstate.manifest writes 1, and 2 for records
+# and stores that hold outcomes or a generator state).
+READ_FORMAT = 2
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    """Serialize a record with a checksum over its canonical JSON, so tampering is caught."""
+    body = {k: v for k, v in obj.items() if k != "checksum"}
+    body["checksum"] = sha256(canonical(body))
+    return json.dumps(body, sort_keys=True, indent=1, ensure_ascii=False).encode()
+
+
+# Bounds on what any store file may hold. Records nest a few levels around a ``meta`` of at
+# most 32 (rounds.MAX_META_DEPTH); Python refuses to print ints longer than 4,300 digits by
+# default, so no writer produced one.
+MAX_JSON_DEPTH = 64
+MAX_INT_DIGITS = 4300
+# The largest count, version or size a record may name: what Arrow's int64 offsets can hold.
+MAX_COUNT = 2**63 - 1
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_LONG_INT = re.compile(rb"\d{%d,}" % (MAX_INT_DIGITS + 1))
+
+
+def _damaged(where: str, why: str) -> CorruptStoreError:
+    return CorruptStoreError(
+        f"{where} {why}; the file is damaged — run `dynstate verify` and restore it from a "
+        "backup or reset to an earlier version"
+    )
+
+
+def _nesting(data: bytes) -> int:
+    """How deep ``data``'s arrays and objects nest (brackets inside strings do not count),
+    found without recursion so that a file of 200,000 ``[`` cannot exhaust the stack."""
+    depth = peak = 0
+    for byte in _JSON_STRING.sub(b'""', data).translate(None, _NOT_BRACKETS):
+        if byte in b"[{":
+            depth += 1
+            if depth > peak:
+                peak = depth
+                if peak > MAX_JSON_DEPTH:
+                    break
+        else:
+            depth -= 1
+    return peak
+
+
+def _bounded_int(where: str) -> Any:
+    def parse(text: str) -> int:
+        if len(text.lstrip("-")) > MAX_INT_DIGITS:
+            raise _damaged(where, f"holds an integer of {len(text):,} digits")
+        return int(text)
+
+    return parse
+
+
+def load_json(data: bytes | str, where: str) -> Any:
+    """Parse any store file's JSON (records, tags, hints, ``gc.json``, leases, ``store.json``)
+    with bounded nesting and integer size: damage or hostile content is a CorruptStoreError
+    naming ``where``, never a RecursionError or ValueError."""
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    # Brackets are counted before anything recurses: most files have fewer than the limit.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _nesting(raw) > MAX_JSON_DEPTH:
+        raise _damaged(where, f"nests deeper than {MAX_JSON_DEPTH} levels")
+    # The per-integer hook costs a call per number: only files with a long digit run pay it.
+    parse_int = _bounded_int(where) if _LONG_INT.search(raw) else None
+    try:
+        return json.loads(raw, parse_int=parse_int)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _damaged(where, f"is not valid JSON ({exc})") from exc
+    except (RecursionError, ValueError) as exc:
+        raise _damaged(where, f"cannot be read as JSON ({exc})") from exc
+
+
+def decode(data: bytes, where: str) -> dict[str, Any]:
+    """Parse and verify a record written by :func:`encode`; ``where`` names it in errors."""
+    obj = load_json(data, where)
+    if not isinstance(obj, dict):
+        raise CorruptStoreError(f"{where} does not hold a JSON object; the file is damaged")
+    fmt = obj.get("format")
+    if isinstance(fmt, bool) or not isinstance(fmt, int):
+        raise CorruptStoreError(f"{where} has no format number; it was not written by dynstate")
+    if fmt > READ_FORMAT:
+        raise UnsupportedFormatError(
+            f"{where} uses store format {fmt} but this dynstate reads formats up to "
+            f"{READ_FORMAT}; upgrade dynstate (pip install -U dynstate)"
+        )
+    expected = obj.get("checksum")
+    body = {k: v for k, v in obj.items() if k != "checksum"}
+    if expected != sha256(canonical(body)):
+        raise ChecksumMismatchError(
+            f"{where} does not match its checksum: the record was modified after it was "
+            "written; restore it or reset the store to an earlier version"
+        )
+    return body
