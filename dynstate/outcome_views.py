@@ -371,16 +371,31 @@ class OutcomeViews:
         ``points``: at most this many steps, evenly spaced, the last always kept (the counts
         are exact at the steps kept).
 
-        Where every commit of the lineage that holds outcomes adds one step, later than the
-        steps before it (what a training loop writes), the counts after a step are the bands
-        of :meth:`Store.outcome_stats` at the version that committed it: each point costs one
-        stored aggregate plus the outcome files since it (fewer than
-        :data:`~dynstate.manifest.CHECKPOINT_INTERVAL`), never the whole history. Otherwise
-        (steps committed out of order, several steps in one commit, steps below the gc
-        floor) every outcome record of the lineage is folded once, cached per version: a
-        later head folds only the files committed since (all of them again after a
-        rollback)."""
-        plan = self._step_versions(version)
+        Two ways to the same counts, the cheaper one chosen from the commit records alone:
+
+        * the fold of every outcome record of the lineage, cached per version: a later head
+          folds only the files committed since (all of them again after a rollback);
+        * where every commit of the lineage that holds outcomes adds one step, later than the
+          steps before it (what a training loop writes), the bands of
+          :meth:`Store.outcome_stats` at the version that committed each step kept: one
+          stored aggregate plus fewer than :data:`~dynstate.manifest.CHECKPOINT_INTERVAL`
+          outcome files per point, whatever the length of the history. Chosen when the
+          lineage holds more records than the points times the rows, and no fold of it is
+          cached.
+
+        So the first chart costs at most about ``points`` x rows, never the whole history of
+        a long run."""
+        lineage = outcomes_of(self.store.log).lineage(version)
+        num_rows = self.store.commit_record(version).num_rows
+        records = lineage.records
+        steps_held = sum(b - a + 1 for a, b in lineage.steps)
+        plan = None
+        # A point costs O(rows): worth it only when the records are more than that, and when
+        # no fold of this lineage is cached (that one reads only the files since).
+        if records > len(_picked(steps_held, points)) * max(num_rows, 1) and (
+            self._fold_base(version, bins) is None
+        ):
+            plan = self._step_versions(version)
         if plan is None:
             series = self._fold(version, bins)
             steps, counts = series.steps, series.counts
@@ -398,8 +413,8 @@ class OutcomeViews:
             "bins": bins,
             "success_above": self.success_above,
             "bands": [{"low": i / bins, "high": (i + 1) / bins} for i in range(bins)],
-            "rows": self.store.commit_record(version).num_rows,
-            "records": outcome_records_count(self.store, version),
+            "rows": num_rows,
+            "records": records,
             "steps_recorded": recorded,
             "steps": kept_steps,
             "counts": kept_counts,
@@ -452,19 +467,7 @@ class OutcomeViews:
         lineage = outcomes.lineage(version)
         num_rows = self.store.commit_record(version).num_rows
         count = lineage.count
-        with self._lock:
-            cached = self._series.get(bins)
-        base: _Series | None = None
-        if (
-            cached is not None
-            and cached.files <= count
-            and len(cached.attempts) <= num_rows
-            and (
-                cached.files == 0
-                or outcomes.file_at(lineage, cached.files - 1).path == cached.last_file
-            )
-        ):
-            base = cached
+        base = self._fold_base(version, bins)
         new = outcomes.files_from(lineage, base.files if base is not None else 0)
         tables = [outcomes.read_file(ref, version) for ref in new]
         records = (
@@ -509,6 +512,26 @@ class OutcomeViews:
         with self._lock:
             self._series[bins] = series
         return series
+
+    def _fold_base(self, version: int, bins: int) -> _Series | None:
+        """The cached fold that ``version``'s lineage extends (its files are a prefix of the
+        lineage's), or None."""
+        outcomes = outcomes_of(self.store.log)
+        lineage = outcomes.lineage(version)
+        num_rows = self.store.commit_record(version).num_rows
+        with self._lock:
+            cached = self._series.get(bins)
+        if (
+            cached is not None
+            and cached.files <= lineage.count
+            and len(cached.attempts) <= num_rows
+            and (
+                cached.files == 0
+                or outcomes.file_at(lineage, cached.files - 1).path == cached.last_file
+            )
+        ):
+            return cached
+        return None
 
     def _add(self, series: _Series, records: pa.Table, bins: int) -> None:
         rows = as_numpy(records.column("row")).astype(np.int64)

@@ -1053,6 +1053,20 @@ def test_the_first_band_chart_reads_aggregates_not_every_outcome_file(tmp_path):
     all_reads = _counting_reads(folded)
     folded.outcome_records()
     assert sum(p.startswith("data/") for p in all_reads) == steps
+    # a rollback to step 200 (version 202), rounds again from step 201, a compaction: the
+    # counts are those of the kept lineage's records
+    store.reset(202)
+    records = [r for r in records if r[1] <= 200]
+    for step in range(201, 216):
+        mine = [(step % 8, step, 0.0)]
+        store.append(
+            [], meta={"step": step}, outcomes=[{"row": step % 8, "step": step, "score": 0.0}]
+        )
+        records += mine
+    compact(store)
+    again = StoreView(Store.open(url)).outcomes_info(None, bins="4", points="5")["bands"]
+    assert again["steps_recorded"] == 216 and again["steps"][-1] == 215
+    assert again["counts"] == [reference(s) for s in again["steps"]]
 
 
 def test_band_chart_of_steps_the_aggregates_cannot_split_folds_the_records(tmp_path):

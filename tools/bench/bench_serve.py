@@ -1,5 +1,5 @@
-"""`dynstate serve` benchmark (issue 16): start-up on a store of 10,000 versions, and
-descendant lookups on a store of 1,000,000 rows.
+"""`dynstate serve` benchmark (issue 16): start-up on a store of 10,000 versions, descendant
+lookups on a store of 1,000,000 rows, and the first pass-rate band chart of a long run.
 
 * **Start-up** — ``python -m dynstate.serve DIR --port 0`` is started as a user would start
   it; measured: until the server answers its first page of versions (target < 2 s), until
@@ -11,12 +11,18 @@ descendant lookups on a store of 1,000,000 rows.
   finding one row's children by scanning the version's source column, which is what a lookup
   without an index costs.
 
+* **Bands** (issue 21) — the first ``/outcomes`` document (statistics and rows per pass-rate
+  band at 240 steps) of a store of ``--steps`` steps of ``--outcomes`` outcome records each,
+  on a fresh server: it reads one stored aggregate and fewer than 100 outcome files per point.
+  Baseline: reading every outcome record of the lineage, what the first chart read before.
+
 The stores are built once into ``--dir`` (in memory, then copied to disk: writing 10,000
 versions with an fsync each is not what is measured) and reused by later runs.
 
     python tools/bench/bench_serve.py --dir /tmp/serve-bench
     python tools/bench/bench_serve.py --dir /tmp/serve-bench --versions 2000 --rows 200000
     python tools/bench/bench_serve.py --dir /tmp/serve-bench --sections startup
+    python tools/bench/bench_serve.py --dir /tmp/serve-bench --sections bands --steps 2000
 """
 
 from __future__ import annotations
@@ -232,6 +238,50 @@ def descendants(path: Path, lookups: int) -> None:
     )
 
 
+def build_outcomes(target: Path, steps: int, outcomes: int, rows: int) -> None:
+    """``rows`` prompts, then ``steps`` empty rounds, each with ``outcomes`` scored samples."""
+    url = f"memory://bench-serve/{uuid.uuid4().hex}"
+    store = Store.open(url, create=True)
+    store.append(pa.table({"prompt": [f"p{i}" for i in range(rows)]}))
+    rng = np.random.default_rng(0)
+    for step in range(steps):
+        scored = pa.table(
+            {
+                "row": rng.integers(0, rows, outcomes),
+                "step": np.full(outcomes, step),
+                "score": rng.random(outcomes),
+            }
+        )
+        store.append([], meta={"step": step}, outcomes=scored)
+    _copy_out(url, target)
+
+
+def bands(path: Path, repeats: int) -> None:
+    from dynstate.serve.api import StoreView
+
+    first, baseline = [], []
+    for _ in range(repeats):
+        store = Store.open(str(path))
+        t0 = time.perf_counter()
+        doc = StoreView(store).outcomes_info(None)
+        first.append(time.perf_counter() - t0)
+        store = Store.open(str(path))
+        t0 = time.perf_counter()
+        records = store.outcome_records().num_rows
+        baseline.append(time.perf_counter() - t0)
+    med = statistics.median
+    bands_doc = doc["bands"]
+    print(
+        f"store: {bands_doc['rows']:,} rows, {bands_doc['steps_recorded']:,} steps, "
+        f"{records:,} outcome records"
+    )
+    print(f"  baseline: reading every outcome record:       {med(baseline):6.2f} s")
+    print(
+        f"  first /outcomes ({len(bands_doc['steps'])} points):            {med(first):6.2f} s "
+        f"({med(first) / med(baseline):.2f}x the baseline)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="/tmp/dynstate-serve-bench")
@@ -240,6 +290,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lookups", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=10_000)
+    parser.add_argument("--outcomes", type=int, default=2_048)
     parser.add_argument("--sections", default="startup,descendants")
     args = parser.parse_args()
     sections = args.sections.split(",")
@@ -252,12 +304,19 @@ def main() -> None:
     if "descendants" in sections and not (big / "_dynstate").exists():
         print(f"building a store of {args.rows} rows in {big} ...")
         build_rows(big, args.rows, args.rounds)
+    scored = root / f"outcomes-{args.steps}-{args.outcomes}-{args.rows}"
+    if "bands" in sections and not (scored / "_dynstate").exists():
+        print(f"building a store of {args.steps} steps in {scored} ...")
+        build_outcomes(scored, args.steps, args.outcomes, args.rows)
     if "startup" in sections:
         print(f"\n== start-up ({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}) ==")
         startup(many, args.repeats)
     if "descendants" in sections:
         print(f"\n== descendants (load {os.getloadavg()[0]:.1f}) ==")
         descendants(big, args.lookups)
+    if "bands" in sections:
+        print(f"\n== bands (load {os.getloadavg()[0]:.1f}) ==")
+        bands(scored, args.repeats)
 
 
 if __name__ == "__main__":
