@@ -175,9 +175,10 @@ class Learnability(Policy):
 
     def weights(self, stats: pa.Table) -> np.ndarray:
         rate, tried = pass_rates(stats)
-        learn = rate * (1.0 - rate)  # in place from here: this runs over every row
+        learn = np.subtract(1.0, rate)  # in place from here: this runs over every row
+        learn *= rate
         np.maximum(learn, self.floor, out=learn)  # NaN (never tried) stays NaN
-        learn[~tried] = self.neutral
+        np.copyto(learn, self.neutral, where=~tried)
         return learn
 
     def describe(self) -> str:

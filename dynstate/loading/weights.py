@@ -104,7 +104,6 @@ class CumulativeWeights:
         self.num_rows = 0
         self._weights = np.zeros(0, np.float64)  # capacity: whole blocks, zero past num_rows
         self._local = np.zeros((0, BLOCK), np.float64)  # running sum within each block
-        self._last = np.zeros(0, np.int64)  # per block: its last row of positive weight
         self._top = np.zeros(0, np.float64)  # running sum over the blocks' totals
         self.total = 0.0
         self._last_block = 0
@@ -142,10 +141,11 @@ class CumulativeWeights:
     def _sum_blocks(self, dirty: slice | np.ndarray) -> None:
         """Recompute the sums of the ``dirty`` blocks and the sum over all blocks."""
         blocks = -(-self.num_rows // BLOCK)
-        sums = np.cumsum(self._weights.reshape(-1, BLOCK)[dirty], axis=1)
-        self._local[dirty] = sums
-        # the first entry reaching the block's total is its last row of positive weight
-        self._last[dirty] = (sums < sums[:, -1:]).sum(axis=1)
+        rows = self._weights.reshape(-1, BLOCK)
+        if isinstance(dirty, slice):  # every block: summed where they lie, no copy
+            np.cumsum(rows, axis=1, out=self._local)
+        else:
+            self._local[dirty] = np.cumsum(rows[dirty], axis=1)
         self._top = np.cumsum(self._local[:blocks, -1])
         self.total = float(self._top[-1]) if blocks else 0.0
         self._last_block = int(np.searchsorted(self._top, self.total, side="left"))
@@ -156,9 +156,7 @@ class CumulativeWeights:
         weights[: old * BLOCK] = self._weights
         local = np.zeros((blocks, BLOCK), np.float64)
         local[:old] = self._local
-        last = np.zeros(blocks, np.int64)
-        last[:old] = self._last
-        self._weights, self._local, self._last = weights, local, last
+        self._weights, self._local = weights, local
 
     def find(self, u: np.ndarray) -> np.ndarray:
         """The row of each point ``u`` in ``[0, total]`` of the cumulative sum: row ``i`` for
@@ -170,10 +168,13 @@ class CumulativeWeights:
         start = np.where(block > 0, self._top[block - 1], 0.0)
         rest = u - start
         # within each point's block: how many of its running sums are <= the rest (a search
-        # of every point at once over the blocks it fell in: k x BLOCK comparisons)
-        found = (self._local[block] <= rest[:, None]).sum(axis=1)
-        within = np.minimum(found, self._last[block])
-        within[past] = self._last[block[past]]
+        # of every point at once over the blocks it fell in: k x BLOCK comparisons); the
+        # first sum reaching the block's total is its last row of positive weight, where a
+        # rest rounding up to the total (or a point past the end) lands
+        sums = self._local[block]
+        last = (sums < sums[:, -1:]).sum(axis=1)
+        within = np.minimum((sums <= rest[:, None]).sum(axis=1), last)
+        within[past] = last[past]
         return block * BLOCK + within
 
 
