@@ -2,6 +2,9 @@
 
 Record formats live in :mod:`dynstate.manifest`, the commit log (head, commits, floor,
 lineage, leases) in :mod:`dynstate.log`, the filesystem in :mod:`dynstate.storage`.
+
+One file, just over 400 lines, because it is the facade users read first: every method is a
+few lines over the log, the writer or the outcomes, and most of its length is their docs.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from .log import DEFAULT_TTL_S, Log, Tags
 from .log.outcomes import outcomes_of
 from .manifest import Commit, ShardRef
 from .outcomes import DEFAULT_HALF_LIFE, DEFAULT_SUCCESS_ABOVE, check_stats_params
-from .rounds import check_meta, conform
+from .rounds import conform
 from .snapshot import Snapshot, Staged, verify_shard_bytes
 from .storage import Storage, open_storage
 from .writes import DEFAULT_SHARD_BYTES, Writer
@@ -271,24 +274,14 @@ class Store:
         (one record: never one without the other). ``generator_state``: plain JSON types, the
         generator's state after this round (:meth:`generator_state` reads it back). Both are
         checked before anything is written (:class:`InvalidDataError`)."""
-        meta = check_meta(meta, self.display_url)
-        checked = None
-        if outcomes is not None or generator_state is not None:
-            self.log.require_writable()
-            head = self.log.record(self.refresh())
-            assert head is not None
-            checked = outcomes_of(self.log).check(outcomes, generator_state, head)
-            # Written before the round's shards, whose folder sync then covers it too.
-            checked = outcomes_of(self.log).write(checked, sync=False) if checked else None
-        try:
-            staged = self.stage(data, allow_new_columns=allow_new_columns, shard_bytes=shard_bytes)
-        except BaseException:
-            if checked is not None and checked.ref is not None:
-                self._writer.discard_outcomes(checked)
-            raise
-        if checked is not None and checked.ref is not None and not staged.shards:
-            self.storage.sync_dir(paths.DATA_DIR)
-        return self._writer.commit_staged([staged], meta=meta, private=True, checked=checked)
+        return self._writer.append(
+            data,
+            meta=meta,
+            allow_new_columns=allow_new_columns,
+            shard_bytes=shard_bytes,
+            outcomes=outcomes,
+            generator_state=generator_state,
+        )
 
     def stage(
         self,
