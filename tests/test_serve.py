@@ -1081,3 +1081,22 @@ def test_band_chart_of_steps_the_aggregates_cannot_split_folds_the_records(tmp_p
     # after step 0 row 0 has passed 1 of 1 (the statistics of its version say 1 of 2)
     want = [[0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 1, 1]]
     assert (bands["steps"], bands["counts"]) == ([0, 1, 2], want)
+
+
+def test_a_diff_of_neighbours_reads_records_back_to_where_they_meet_only(tmp_path):
+    """Issue 20.7: the diff page is history.diff plus the rounds of the versions it found,
+    not a walk of both whole lineages."""
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    for step in range(150):
+        store.append([{"prompt": f"p{step}"}], meta={"step": step})
+    fresh = Store.open(url)
+    fresh.snapshot(fresh.head - 1)  # what opening the two versions reads (their shard lists)
+    reads = _counting_reads(fresh)
+    data = StoreView(fresh).diff(str(fresh.head - 1), "head")
+    assert (data["added_versions"], data["added_range"]) == ([150], [149, 150])
+    assert [r["version"] for r in data["added_rounds"]] == [150]
+    assert data["added_preview"][0]["values"]["prompt"] == "p149"
+    # the floor, the head hint, the head's record, the shard of the preview row; the
+    # lineages hold 150 versions each
+    assert len(reads) <= 6, reads
