@@ -66,8 +66,8 @@ def pass_rates(stats: pa.Table) -> tuple[np.ndarray, np.ndarray]:
 
 
 class Policy:
-    """A selection policy: ``parts(stats, step)`` returns ``[(share, weights), ...]``, one
-    weight (or bool) per row of ``stats`` in each part.
+    """A selection policy: ``weigh(stats, step)`` returns ``[(share, weights), ...]``, one
+    weight (or bool) per row of ``stats`` in each part (:meth:`parts`: the same, checked).
 
     ``name`` and ``params()`` (plain types) identify it in the sampler state: a resume with
     another policy, or other parameters, is refused. ``uses_step``: whether the weights depend
@@ -86,8 +86,15 @@ class Policy:
     def identity(self) -> dict[str, Any]:
         return {"policy": self.name, "params": self.params()}
 
-    def parts(self, stats: pa.Table, step: int) -> list[tuple[float, np.ndarray]]:
+    def weigh(self, stats: pa.Table, step: int) -> list[tuple[float, Any]]:
+        """The policy itself: ``[(share, weights), ...]`` over the rows of ``stats``,
+        unchecked (what subclasses implement)."""
         raise NotImplementedError
+
+    def parts(self, stats: pa.Table, step: int) -> list[tuple[float, np.ndarray]]:
+        """:meth:`weigh` over a whole statistics table, checked: float64 weights, or
+        :class:`InvalidDataError` naming the policy and the step."""
+        return self.checked_parts(stats, step, f"{self.describe()} at step {step}")
 
     def describe(self) -> str:
         """The policy in words, for error messages."""
@@ -99,7 +106,7 @@ class Policy:
         """:meth:`parts`, each weight vector checked (:func:`check_weights`). ``whole``:
         ``stats`` holds every row, so a lone part of all zeros is refused here already
         (several parts: pools, of which some may be empty)."""
-        parts = self.parts(stats, step)
+        parts = self.weigh(stats, step)
         some = whole and len(parts) == 1
         n = stats.num_rows
         return [(share, check_weights(w, n, where, some=some)) for share, w in parts]
@@ -150,7 +157,7 @@ class PassRateBand(Policy):
     def describe(self) -> str:
         return f"the pass-rate band [{self.lo}, {self.hi}] (untried={self.untried})"
 
-    def parts(self, stats: pa.Table, step: int) -> list[tuple[float, np.ndarray]]:
+    def weigh(self, stats: pa.Table, step: int) -> list[tuple[float, Any]]:
         return [(1.0, self.eligible(stats))]
 
 
@@ -184,7 +191,7 @@ class Learnability(Policy):
     def describe(self) -> str:
         return f"learnability (floor={self.floor}, neutral={self.neutral})"
 
-    def parts(self, stats: pa.Table, step: int) -> list[tuple[float, np.ndarray]]:
+    def weigh(self, stats: pa.Table, step: int) -> list[tuple[float, Any]]:
         return [(1.0, self.weights(stats))]
 
 
@@ -251,7 +258,7 @@ class DifficultyPools(Policy):
     def describe(self) -> str:
         return f"difficulty pools {self.names} (bounds {self.bounds}, shares {self.shares})"
 
-    def parts(self, stats: pa.Table, step: int) -> list[tuple[float, np.ndarray]]:
+    def weigh(self, stats: pa.Table, step: int) -> list[tuple[float, Any]]:
         pool = self.pool_of(stats)
         return [(share, (pool == i).astype(np.float64)) for i, share in enumerate(self.shares)]
 
@@ -299,7 +306,7 @@ class FunctionPolicy(Policy):
     def describe(self) -> str:
         return f"selection policy {self.user_name!r}"
 
-    def parts(self, stats: pa.Table, step: int) -> list[tuple[float, np.ndarray]]:
+    def weigh(self, stats: pa.Table, step: int) -> list[tuple[float, Any]]:
         where = f"selection policy {self.user_name!r} at step {step}"
         weights = self.fn(stats, step)
         if not self._checked:
