@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from .errors import InvalidDataError
 from .log.outcomes import outcomes_of
+from .manifest import CHECKPOINT_INTERVAL
 from .outcomes import DEFAULT_SUCCESS_ABOVE, as_numpy
 
 if TYPE_CHECKING:
@@ -180,6 +181,17 @@ def band_of(successes: np.ndarray, attempts: np.ndarray, bins: int) -> np.ndarra
     """The pass-rate band of trained rows, as :func:`dynstate.outcomes.summarize` bins them."""
     rate = successes / attempts
     return np.minimum((rate * bins).astype(np.int64), bins - 1)
+
+
+def _points_cheaper(records: int, steps: int, rows: int, points: int) -> bool:
+    """Whether the statistics at ``points`` versions cost less than folding every one of
+    ``records``: a point reads an aggregate of ``rows`` and, on average, the files of half a
+    checkpoint interval (fewer when the points are closer than that)."""
+    if not steps or not points:
+        return False
+    per_step = records / steps
+    files = min(steps / points, CHECKPOINT_INTERVAL / 2)
+    return points * (rows + files * per_step) < records
 
 
 def _picked(n: int, points: int | None) -> list[int] | range:
@@ -379,21 +391,20 @@ class OutcomeViews:
           steps before it (what a training loop writes), the bands of
           :meth:`Store.outcome_stats` at the version that committed each step kept: one
           stored aggregate plus fewer than :data:`~dynstate.manifest.CHECKPOINT_INTERVAL`
-          outcome files per point, whatever the length of the history. Chosen when the
-          lineage holds more records than the points times the rows, and no fold of it is
-          cached.
+          outcome files per point, whatever the length of the history. Chosen when that is
+          estimated to read less than the fold (points x (rows + the records of the files
+          since a checkpoint) < every record: a history long next to the points drawn), and
+          no fold of the lineage is cached.
 
-        So the first chart costs at most about ``points`` x rows, never the whole history of
-        a long run."""
+        So the first chart reads the lesser of every record and about ``points`` aggregates
+        with the files after them."""
         lineage = outcomes_of(self.store.log).lineage(version)
         num_rows = self.store.commit_record(version).num_rows
         records = lineage.records
         steps_held = sum(b - a + 1 for a, b in lineage.steps)
         plan = None
-        # A point costs O(rows): worth it only when the records are more than that, and when
-        # no fold of this lineage is cached (that one reads only the files since).
-        if records > len(_picked(steps_held, points)) * max(num_rows, 1) and (
-            self._fold_base(version, bins) is None
+        if _points_cheaper(records, steps_held, num_rows, len(_picked(steps_held, points))) and (
+            self._fold_base(version, bins) is None  # a cached fold reads only the files since
         ):
             plan = self._step_versions(version)
         if plan is None:
