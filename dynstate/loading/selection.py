@@ -369,9 +369,11 @@ class Selector:
     def _refresh(self, plan: Plan, table: pa.Table, step: int, where: str) -> None:
         assert self.policy.reads is not None
         old = plan.num_rows
-        changed = np.zeros(old, np.bool_)
+        changed, differs = np.zeros(old, np.bool_), np.empty(old, np.bool_)
         for seen, name in zip(self._seen, self.policy.reads, strict=True):
-            changed |= seen != _column(table, name)[:old]
+            # into buffers: this is the one pass over every row a refresh makes
+            np.not_equal(seen, _column(table, name)[:old], out=differs)
+            np.logical_or(changed, differs, out=changed)
         rows = np.concatenate([np.flatnonzero(changed), np.arange(old, table.num_rows)])
         if not len(rows):
             return

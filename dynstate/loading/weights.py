@@ -112,7 +112,8 @@ class CumulativeWeights:
     def of(cls, weights: np.ndarray) -> CumulativeWeights:
         """Built over every row in one go (no search for the blocks a change touched)."""
         built = cls()
-        built._grow(-(-len(weights) // BLOCK))
+        blocks = -(-len(weights) // BLOCK)
+        built._grow(blocks + blocks // 8 + 1)  # room for rounds to come: growing copies all
         built.num_rows = len(weights)
         built._weights[: len(weights)] = weights
         built._sum_blocks(slice(None))
@@ -142,8 +143,8 @@ class CumulativeWeights:
         """Recompute the sums of the ``dirty`` blocks and the sum over all blocks."""
         blocks = -(-self.num_rows // BLOCK)
         rows = self._weights.reshape(-1, BLOCK)
-        if isinstance(dirty, slice):  # every block: summed where they lie, no copy
-            np.cumsum(rows, axis=1, out=self._local)
+        if isinstance(dirty, slice):  # every block in use: summed where they lie, no copy
+            np.cumsum(rows[:blocks], axis=1, out=self._local[:blocks])
         else:
             self._local[dirty] = np.cumsum(rows[dirty], axis=1)
         self._top = np.cumsum(self._local[:blocks, -1])
