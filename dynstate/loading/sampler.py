@@ -10,9 +10,12 @@ The sampler composes three things kept elsewhere: its position, one immutable va
 (:class:`dynstate.loading.state.Position`); the rank and step math
 (:mod:`dynstate.loading.layout`); and the "round of step N" query (:mod:`dynstate.log.steps`),
 by which each epoch pins its version and mix mode draws fresh rows; the loader's batching
-(:mod:`dynstate.loading.batching`) and the epoch's order (:class:`EpochOrder`) live apart too.
-It is longer than most modules (~450 lines) because the two modes share one epoch, step and
-state protocol that reads best in one class.
+(:mod:`dynstate.loading.batching`), the epoch's order (:class:`EpochOrder`), the selection
+policies (:mod:`dynstate.loading.selection`) and their weights (:mod:`dynstate.loading.weights`)
+live apart too. It stays one file of ~540 lines because epoch mode, mix mode and selection are
+three ways of filling the same step under one epoch, step and state protocol (the position
+moves a whole step before the step's indices leave, alike on every rank), which reads best in
+one class; what stands alone has left it.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from . import layout
 from .batching import Batching, check_lag, drawing_batcher
 from .dataset import VersionedDataset, encode_index
 from .permutation import EpochOrder, FeistelPermutation
-from .selection import Policy, Selector, as_policy, step_rng
+from .selection import Policy, as_policy
 from .state import MODES, SELECT_FORMAT, STATE_KIND, Position, _is_int, check_state
+from .weights import Selector, step_rng
 
 log = logging.getLogger("dynstate")
 

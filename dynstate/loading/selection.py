@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidDataError
-from .weights import Plan, check_weights, step_rng
+from .weights import Plan, Selector, check_weights, step_rng
 
 __all__ = [
     "DifficultyPools",
@@ -320,72 +320,6 @@ class FunctionPolicy(Policy):
                 )
             self._checked = True
         return [(1.0, weights)]
-
-
-class Selector:
-    """The weights one sampler draws from: the plan of the statistics version it drew from
-    last, refreshed in place when the next version's statistics arrive.
-
-    For a policy whose rows weigh by their own statistics (``reads``) and not by the step,
-    the refresh re-weighs only the rows whose ``reads`` columns changed and the rows the
-    round added — found by one comparison of those columns with the last version's — and
-    the plan's :class:`~dynstate.loading.weights.CumulativeWeights` recompute only the
-    blocks that hold them. Its content is a pure function of the version's statistics, so
-    a refresh and a build at that version (a resumed run's) draw the same rows. Other
-    policies are built in full per version (and per step with ``uses_step``)."""
-
-    def __init__(self, policy: Policy) -> None:
-        self.policy = policy
-        self._key: Any = None
-        self._plan: Plan | None = None
-        self._seen: list[np.ndarray] = []  # the ``reads`` columns the plan was weighed by
-        self.rebuilds = 0  # plans built over every row (work counters, for tests and benches)
-        self.reweighed = 0  # rows re-weighed by refreshes
-
-    def plan(self, key: Any, stats: Callable[[], pa.Table], step: int, where: str) -> Plan:
-        """The plan for ``key`` (a statistics version, and the step for a policy that uses
-        it); ``stats()`` gives that version's statistics table when it is not the last one."""
-        if self._plan is not None and self._key == key:
-            return self._plan
-        table = stats()
-        policy, last = self.policy, self._plan
-        self._plan = None  # a refused refresh leaves no half-updated plan behind
-        if (
-            last is not None
-            and policy.reads is not None
-            and not policy.uses_step
-            and table.num_rows >= last.num_rows
-        ):
-            self._refresh(last, table, step, where)
-            plan = last
-        else:
-            plan = policy.plan(table, step, where)
-            self.rebuilds += 1
-        if policy.reads is not None:
-            self._seen = [_column(table, name) for name in policy.reads]
-        self._plan, self._key = plan, key
-        return plan
-
-    def _refresh(self, plan: Plan, table: pa.Table, step: int, where: str) -> None:
-        assert self.policy.reads is not None
-        old = plan.num_rows
-        changed, differs = np.zeros(old, np.bool_), np.empty(old, np.bool_)
-        for seen, name in zip(self._seen, self.policy.reads, strict=True):
-            # into buffers: this is the one pass over every row a refresh makes
-            np.not_equal(seen, _column(table, name)[:old], out=differs)
-            np.logical_or(changed, differs, out=changed)
-        rows = np.concatenate([np.flatnonzero(changed), np.arange(old, table.num_rows)])
-        if not len(rows):
-            return
-        # the rows' own statistics: all a row-local policy reads
-        part = pa.table({name: _column(table, name)[rows] for name in self.policy.reads})
-        parts = self.policy.checked_parts(part, step, where, whole=False)
-        plan.set(rows, [w for _, w in parts], table.num_rows, where)
-        self.reweighed += len(rows)
-
-
-def _column(table: pa.Table, name: str) -> np.ndarray:
-    return table.column(name).to_numpy(zero_copy_only=False)
 
 
 def _plain(value: Any, where: str) -> Any:

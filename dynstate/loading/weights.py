@@ -12,21 +12,26 @@ what weights built in one go draw: a resumed run, which builds them at the versi
 at, continues the same stream. Drawing ``k`` rows is two searches per row.
 
 :class:`Plan` is a policy's strata (a share of the step's slots and a weight structure
-each); :func:`step_rng` the stream a step draws from, keyed by ``(seed, epoch, step)``.
+each); :class:`Selector` keeps one sampler's plan and refreshes it from one statistics
+version to the next; :func:`step_rng` is the stream a step draws from, keyed by ``(seed,
+epoch, step)``. The policies themselves are in :mod:`dynstate.loading.selection`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidDataError
 
-__all__ = ["BLOCK", "CumulativeWeights", "Plan", "check_weights", "step_rng"]
+if TYPE_CHECKING:
+    from .selection import Policy
+
+__all__ = ["BLOCK", "CumulativeWeights", "Plan", "Selector", "check_weights", "step_rng"]
 
 BLOCK = 256  # rows per block; fixed, as the draws' rounding (never their law) depends on it
 _SALT = 0x5E1EC7  # keeps a selection's stream apart from any other use of the same seed
@@ -256,3 +261,69 @@ class Plan:
         if len(parts) > 1:
             rows = rows[rng.permutation(len(rows))]  # every rank's share mixes the pools
         return rows.astype(np.int64)
+
+
+class Selector:
+    """The weights one sampler draws from: the plan of the statistics version it drew from
+    last, refreshed in place when the next version's statistics arrive.
+
+    For a policy whose rows weigh by their own statistics (``reads``) and not by the step,
+    the refresh re-weighs only the rows whose ``reads`` columns changed and the rows the
+    round added — found by one comparison of those columns with the last version's — and
+    the plan's :class:`~dynstate.loading.weights.CumulativeWeights` recompute only the
+    blocks that hold them. Its content is a pure function of the version's statistics, so
+    a refresh and a build at that version (a resumed run's) draw the same rows. Other
+    policies are built in full per version (and per step with ``uses_step``)."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self._key: Any = None
+        self._plan: Plan | None = None
+        self._seen: list[np.ndarray] = []  # the ``reads`` columns the plan was weighed by
+        self.rebuilds = 0  # plans built over every row (work counters, for tests and benches)
+        self.reweighed = 0  # rows re-weighed by refreshes
+
+    def plan(self, key: Any, stats: Callable[[], pa.Table], step: int, where: str) -> Plan:
+        """The plan for ``key`` (a statistics version, and the step for a policy that uses
+        it); ``stats()`` gives that version's statistics table when it is not the last one."""
+        if self._plan is not None and self._key == key:
+            return self._plan
+        table = stats()
+        policy, last = self.policy, self._plan
+        self._plan = None  # a refused refresh leaves no half-updated plan behind
+        if (
+            last is not None
+            and policy.reads is not None
+            and not policy.uses_step
+            and table.num_rows >= last.num_rows
+        ):
+            self._refresh(last, table, step, where)
+            plan = last
+        else:
+            plan = policy.plan(table, step, where)
+            self.rebuilds += 1
+        if policy.reads is not None:
+            self._seen = [_column(table, name) for name in policy.reads]
+        self._plan, self._key = plan, key
+        return plan
+
+    def _refresh(self, plan: Plan, table: pa.Table, step: int, where: str) -> None:
+        assert self.policy.reads is not None
+        old = plan.num_rows
+        changed, differs = np.zeros(old, np.bool_), np.empty(old, np.bool_)
+        for seen, name in zip(self._seen, self.policy.reads, strict=True):
+            # into buffers: this is the one pass over every row a refresh makes
+            np.not_equal(seen, _column(table, name)[:old], out=differs)
+            np.logical_or(changed, differs, out=changed)
+        rows = np.concatenate([np.flatnonzero(changed), np.arange(old, table.num_rows)])
+        if not len(rows):
+            return
+        # the rows' own statistics: all a row-local policy reads
+        part = pa.table({name: _column(table, name)[rows] for name in self.policy.reads})
+        parts = self.policy.checked_parts(part, step, where, whole=False)
+        plan.set(rows, [w for _, w in parts], table.num_rows, where)
+        self.reweighed += len(rows)
+
+
+def _column(table: pa.Table, name: str) -> np.ndarray:
+    return table.column(name).to_numpy(zero_copy_only=False)
