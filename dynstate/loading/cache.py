@@ -141,10 +141,11 @@ class ShardCache:
 
     def reads_whole(self, store: Store, shard: m.ShardRef, groups: int) -> bool:
         """Whether a read that needs ``groups`` of the shard's row groups should read it
-        whole: no row groups recorded (an older store), one only, more than half of them
-        wanted (one range and one decode beat many), or a copy on the local disk cache."""
+        whole: no row groups recorded (an older store), all of them wanted (one range, one
+        decode), or a copy on the local disk cache. Decoding costs about its rows, so any
+        row group skipped saves more than the extra pieces cost."""
         info = shard.groups
-        if info is None or len(info.rows) <= 1 or 2 * groups > len(info.rows):
+        if info is None or groups >= len(info.rows):
             return True
         if store.storage.local or self.disk_dir is None:
             return False

@@ -1,5 +1,9 @@
 """VersionedDataset: a map-style dataset over one version of a store, safe in DataLoader
-workers, with a bounded shard cache."""
+workers, with a bounded shard cache.
+
+One file: the index encoding, the per-version view and the dataset are the process-local
+state a worker rebuilds after unpickling (``_view``, ``store``, ``cache``), and the view's
+fields are the dataset's private working set; batch assembly lives in :mod:`.batch`."""
 
 from __future__ import annotations
 

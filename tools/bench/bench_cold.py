@@ -1,0 +1,215 @@
+"""Cold open + first batch (issue 23.1), side by side in one process: a fresh
+``VersionedDataset`` on a 1M-row, 100-shard store reading 256 random rows, against
+``datasets.load_from_disk`` + ``ds[list]`` and ``lance.dataset`` + ``take`` on the same rows,
+each round with new handles and new random indices (the OS page cache stays warm for all:
+dropping it would disturb the other users of the machine). Reported: medians, per-round
+ratios, the load average around each figure. Then the same store on the loopback S3 server:
+the first batch's time and the bytes its shard reads fetched, against the store's size.
+
+Targets: cold open + first batch <= 2x HF and <= Lance; on S3 bytes read <= 5 % of the store.
+
+    python tools/bench/bench_cold.py                              # 1M rows, 100 shards
+    python tools/bench/bench_cold.py --row-groups 1024,4096,16384 # the row-group size sweep
+    python tools/bench/bench_cold.py --rows 200000 --skip-s3      # quicker
+
+Lance (``pylance``) and ``datasets`` are benchmark-only dependencies, never imported by the
+library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/: loopback_s3
+
+import dynstate.rowgroups as rowgroups  # noqa: E402
+from bench_resume import rows_table  # noqa: E402
+from dynstate import Store, VersionedDataset  # noqa: E402
+
+BATCH = 256
+
+
+def _load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def build(url: str, table: pa.Table, shards: int, **options: Any) -> Store:
+    store = Store.open(url, create=True, **options)
+    per = table.num_rows // shards
+    for k in range(shards):
+        store.append(table.slice(k * per, per))
+    return store
+
+
+def _ours(url: str, options: dict[str, Any], fmt: str) -> Callable[[list[int]], Any]:
+    def run(idx: list[int]) -> Any:
+        ds = VersionedDataset(url, storage_options=options, cache_dir=None)
+        return ds.read_batch(idx, fmt)
+
+    return run
+
+
+def contenders(root: Path, table: pa.Table, url: str) -> dict[str, Callable[[list[int]], Any]]:
+    import datasets
+    import lance
+
+    hf_path = root / "hf"
+    if not hf_path.exists():
+        datasets.Dataset(table).save_to_disk(str(hf_path))
+    lance_path = root / "lance"
+    if not lance_path.exists():
+        lance.write_dataset(table, str(lance_path))
+
+    def hf(idx: list[int]) -> Any:
+        return datasets.load_from_disk(str(hf_path))[idx]  # a dict of column lists
+
+    def lance_take(idx: list[int]) -> Any:
+        return lance.dataset(str(lance_path)).take(idx).to_pydict()
+
+    return {
+        "dynstate columns": _ours(url, {}, "columns"),
+        "dynstate rows": _ours(url, {}, "rows"),
+        "HF load_from_disk+ds[list]": hf,
+        "Lance dataset+take": lance_take,
+    }
+
+
+def rounds(cases: dict[str, Callable[[list[int]], Any]], n: int, repeats: int) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    loads = []
+    for case in cases.values():
+        case(rng.choice(n, BATCH, replace=False).tolist())  # imports, first-touch pages
+    for r in range(repeats):
+        idx = rng.choice(n, BATCH, replace=False).tolist()
+        names = list(cases) if r % 2 == 0 else list(cases)[::-1]
+        for name in names:
+            t = time.perf_counter()
+            cases[name](idx)
+            times[name].append(time.perf_counter() - t)
+        loads.append(os.getloadavg()[0])
+    return {"times": times, "load": loads}
+
+
+def report(label: str, result: dict[str, Any]) -> None:
+    times = result["times"]
+    print(
+        f"\n{label} — {len(times['dynstate columns'])} rounds, 1-min load during the rounds "
+        f"{min(result['load']):.2f}–{max(result['load']):.2f}"
+    )
+    for name, ts in times.items():
+        ms = [t * 1e3 for t in ts]
+        print(f"  {name:28s} median {statistics.median(ms):7.1f} ms  [{min(ms):.1f}–{max(ms):.1f}]")
+    ours = times["dynstate columns"]
+    for peer in ("HF load_from_disk+ds[list]", "Lance dataset+take"):
+        ratios = [a / b for a, b in zip(ours, times[peer], strict=True)]
+        print(
+            f"  dynstate columns / {peer:28s} median {statistics.median(ratios):.2f}x "
+            f"[{min(ratios):.2f}–{max(ratios):.2f}]"
+        )
+
+
+def bench_s3(table: pa.Table, shards: int, repeats: int) -> None:
+    from loopback_s3 import loopback_s3
+
+    with loopback_s3("bench-cold") as server:
+        url = "s3://bench-cold/store"
+        options = {"endpoint_url": server.endpoint}
+        store = build(url, table, shards, storage_options=options)
+        total = sum(s.bytes for s in store.snapshot().shards)
+        rng = np.random.default_rng(1)
+        fetched, times, requests = [], [], []
+        for _ in range(repeats):
+            ds = VersionedDataset(url, storage_options=options, cache_dir=None)
+            storage = ds.store.storage
+            got = [0]
+            cat_ranges, cat = storage._cat_ranges, storage._cat
+
+            def counted_ranges(ranges, _f=cat_ranges, _got=got):
+                out = _f(ranges)
+                _got[0] += sum(len(b) for b in out)
+                return out
+
+            def counted_cat(rel, _f=cat, _got=got):
+                out = _f(rel)
+                if rel.startswith("data/"):
+                    _got[0] += len(out)
+                return out
+
+            storage._cat_ranges, storage._cat = counted_ranges, counted_cat
+            mark = server.count()
+            idx = rng.choice(table.num_rows, BATCH, replace=False).tolist()
+            t = time.perf_counter()
+            ds.read_batch(idx, "columns")
+            times.append(time.perf_counter() - t)
+            requests.append(server.count() - mark)
+            fetched.append(got[0])
+        share = [f / total * 100 for f in fetched]
+        print(
+            f"\nloopback S3, first batch of {BATCH} random rows with a fresh dataset "
+            f"(store {total / 2**20:.1f} MiB in {shards} shards), load {_load()}:"
+        )
+        print(
+            f"  time median {statistics.median(times) * 1e3:.0f} ms "
+            f"[{min(times) * 1e3:.0f}–{max(times) * 1e3:.0f}], requests median "
+            f"{statistics.median(requests):.0f}"
+        )
+        print(
+            f"  shard bytes read median {statistics.median(fetched) / 2**20:.2f} MiB = "
+            f"{statistics.median(share):.1f} % of the store [{min(share):.1f}–{max(share):.1f}]"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--shards", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument(
+        "--row-groups",
+        default=str(rowgroups.ROW_GROUP_ROWS),
+        help="comma-separated rows per row group to build and measure",
+    )
+    parser.add_argument("--dir", default=None, help="where to build (default: a temp folder)")
+    parser.add_argument("--skip-s3", action="store_true")
+    args = parser.parse_args()
+    root = Path(args.dir or tempfile.mkdtemp(prefix="bench-cold-"))
+    root.mkdir(parents=True, exist_ok=True)
+    table = rows_table(args.rows)
+    print(
+        f"{args.rows:,} rows ({table.nbytes / 2**20:.0f} MiB in Arrow), {args.shards} shards, "
+        f"batch {BATCH}; load at start {_load()} (1/5/15 min; {os.cpu_count()} CPUs)"
+    )
+    sizes = [int(s) for s in args.row_groups.split(",")]
+    try:
+        for size in sizes:
+            rowgroups.ROW_GROUP_ROWS = size
+            path = root / f"store-{size}"
+            shutil.rmtree(path, ignore_errors=True)
+            store = build(str(path), table, args.shards)
+            total = sum(s.bytes for s in store.snapshot().shards)
+            cases = contenders(root, table, str(path))
+            result = rounds(cases, args.rows, args.repeats)
+            report(f"row groups of {size} rows, store {total / 2**20:.1f} MiB", result)
+        if not args.skip_s3:
+            rowgroups.ROW_GROUP_ROWS = sizes[-1] if len(sizes) == 1 else sizes[0]
+            bench_s3(table, args.shards, args.repeats)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
