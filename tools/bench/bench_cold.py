@@ -34,9 +34,10 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/: loopback_s3
 
-import dynstate.rowgroups as rowgroups  # noqa: E402
-from bench_resume import rows_table  # noqa: E402
-from dynstate import Store, VersionedDataset  # noqa: E402
+from bench_resume import rows_table
+
+import dynstate.rowgroups as rowgroups
+from dynstate import Store, VersionedDataset
 
 BATCH = 256
 
@@ -107,17 +108,17 @@ def report(label: str, result: dict[str, Any]) -> None:
     times = result["times"]
     print(
         f"\n{label} — {len(times['dynstate columns'])} rounds, 1-min load during the rounds "
-        f"{min(result['load']):.2f}–{max(result['load']):.2f}"
+        f"{min(result['load']):.2f}-{max(result['load']):.2f}"
     )
     for name, ts in times.items():
         ms = [t * 1e3 for t in ts]
-        print(f"  {name:28s} median {statistics.median(ms):7.1f} ms  [{min(ms):.1f}–{max(ms):.1f}]")
+        print(f"  {name:28s} median {statistics.median(ms):7.1f} ms  [{min(ms):.1f}-{max(ms):.1f}]")
     ours = times["dynstate columns"]
     for peer in ("HF load_from_disk+ds[list]", "Lance dataset+take"):
         ratios = [a / b for a, b in zip(ours, times[peer], strict=True)]
         print(
             f"  dynstate columns / {peer:28s} median {statistics.median(ratios):.2f}x "
-            f"[{min(ratios):.2f}–{max(ratios):.2f}]"
+            f"[{min(ratios):.2f}-{max(ratios):.2f}]"
         )
 
 
@@ -163,12 +164,12 @@ def bench_s3(table: pa.Table, shards: int, repeats: int) -> None:
         )
         print(
             f"  time median {statistics.median(times) * 1e3:.0f} ms "
-            f"[{min(times) * 1e3:.0f}–{max(times) * 1e3:.0f}], requests median "
+            f"[{min(times) * 1e3:.0f}-{max(times) * 1e3:.0f}], requests median "
             f"{statistics.median(requests):.0f}"
         )
         print(
             f"  shard bytes read median {statistics.median(fetched) / 2**20:.2f} MiB = "
-            f"{statistics.median(share):.1f} % of the store [{min(share):.1f}–{max(share):.1f}]"
+            f"{statistics.median(share):.1f} % of the store [{min(share):.1f}-{max(share):.1f}]"
         )
 
 
