@@ -297,32 +297,55 @@ class Selector:
             and not policy.uses_step
             and table.num_rows >= last.num_rows
         ):
-            self._refresh(last, table, step, where)
+            self._remember(table, self._refresh(last, table, step, where))
             plan = last
         else:
             plan = policy.plan(table, step, where)
             self.rebuilds += 1
-        if policy.reads is not None:
-            self._seen = [_column(table, name) for name in policy.reads]
+            if policy.reads is not None:
+                self._remember(table, None)
         self._plan, self._key = plan, key
         return plan
 
-    def _refresh(self, plan: Plan, table: pa.Table, step: int, where: str) -> None:
+    def _remember(self, table: pa.Table, rows: np.ndarray | None) -> None:
+        """Keep the ``reads`` columns of ``table`` — in arrays of our own (the table's
+        buffers may be the store's, which we must not count on staying as they are), with
+        room to grow; ``rows``: only those changed since the last version."""
+        assert self.policy.reads is not None
+        n = table.num_rows
+        if rows is None:
+            self._seen = []
+            for name in self.policy.reads:
+                column = _column(table, name)
+                own = np.empty(n + n // 8 + 1, column.dtype)
+                own[:n] = column
+                self._seen.append(own)
+            return
+        for i, name in enumerate(self.policy.reads):
+            if len(self._seen[i]) < n:
+                wider = np.empty(max(n, 2 * len(self._seen[i])), self._seen[i].dtype)
+                wider[: len(self._seen[i])] = self._seen[i]
+                self._seen[i] = wider
+            self._seen[i][rows] = _column(table, name)[rows]
+
+    def _refresh(self, plan: Plan, table: pa.Table, step: int, where: str) -> np.ndarray:
+        """Re-weigh the rows whose ``reads`` changed and the rows added; returns them."""
         assert self.policy.reads is not None
         old = plan.num_rows
         changed, differs = np.zeros(old, np.bool_), np.empty(old, np.bool_)
         for seen, name in zip(self._seen, self.policy.reads, strict=True):
             # into buffers: this is the one pass over every row a refresh makes
-            np.not_equal(seen, _column(table, name)[:old], out=differs)
+            np.not_equal(seen[:old], _column(table, name)[:old], out=differs)
             np.logical_or(changed, differs, out=changed)
         rows = np.concatenate([np.flatnonzero(changed), np.arange(old, table.num_rows)])
         if not len(rows):
-            return
+            return rows
         # the rows' own statistics: all a row-local policy reads
         part = pa.table({name: _column(table, name)[rows] for name in self.policy.reads})
         parts = self.policy.checked_parts(part, step, where, whole=False)
         plan.set(rows, [w for _, w in parts], table.num_rows, where)
         self.reweighed += len(rows)
+        return rows
 
 
 def _column(table: pa.Table, name: str) -> np.ndarray:
