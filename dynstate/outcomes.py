@@ -396,7 +396,7 @@ class Aggregate:
         rows = as_numpy(table.column("row"))
         steps = as_numpy(table.column("step"))
         scores = as_numpy(table.column("score"))
-        hit, inv = np.unique(rows, return_inverse=True)
+        hit, inv = _group(rows, self.num_rows)
         k = len(hit)
         passed = (scores > self.success_above).astype(np.float64)
         first = np.full(k, np.iinfo(np.int64).max, np.int64)
@@ -487,6 +487,18 @@ class Aggregate:
                 f"{where} is not an outcome aggregate ({exc}); run `dynstate verify`"
             ) from exc
         return agg
+
+
+def _group(rows: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows (sorted) and each record's index among them, as ``np.unique``
+    gives them. Many records for the rows (a checkpoint folds 100 steps): by a pass over
+    the rows instead of a sort, which costs seconds at millions of records."""
+    if len(rows) * 4 < num_rows:
+        return np.unique(rows, return_inverse=True)
+    hit = np.flatnonzero(np.bincount(rows, minlength=num_rows))
+    where = np.empty(num_rows, np.int64)
+    where[hit] = np.arange(len(hit))
+    return hit, where[rows]
 
 
 def check_stats_params(success_above: Any, half_life: Any, url: str) -> tuple[float, float]:

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import threading
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
@@ -66,11 +69,7 @@ class Writer:
         committing. Several staged parts (from other processes too: a :class:`Staged` pickles)
         become one version with :meth:`commit_staged`. The shards are protected from gc by a
         lease this process renews while it lives; uncommitted ones are removed by gc after."""
-        if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
-            raise InvalidDataError(
-                f"shard_bytes for {self.display_url} must be a positive int (bytes of Arrow data "
-                f"per shard), not {shard_bytes!r}"
-            )
+        self._check_shard_bytes(shard_bytes)
         table = to_table(data, self.display_url)
         self.log.require_writable()
         head = self.log.record(self.refresh())
@@ -86,6 +85,85 @@ class Writer:
             raise
         staged = Staged(tuple(shards), schema, head.schema, lease, self.store_id)
         return staged.keep_leased(self.storage, self.log.leases.ttl_s)
+
+    def append(
+        self,
+        data: Any,
+        *,
+        meta: dict[str, Any] | None = None,
+        allow_new_columns: bool = False,
+        shard_bytes: int = DEFAULT_SHARD_BYTES,
+        outcomes: Any = None,
+        generator_state: Any = None,
+    ) -> int:
+        """:meth:`Store.append`: check the round, its outcomes and state against one head,
+        then write the round's shards and its outcome file under one lease in one pass (the
+        two files fsynced at once, one ``data/`` sync for both) and commit them as one
+        version. Nothing is written before every check passed."""
+        self._check_shard_bytes(shard_bytes)
+        meta = check_meta(meta, self.display_url)
+        table = to_table(data, self.display_url)
+        self.log.require_writable()
+        head = self.log.record(self.refresh())
+        assert head is not None
+        table, schema = self._conform_round(table, head, allow_new_columns)
+        checked = None
+        if outcomes is not None or generator_state is not None:
+            checked = outcomes_of(self.log).check(outcomes, generator_state, head)
+        if checked is not None:
+            outcomes_of(self.log).mark_store()
+        has_outcomes = checked is not None and checked.table is not None
+        if not table.num_rows and not has_outcomes:
+            staged = Staged((), schema, head.schema, None, self.store_id)
+            return self.commit_staged([staged], meta=meta, private=True, checked=checked)
+        lease = self.log.leases.acquire()
+        try:
+            shards, checked = self._write_round(table, shard_bytes, lease, checked)
+        except BaseException:
+            self.log.leases.end({lease}, committed=False, tombstone=False)
+            raise
+        staged = Staged(
+            tuple(shards), schema, head.schema, lease if shards else None, self.store_id
+        )
+        return self.commit_staged([staged], meta=meta, private=True, checked=checked)
+
+    def _write_round(
+        self, table: pa.Table, shard_bytes: int, lease: str, pending: Pending | None
+    ) -> tuple[list[ShardRef], Pending | None]:
+        """The round's shards and its outcome file under ``lease``, then one ``data/`` sync.
+        The outcome file is written on a thread while the shards are: their fsyncs overlap
+        (a journaling filesystem commits both in one go), so the outcomes add about their
+        encoding, not another flush, to the commit. On failure every file written is removed."""
+        outcome_file = None
+        if pending is not None and pending.table is not None:
+            unwritten = pending
+            outcome_file = _Background(lambda: outcomes_of(self.log).write_file(unwritten, lease))
+        shards: list[ShardRef] = []
+        try:
+            try:
+                if table.num_rows:
+                    shards = self._write_shards(table, shard_bytes, lease, sync=False)
+            finally:
+                if outcome_file is not None:
+                    pending = outcome_file.result()
+            self.storage.sync_dir(m.DATA_DIR)
+        except BaseException:
+            done = outcome_file.value if outcome_file is not None else None
+            written = [*shards, *([done.ref] if done is not None and done.ref else [])]
+            for ref in written:
+                try:
+                    self.storage.delete(ref.path)
+                except DynstateError as exc:
+                    log.warning("could not remove %s: %s (gc will)", ref.path, exc)
+            raise
+        return shards, pending
+
+    def _check_shard_bytes(self, shard_bytes: Any) -> None:
+        if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
+            raise InvalidDataError(
+                f"shard_bytes for {self.display_url} must be a positive int (bytes of Arrow data "
+                f"per shard), not {shard_bytes!r}"
+            )
 
     def commit_staged(
         self,
@@ -149,8 +227,7 @@ class Writer:
             )
         except BaseException as exc:
             if pending is not None and pending.ref is not None:
-                # the outcome file goes (or stays) with the round's shards
-                parts = [*parts, Staged((pending.ref,), None, None, pending.lease, self.store_id)]
+                parts = _with_outcome_file(parts, pending, self.store_id)
             landed = self._resolve_failed_commit(
                 parts, leases, attempts, exc, nonce, private=private, claimed=claimed
             )
@@ -350,12 +427,6 @@ class Writer:
             "again. Commit each staged part once"
         )
 
-    def discard_outcomes(self, pending: Pending) -> None:
-        """Remove a written outcome file whose round failed before its commit began."""
-        assert pending.ref is not None
-        part = Staged((pending.ref,), None, None, pending.lease, self.store_id)
-        self._discard([part], uuid.uuid4().hex, strict=False, private=True)
-
     def discard(self, parts: Sequence[Staged]) -> None:
         """Remove the shards of staged parts that will not be committed. Each lease is won
         first, by the same exclusive outcome create a commit and gc race for: a part whose
@@ -460,7 +531,9 @@ class Writer:
             generator_state=state,
         )
 
-    def _write_shards(self, table: pa.Table, shard_bytes: int, lease: str) -> list[ShardRef]:
+    def _write_shards(
+        self, table: pa.Table, shard_bytes: int, lease: str, *, sync: bool = True
+    ) -> list[ShardRef]:
         per_shard = max(1, math.ceil(table.num_rows * shard_bytes / max(table.nbytes, 1)))
         written: list[ShardRef] = []
         try:
@@ -470,7 +543,8 @@ class Writer:
                 with self.storage.new_shard(path) as sink:
                     groups = write_shard(part, sink)
                 written.append(ShardRef(path, part.num_rows, sink.size, sink.sha256, groups))
-            self.storage.sync_dir(m.DATA_DIR)
+            if sync:
+                self.storage.sync_dir(m.DATA_DIR)
         except BaseException:
             for shard in written:
                 try:
@@ -647,3 +721,48 @@ class Writer:
             raise
         self.log.leases.end(leases, committed=True, tombstone=False)
         return version
+
+
+class _Background:
+    """One call run on this process's writer thread; :meth:`result` waits for it and
+    re-raises its error. ``value`` is its result once it returned (None before, or if it
+    failed). One long-lived thread, not one per call: starting a thread costs a commit
+    milliseconds on a loaded machine."""
+
+    _pool: tuple[int, ThreadPoolExecutor] | None = None
+    _lock = threading.Lock()
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.value: Any = None
+        self._future = self._executor().submit(self._run, fn)
+
+    @classmethod
+    def _executor(cls) -> ThreadPoolExecutor:
+        with cls._lock:
+            # A forked child inherits the pool but not its thread: it gets its own.
+            if cls._pool is None or cls._pool[0] != os.getpid():
+                pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynstate-write")
+                cls._pool = (os.getpid(), pool)
+            return cls._pool[1]
+
+    def _run(self, fn: Callable[[], Any]) -> Any:
+        self.value = fn()
+        return self.value
+
+    def result(self) -> Any:
+        return self._future.result()
+
+
+def _with_outcome_file(parts: Sequence[Staged], pending: Pending, store_id: str) -> list[Staged]:
+    """``parts`` with the written outcome file of ``pending``, which goes (or stays) with the
+    round's shards: in the part of its lease when it shares the round's (``append``), so the
+    lease is claimed and ended once, else as a part of its own."""
+    assert pending.ref is not None
+    out = list(parts)
+    for i, part in enumerate(out):
+        if part.lease is not None and part.lease == pending.lease:
+            out[i] = Staged(
+                (*part.shards, pending.ref), part.schema, part.validated, part.lease, part.store
+            )
+            return out
+    return [*out, Staged((pending.ref,), None, None, pending.lease, store_id)]

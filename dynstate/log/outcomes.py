@@ -399,11 +399,15 @@ class Outcomes:
                 f"outcome file {ref.path} of {where} does not hold the {ref.rows} outcome "
                 "records its commit record names"
             )
+        self._cache_file(ref.path, table)
+        return table
+
+    def _cache_file(self, path: str, table: pa.Table) -> None:
         with self._files_lock:
-            self._files[ref.path] = table
+            self._files[path] = table
+            self._files.move_to_end(path)
             while len(self._files) > _CACHE_FILES:
                 self._files.popitem(last=False)
-        return table
 
     def _read_files(self, refs: list[ShardRef], version: int) -> list[pa.Table]:
         if len(refs) <= 2:
@@ -530,31 +534,45 @@ class Outcomes:
 
     def write(self, pending: Pending, *, sync: bool = True) -> Pending:
         """Write the outcome file under a lease of its own (gc leaves it alone until the
-        commit names it, as it does a round's shards). ``sync=False``: the caller makes the
-        ``data/`` entry durable (the round's shards sync the folder after it)."""
+        commit names it, as it does a round's shards), for parts staged elsewhere
+        (``commit_staged``); ``append`` writes it under its round's lease with
+        :meth:`write_file`. ``sync=False``: the caller makes the ``data/`` entry durable."""
         if pending.ref is not None:
             return pending  # written already
-        self._mark_store()
+        self.mark_store()
         if pending.table is None:
             return pending
         lease = self.log.leases.acquire()
+        try:
+            written = self.write_file(pending, lease)
+            if sync:
+                self.storage.sync_dir(m.DATA_DIR)
+        except BaseException:
+            self.log.leases.end({lease}, committed=False, tombstone=False)
+            raise
+        return written
+
+    def write_file(self, pending: Pending, lease: str) -> Pending:
+        """Write (and fsync) the outcome file of ``pending`` under ``lease``, which the caller
+        holds and ends; the ``data/`` folder is the caller's to sync. On failure the partial
+        file is removed. Call :meth:`mark_store` first."""
+        assert pending.table is not None and pending.ref is None
         path = shard_path(lease)
         try:
             with self.storage.new_shard(path) as sink:
                 pq.write_table(pending.table, sink)
-            if sync:
-                self.storage.sync_dir(m.DATA_DIR)
         except BaseException:
             try:
                 self.storage.delete(path)
             except DynstateError as exc:
                 log.warning("could not remove %s: %s (gc will)", path, exc)
-            self.log.leases.end({lease}, committed=False, tombstone=False)
             raise
         ref = ShardRef(path, pending.table.num_rows, sink.size, sink.sha256)
+        # The next outcome checkpoint folds this file: it need not read back what it wrote.
+        self._cache_file(path, pending.table)
         return replace(pending, ref=ref, lease=lease)
 
-    def _mark_store(self) -> None:
+    def mark_store(self) -> None:
         """Before the first commit with outcomes, ``store.json`` goes to format 2, so that a
         dynstate that knows no outcomes refuses the store (its gc would remove outcome files
         as orphans, its compaction and reset would drop them) instead of misreading it. It
