@@ -2,21 +2,22 @@
 
 A store's metadata is a commit log (one record per version), periodic checkpoints that
 materialize a version's shard list, and content-addressed chunks that hold runs of shard
-entries shared between checkpoints. ``docs/format.md`` is the prose form of this module.
+entries shared between checkpoints. ``docs/format.md`` is the prose form of this module; the
+names of the files are :mod:`dynstate.paths`', the checksummed JSON every file shares is
+:mod:`dynstate.codec`'s.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
-import json
 import re
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any, NamedTuple
 
 import pyarrow as pa
 
+from . import codec, paths
 from .errors import (
     ChecksumMismatchError,
     CorruptStoreError,
@@ -29,7 +30,6 @@ FORMAT = 1
 # that a dynstate which knows no outcomes refuses them instead of misreading the store; this
 # dynstate reads both (dynstate/log/outcomes.py).
 OUTCOMES_FORMAT = 2
-READ_FORMAT = 2
 # A checkpoint every K versions bounds the log records read to open any version to K - 1.
 CHECKPOINT_INTERVAL = 100
 # Entries per chunk: shard lists are stored as runs of this many entries so that consecutive
@@ -38,140 +38,29 @@ CHUNK_ENTRIES = 256
 
 OPS = ("create", "append", "reset", "compact")
 
-META_DIR = "_dynstate"
-STORE_FILE = f"{META_DIR}/store.json"
-DATA_DIR = "data"
-_SHARD_PATH = re.compile(r"^data/[A-Za-z0-9][A-Za-z0-9._-]*\.parquet$")
-_HASH = re.compile(r"^[0-9a-f]{64}$")
-
-
-def log_path(version: int) -> str:
-    return f"{META_DIR}/log/{version:020d}.json"
-
-
-def checkpoint_path(version: int) -> str:
-    return f"{META_DIR}/checkpoints/{version:020d}.json"
-
-
-def chunk_path(digest: str) -> str:
-    return f"{META_DIR}/chunks/{digest}.json"
-
-
-def schema_path(fingerprint: str) -> str:
-    return f"{META_DIR}/schemas/{fingerprint}.json"
-
-
-def tag_path(name: str) -> str:
-    return f"{META_DIR}/tags/{name}.json"
-
-
-HEAD_HINT = f"{META_DIR}/_head_hint.json"
-GC_FILE = f"{META_DIR}/gc.json"
-
-
-def utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def encode(obj: dict[str, Any]) -> bytes:
-    """Serialize a record with a checksum over its canonical JSON, so tampering is caught."""
-    body = {k: v for k, v in obj.items() if k != "checksum"}
-    body["checksum"] = sha256(_canonical(body))
-    return json.dumps(body, sort_keys=True, indent=1, ensure_ascii=False).encode()
-
-
-# Bounds on what any store file may hold. Records nest a few levels around a ``meta`` of at
-# most 32 (rounds.MAX_META_DEPTH); Python refuses to print ints longer than 4,300 digits by
-# default, so no writer produced one.
-MAX_JSON_DEPTH = 64
-MAX_INT_DIGITS = 4300
-# The largest count, version or size a record may name: what Arrow's int64 offsets can hold.
-MAX_COUNT = 2**63 - 1
-
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_LONG_INT = re.compile(rb"\d{%d,}" % (MAX_INT_DIGITS + 1))
-
-
-def _damaged(where: str, why: str) -> CorruptStoreError:
-    return CorruptStoreError(
-        f"{where} {why}; the file is damaged — run `dynstate verify` and restore it from a "
-        "backup or reset to an earlier version"
-    )
-
-
-def _nesting(data: bytes) -> int:
-    """How deep ``data``'s arrays and objects nest (brackets inside strings do not count),
-    found without recursion so that a file of 200,000 ``[`` cannot exhaust the stack."""
-    depth = peak = 0
-    for byte in _JSON_STRING.sub(b'""', data).translate(None, _NOT_BRACKETS):
-        if byte in b"[{":
-            depth += 1
-            if depth > peak:
-                peak = depth
-                if peak > MAX_JSON_DEPTH:
-                    break
-        else:
-            depth -= 1
-    return peak
-
-
-def _bounded_int(where: str) -> Any:
-    def parse(text: str) -> int:
-        if len(text.lstrip("-")) > MAX_INT_DIGITS:
-            raise _damaged(where, f"holds an integer of {len(text):,} digits")
-        return int(text)
-
-    return parse
-
-
-def load_json(data: bytes | str, where: str) -> Any:
-    """Parse any store file's JSON (records, tags, hints, ``gc.json``, leases, ``store.json``)
-    with bounded nesting and integer size: damage or hostile content is a CorruptStoreError
-    naming ``where``, never a RecursionError or ValueError."""
-    raw = data.encode() if isinstance(data, str) else bytes(data)
-    # Brackets are counted before anything recurses: most files have fewer than the limit.
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _nesting(raw) > MAX_JSON_DEPTH:
-        raise _damaged(where, f"nests deeper than {MAX_JSON_DEPTH} levels")
-    # The per-integer hook costs a call per number: only files with a long digit run pay it.
-    parse_int = _bounded_int(where) if _LONG_INT.search(raw) else None
-    try:
-        return json.loads(raw, parse_int=parse_int)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _damaged(where, f"is not valid JSON ({exc})") from exc
-    except (RecursionError, ValueError) as exc:
-        raise _damaged(where, f"cannot be read as JSON ({exc})") from exc
-
-
-def decode(data: bytes, where: str) -> dict[str, Any]:
-    """Parse and verify a record written by :func:`encode`; ``where`` names it in errors."""
-    obj = load_json(data, where)
-    if not isinstance(obj, dict):
-        raise CorruptStoreError(f"{where} does not hold a JSON object; the file is damaged")
-    fmt = obj.get("format")
-    if isinstance(fmt, bool) or not isinstance(fmt, int):
-        raise CorruptStoreError(f"{where} has no format number; it was not written by dynstate")
-    if fmt > READ_FORMAT:
-        raise UnsupportedFormatError(
-            f"{where} uses store format {fmt} but this dynstate reads formats up to "
-            f"{READ_FORMAT}; upgrade dynstate (pip install -U dynstate)"
-        )
-    expected = obj.get("checksum")
-    body = {k: v for k, v in obj.items() if k != "checksum"}
-    if expected != sha256(_canonical(body)):
-        raise ChecksumMismatchError(
-            f"{where} does not match its checksum: the record was modified after it was "
-            "written; restore it or reset the store to an earlier version"
-        )
-    return body
+# File names are made and matched in dynstate.paths; these are re-exported for the callers
+# that read them as ``manifest.log_path`` and so on.
+META_DIR = paths.META_DIR
+DATA_DIR = paths.DATA_DIR
+STORE_FILE = paths.STORE_FILE
+HEAD_HINT = paths.HEAD_HINT
+GC_FILE = paths.GC_FILE
+log_path = paths.log_path
+checkpoint_path = paths.checkpoint_path
+chunk_path = paths.chunk_path
+schema_path = paths.schema_path
+tag_path = paths.tag_path
+# The encoding of every store file lives in dynstate.codec, re-exported for the same callers.
+READ_FORMAT = codec.READ_FORMAT
+MAX_COUNT = codec.MAX_COUNT
+MAX_JSON_DEPTH = codec.MAX_JSON_DEPTH
+MAX_INT_DIGITS = codec.MAX_INT_DIGITS
+utc_now = codec.utc_now
+sha256 = codec.sha256
+_canonical = codec.canonical
+encode = codec.encode
+decode = codec.decode
+load_json = codec.load_json
 
 
 _HEXES = re.compile(r"(?:[0-9a-f]{64})+")
@@ -253,7 +142,7 @@ class ShardRef(NamedTuple):
         cls, path: Any, rows: Any, nbytes: Any, digest: Any, where: str, groups: Any = None
     ) -> ShardRef:
         """A ShardRef from untrusted values, refusing paths outside ``data/``."""
-        if not isinstance(path, str) or not _SHARD_PATH.match(path) or ".." in path:
+        if not paths.is_shard_reference(path):
             raise UnsafePathError(
                 f"{where} names shard {path!r}, which is outside the store's data/ folder; "
                 "the record was tampered with — do not read this version, reset past it"
@@ -265,7 +154,7 @@ class ShardRef(NamedTuple):
             and 0 <= nbytes <= MAX_COUNT
         ):
             raise CorruptStoreError(f"{where} has a malformed shard entry for {path}")
-        if not isinstance(digest, str) or not _HASH.match(digest):
+        if not paths.is_digest(digest):
             raise CorruptStoreError(f"{where} has a malformed checksum for {path}")
         if groups is None:
             return cls(path, rows, nbytes, digest)
@@ -287,7 +176,7 @@ class ShardList:
         if not isinstance(obj, dict) or not isinstance(obj.get("chunks"), list):
             raise CorruptStoreError(f"{where} has a malformed shard list")
         for digest in obj["chunks"]:
-            if not isinstance(digest, str) or not _HASH.match(digest):
+            if not paths.is_digest(digest):
                 raise UnsafePathError(f"{where} names chunk {digest!r}, which is not a chunk id")
         tail = obj.get("tail", [])
         if not isinstance(tail, list):

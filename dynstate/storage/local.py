@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from .. import paths
 from .base import ShardSink, Storage, write_all
 
 
@@ -25,7 +25,7 @@ class LocalStorage(Storage):
 
     def _create(self, rel: str, data: bytes, durable: bool = True) -> None:
         directory = self._dir(rel)
-        tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
+        tmp = os.path.join(directory, paths.tmp_name())
         if durable:
             _write_fsync(tmp, data)
         else:
@@ -57,7 +57,7 @@ class LocalStorage(Storage):
 
     def _put(self, rel: str, data: bytes, durable: bool) -> None:
         directory = self._dir(rel)
-        tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
+        tmp = os.path.join(directory, paths.tmp_name())
         if durable:
             _write_fsync(tmp, data)
         else:
