@@ -197,8 +197,8 @@ class Plan:
     """A policy's strata for one statistics version: each a share of the step's slots and a
     :class:`CumulativeWeights`. Strata keep their place while empty (a pool with no row
     gives its share to the others, and takes it back once it has rows), so refreshing a
-    plan in place and building one from the same weights agree. Drawing costs O(k log n)
-    for k slots over n rows."""
+    plan in place and building one from the same weights agree. Drawing k slots over n rows
+    costs a search over the n / BLOCK block totals and one over a block, per slot."""
 
     def __init__(self, num_rows: int, strata: list[_Stratum]) -> None:
         self.num_rows = num_rows
