@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dynstate import Learnability, Store, VersionedDataset, VersionedSampler, find_sampler_state
 from dynstate.storage import Storage
@@ -130,3 +132,46 @@ def test_resume_at_step_10000_costs_what_step_10_costs(tmp_path, monkeypatch):
     assert at_10000 == at_10
     assert at_10["stats"] == 1 and at_10["rebuilds"] == 1 and at_10["rows"] == 4
     assert 0 < sum(at_10["ops"].values()) < 60, at_10["ops"]  # a few dozen metadata reads
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    mode=st.sampled_from(["epoch", "mix"]),
+    policy=st.sampled_from(["learnability", "band", "pools", "function"]),
+    before=st.sampled_from([1, 2]),
+    after=st.sampled_from([1, 2, 3]),
+    ckpt_at=st.integers(0, 6),
+    seed=st.integers(0, 2**31),
+)
+def test_world_size_change_property(tmp_path_factory, mode, policy, before, after, ckpt_at, seed):
+    """Over mode, policy, the world size before and after and the checkpoint step: the ranks
+    resumed at the new world size take the alternate slots of the draw one rank with their
+    joint batch makes from the same state and store, step by step (batch 3, fresh_share 0.34
+    and drop_last, for which the fresh counts agree)."""
+    tmp = tmp_path_factory.mktemp("elastic")
+    run = Run(
+        url=str(tmp / "run"),
+        mode=mode,
+        policy=policy,
+        ranks=before,
+        batch=3,
+        drop_last=True,
+        steps=ckpt_at + 5,
+        rows=20,
+        seed=seed,
+    )
+    _, states = _train(run, stop=ckpt_at + 1, ckpt_at=ckpt_at)
+    assert states is not None
+    state = find_sampler_state(states[0])
+    shutil.copytree(run.url, tmp / "copy")
+    split, _ = _train(run, start=ckpt_at + 1, sampler_state=state, ranks=after)
+    joint_run = dataclasses.replace(run, url=str(tmp / "copy"), batch=3 * after)
+    joint, _ = _train(
+        joint_run, start=ckpt_at + 1, sampler_state={**state, "batch_size": 3 * after}, ranks=1
+    )
+    assert split.keys() == joint.keys() and len(split) == 4
+    for step, batches in split.items():
+        assert batches == [joint[step][0][r::after] for r in range(after)], step
