@@ -31,7 +31,7 @@ from ..errors import (
 )
 from .connect import check_options, connect
 from .credentials import Scrubber, redact, secrets_of
-from .errors import translate
+from .errors import text_of, translate
 from .retry import backoff, is_transient
 
 log = logging.getLogger("dynstate")
@@ -138,7 +138,8 @@ class Storage:
         raise AssertionError("unreachable")  # the loop always returns or raises
 
     def _is_secret_bearing(self, exc: BaseException) -> bool:
-        return self.scrub(str(exc)) != str(exc)
+        text = text_of(exc)
+        return self.scrub(text) != text
 
     def _translate(self, what: str, rel: str, exc: Exception, attempts: int) -> BaseException:
         """The one client-error table (:mod:`.errors`); the builtins callers act on pass."""

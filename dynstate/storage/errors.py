@@ -276,12 +276,17 @@ def row_of(exc: BaseException) -> tuple[Row, str]:
     return OTHER, ""
 
 
-def _text(exc: BaseException) -> str:
+def text_of(exc: BaseException) -> str:
+    """``str(exc)``, or "" where the class's ``__str__`` itself fails (a client library's
+    that needs attributes it was not given)."""
     try:
-        text = str(exc)
-    except Exception:  # a client library's __str__ that needs attributes it was not given
-        text = ""
-    return " ".join(text.split()) or type(exc).__name__
+        return str(exc)
+    except Exception:
+        return ""
+
+
+def _text(exc: BaseException) -> str:
+    return " ".join(text_of(exc).split()) or type(exc).__name__
 
 
 def translate(
@@ -297,9 +302,16 @@ def translate(
     """The :mod:`dynstate.errors` type ``exc`` means: ``what`` is the operation ("read"),
     ``url`` the location's printable URL, ``path`` the object's (default: ``url``), ``scrub``
     the location's scrubber. ``exc`` itself comes back when it already is a dynstate error or
-    one of ``keep`` (builtins a caller acts on, e.g. ``FileNotFoundError``)."""
-    if isinstance(exc, DynstateError) or (keep and isinstance(exc, keep)):
+    one of ``keep`` (builtins a caller acts on, e.g. ``FileNotFoundError``) — except a
+    missing bucket, which callers acting on ``FileNotFoundError`` still catch as one."""
+    if isinstance(exc, DynstateError):
         return exc
+    if (
+        keep
+        and isinstance(exc, keep)
+        and (exc.__cause__ is None or row_of(exc)[0] is not NO_BUCKET)
+    ):
+        return exc  # (a local miss has no cause: the common case costs one check)
     row, code = row_of(exc)
     message = row.template.format(
         what=what,

@@ -18,10 +18,10 @@ import os
 from collections.abc import Callable, Iterator
 from typing import IO, Any, TypeVar
 
-from ..errors import StoreExistsError, StoreNotFoundError
+from ..errors import DynstateError, StoreExistsError, StoreNotFoundError
 from .connect import check_options, connect, protocol_of
 from .credentials import Scrubber, guard_loggers, redact, secrets_of
-from .errors import translate
+from .errors import text_of, translate
 
 log = logging.getLogger("dynstate")
 T = TypeVar("T")
@@ -70,7 +70,7 @@ class Location:
         shown = self.show(path)
         err = translate(exc, what=what, url=self.display_url, path=shown, scrub=self.scrub,
                         keep=(FileNotFoundError, FileExistsError))  # fmt: skip
-        if err is not exc or isinstance(exc, (StoreNotFoundError, StoreExistsError)):
+        if err is not exc or isinstance(exc, DynstateError):
             return err
         if isinstance(exc, FileNotFoundError):
             return StoreNotFoundError(self.scrub(f"nothing at {shown}; check the URL"))
@@ -84,7 +84,8 @@ class Location:
             if err is exc:
                 raise exc
             # a message that quoted a credential must not come back through the cause
-            raise err from None if self.scrub(str(exc)) != str(exc) else exc  # type: ignore[misc]
+            text = text_of(exc)
+            raise err from None if self.scrub(text) != text else exc  # type: ignore[misc]
         finally:
             err = None  # no cycle through this frame (see Storage._call)
 
