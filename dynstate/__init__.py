@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 from ._version import __version__
 from .errors import (
+    CheckpointNotFoundError,
     ChecksumMismatchError,
     CommitConflictError,
     ConcurrencyUnsupportedError,
@@ -86,6 +87,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "Commit",
     "CommitConflictError",

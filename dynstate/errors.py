@@ -22,6 +22,7 @@ also inherit a built-in exception so that ordinary ``except`` clauses keep worki
     ├── RoundTimeoutError         (TimeoutError)       the round of a step did not appear in time
     ├── ConcurrencyUnsupportedError                    backend cannot create files exclusively
     ├── StateMismatchError        (ValueError)         sampler/dataset state of another store
+    ├── CheckpointNotFoundError   (FileNotFoundError)  no checkpoint file at the path given
     ├── StorageError              (OSError)            the filesystem / object store failed
     └── MissingDependencyError    (ImportError)        an optional extra is not installed
 
@@ -31,6 +32,7 @@ Messages follow one template: what failed, the URL and version, what to do.
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "CommitConflictError",
     "ConcurrencyUnsupportedError",
@@ -135,6 +137,11 @@ class ConcurrencyUnsupportedError(DynstateError):
 
 class StateMismatchError(DynstateError, ValueError):
     pass
+
+
+class CheckpointNotFoundError(DynstateError, FileNotFoundError):
+    """A training checkpoint (``data.pt``, a ``global_step_N`` folder) is not where it was
+    named: the store may be fine, the path is wrong or the file was not written."""
 
 
 class StorageError(DynstateError, OSError):

@@ -10,7 +10,7 @@ import os
 import re
 from typing import Any
 
-from ..errors import InvalidDataError, StateMismatchError, StoreNotFoundError
+from ..errors import CheckpointNotFoundError, InvalidDataError, StateMismatchError
 from .dataset import VersionedDataset, decode_index
 from .sampler import VersionedSampler
 from .state import check_state, find_sampler_state
@@ -28,12 +28,14 @@ def load_checkpoint_state(path: str) -> tuple[str, dict[str, Any]]:
         candidates = [os.path.join(path, name) for name in ("data.pt", "latest.pt")]
         found = [c for c in candidates if os.path.isfile(c)]
         if not found:
-            raise StoreNotFoundError(
+            raise CheckpointNotFoundError(
                 f"{path} holds no data.pt; pass a verl global_step_N directory or a data.pt file"
             )
         file = found[0]
     if not os.path.isfile(file):
-        raise StoreNotFoundError(f"no checkpoint at {path}; pass a directory or a .pt file")
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {path}; pass a global_step_N directory or a .pt file"
+        )
     try:
         obj = torch.load(file, weights_only=True, map_location="cpu")
     except Exception as exc:  # torch raises a zoo of types for bad files

@@ -18,8 +18,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "dynstate.verl needs verl; install it with `pip install 'dynstate[verl]'`"
     ) from exc
 
-from .dataset import DynstateRLDataset, Settings, read_loader_state
+from .dataset import DynstateRLDataset
 from .generator import SOURCE_COLUMN, AbstractDataGenerator, DynstateGenerator
+from .loader_state import read_loader_state
+from .settings import Settings
 from .trainer import DynstateTrainerMixin, dynstate_trainer_class
 
 __all__ = [

@@ -3,29 +3,31 @@
 Loaded through ``data.custom_cls`` (``path: pkg://dynstate.verl``, ``name: DynstateRLDataset``).
 Items are built by verl's own ``RLHFDataset.__getitem__`` from rows read out of the store, so
 ``raw_prompt``, ``index``, ``tools_kwargs``, ``interaction_kwargs`` and ``dummy_tensor`` are
-exactly verl's; one key is added: ``dynstate_row``, the row's number in the store, which
-generators use to record lineage. See docs/verl.md.
+exactly verl's; two keys are added: ``dynstate_row``, the row's number in the store, which
+generators use to record lineage, and ``dynstate_version``, the version the sampler drew it
+from (with ``data.dynstate.select``, the one by whose statistics). See docs/verl.md.
+
+One file, as one verl class: verl calls its hooks (``_download``, ``_read_files_and_tokenize``,
+``__getitem__``, ``dataframe``) and the trainers its round and resume methods, which share the
+store, the generator and the step; what does not need them lives beside it — the
+``data.dynstate`` section in ``settings.py``, outcomes and figures in ``outcomes.py``,
+``data.pt`` in ``loader_state.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
-import numpy as np
 import pyarrow as pa
-import torch
-from omegaconf import OmegaConf
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
 from ..errors import InvalidDataError, StateMismatchError
 from ..loading.dataset import VersionedDataset, decode_index
 from ..loading.sampler import VersionedSampler
-from ..loading.state import check_state, find_sampler_state
 from ..log import steps
 from ..resume import rollback
 from ..rounds import to_table
@@ -34,6 +36,7 @@ from . import loader_state
 from .generator import (
     ROW_KEY,
     SOURCE_COLUMN,
+    VERSION_KEY,
     DynstateGenerator,
     generator_name,
     load_generator,
@@ -41,104 +44,16 @@ from .generator import (
     run_generator,
     state_of,
 )
+from .loader_state import read_loader_state
+from .outcomes import SCORE_KEY, batch_outcomes, round_figures, selection_figures
+from .settings import Settings
 
 log = logging.getLogger("dynstate")
 
 IMPORT_META = "verl_import"
 SOURCE_TYPE = pa.list_(pa.int64())
-SCORE_KEY = "token_level_scores"  # verl's critic/score: its per-token sum is a sequence's score
-METRIC_PREFIX = "dynstate/"
-PASS_RATE_BANDS = 5  # metrics: trained rows per pass-rate band of width 0.2
 
-
-def batch_outcomes(batch: Any, step: int) -> dict[str, Any] | None:
-    """The outcomes of a scored verl ``batch`` trained at ``step``: one record per response
-    (GRPO's n responses of a prompt are n records of its row) — ``row`` (``dynstate_row``),
-    ``step``, ``score`` (``token_level_scores`` summed over the response, as verl's
-    ``critic/score/mean``) and ``response_length`` where the batch has ``response_mask``.
-    None when the batch carries no row numbers or no scores."""
-    non_tensors = getattr(batch, "non_tensor_batch", None) or {}
-    tensors: Any = getattr(batch, "batch", None)
-    rows = non_tensors.get(ROW_KEY)
-    # TensorDict: membership through keys() (its __contains__ is not a key test everywhere)
-    keys = set(tensors.keys()) if tensors is not None else set()
-    if rows is None or SCORE_KEY not in keys:
-        return None
-    scores = tensors[SCORE_KEY].sum(-1).double().cpu().numpy()
-    out: dict[str, Any] = {
-        "row": np.asarray([int(r) for r in rows], dtype=np.int64),
-        "step": np.full(len(scores), int(step), dtype=np.int64),
-        "score": scores,
-    }
-    if "response_mask" in keys:
-        out["response_length"] = tensors["response_mask"].sum(-1).double().cpu().numpy()
-    return out
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The ``data.dynstate`` section, read in one place."""
-
-    url: str
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    mode: str = "epoch"
-    fresh_share: float = 0.25
-    lag: int = 1
-    on_generator_error: str = "raise"
-    batch_size: int = 1
-    shuffle: bool = True
-    seed: int = 0
-    checkpoint_mirror: str | None = None
-
-    @classmethod
-    def from_config(cls, config: Any) -> Settings:
-        check_data_config(config)
-        section = config.get("dynstate")
-        if section is None or not section.get("url"):
-            raise InvalidDataError(
-                "data.dynstate.url is not set; add e.g. +data.dynstate.url=/path/to/store (or "
-                "s3://bucket/run) so DynstateRLDataset knows where the training data lives"
-            )
-        plain = (
-            OmegaConf.to_container(section, resolve=True)
-            if OmegaConf.is_config(section)
-            else dict(section)
-        )
-        on_error = plain.get("on_generator_error", "raise")
-        if on_error not in ("raise", "skip"):
-            raise InvalidDataError(
-                f"data.dynstate.on_generator_error must be 'raise' or 'skip', not {on_error!r}"
-            )
-        return cls(
-            url=str(plain["url"]),
-            storage_options=dict(plain.get("storage_options") or {}),
-            mode=plain.get("mode", "epoch"),
-            fresh_share=float(plain.get("fresh_share", 0.25)),
-            lag=int(plain.get("lag", 1)),
-            on_generator_error=on_error,
-            batch_size=int(config.get("gen_batch_size") or config.get("train_batch_size") or 1),
-            shuffle=bool(config.get("shuffle", True)),
-            seed=int(config.get("seed") or 0),
-            checkpoint_mirror=plain.get("checkpoint_mirror"),
-        )
-
-
-def check_data_config(config: Any) -> None:
-    """Refuse ``data`` settings that a dynstate train set would otherwise silently ignore."""
-    sampler = config.get("sampler", None)
-    if sampler is None or not hasattr(sampler, "get"):
-        return
-    keys = {k: sampler.get(k, None) for k in ("class_path", "class_name")}
-    keys = {k: v for k, v in keys.items() if v}
-    if keys:
-        named = ", ".join(f"data.sampler.{k}={v}" for k, v in keys.items())
-        raise InvalidDataError(
-            f"{named} is not supported with a dynstate train set: it is verl <= 0.5's curriculum "
-            "sampler, which verl 0.9 no longer reads, and dynstate installs its own sampler, so "
-            "the run would train without your curriculum; remove the data.sampler keys (a "
-            "curriculum that selects tasks by their outcomes is planned under data.dynstate, "
-            "see docs/verl.md)"
-        )
+__all__ = ["IMPORT_META", "DynstateRLDataset", "StoreFrame", "read_loader_state"]
 
 
 class StoreFrame:
@@ -255,6 +170,9 @@ class DynstateRLDataset(RLHFDataset):
         state = super().__getstate__()
         state["data_generator"] = None
         state["_committed"] = None
+        if self.settings is not None and self.settings.select is not None:
+            # nor the policy (a function loaded from a file does not pickle by reference)
+            state["settings"] = dataclasses.replace(self.settings, select=None)
         return state
 
     # -- where the rows come from ------------------------------------------------------------
@@ -329,6 +247,8 @@ class DynstateRLDataset(RLHFDataset):
         out = super().__getitem__(item)
         if not self.fixed:
             out[ROW_KEY] = row
+            # the version the sampler drew it from (with a policy: by whose statistics)
+            out[VERSION_KEY] = version
         return out
 
     def make_sampler(self, **loader: Any) -> VersionedSampler:
@@ -344,6 +264,7 @@ class DynstateRLDataset(RLHFDataset):
             "batch_size": s.batch_size,
             "fresh_share": s.fresh_share,
             "lag": s.lag,
+            "select": s.select,
             # verl numbers steps from 1 (global_steps) and commits round s with meta step s
             "first_step": 1,
         }
@@ -381,24 +302,16 @@ class DynstateRLDataset(RLHFDataset):
             self._rows.version if version is None else version, **options
         )
 
-    def round_metrics(self, version: int, added: int) -> dict[str, float]:
-        """The figures verl's tracker gets for the step whose round is ``version``."""
+    def round_metrics(self, version: int, added: int, batch: Any = None) -> dict[str, float]:
+        """The figures verl's tracker gets for the step whose round is ``version``
+        (:func:`~dynstate.verl.outcomes.round_figures`), and with ``data.dynstate.select``
+        the policy's (:func:`~dynstate.verl.outcomes.selection_figures`; ``batch``: the
+        step's scored batch)."""
         stats = self.store.outcome_stats(version)
-        attempts = np.asarray(stats.column("attempts").to_numpy(zero_copy_only=False))
-        successes = np.asarray(stats.column("successes").to_numpy(zero_copy_only=False))
-        trained = attempts > 0
-        out = {
-            f"{METRIC_PREFIX}version": float(version),
-            f"{METRIC_PREFIX}rows_added": float(added),
-            f"{METRIC_PREFIX}rows_total": float(stats.num_rows),
-            f"{METRIC_PREFIX}rows_trained": float(trained.sum()),
-        }
-        rate = successes[trained] / attempts[trained]
-        band = np.minimum((rate * PASS_RATE_BANDS).astype(np.int64), PASS_RATE_BANDS - 1)
-        counts = np.bincount(band, minlength=PASS_RATE_BANDS)
-        for i in range(PASS_RATE_BANDS):
-            low, high = i / PASS_RATE_BANDS, (i + 1) / PASS_RATE_BANDS
-            out[f"{METRIC_PREFIX}pass_rate_{low:.1f}_{high:.1f}"] = float(counts[i])
+        out = round_figures(stats, version, added)
+        policy = self.live_settings.select
+        if policy is not None:
+            out.update(selection_figures(policy, self.store, stats, batch, self.step))
         return out
 
     def round_of(self, step: int) -> int | None:
@@ -434,7 +347,7 @@ class DynstateRLDataset(RLHFDataset):
             )
             self._committed = (batch, step, existing)
             self.last_metrics = self.round_metrics(
-                existing, int(self.store.commit_record(existing).meta.get("rows", 0))
+                existing, int(self.store.commit_record(existing).meta.get("rows", 0)), batch
             )
             return existing
         assert self._rows is not None and self.settings is not None
@@ -473,7 +386,7 @@ class DynstateRLDataset(RLHFDataset):
         )
         self._rows.refresh()
         self._committed = (batch, step, version)
-        self.last_metrics = self.round_metrics(version, table.num_rows)
+        self.last_metrics = self.round_metrics(version, table.num_rows, batch)
         log.info("step %d: %s added %d rows as version %d", step, name, table.num_rows, version)
         return version
 
@@ -487,7 +400,7 @@ class DynstateRLDataset(RLHFDataset):
             rows = datasets.Dataset.from_list(rows)
         elif not isinstance(rows, datasets.Dataset):
             rows = datasets.Dataset(to_table(rows, url))
-        drop = [c for c in (ROW_KEY,) if c in rows.column_names]
+        drop = [c for c in (ROW_KEY, VERSION_KEY) if c in rows.column_names]
         if not keep_source and SOURCE_COLUMN in rows.column_names:
             drop.append(SOURCE_COLUMN)  # the old interface cannot know lineage
         if drop:
@@ -503,10 +416,11 @@ class DynstateRLDataset(RLHFDataset):
         """Bring store, loader and step counter to what ``global_step_<step>`` saw.
 
         Everything is checked before anything is committed, so a refused resume leaves the
-        store exactly as it was (``StateMismatchError``): ``data.pt`` must belong to this store
-        and to this very checkpoint (the sampler's step count is ``step``'s), its sampler state
-        must match the config (``data.seed``, ``data.shuffle``, the batch size,
-        ``data.dynstate.mode``, and in mix mode ``lag`` and ``fresh_share``), the round of
+        store exactly as it was (``StateMismatchError``; ``CheckpointNotFoundError`` without
+        ``data.pt``): ``data.pt`` must belong to this store and to this very checkpoint (the
+        sampler's step count is ``step``'s), its sampler state must match the config
+        (``data.seed``, ``data.shuffle``, the batch size, ``data.dynstate.mode`` and
+        ``.select``, and in mix mode ``lag`` and ``fresh_share``), the round of
         ``step`` must be on the head's lineage (the trainer integration commits it before it
         writes the checkpoint), and the loader state must load with this run's
         ``data.dataloader_num_workers`` (rewritten for another worker count,
@@ -522,34 +436,11 @@ class DynstateRLDataset(RLHFDataset):
             step = 0
         state = None
         if checkpoint_dir is not None and step > 0:
-            path = os.path.join(checkpoint_dir, "data.pt")
-            state = read_loader_state(path, store)
-            sampler_state = find_sampler_state(state)
-            assert sampler_state is not None  # read_loader_state refuses a state without one
-            _check_checkpoint_step(sampler_state, step, path, store.display_url)
             round_version = self.round_of(step)
-            if round_version is None:
-                raise StateMismatchError(
-                    f"{checkpoint_dir} is a checkpoint of step {step}, but {store.display_url} "
-                    f"holds no round of step {step} on its head's lineage; it was not written "
-                    "by dynstate's trainer integration (which commits the round first) — resume "
-                    "from a checkpoint written with DynstateTrainerMixin"
-                )
-            sampler = _sampler_of(loader)
-            try:
-                # the loader's own sampler checks the state against this run's settings (and
-                # the versions it pins) and refuses, unchanged, what does not match
-                sampler.load_state_dict(sampler_state)
-            except StateMismatchError as exc:
-                raise StateMismatchError(
-                    f"cannot resume from {path}: {exc}. In verl's config these are data.seed, "
-                    "data.shuffle, data.train_batch_size and data.dynstate.mode / .lag / "
-                    ".fresh_share: set them as they were when the checkpoint was written"
-                ) from exc
-            state = loader_state.for_workers(
-                state, int(loader.num_workers or 0), path, store.display_url
+            state = loader_state.checked_resume_state(
+                checkpoint_dir, loader, step, store, round_version
             )
-            if self.data_generator is not None:
+            if self.data_generator is not None and round_version is not None:
                 # the state committed last on the checkpoint's lineage (the abandoned rounds'
                 # are not on it); loaded before the rollback commit, so a generator that
                 # refuses it leaves the store as it was
@@ -565,57 +456,6 @@ class DynstateRLDataset(RLHFDataset):
         self.step = step
         self._committed = None
         self._rows.refresh()  # type: ignore[union-attr]
-
-
-def _sampler_of(loader: Any) -> VersionedSampler:
-    sampler = getattr(loader, "sampler", None)
-    if not isinstance(sampler, VersionedSampler):
-        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-    if not isinstance(sampler, VersionedSampler):
-        raise StateMismatchError(
-            "the train loader does not draw from dynstate's sampler, so a dynstate checkpoint "
-            "cannot be resumed with it; run `python -m dynstate.verl.main_ppo` (see docs/verl.md)"
-        )
-    return sampler
-
-
-def _check_checkpoint_step(state: dict[str, Any], step: int, path: str, url: str) -> None:
-    """``data.pt`` of ``global_step_<step>`` holds the position after ``step`` batches: the
-    sampler (numbering verl's steps from 1) is at step ``step + 1``. Another step's ``data.pt``
-    (copied, or a folder renamed) would train from the wrong place."""
-    saved = state.get("step")
-    if state.get("format") == 1 or state.get("batch_size") is None or saved == step + 1:
-        return  # format 1 counted no steps in epoch mode; without batch_size none are counted
-    after = saved - 1 if isinstance(saved, int) else saved
-    raise StateMismatchError(
-        f"{path} holds the train loader's position after step {after}, not after step {step} "
-        f"(its folder's step); it was copied from another checkpoint of {url} — resume from "
-        f"global_step_{after} itself, or restore this folder's own data.pt"
-    )
-
-
-def read_loader_state(path: str, store: Store) -> dict[str, Any]:
-    """Load a verl ``data.pt`` safely and check that it belongs to ``store``."""
-    if not os.path.exists(path):
-        raise StateMismatchError(
-            f"no dataloader state at {path}; cannot resume {store.display_url} exactly — "
-            "resume from a checkpoint written with DynstateRLDataset"
-        )
-    try:
-        state = torch.load(path, weights_only=True)
-    except Exception as exc:
-        raise StateMismatchError(
-            f"{path} is not a plain dataloader state (torch.load weights_only=True failed: "
-            f"{exc}); it was not written by the dynstate sampler for {store.display_url}"
-        ) from exc
-    sampler_state = find_sampler_state(state)
-    if sampler_state is None:
-        raise StateMismatchError(
-            f"{path} holds no dynstate sampler state, so it cannot resume {store.display_url}; "
-            "was the run started with dynstate's train sampler (see docs/verl.md)?"
-        )
-    check_state(sampler_state, store.store_id, store.display_url)
-    return state
 
 
 def _with_source(table: pa.Table) -> pa.Table:

@@ -35,6 +35,8 @@ log = logging.getLogger("dynstate")
 
 SOURCE_COLUMN = "_dynstate_source"
 ROW_KEY = "dynstate_row"
+# the version an item was read from: with a selection policy, the one whose statistics drew it
+VERSION_KEY = "dynstate_version"
 _OLD_MODULE = "verl.experimental.dynamic_dataset.dynamicgen_dataset"
 
 

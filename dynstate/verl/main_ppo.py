@@ -88,7 +88,7 @@ def run(config: Any) -> None:
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
-    from .dataset import check_data_config
+    from .settings import check_data_config
 
     check_data_config(config.data)  # before Ray starts: settings a dynstate run would ignore
     auto_set_device(config)

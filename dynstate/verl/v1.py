@@ -40,10 +40,10 @@ from verl import DataProto
 from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
 from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 
-from ..errors import InvalidDataError
-from ..resume import walk_lineage
+from ..errors import InvalidDataError, VersionCollectedError
+from ..log import steps
 from . import mirror
-from .dataset import IMPORT_META, DynstateRLDataset
+from .dataset import DynstateRLDataset
 from .trainer import checkpoint_dir
 
 log = logging.getLogger("dynstate")
@@ -108,18 +108,24 @@ def check_config(config: Any) -> None:
 
 
 def _imported_rows(dataset: DynstateRLDataset) -> int:
-    """Rows of the version the train files were imported as (the oldest on the lineage)."""
+    """Rows of the store as of the end of step 0 (the train files' import, and whatever was
+    committed before the first round): what the first epoch pinned, asked of the one step
+    query, so resets, rollbacks to step 0 and gc cuts are read as everywhere else."""
     store = dataset.store
-    oldest = store.refresh()
-    if oldest >= 1 and store.commit_record(1).meta.get(IMPORT_META):
-        return store.snapshot(1).num_rows  # the import is the store's first commit
-    for version in walk_lineage(store, oldest):
-        if version == 0:
-            break
-        oldest = version
-        if store.commit_record(version).meta.get(IMPORT_META):
-            break
-    return store.snapshot(oldest).num_rows if oldest else 0
+    head = store.refresh()
+    try:
+        version = steps.version_at_step(store.log, head, 0)
+    except VersionCollectedError:
+        # gc took the import: the oldest kept version of the lineage is the nearest count (it
+        # sets verl's epoch count, and the run's length only without total_training_steps;
+        # the sampler's position comes from its own state)
+        version = steps.steps_after(store.log, head)[0][0]
+        log.warning(
+            "the import of %s was collected by gc; counting verl's epochs by version %d",
+            store.display_url,
+            version,
+        )
+    return store.snapshot(version).num_rows
 
 
 def _trajectory_order(key: str, prompt_order: dict[str, int]) -> tuple[int, int, int]:
