@@ -45,6 +45,11 @@ MAX_STATE_BYTES = 2**20
 MAX_STATE_DEPTH = 32
 
 _AGG_META = b"dynstate.outcomes.aggregate"
+# An aggregate keeps a per-row score histogram while the lineage's scores take at most this
+# many distinct values (pass/fail, graded rubrics): successes above any threshold then come
+# from it; past it, a threshold other than the aggregate's reads every record.
+MAX_SCORE_VALUES = 16
+_MAX_COUNT = 2**31 - MAX_OUTCOMES  # int32 counts: one more commit's records always fit
 
 
 def as_numpy(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
@@ -342,6 +347,11 @@ class Aggregate:
     last_step: np.ndarray
     ewma_num: np.ndarray
     ewma_den: np.ndarray
+    # The score histogram: the distinct scores seen (sorted) and, per row, how many of its
+    # outcomes had each — successes above any threshold without the records. None once the
+    # scores took more than MAX_SCORE_VALUES values (or over an aggregate stored without it).
+    values: np.ndarray | None = None
+    counts: np.ndarray | None = None  # int32, rows x len(values)
 
     @classmethod
     def empty(cls, num_rows: int, success_above: float, half_life: float) -> Aggregate:
@@ -355,6 +365,8 @@ class Aggregate:
             np.full(num_rows, -1, np.int64),
             np.zeros(num_rows, np.float64),
             np.zeros(num_rows, np.float64),
+            np.empty(0, np.float64),
+            np.zeros((num_rows, 0), np.int32),
         )
 
     @property
@@ -365,7 +377,15 @@ class Aggregate:
         return Aggregate(
             self.success_above,
             self.half_life,
-            *(a.copy() for a in self._arrays()),
+            self.attempts.copy(),
+            self.score_sum.copy(),
+            self.successes.copy(),
+            self.first_step.copy(),
+            self.last_step.copy(),
+            self.ewma_num.copy(),
+            self.ewma_den.copy(),
+            None if self.values is None else self.values.copy(),
+            None if self.counts is None else self.counts.copy(),
         )
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
@@ -386,6 +406,12 @@ class Aggregate:
         wider = Aggregate.empty(num_rows, self.success_above, self.half_life)
         for src, dst in zip(self._arrays(), wider._arrays(), strict=True):
             dst[: self.num_rows] = src
+        if self.values is None or self.counts is None:
+            wider.values = wider.counts = None
+        else:
+            wider.values = self.values
+            wider.counts = np.zeros((num_rows, len(self.values)), np.int32)
+            wider.counts[: self.num_rows] = self.counts
         return wider
 
     def fold(self, table: pa.Table) -> None:
@@ -419,9 +445,46 @@ class Aggregate:
         self.ewma_num[hit] = self.ewma_num[hit] * scale_old + num * scale_new
         self.ewma_den[hit] = self.ewma_den[hit] * scale_old + den * scale_new
         self.last_step[hit] = latest
+        self._fold_histogram(rows, scores, hit)
 
-    def stats(self) -> pa.Table:
-        """One row per store row: the statistics of :mod:`dynstate.outcomes`."""
+    def _fold_histogram(self, rows: np.ndarray, scores: np.ndarray, hit: np.ndarray) -> None:
+        if self.values is None or self.counts is None:
+            return
+        values = self.values
+        at = np.searchsorted(values, scores)
+        known = at < len(values)
+        known[known] = values[at[known]] == scores[known]
+        if not known.all():
+            wider = np.union1d(values, scores[~known])
+            if len(wider) > MAX_SCORE_VALUES:
+                self.values = self.counts = None  # continuous scores: no histogram
+                return
+            counts = np.zeros((self.num_rows, len(wider)), np.int32)
+            counts[:, np.searchsorted(wider, values)] = self.counts
+            self.values, self.counts = wider, counts
+            at = np.searchsorted(wider, scores)
+        if self.attempts[hit].max() >= _MAX_COUNT:
+            self.values = self.counts = None  # a row's count would overflow int32
+            return
+        np.add.at(self.counts, (rows, at), 1)
+
+    def successes_above(self, threshold: float) -> np.ndarray | None:
+        """Per row, how many outcomes scored above ``threshold`` (None: no histogram)."""
+        if threshold == self.success_above:
+            return self.successes
+        if self.values is None or self.counts is None:
+            return None
+        return self.counts[:, self.values > threshold].sum(axis=1, dtype=np.int64)
+
+    def stats(self, success_above: float | None = None) -> pa.Table:
+        """One row per store row: the statistics of :mod:`dynstate.outcomes`; successes
+        above ``success_above`` (from the histogram) if given, else above the aggregate's."""
+        successes = self.successes
+        if success_above is not None:
+            found = self.successes_above(success_above)
+            if found is None:
+                raise ValueError("no score histogram: successes_above() is None")
+            successes = found
         trained = self.attempts > 0
         untrained = ~trained
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -431,7 +494,7 @@ class Aggregate:
             {
                 "row": pa.array(np.arange(self.num_rows, dtype=np.int64)),
                 "attempts": pa.array(self.attempts),
-                "successes": pa.array(self.successes),
+                "successes": pa.array(successes),
                 "mean_score": pa.array(mean, mask=untrained),
                 "ewma_score": pa.array(ewma, mask=untrained),
                 "first_step": pa.array(self.first_step, mask=untrained),
@@ -455,10 +518,16 @@ class Aggregate:
                 "ewma_den": pa.array(self.ewma_den[idx]),
             }
         )
+        values = None
+        if self.values is not None and self.counts is not None:
+            values = self.values.tolist()
+            for i in range(len(values)):
+                table = table.append_column(f"count_{i}", pa.array(self.counts[idx, i]))
         params = {
             "success_above": self.success_above,
             "half_life": self.half_life,
             "num_rows": self.num_rows,
+            "values": values,  # the score histogram's values, count_<i> its columns
         }
         return table.replace_schema_metadata({_AGG_META: json.dumps(params).encode()})
 
@@ -482,6 +551,16 @@ class Aggregate:
                 "ewma_den",
             ):
                 getattr(agg, name)[idx] = as_numpy(table.column(name))
+            values = params.get("values")  # absent: written before the histogram
+            if values is None:
+                agg.values = agg.counts = None
+            else:
+                agg.values = np.array(values, np.float64)
+                if len(agg.values) > MAX_SCORE_VALUES or np.any(np.diff(agg.values) <= 0):
+                    raise ValueError("malformed score values")
+                agg.counts = np.zeros((agg.num_rows, len(values)), np.int32)
+                for i in range(len(values)):
+                    agg.counts[idx, i] = as_numpy(table.column(f"count_{i}"))
         except (KeyError, TypeError, ValueError, pa.ArrowException) as exc:
             raise CorruptStoreError(
                 f"{where} is not an outcome aggregate ({exc}); run `dynstate verify`"

@@ -327,16 +327,20 @@ class Store:
         *,
         success_above: float = DEFAULT_SUCCESS_ABOVE,
         half_life: float = DEFAULT_HALF_LIFE,
+        pending: Any = None,
     ) -> pa.Table:
         """Per-row statistics of ``version``'s outcomes (a number, a tag, None for the head):
         one row per store row — ``row``, ``attempts``, ``successes`` (scores above
         ``success_above``), ``mean_score``, ``ewma_score`` (weights halve every ``half_life``
         steps back from the row's latest), ``first_step``, ``last_step`` (null for rows never
         trained). Only outcomes of the version's lineage count: after a reset or rollback to
-        N these are N's. Incremental for the default ``success_above`` and ``half_life``
-        (stored aggregates); other values read every outcome record of the lineage."""
+        N these are N's. ``pending``: outcomes of a step in progress (any form ``append``
+        takes), counted as if committed on top of ``version`` — nothing is written. Bounded
+        (an aggregate plus the outcome files since) for the default ``half_life`` at any
+        ``success_above`` while scores take at most 16 distinct values; another half-life reads
+        every outcome record of the lineage (docs/outcomes.md, "Cost")."""
         above, half = check_stats_params(success_above, half_life, self.display_url)
-        return outcomes_of(self.log).stats(self.resolve(version), above, half)
+        return outcomes_of(self.log).stats(self.resolve(version), above, half, pending)
 
     def outcome_records(self, version: int | str | None = None) -> pa.Table:
         """Every outcome record of ``version``'s lineage (``row``, ``step``, ``score`` and the

@@ -274,11 +274,111 @@ def test_stats_at_the_head_read_only_the_outcomes_since_the_aggregate(tmp_path: 
     reader.refresh()
     reader.outcome_stats()
     assert len([r for r in reader_reads if r.startswith("data/")]) == 1
-    # other parameters cannot use the aggregate: every file is read (documented)
+    # another half-life cannot use the aggregate: every file is read (documented)
     reads.clear()
     outcome_log.outcomes_of(fresh.log)._files.clear()
-    fresh.outcome_stats(success_above=0.9)
+    fresh.outcome_stats(half_life=3.0)
     assert len([r for r in reads if r.startswith("data/")]) == 251
+
+
+def counted_reads(store: Store) -> list[str]:
+    reads: list[str] = []
+    original = store.storage.read
+
+    def counting(rel: str, **kwargs: Any) -> bytes:
+        reads.append(rel)
+        return original(rel, **kwargs)
+
+    store.storage.read = counting  # type: ignore[method-assign]
+    return reads
+
+
+def test_any_threshold_reads_only_the_outcomes_since_the_aggregate(tmp_path: Path) -> None:
+    """The aggregate's score histogram gives successes above any threshold: a fresh handle
+    reads one aggregate and the 51 files since it, whatever the threshold, at 250 steps as
+    at 450 (issue 21, item 3)."""
+    url = str(tmp_path / "s")
+    store, by_version = build(url, 250)
+    records = lineage_records(by_version, store.head)
+    num_rows = store.snapshot().num_rows
+    for threshold in (0.9, 0.0, 0.25, -5.0, 1.0):
+        fresh = Store.open(url)
+        reads = counted_reads(fresh)
+        stats = fresh.outcome_stats(success_above=threshold)
+        assert_stats(stats, reference(records, num_rows, threshold, 10.0))
+        assert len([r for r in reads if r.startswith("data/")]) == 51, threshold
+        assert sum(r.startswith(outcome_log.AGGREGATE_DIR) for r in reads) == 1
+    # 200 steps more: the same reads (bounded by the steps since the aggregate, not history)
+    for step in range(251, 451):
+        store.append([], outcomes=outcomes_for(step, num_rows, random.Random(step)))
+        records += outcomes_for(step, num_rows, random.Random(step))
+    fresh = Store.open(url)
+    reads = counted_reads(fresh)
+    stats = fresh.outcome_stats(success_above=0.9)
+    assert_stats(stats, reference(records, num_rows, 0.9, 10.0))
+    assert len([r for r in reads if r.startswith("data/")]) == 51
+    assert sum(r.startswith(outcome_log.AGGREGATE_DIR) for r in reads) == 1
+
+
+def test_continuous_scores_fall_back_to_every_record_for_other_thresholds(
+    tmp_path: Path,
+) -> None:
+    """Past MAX_SCORE_VALUES distinct scores the aggregates keep no histogram: the default
+    threshold stays bounded, another one reads every record (and is still exact)."""
+    url = str(tmp_path / "s")
+    store = Store.open(url, create=True)
+    store.append(rows(0, 8))
+    records = []
+    for step in range(1, 131):
+        batch = [{"row": i % 8, "step": step, "score": (step * 7 + i) / 1000} for i in range(3)]
+        records += batch
+        store.append([], outcomes=batch)
+    fresh = Store.open(url)
+    reads = counted_reads(fresh)
+    assert_stats(fresh.outcome_stats(), reference(records, 8, 0.5, 10.0))
+    assert len([r for r in reads if r.startswith("data/")]) == 31  # files 100..130
+    reads.clear()
+    outcome_log.outcomes_of(fresh.log)._files.clear()  # count the reads, not this cache
+    assert_stats(fresh.outcome_stats(success_above=0.2), reference(records, 8, 0.2, 10.0))
+    assert len([r for r in reads if r.startswith("data/")]) == 130
+
+
+def test_pending_outcomes_count_as_if_committed_and_write_nothing(tmp_path: Path) -> None:
+    """``outcome_stats(pending=...)``: what a generator running in the middle of a step sees
+    — the statistics with the step's own outcomes, equal to those after the commit."""
+    url = str(tmp_path / "s")
+    store, by_version = build(url, 120)
+    num_rows = store.snapshot().num_rows
+    pending = outcomes_for(121, num_rows, random.Random(5))
+    before = files(url)
+    for threshold, half in ((0.5, 10.0), (0.9, 10.0), (0.5, 2.0)):
+        got = store.outcome_stats(success_above=threshold, half_life=half, pending=pending)
+        expected = reference(
+            lineage_records(by_version, store.head) + pending, num_rows, threshold, half
+        )
+        assert_stats(got, expected)
+    assert files(url) == before  # nothing written
+    # the committed version's own statistics are untouched by the pending ones
+    assert_stats(
+        store.outcome_stats(),
+        reference(lineage_records(by_version, store.head), num_rows, 0.5, 10.0),
+    )
+    with_pending = store.outcome_stats(pending=pending)
+    store.append([], outcomes=pending)
+    assert_stats(store.outcome_stats(), with_pending.to_pylist())
+    # steps already recorded would count twice; bad records are refused as in append
+    with pytest.raises(InvalidDataError, match="count twice"):
+        store.outcome_stats(pending=[{"row": 0, "step": 7, "score": 1.0}])
+    with pytest.raises(InvalidDataError, match="NaN"):
+        store.outcome_stats(pending=[{"row": 0, "step": 500, "score": float("nan")}])
+    with pytest.raises(InvalidDataError, match="row"):
+        store.outcome_stats(pending=[{"row": 10**6, "step": 500, "score": 1.0}])
+    # an old version with pending outcomes of a later step
+    early = [{"row": 3, "step": 300, "score": 1.0}, {"row": 105, "step": 300, "score": 0.25}]
+    assert_stats(
+        store.outcome_stats(50, pending=early),
+        reference(lineage_records(by_version, 50) + early, 8 + 2 * 49, 0.5, 10.0),
+    )
 
 
 def test_time_travel_tags_reset_and_rollback_give_exactly_that_versions_stats(

@@ -494,8 +494,34 @@ class Outcomes:
         del self._dense[:-_CACHE_DENSE]
         return agg
 
-    def stats(self, version: int, success_above: float, half_life: float) -> pa.Table:
-        return self._aggregate(version, success_above, half_life).stats()
+    def stats(
+        self, version: int, success_above: float, half_life: float, pending: Any = None
+    ) -> pa.Table:
+        """The statistics of ``version``; with ``pending`` (outcomes in any form ``append``
+        takes, not committed yet: a step in progress), as if they were committed on top of
+        it. Pending outcomes are checked as a commit's are — rows of ``version``, steps its
+        lineage has no outcomes for (else they would count twice) — and nothing is written.
+
+        Any ``success_above`` with the default half-life comes from the default aggregate's
+        score histogram (bounded like the default). Without one (more than
+        ``MAX_SCORE_VALUES`` distinct scores), and for another half-life, it comes from an
+        aggregate of those parameters, which no stored aggregate is: every record is read
+        once per handle, then only the files a later version adds."""
+        agg = self._aggregate(version, DEFAULT_SUCCESS_ABOVE, DEFAULT_HALF_LIFE)
+        if half_life != DEFAULT_HALF_LIFE or agg.successes_above(success_above) is None:
+            agg = self._aggregate(version, success_above, half_life)
+        if pending is None:
+            return agg.stats(success_above)
+        record = self.log.commit_record(version)
+        table = check_outcomes(pending, self.display_url, record.num_rows, version)
+        steps = to_ranges(as_numpy(table.column("step")).tolist())
+        self._check_new_steps(steps, record, pending=True)
+        mine = agg.copy()  # the cached aggregate stays that of the committed version
+        mine.fold(table.select(["row", "step", "score"]))
+        if mine.successes_above(success_above) is None:  # the pending scores widened it
+            mine = self._aggregate(version, success_above, half_life).copy()
+            mine.fold(table.select(["row", "step", "score"]))
+        return mine.stats(success_above)
 
     def generator_state(self, version: int) -> Any:
         state = self.lineage(version).state
@@ -521,16 +547,24 @@ class Outcomes:
             return None
         return Pending(table, steps, state, head.version)
 
-    def _check_new_steps(self, steps: Ranges, parent: Commit) -> None:
+    def _check_new_steps(self, steps: Ranges, parent: Commit, *, pending: bool = False) -> None:
         if not steps:
             return
         dup = overlap(self.lineage(parent.version).step_ranges, steps)
-        if dup:
+        if not dup:
+            return
+        listed = ", ".join(map(str, dup))
+        if pending:
             raise InvalidDataError(
-                f"outcomes for {self.display_url}: step(s) {', '.join(map(str, dup))} already "
-                f"have outcomes in the lineage of version {parent.version}; each step's outcomes "
-                "are committed once (roll back to before that step to record them again)"
+                f"pending outcomes for {self.display_url}: step(s) {listed} already have "
+                f"outcomes in version {parent.version}, so they would count twice; pass only "
+                "the outcomes of the step in progress (not committed yet)"
             )
+        raise InvalidDataError(
+            f"outcomes for {self.display_url}: step(s) {listed} already have outcomes in the "
+            f"lineage of version {parent.version}; each step's outcomes are committed once "
+            "(roll back to before that step to record them again)"
+        )
 
     def write(self, pending: Pending, *, sync: bool = True) -> Pending:
         """Write the outcome file under a lease of its own (gc leaves it alone until the
