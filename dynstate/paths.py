@@ -55,7 +55,6 @@ _VERSION = r"([0-9]{20})"
 _HEX32 = r"([0-9a-f]{32})"
 _HEX64 = r"([0-9a-f]{64})"
 _HEX64_RE = re.compile(_HEX64)
-_HEX32_RE = re.compile(_HEX32)
 # Tag names (and the other user-chosen names): letters, digits, '.', '_', '-', starting with a
 # letter or digit, at most 128 characters, and never '..'.
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -68,10 +67,6 @@ _SHARD_REFERENCE = re.compile(rf"{DATA_DIR}/[A-Za-z0-9][A-Za-z0-9._-]*\.parquet"
 def new_id() -> str:
     """A fresh 32-hex-digit id (lease ids, holders, the unique part of shard names)."""
     return uuid.uuid4().hex
-
-
-def is_hex32(text: str) -> bool:
-    return _HEX32_RE.fullmatch(text) is not None
 
 
 def is_digest(text: Any) -> bool:

@@ -280,7 +280,7 @@ MAINTENANCE = Path(__file__).resolve().parent.parent / "dynstate" / "maintenance
 DECODERS = {"decode", "decode_chunk", "from_json", "load_json", "schema_from_json"}
 
 
-@pytest.mark.parametrize("module", ["gc.py", "verify.py", "retention.py"])
+@pytest.mark.parametrize("module", ["gc.py", "references.py", "verify.py", "retention.py"])
 def test_gc_and_verify_decode_nothing_themselves(module: str) -> None:
     """They read records, checkpoints and chunks through the log, and judge names through
     dynstate.paths: no decoder and no file-name pattern of their own (retention's one

@@ -27,7 +27,7 @@ import time
 
 from .. import manifest as m
 from .. import paths
-from ..errors import CommitConflictError, DynstateError, LeaseExpiredError
+from ..errors import CommitConflictError, DynstateError, InvalidDataError, LeaseExpiredError
 from ..storage import Storage
 
 log = logging.getLogger("dynstate")
@@ -88,7 +88,10 @@ class Leases:
 
     def __init__(self, storage: Storage, ttl_s: float = DEFAULT_TTL_S) -> None:
         if not ttl_s > 0:
-            raise ValueError("lease ttl must be positive")
+            raise InvalidDataError(
+                f"the lease ttl for {storage.display_url} must be a positive number of "
+                f"seconds, not {ttl_s!r}"
+            )
         self.storage = storage
         self.ttl_s = float(ttl_s)
         self._active: dict[str, float] = {}  # lease id -> monotonic time acquired
