@@ -5,7 +5,8 @@ store row, the step, a score and optional numeric fields) and with its generator
 This module decides what such input may be (:func:`check_outcomes`,
 :func:`check_generator_state`), the Arrow schema outcome files have, the step sets a lineage
 holds (as sorted ranges) and the per-row aggregate from which statistics are computed
-(:class:`Aggregate`). Reading and writing the files is :mod:`dynstate.log.outcomes`.
+(:class:`dynstate.outcome_aggregate.Aggregate`). Reading and writing the files is
+:mod:`dynstate.log.outcomes`.
 
 Statistics of a row (over every outcome of the version's lineage that names it):
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,8 +31,9 @@ import pyarrow.compute as pc
 
 from .errors import InvalidDataError
 
-# The parameters the stored aggregates are built with: statistics asked for with these are
-# incremental; with others they are computed from every outcome record of the lineage.
+# The parameters the stored aggregates are built with: statistics with this half-life are
+# incremental (at any threshold while the aggregate keeps its score histogram); with another
+# half-life they are computed from every outcome record of the lineage.
 DEFAULT_SUCCESS_ABOVE = 0.5
 DEFAULT_HALF_LIFE = 10.0
 
@@ -43,13 +44,6 @@ MAX_EXTRA_COLUMNS = 32
 MAX_STEP = 2**53  # steps and rows must survive a round trip through JSON and float64
 MAX_STATE_BYTES = 2**20
 MAX_STATE_DEPTH = 32
-
-_AGG_META = b"dynstate.outcomes.aggregate"
-# An aggregate keeps a per-row score histogram while the lineage's scores take at most this
-# many distinct values (pass/fail, graded rubrics): successes above any threshold then come
-# from it; past it, a threshold other than the aggregate's reads every record.
-MAX_SCORE_VALUES = 16
-_MAX_COUNT = 2**31 - MAX_OUTCOMES  # int32 counts: one more commit's records always fit
 
 
 def as_numpy(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
@@ -328,256 +322,6 @@ def valid_ranges(obj: Any) -> bool:
             return False
         previous = b
     return True
-
-
-# -- the per-row aggregate ---------------------------------------------------------------------
-
-
-@dataclass
-class Aggregate:
-    """Per-row sums over outcome records, dense over the rows of a version; merging more
-    records in is exact (the EWMA state is kept relative to each row's latest step)."""
-
-    success_above: float
-    half_life: float
-    attempts: np.ndarray
-    score_sum: np.ndarray
-    successes: np.ndarray
-    first_step: np.ndarray  # -1: never trained
-    last_step: np.ndarray
-    ewma_num: np.ndarray
-    ewma_den: np.ndarray
-    # The score histogram: the distinct scores seen (sorted) and, per row, how many of its
-    # outcomes had each — successes above any threshold without the records. None once the
-    # scores took more than MAX_SCORE_VALUES values (or over an aggregate stored without it).
-    values: np.ndarray | None = None
-    counts: np.ndarray | None = None  # int32, rows x len(values)
-
-    @classmethod
-    def empty(cls, num_rows: int, success_above: float, half_life: float) -> Aggregate:
-        return cls(
-            success_above,
-            half_life,
-            np.zeros(num_rows, np.int64),
-            np.zeros(num_rows, np.float64),
-            np.zeros(num_rows, np.int64),
-            np.full(num_rows, -1, np.int64),
-            np.full(num_rows, -1, np.int64),
-            np.zeros(num_rows, np.float64),
-            np.zeros(num_rows, np.float64),
-            np.empty(0, np.float64),
-            np.zeros((num_rows, 0), np.int32),
-        )
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.attempts)
-
-    def copy(self) -> Aggregate:
-        return Aggregate(
-            self.success_above,
-            self.half_life,
-            self.attempts.copy(),
-            self.score_sum.copy(),
-            self.successes.copy(),
-            self.first_step.copy(),
-            self.last_step.copy(),
-            self.ewma_num.copy(),
-            self.ewma_den.copy(),
-            None if self.values is None else self.values.copy(),
-            None if self.counts is None else self.counts.copy(),
-        )
-
-    def _arrays(self) -> tuple[np.ndarray, ...]:
-        return (
-            self.attempts,
-            self.score_sum,
-            self.successes,
-            self.first_step,
-            self.last_step,
-            self.ewma_num,
-            self.ewma_den,
-        )
-
-    def grow(self, num_rows: int) -> Aggregate:
-        """The same sums over ``num_rows`` rows (rows appended since are untrained)."""
-        if num_rows <= self.num_rows:
-            return self
-        wider = Aggregate.empty(num_rows, self.success_above, self.half_life)
-        for src, dst in zip(self._arrays(), wider._arrays(), strict=True):
-            dst[: self.num_rows] = src
-        if self.values is None or self.counts is None:
-            wider.values = wider.counts = None
-        else:
-            wider.values = self.values
-            wider.counts = np.zeros((num_rows, len(self.values)), np.int32)
-            wider.counts[: self.num_rows] = self.counts
-        return wider
-
-    def fold(self, table: pa.Table) -> None:
-        """Add the records of an outcome table (rows within range), in place. The work is
-        over the rows the records name, not over every row of the version."""
-        if table.num_rows == 0:
-            return
-        rows = as_numpy(table.column("row"))
-        steps = as_numpy(table.column("step"))
-        scores = as_numpy(table.column("score"))
-        hit, inv = _group(rows, self.num_rows)
-        k = len(hit)
-        passed = (scores > self.success_above).astype(np.float64)
-        first = np.full(k, np.iinfo(np.int64).max, np.int64)
-        np.minimum.at(first, inv, steps)
-        last = np.full(k, -1, np.int64)
-        np.maximum.at(last, inv, steps)
-        # the batch's own EWMA state, relative to each row's latest step in the batch
-        weight = np.exp2((steps - last[inv]) / self.half_life)
-        num = np.bincount(inv, weights=weight * scores, minlength=k)
-        den = np.bincount(inv, weights=weight, minlength=k)
-        old_last = self.last_step[hit]
-        old = old_last >= 0
-        latest = np.maximum(old_last, last)
-        scale_old = np.where(old, np.exp2((old_last - latest) / self.half_life), 0.0)
-        scale_new = np.exp2((last - latest) / self.half_life)
-        self.attempts[hit] += np.bincount(inv, minlength=k)
-        self.score_sum[hit] += np.bincount(inv, weights=scores, minlength=k)
-        self.successes[hit] += np.bincount(inv, weights=passed, minlength=k).astype(np.int64)
-        self.first_step[hit] = np.where(old, np.minimum(self.first_step[hit], first), first)
-        self.ewma_num[hit] = self.ewma_num[hit] * scale_old + num * scale_new
-        self.ewma_den[hit] = self.ewma_den[hit] * scale_old + den * scale_new
-        self.last_step[hit] = latest
-        self._fold_histogram(rows, scores, hit)
-
-    def _fold_histogram(self, rows: np.ndarray, scores: np.ndarray, hit: np.ndarray) -> None:
-        if self.values is None or self.counts is None:
-            return
-        values = self.values
-        at = np.searchsorted(values, scores)
-        known = at < len(values)
-        known[known] = values[at[known]] == scores[known]
-        if not known.all():
-            wider = np.union1d(values, scores[~known])
-            if len(wider) > MAX_SCORE_VALUES:
-                self.values = self.counts = None  # continuous scores: no histogram
-                return
-            counts = np.zeros((self.num_rows, len(wider)), np.int32)
-            counts[:, np.searchsorted(wider, values)] = self.counts
-            self.values, self.counts = wider, counts
-            at = np.searchsorted(wider, scores)
-        if self.attempts[hit].max() >= _MAX_COUNT:
-            self.values = self.counts = None  # a row's count would overflow int32
-            return
-        np.add.at(self.counts, (rows, at), 1)
-
-    def successes_above(self, threshold: float) -> np.ndarray | None:
-        """Per row, how many outcomes scored above ``threshold`` (None: no histogram)."""
-        if threshold == self.success_above:
-            return self.successes
-        if self.values is None or self.counts is None:
-            return None
-        return self.counts[:, self.values > threshold].sum(axis=1, dtype=np.int64)
-
-    def stats(self, success_above: float | None = None) -> pa.Table:
-        """One row per store row: the statistics of :mod:`dynstate.outcomes`; successes
-        above ``success_above`` (from the histogram) if given, else above the aggregate's."""
-        successes = self.successes
-        if success_above is not None:
-            found = self.successes_above(success_above)
-            if found is None:
-                raise ValueError("no score histogram: successes_above() is None")
-            successes = found
-        trained = self.attempts > 0
-        untrained = ~trained
-        with np.errstate(invalid="ignore", divide="ignore"):
-            mean = self.score_sum / self.attempts
-            ewma = self.ewma_num / self.ewma_den
-        return pa.table(
-            {
-                "row": pa.array(np.arange(self.num_rows, dtype=np.int64)),
-                "attempts": pa.array(self.attempts),
-                "successes": pa.array(successes),
-                "mean_score": pa.array(mean, mask=untrained),
-                "ewma_score": pa.array(ewma, mask=untrained),
-                "first_step": pa.array(self.first_step, mask=untrained),
-                "last_step": pa.array(self.last_step, mask=untrained),
-            }
-        )
-
-    # -- stored form: sparse (trained rows only), parameters in the schema metadata --------
-
-    def to_table(self) -> pa.Table:
-        idx = np.flatnonzero(self.attempts > 0)
-        table = pa.table(
-            {
-                "row": pa.array(idx.astype(np.int64)),
-                "attempts": pa.array(self.attempts[idx]),
-                "score_sum": pa.array(self.score_sum[idx]),
-                "successes": pa.array(self.successes[idx]),
-                "first_step": pa.array(self.first_step[idx]),
-                "last_step": pa.array(self.last_step[idx]),
-                "ewma_num": pa.array(self.ewma_num[idx]),
-                "ewma_den": pa.array(self.ewma_den[idx]),
-            }
-        )
-        values = None
-        if self.values is not None and self.counts is not None:
-            values = self.values.tolist()
-            for i in range(len(values)):
-                table = table.append_column(f"count_{i}", pa.array(self.counts[idx, i]))
-        params = {
-            "success_above": self.success_above,
-            "half_life": self.half_life,
-            "num_rows": self.num_rows,
-            "values": values,  # the score histogram's values, count_<i> its columns
-        }
-        return table.replace_schema_metadata({_AGG_META: json.dumps(params).encode()})
-
-    @classmethod
-    def from_table(cls, table: pa.Table, where: str) -> Aggregate:
-        from .errors import CorruptStoreError
-
-        try:
-            params = json.loads((table.schema.metadata or {})[_AGG_META])
-            agg = cls.empty(int(params["num_rows"]), params["success_above"], params["half_life"])
-            idx = as_numpy(table.column("row"))
-            if len(idx) and (idx.min() < 0 or idx.max() >= agg.num_rows):
-                raise ValueError("row out of range")
-            for name in (
-                "attempts",
-                "score_sum",
-                "successes",
-                "first_step",
-                "last_step",
-                "ewma_num",
-                "ewma_den",
-            ):
-                getattr(agg, name)[idx] = as_numpy(table.column(name))
-            values = params.get("values")  # absent: written before the histogram
-            if values is None:
-                agg.values = agg.counts = None
-            else:
-                agg.values = np.array(values, np.float64)
-                if len(agg.values) > MAX_SCORE_VALUES or np.any(np.diff(agg.values) <= 0):
-                    raise ValueError("malformed score values")
-                agg.counts = np.zeros((agg.num_rows, len(values)), np.int32)
-                for i in range(len(values)):
-                    agg.counts[idx, i] = as_numpy(table.column(f"count_{i}"))
-        except (KeyError, TypeError, ValueError, pa.ArrowException) as exc:
-            raise CorruptStoreError(
-                f"{where} is not an outcome aggregate ({exc}); run `dynstate verify`"
-            ) from exc
-        return agg
-
-
-def _group(rows: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct rows (sorted) and each record's index among them, as ``np.unique``
-    gives them. Many records for the rows (a checkpoint folds 100 steps): by a pass over
-    the rows instead of a sort, which costs seconds at millions of records."""
-    if len(rows) * 4 < num_rows:
-        return np.unique(rows, return_inverse=True)
-    hit = np.flatnonzero(np.bincount(rows, minlength=num_rows))
-    where = np.empty(num_rows, np.int64)
-    where[hit] = np.arange(len(hit))
-    return hit, where[rows]
 
 
 def check_stats_params(success_above: Any, half_life: Any, url: str) -> tuple[float, float]:

@@ -16,7 +16,16 @@ LAYERS: list[tuple[str, ...]] = [
     # temporary files and probes with it (the records layer's, placed where storage reaches it)
     ("paths",),
     ("storage",),
-    ("manifest", "codec", "layout", "columns", "rounds", "outcomes", "rowgroups"),
+    (
+        "manifest",
+        "codec",
+        "layout",
+        "columns",
+        "rounds",
+        "outcomes",
+        "outcome_aggregate",
+        "rowgroups",
+    ),
     ("log",),
     ("store", "writes", "snapshot", "history", "resume", "rollback", "outcome_views"),
     ("maintenance",),

@@ -38,10 +38,10 @@ from ..errors import (
     MissingShardError,
 )
 from ..manifest import Commit, ShardRef
+from ..outcome_aggregate import Aggregate
 from ..outcomes import (
     DEFAULT_HALF_LIFE,
     DEFAULT_SUCCESS_ABOVE,
-    Aggregate,
     Ranges,
     as_numpy,
     check_generator_state,
