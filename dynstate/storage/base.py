@@ -8,6 +8,9 @@ retried and translated into :mod:`dynstate.errors` types by the client-error tab
 (:mod:`.errors`; the filesystem itself is built by :mod:`.connect`). Two built-in exceptions
 pass through on purpose because callers act on them: ``FileNotFoundError`` (object missing)
 and ``FileExistsError`` (an exclusive create lost the race).
+
+One file, at about 400 lines, because it is one concept: the interface every backend fills
+in and the boundary all of it runs through (the shard sink is that interface's write side).
 """
 
 from __future__ import annotations

@@ -205,6 +205,10 @@ def _class_rows() -> list[tuple[tuple[type[BaseException], ...], Row]]:
                 "UnsupportedS3ControlConfigurationError",
                 "UnseekableStreamError",
                 "OperationNotPageableError",
+                # botocore cannot load what the request needs (its data files, a dependency)
+                "DataNotFoundError",
+                "ApiVersionNotFoundError",
+                "MissingDependencyException",
             )
             + _classes("aiohttp", "InvalidURL")
             + _classes("fsspec.exceptions", "BlocksizeMismatchError"),

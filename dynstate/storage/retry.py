@@ -12,7 +12,7 @@ import errno
 import random
 
 from ..errors import CorruptStoreError
-from .errors import CLIENT_LIBRARIES
+from .errors import BAD_REQUEST, CLIENT_LIBRARIES, CREDENTIALS, row_of
 
 _THROTTLE_CODES = frozenset(
     {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded"}
@@ -59,8 +59,8 @@ def is_transient(exc: BaseException) -> bool:
             return True
         if is_client_library_error(link):
             # What is left of botocore/aiohttp/urllib3 errors without a reply is transport:
-            # closed connections, short bodies, unparsable (cut) replies, timeouts. Credential
-            # and parameter errors are the exceptions.
-            name = type(link).__name__
-            return not any(s in name for s in ("Credential", "ParamValidation", "Unknown"))
+            # closed connections, short bodies, unparsable (cut) replies, timeouts. The
+            # client-error table tells the exceptions: missing or refused credentials, requests
+            # refused before they were sent (parameters, configuration).
+            return row_of(link)[0] not in (CREDENTIALS, BAD_REQUEST)
     return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
