@@ -677,6 +677,41 @@ def test_a_step_committed_by_another_writer_meanwhile_is_refused(tmp_path: Path)
     assert Store.open(url).outcome_records().num_rows == 1
 
 
+def test_append_refused_at_its_record_removes_the_round_and_outcome_file(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """``append`` writes the round's shards and its outcome file under one lease; when the
+    record cannot be built (another writer committed the step meanwhile) both go, and the
+    lease with them."""
+    from dynstate.writes import Writer
+
+    url = str(tmp_path / "s")
+    a = Store.open(url, create=True)
+    a.append(rows(0, 3))
+    other = Store.open(url)
+    written_round = Writer._write_round
+    written: list[str] = []
+
+    def then_another_writer(self: Writer, *args: Any, **kwargs: Any) -> Any:
+        shards, pending = written_round(self, *args, **kwargs)
+        if not written:  # the first writer's round; the other writer's goes through
+            written.extend([s.path for s in shards] + [pending.ref.path])
+            other.append([], outcomes={"row": [0], "step": [5], "score": [1.0]})
+        return shards, pending
+
+    monkeypatch.setattr(Writer, "_write_round", then_another_writer)
+    with pytest.raises(InvalidDataError, match="step"):
+        a.append(rows(1, 2), outcomes={"row": [1], "step": [5], "score": [0.0]})
+    monkeypatch.undo()
+    assert len(written) == 2 and len({p.split("/")[-1][:32] for p in written}) == 1  # one lease
+    fs, root = fsspec.core.url_to_fs(url)
+    left = {p[len(root) + 1 :] for p in fs.find(root)}
+    assert not any(p in left for p in written)
+    assert not [p for p in left if p.startswith("_dynstate/leases/")]
+    assert Store.open(url).outcome_records().num_rows == 1
+    assert verify_store(Store.open(url), all_versions=True).ok
+
+
 # -- 5. format -------------------------------------------------------------------------------
 
 
