@@ -41,7 +41,8 @@ _REFUSED_CODES = frozenset(
 )
 _NO_BUCKET_CODES = frozenset({"NoSuchBucket"})
 _NO_KEY_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
-_BUSY_CODES = frozenset(
+#: S3 codes of a busy or throttling service (retried, see :mod:`.retry`)
+BUSY_CODES = frozenset(
     {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded"}
 )
 
@@ -261,7 +262,7 @@ def row_of(exc: BaseException) -> tuple[Row, str]:
                 return NO_BUCKET, name
             if name in _NO_KEY_CODES:
                 return NO_KEY, name
-            if name in _BUSY_CODES or status >= 500 or status == 429:
+            if name in BUSY_CODES or status >= 500 or status == 429:
                 return BUSY, name
             return ANSWERED, name
     class_rows = _class_rows()

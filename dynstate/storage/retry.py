@@ -12,11 +12,8 @@ import errno
 import random
 
 from ..errors import CorruptStoreError
-from .errors import BAD_REQUEST, CLIENT_LIBRARIES, CREDENTIALS, row_of
+from .errors import BAD_REQUEST, BUSY_CODES, CLIENT_LIBRARIES, CREDENTIALS, row_of
 
-_THROTTLE_CODES = frozenset(
-    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded"}
-)
 _TRANSIENT_ERRNOS = frozenset(
     {errno.EIO, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE}
     | ({errno.EREMOTEIO} if hasattr(errno, "EREMOTEIO") else set())
@@ -53,7 +50,7 @@ def is_transient(exc: BaseException) -> bool:
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
             code = response["Error"].get("Code", "")
             # 501: the backend does not implement the request (e.g. a conditional header).
-            return (status >= 500 and status != 501) or status == 429 or code in _THROTTLE_CODES
+            return (status >= 500 and status != 501) or status == 429 or code in BUSY_CODES
     for link in _chain(exc):
         if isinstance(link, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
             return True
