@@ -1,6 +1,11 @@
 """Writing rounds: validating a round, staging its shards under a lease, committing staged
 parts as one version (resolving a commit of unknown outcome by reading back), and commits of a
-complete shard list (resets). :class:`dynstate.Store` delegates its write methods here."""
+complete shard list (resets). :class:`dynstate.Store` delegates its write methods here.
+
+One file past 400 lines because it is the one commit protocol (DESIGN: rounds, resets and
+compactions commit through it): the lease claim, the exclusive create and the resolution of
+a failed or unknown-outcome commit are shared by every path, and a split would put the
+protocol's halves in different modules."""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """Outcome files, their lineage and the per-row aggregates: the only code that reads or
 writes them. :class:`Outcomes` (one per commit log, :func:`outcomes_of`) is what the store,
-the writer, compaction, gc and verify ask.
+the writer, compaction, gc and verify ask (gc's and verify's side: :mod:`.outcome_refs`).
+One file past 400 lines because :class:`Outcomes` is one cache-holding object — lineages,
+decoded files and aggregates are shared by its reading, writing and checkpointing, and a
+split would spread one object's private state over modules.
 
 Every version has an ordered *outcome file list*, like its shard list: an append adds the
 files of its round's outcomes (``outcomes.add`` in its record); a reset or a compaction
@@ -20,7 +23,6 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -782,111 +784,3 @@ def outcomes_of(log_: Log) -> Outcomes:
     if found is None:
         found = _BY_LOG[log_] = Outcomes(log_)
     return found
-
-
-# -- gc and verify -------------------------------------------------------------------------
-
-
-class References:
-    """Outcome files, chunks and aggregates kept versions need (gc): the floor's complete
-    list, what every kept record names, and what outcome checkpoints from the floor on name."""
-
-    def __init__(self, log_: Log, floor: int) -> None:
-        self.log = log_
-        self.data: set[str] = set()
-        self.chunks: set[str] = set()
-        self.aggregates: set[str] = set()
-        outcomes = outcomes_of(log_)
-        lineage = outcomes.lineage(floor)
-        self.data.update(f.path for f in outcomes.files(lineage))
-        if lineage.aggregate is not None:
-            self.aggregates.add(lineage.aggregate.path)
-        for name in log_.storage.list(OUTCOME_DIR):
-            rel = f"{OUTCOME_DIR}/{name}"
-            number = paths.match_outcome_checkpoint(rel)
-            if number is None or number < floor:
-                continue
-            raw = log_.storage.try_read(rel)
-            if raw is None:
-                continue
-            obj = m.decode(raw, log_.where(rel))
-            self.chunks.update(m.ShardList.from_json(obj.get("files"), rel).chunks)
-            if obj.get("aggregate") is not None:
-                self.aggregates.add(AggregateRef.from_json(obj["aggregate"], rel).path)
-
-    def add_record(self, record: Commit, full: bool) -> None:
-        """Add what ``record`` names; ``full``: expand a base list (versions above the floor)."""
-        field = record.outcomes
-        if field is None:
-            return
-        where = self.log.where(m.log_path(record.version))
-        for entry in field.get("add", []):
-            self.data.add(ShardRef.from_json(entry, where).path)
-        if "base" in field:
-            shard_list = m.ShardList.from_json(field["base"], where)
-            self.chunks.update(shard_list.chunks)
-            if full:
-                self.data.update(f.path for f in self.log.expand(shard_list, where))
-            if field.get("aggregate") is not None:
-                self.aggregates.add(AggregateRef.from_json(field["aggregate"], where).path)
-
-    def needs(self, rel: str) -> bool:
-        if rel in self.data or rel in self.aggregates:
-            return True
-        return paths.match_chunk(rel) in self.chunks
-
-
-def verify(log_: Log, versions: Iterable[int], all_versions: bool) -> list[str]:
-    """Problems with the outcomes of ``versions`` (their files read back against their
-    checksums) and with every outcome checkpoint and aggregate from the floor on."""
-    problems: list[str] = []
-    outcomes = outcomes_of(log_)
-    files: dict[str, tuple[ShardRef, int]] = {}
-    aggregates: dict[str, AggregateRef] = {}
-    for version in versions:
-        try:
-            if all_versions:
-                record = log_.commit_record(version)
-                if record.base is not None or record.op != "append":
-                    add, base = [], outcomes._base_of(record)
-                else:
-                    add, base = outcomes._add_of(record)[0], Lineage(version)
-                named = [*outcomes.files(base), *add]
-                if version == log_.floor:
-                    named.extend(outcomes.lineage_files(version))
-                agg = base.aggregate
-            else:
-                lineage = outcomes.lineage(version)
-                named, agg = outcomes.files(lineage), lineage.aggregate
-        except DynstateError as exc:
-            problems.append(f"outcomes of version {version}: {exc}")
-            continue
-        for ref in named:
-            files.setdefault(ref.path, (ref, version))
-        if agg is not None:
-            aggregates[agg.path] = agg
-    for name in sorted(log_.storage.list(OUTCOME_DIR)):
-        number = paths.match_outcome_checkpoint(f"{OUTCOME_DIR}/{name}")
-        if number is None or number < log_.floor:
-            continue
-        try:
-            found = outcomes.read_checkpoint(number)
-        except DynstateError as exc:
-            problems.append(str(exc))
-            continue
-        if found is not None and found.aggregate is not None:
-            aggregates[found.aggregate.path] = found.aggregate
-    for ref, version in files.values():
-        outcomes._files.pop(ref.path, None)  # read the bytes again, not this handle's copy
-        try:
-            outcomes.read_file(ref, version)
-        except DynstateError as exc:
-            problems.append(str(exc))
-    for agg_ref in aggregates.values():
-        try:
-            outcomes.read_aggregate(agg_ref)
-        except FileNotFoundError:
-            problems.append(f"outcome aggregate {log_.where(agg_ref.path)} is missing")
-        except DynstateError as exc:
-            problems.append(str(exc))
-    return problems

@@ -11,7 +11,7 @@ import logging
 from .. import manifest as m
 from .. import paths
 from ..errors import CorruptStoreError
-from ..log import outcomes as outcome_log
+from ..log import outcome_refs
 from ..store import Store
 
 log = logging.getLogger("dynstate")
@@ -26,7 +26,7 @@ class References:
         self.store = store
         self.floor = floor
         self.shards = {s.path for s in store.log.materialize(floor)}
-        self.outcomes = outcome_log.References(store.log, floor)
+        self.outcomes = outcome_refs.References(store.log, floor)
         self.chunks: set[str] = set()
         self.schemas: set[str] = set()
         for version in store.log.checkpoint_versions(floor):
