@@ -23,9 +23,10 @@ log = logging.getLogger("dynstate")
 
 # Rows per row group. A random batch reads one row group per row it asks for, so the bytes
 # it reads grow with this size; the footer, its parse time and the manifest grow with the
-# number of row groups (~100-200 footer bytes per column per group, 64 hex digits + two
-# numbers per group in the manifest). docs/format.md gives the figures behind the choice.
-ROW_GROUP_ROWS = 1024
+# number of row groups (~70-200 footer bytes per column per group, 64 hex digits + two
+# numbers per group in the manifest), and so does the footer's parse, once per shard and
+# process. docs/format.md gives the figures behind the choice.
+ROW_GROUP_ROWS = 256
 
 
 class _Segments:
@@ -74,7 +75,9 @@ def write_shard(table: pa.Table, sink: Any, row_group_rows: int | None = None) -
     rows = row_group_rows or ROW_GROUP_ROWS
     out = _Segments(sink)
     counts = []
-    with pq.ParquetWriter(out, table.schema) as writer:
+    # No column statistics: dynstate never prunes by them, and without them a footer is
+    # ~2.3x smaller and parses ~25 % faster — it is read before any row of its shard.
+    with pq.ParquetWriter(out, table.schema, write_statistics=False) as writer:
         for start in range(0, table.num_rows, rows):
             part = table.slice(start, rows)
             writer.write_table(part, row_group_size=rows)

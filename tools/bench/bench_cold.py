@@ -62,6 +62,24 @@ def _ours(url: str, options: dict[str, Any], fmt: str) -> Callable[[list[int]], 
     return run
 
 
+def build_whole(url: str, table: pa.Table, shards: int, **options: Any) -> Store:
+    """The store as dynstate wrote it before row groups were recorded (one row group per
+    shard, no ``groups`` in the entries): every read fetches and verifies shards whole."""
+    import pyarrow.parquet as pq
+
+    import dynstate.writes as writes
+
+    def whole(part: pa.Table, sink: Any, row_group_rows: int | None = None) -> None:
+        pq.write_table(part, sink)
+
+    saved = writes.write_shard
+    writes.write_shard = whole  # type: ignore[assignment]
+    try:
+        return build(url, table, shards, **options)
+    finally:
+        writes.write_shard = saved
+
+
 def contenders(root: Path, table: pa.Table, url: str) -> dict[str, Callable[[list[int]], Any]]:
     import datasets
     import lance
@@ -79,12 +97,16 @@ def contenders(root: Path, table: pa.Table, url: str) -> dict[str, Callable[[lis
     def lance_take(idx: list[int]) -> Any:
         return lance.dataset(str(lance_path)).take(idx).to_pydict()
 
-    return {
+    cases = {
         "dynstate columns": _ours(url, {}, "columns"),
         "dynstate rows": _ours(url, {}, "rows"),
         "HF load_from_disk+ds[list]": hf,
         "Lance dataset+take": lance_take,
     }
+    whole = root / "store-whole"
+    if whole.exists():
+        cases["dynstate columns, whole shards"] = _ours(str(whole), {}, "columns")
+    return cases
 
 
 def rounds(cases: dict[str, Callable[[list[int]], Any]], n: int, repeats: int) -> dict[str, Any]:
@@ -112,65 +134,82 @@ def report(label: str, result: dict[str, Any]) -> None:
     )
     for name, ts in times.items():
         ms = [t * 1e3 for t in ts]
-        print(f"  {name:28s} median {statistics.median(ms):7.1f} ms  [{min(ms):.1f}-{max(ms):.1f}]")
+        print(f"  {name:31s} median {statistics.median(ms):7.1f} ms  [{min(ms):.1f}-{max(ms):.1f}]")
     ours = times["dynstate columns"]
-    for peer in ("HF load_from_disk+ds[list]", "Lance dataset+take"):
+    peers = ["HF load_from_disk+ds[list]", "Lance dataset+take"]
+    if "dynstate columns, whole shards" in times:
+        peers.append("dynstate columns, whole shards")
+    for peer in peers:
         ratios = [a / b for a, b in zip(ours, times[peer], strict=True)]
         print(
-            f"  dynstate columns / {peer:28s} median {statistics.median(ratios):.2f}x "
+            f"  dynstate columns / {peer:31s} median {statistics.median(ratios):.2f}x "
             f"[{min(ratios):.2f}-{max(ratios):.2f}]"
         )
 
 
-def bench_s3(table: pa.Table, shards: int, repeats: int) -> None:
+def bench_s3(table: pa.Table, shards: int, repeats: int, baseline: bool) -> None:
     from loopback_s3 import loopback_s3
 
     with loopback_s3("bench-cold") as server:
-        url = "s3://bench-cold/store"
         options = {"endpoint_url": server.endpoint}
-        store = build(url, table, shards, storage_options=options)
-        total = sum(s.bytes for s in store.snapshot().shards)
-        rng = np.random.default_rng(1)
-        fetched, times, requests = [], [], []
-        for _ in range(repeats):
-            ds = VersionedDataset(url, storage_options=options, cache_dir=None)
-            storage = ds.store.storage
-            got = [0]
-            cat_ranges, cat = storage._cat_ranges, storage._cat
+        url = "s3://bench-cold/store"
+        build(url, table, shards, storage_options=options)
+        first_batch_s3(server, url, options, table, repeats, "row groups")
+        if baseline:
+            url = "s3://bench-cold/whole"
+            build_whole(url, table, shards, storage_options=options)
+            first_batch_s3(server, url, options, table, repeats, "whole shards (before)")
 
-            def counted_ranges(ranges, _f=cat_ranges, _got=got):
-                out = _f(ranges)
-                _got[0] += sum(len(b) for b in out)
-                return out
 
-            def counted_cat(rel, _f=cat, _got=got):
-                out = _f(rel)
-                if rel.startswith("data/"):
-                    _got[0] += len(out)
-                return out
+def first_batch_s3(
+    server: Any, url: str, options: dict[str, Any], table: pa.Table, repeats: int, label: str
+) -> None:
+    refs = Store.open(url, storage_options=options).snapshot().shards
+    shards, total = len(refs), sum(s.bytes for s in refs)
+    rng = np.random.default_rng(1)
+    fetched, times, requests = [], [], []
+    for _ in range(repeats):
+        # A fresh disk cache too: a shard read whole is kept there and would cost no request.
+        cache_dir = tempfile.mkdtemp(prefix="bench-cold-cache-")
+        ds = VersionedDataset(url, storage_options=options, cache_dir=cache_dir)
+        storage = ds.store.storage
+        got = [0]
+        cat_ranges, cat = storage._cat_ranges, storage._cat
 
-            storage._cat_ranges, storage._cat = counted_ranges, counted_cat
-            mark = server.count()
-            idx = rng.choice(table.num_rows, BATCH, replace=False).tolist()
-            t = time.perf_counter()
-            ds.read_batch(idx, "columns")
-            times.append(time.perf_counter() - t)
-            requests.append(server.count() - mark)
-            fetched.append(got[0])
-        share = [f / total * 100 for f in fetched]
-        print(
-            f"\nloopback S3, first batch of {BATCH} random rows with a fresh dataset "
-            f"(store {total / 2**20:.1f} MiB in {shards} shards), load {_load()}:"
-        )
-        print(
-            f"  time median {statistics.median(times) * 1e3:.0f} ms "
-            f"[{min(times) * 1e3:.0f}-{max(times) * 1e3:.0f}], requests median "
-            f"{statistics.median(requests):.0f}"
-        )
-        print(
-            f"  shard bytes read median {statistics.median(fetched) / 2**20:.2f} MiB = "
-            f"{statistics.median(share):.1f} % of the store [{min(share):.1f}-{max(share):.1f}]"
-        )
+        def counted_ranges(ranges, _f=cat_ranges, _got=got):
+            out = _f(ranges)
+            _got[0] += sum(len(b) for b in out)
+            return out
+
+        def counted_cat(rel, _f=cat, _got=got):
+            out = _f(rel)
+            if rel.startswith("data/"):
+                _got[0] += len(out)
+            return out
+
+        storage._cat_ranges, storage._cat = counted_ranges, counted_cat
+        mark = server.count()
+        idx = rng.choice(table.num_rows, BATCH, replace=False).tolist()
+        t = time.perf_counter()
+        ds.read_batch(idx, "columns")
+        times.append(time.perf_counter() - t)
+        requests.append(server.count() - mark)
+        fetched.append(got[0])
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    share = [f / total * 100 for f in fetched]
+    print(
+        f"\nloopback S3, {label}: first batch of {BATCH} random rows with a fresh dataset "
+        f"(store {total / 2**20:.1f} MiB in {shards} shards), load {_load()}:"
+    )
+    print(
+        f"  time median {statistics.median(times) * 1e3:.0f} ms "
+        f"[{min(times) * 1e3:.0f}-{max(times) * 1e3:.0f}], requests median "
+        f"{statistics.median(requests):.0f}"
+    )
+    print(
+        f"  shard bytes read median {statistics.median(fetched) / 2**20:.2f} MiB = "
+        f"{statistics.median(share):.1f} % of the store [{min(share):.1f}-{max(share):.1f}]"
+    )
 
 
 def main() -> None:
@@ -185,6 +224,12 @@ def main() -> None:
     )
     parser.add_argument("--dir", default=None, help="where to build (default: a temp folder)")
     parser.add_argument("--skip-s3", action="store_true")
+    parser.add_argument("--only-s3", action="store_true")
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also time a store written as before row groups were recorded (read whole)",
+    )
     args = parser.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-cold-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -195,7 +240,10 @@ def main() -> None:
     )
     sizes = [int(s) for s in args.row_groups.split(",")]
     try:
-        for size in sizes:
+        if args.baseline and not args.only_s3:
+            shutil.rmtree(root / "store-whole", ignore_errors=True)
+            build_whole(str(root / "store-whole"), table, args.shards)
+        for size in [] if args.only_s3 else sizes:
             rowgroups.ROW_GROUP_ROWS = size
             path = root / f"store-{size}"
             shutil.rmtree(path, ignore_errors=True)
@@ -206,7 +254,7 @@ def main() -> None:
             report(f"row groups of {size} rows, store {total / 2**20:.1f} MiB", result)
         if not args.skip_s3:
             rowgroups.ROW_GROUP_ROWS = sizes[-1] if len(sizes) == 1 else sizes[0]
-            bench_s3(table, args.shards, args.repeats)
+            bench_s3(table, args.shards, args.repeats, args.baseline)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
