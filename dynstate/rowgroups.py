@@ -27,6 +27,9 @@ log = logging.getLogger("dynstate")
 # numbers per group in the manifest), and so does the footer's parse, once per shard and
 # process. docs/format.md gives the figures behind the choice.
 ROW_GROUP_ROWS = 256
+# At most this many row groups a shard (larger groups in larger shards): a 64 MiB shard of
+# short rows would otherwise carry thousands, each in its footer and its commit entry.
+MAX_ROW_GROUPS = 256
 
 
 class _Segments:
@@ -69,10 +72,11 @@ class _Segments:
 
 
 def write_shard(table: pa.Table, sink: Any, row_group_rows: int | None = None) -> RowGroups | None:
-    """Write ``table`` to ``sink`` as Parquet in row groups of ``row_group_rows`` rows (the
-    module's ROW_GROUP_ROWS by default); returns where each lies and its checksum, or None
-    when the file's layout did not come out as the cuts say (then readers verify it whole)."""
-    rows = row_group_rows or ROW_GROUP_ROWS
+    """Write ``table`` to ``sink`` as Parquet in row groups of ``row_group_rows`` rows (by
+    default ROW_GROUP_ROWS, or more so that there are at most MAX_ROW_GROUPS); returns where
+    each lies and its checksum, or None when the file's layout did not come out as the cuts
+    say (then readers verify it whole)."""
+    rows = row_group_rows or max(ROW_GROUP_ROWS, -(-table.num_rows // MAX_ROW_GROUPS))
     out = _Segments(sink)
     counts = []
     # No column statistics: dynstate never prunes by them, and without them a footer is

@@ -255,3 +255,26 @@ def test_write_shard_of_an_empty_table_records_only_the_footer():
     groups = write_shard(_table(0, 10), sink, row_group_rows=4)
     assert groups is not None and groups.rows == (4, 4, 2)
     assert pq.read_table(pa.BufferReader(bytes(sink.data))).equals(_table(0, 10))
+
+
+def test_a_large_shard_has_at_most_max_row_groups():
+    from dynstate.rowgroups import MAX_ROW_GROUPS
+
+    class Sink:
+        def __init__(self):
+            self.size = 0
+            self.closed = False
+
+        def write(self, data):
+            self.size += len(memoryview(data))
+            return len(memoryview(data))
+
+        def tell(self):
+            return self.size
+
+        def flush(self):
+            pass
+
+    rows = ROW_GROUP_ROWS * MAX_ROW_GROUPS * 2 + 1
+    groups = write_shard(pa.table({"x": pa.array(np.arange(rows))}), Sink())
+    assert groups is not None and len(groups.rows) <= MAX_ROW_GROUPS and sum(groups.rows) == rows
