@@ -158,7 +158,15 @@ class Aggregate:
         if self.attempts[hit].max() >= _MAX_COUNT:
             self.values = self.counts = None  # a row's count would overflow int32
             return
-        np.add.at(self.counts, (rows, at), 1)
+        counts = np.ascontiguousarray(self.counts)  # the flat view below must be a view
+        flat = rows * counts.shape[1] + at
+        if len(rows) * 4 >= self.num_rows:  # many records (a checkpoint): one dense pass
+            counts += (
+                np.bincount(flat, minlength=counts.size).reshape(counts.shape).astype(np.int32)
+            )
+        else:
+            np.add.at(counts.reshape(-1), flat, 1)
+        self.counts = counts
 
     def successes_above(self, threshold: float) -> np.ndarray | None:
         """Per row, how many outcomes scored above ``threshold`` (None: no histogram)."""
