@@ -5,7 +5,8 @@ workers, the LLM server and Ray's actor transport (tests/verl_cpu.py). Drivers a
 at the instants that matter and resumed in new processes; every resumed run must train on
 exactly the uninterrupted run's batches and leave exactly its store.
 
-verl missing is a failure here, never a skip."""
+verl missing is a failure here, never a skip. One file because every test here shares the
+module's zygote (one process that has imported verl) and its reference runs."""
 
 from __future__ import annotations
 
@@ -506,7 +507,8 @@ def test_resuming_a_finished_run_trains_one_more_step_in_the_legacy_loop(world, 
 
 def test_verl_05_curriculum_sampler_keys_are_refused_at_start(world):
     """data.sampler.class_path/class_name (verl <= 0.5's curriculum sampler) are not read by
-    verl 0.9.1; a run with them would train without the curriculum, so it is refused."""
+    verl 0.9.1; a run with them would train without the curriculum, so verl's fit() is refused
+    when verl builds the train set, naming the data.dynstate.select keys."""
     spec = new_run(
         world,
         "curriculum",
@@ -521,6 +523,9 @@ def test_verl_05_curriculum_sampler_keys_are_refused_at_start(world):
     assert "data.sampler.class_path=pkg://my_curriculum" in out
     assert "data.sampler.class_name=MyCurriculum" in out
     assert "remove the data.sampler keys" in out
+    # ... and names the data.dynstate.select keys that replace the curriculum
+    assert "data.dynstate.select" in out and "policy band (lo, hi, untried)" in out
+    assert "learnability (floor, neutral)" in out and "pools (bounds, names, shares" in out
     assert not os.path.exists(spec["store"]) and events(spec) == []
 
 

@@ -9,7 +9,8 @@ in validation, right after a commit — and every resume must train exactly the 
 run's batches and end with its store. Also: the ``python -m dynstate.verl.main_ppo`` entry
 point for both trainers up to where verl starts GPU workers, and the settings V1 refuses.
 
-These tests fail (never skip) when verl or TransferQueue is missing.
+These tests fail (never skip) when verl or TransferQueue is missing. One file: the V1
+trainer's kill chains, resume refusals and entry point share the module's files and helpers.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ import pytest
 import transfer_queue  # noqa: F401  - V1's queue: a missing install must fail here
 import verl  # noqa: F401  - a missing verl must fail, not skip
 
+import dynstate
 from dynstate.errors import InvalidDataError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+import test_verl_outcomes as outcomes  # noqa: E402
 import verl_v1_standins as standins  # noqa: E402
 
 DRIVER_TIMEOUT = 900
@@ -81,7 +84,7 @@ def _reference(files: dict, tmp_path, store: str, **extra) -> dict:
     assert run_driver(spec) == 0
     log = standins.read_log(spec["log"])
     summary = standins.store_summary(store, extra.get("storage_options"))
-    return {"log": log, "store": summary}
+    return {"log": log, "store": summary, "spec": spec}
 
 
 # -- kill and resume on verl's real V1 loop -----------------------------------------------------
@@ -90,18 +93,37 @@ def _reference(files: dict, tmp_path, store: str, **extra) -> dict:
 @pytest.mark.slow
 def test_v1_sync_kill_at_every_instant_resumes_exactly(files, tmp_path):
     """Epoch mode, local store, dataloader_num_workers=2, two epochs (the second one pins the
-    round of the step before it). One driver is killed at each of the four instants in turn,
-    each one resuming the previous; the run ends like the uninterrupted one, batch for batch
-    and row for row."""
+    round of the step before it), the stateful "hardest first" example generator. One driver
+    is killed at each of the four instants in turn, each one resuming the previous; the run
+    ends like the uninterrupted one, batch for batch and row for row, with the same outcome
+    records, statistics and generator states (issue 21: also the outcome checks of
+    tests/test_verl_outcomes.py, run on this one chain)."""
     steps = 8  # 26 rows imported, 4 per step: epoch 2 starts at step 7
-    common = {"steps": steps, "save_freq": 2, "test_freq": 3, "num_workers": 2}
-    ref = _reference(files, tmp_path, str(tmp_path / "ref-store"), **common)
+    common = {
+        "steps": steps,
+        "save_freq": 2,
+        "test_freq": 3,
+        "num_workers": 2,
+        "datagen": outcomes.HARDEST,
+    }
+    ref_spec = _spec(files, tmp_path, str(tmp_path / "ref-store"), **common)
+    ref_spec["output"] = str(tmp_path / "ref-out.txt")  # verl's console tracker lines
+    assert run_driver(ref_spec) == 0
+    ref = {
+        "log": standins.read_log(ref_spec["log"]),
+        "store": standins.store_summary(ref_spec["store"]),
+    }
     assert [r[0] for r in ref["store"]["rounds"]] == list(range(1, steps + 1))
     imported = 26
     assert max(ref["log"][6]["rows"]) < imported
     assert max(ref["log"][7]["rows"] + ref["log"][8]["rows"]) >= imported, (
         "the second epoch drew no generated row"
     )
+    # outcomes, statistics, the generator's choices and state, the tracker's figures
+    outcomes.check_outcomes_of_run(ref_spec["store"], ref["log"], imported)
+    outcomes.check_figures(ref_spec["store"], outcomes.tracked(ref_spec), steps)
+    ref_state = outcomes.outcome_state(ref_spec["store"])
+    assert all(ref_state["states"][s] is not None for s in range(1, steps + 1))
 
     spec = _spec(files, tmp_path, str(tmp_path / "store"), **common)
     kills = [
@@ -114,38 +136,50 @@ def test_v1_sync_kill_at_every_instant_resumes_exactly(files, tmp_path):
         assert run_driver(spec, kill) == -signal.SIGKILL
     assert run_driver(spec) == 0
     _assert_same_run(ref, spec, steps)
+    # the abandoned rounds' outcomes and generator states do not leak
+    assert outcomes.outcome_state(spec["store"]) == ref_state
 
 
 @pytest.mark.slow
 @pytest.mark.s3
 def test_v1_mix_mode_on_s3_resumes_exactly(files, tmp_path, s3_endpoint):
-    """Mix mode (fresh rows drawn from the step after their round), a store on the loopback
-    S3 server, no loader workers, verl's old generator interface; killed right after the
-    commit of a round whose checkpoint is not written yet, and resumed on a "fresh machine"
-    (an empty checkpoint folder) from the checkpoint mirror next to the store."""
+    """Mix mode (fresh rows drawn lag steps after their round), a store on the loopback S3
+    server, two loader workers (lag 5 covers their prefetch), the stateful generator, a
+    checkpoint mirror next to the store: killed right after a checkpoint, then right after the
+    commit of a round whose checkpoint is not written yet, and resumed on a "fresh machine" (an
+    empty checkpoint folder) from the mirror; batches, rows, rounds, outcomes and generator
+    states equal the uninterrupted run's. (The old generator interface on V1 runs in
+    tests/test_verl_select.py.)"""
     from conftest import s3_url
 
-    steps = 5
+    steps = 7
     common = {
         "steps": steps,
         "save_freq": 2,
         "test_freq": 0,
-        "num_workers": 0,
-        "dynstate": {"mode": "mix", "fresh_share": 0.5, "lag": 1},
-        "datagen": {"path": os.path.join(HERE, "verl_v1_standins.py"), "name": "OldInterface"},
+        "num_workers": 2,
+        "dynstate": {"mode": "mix", "fresh_share": 0.5, "lag": 5},
+        "datagen": outcomes.HARDEST,
     }
     ref = _reference(files, tmp_path, s3_url(), **common)
-    prompts = [p for step in ref["log"].values() for p in step["prompts"]]
-    assert any(p.endswith("+ 7 ?") for p in prompts), "no generated row was drawn in mix mode"
+    ref_url = ref["spec"]["store"]
+    imported = dynstate.Store.open(ref_url).snapshot(1).num_rows
+    assert any(r >= imported for b in ref["log"].values() for r in b["rows"]), (
+        "no generated row was drawn in mix mode"
+    )
+    outcomes.check_outcomes_of_run(ref_url, ref["log"], imported)
+    ref_state = outcomes.outcome_state(ref_url)
 
     mirror = s3_url()
     spec = _spec(files, tmp_path, s3_url(), **common)
     spec["dynstate"] = {**common["dynstate"], "checkpoint_mirror": mirror}
-    assert run_driver(spec, (4, "committed")) == -signal.SIGKILL
+    assert run_driver(spec, (4, "saved")) == -signal.SIGKILL
+    assert run_driver(spec, (6, "committed")) == -signal.SIGKILL
     spec["ckpt"] = str(tmp_path / "fresh-machine-ckpt")
     assert run_driver(spec) == 0
-    assert os.path.exists(os.path.join(spec["ckpt"], "global_step_2", "data.pt"))  # pulled
+    assert os.path.exists(os.path.join(spec["ckpt"], "global_step_4", "data.pt"))  # pulled
     _assert_same_run(ref, spec, steps)
+    assert outcomes.outcome_state(spec["store"]) == ref_state
 
 
 # -- every resume check before anything is committed -------------------------------------------
@@ -276,6 +310,9 @@ def test_main_ppo_refuses_verl_05_curriculum_sampler_keys(files, tmp_path, use_v
     message = str(err.value)
     assert "data.sampler.class_path=pkg://my_curriculum" in message
     assert "not supported" in message and "remove the data.sampler keys" in message
+    assert "data.dynstate.select" in message and "+data.dynstate.select.policy=" in message
+    for policy in ("band (lo, hi, untried)", "learnability (floor, neutral)", "pools (bounds"):
+        assert policy in message
     assert not os.path.exists(tmp_path / "store")
 
 

@@ -26,6 +26,9 @@ SIGKILLs it at ``rollout`` (inside generation of that step), ``saved`` (right af
 checkpoint of that step is written), ``validation`` (inside validation after that step),
 ``committed`` (right after the round of that step is committed). Every trained batch is logged
 to ``spec["log"]`` (one JSON line, fsynced), with the store version each row came from.
+
+One file because it is one driver: the zygote forks children that run the stand-ins, and verl
+loads classes of this file by path.
 """
 
 from __future__ import annotations
@@ -537,6 +540,8 @@ def items(spec: dict) -> None:
         a, b = dict(ours[dynstate.encode_index(head, i)]), dict(theirs[i])
         if a.pop("dynstate_row") != i:
             problems.append(f"row {i}: wrong dynstate_row")
+        if a.pop("dynstate_version") != head:
+            problems.append(f"row {i}: wrong dynstate_version")
         ta, tb = a.pop("dummy_tensor"), b.pop("dummy_tensor")
         if not torch.equal(ta, tb) or ta.dtype != tb.dtype:
             problems.append(f"row {i}: dummy_tensor differs")

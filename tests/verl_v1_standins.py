@@ -26,6 +26,8 @@ checkpoint of that step is written), ``validation`` (inside validation after tha
 ``committed`` (right after the round of that step is committed). Every trained batch is logged
 to ``spec["log"]`` (one JSON line per step, fsynced); the Ray processes the driver started are
 listed in ``spec["pids"]`` so that whoever kills it can end them.
+
+One file because it is one driver: run as a script, and verl loads its generators by path.
 """
 
 from __future__ import annotations
