@@ -22,6 +22,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ..errors import (
+    CheckpointNotFoundError,
     DynstateError,
     InvalidDataError,
     StateMismatchError,
@@ -41,7 +42,8 @@ _PACKAGE = resources.files("dynstate.serve")
 
 
 def _status(exc: DynstateError) -> int:
-    if isinstance(exc, (VersionNotFoundError, RowNotFoundError, StoreNotFoundError)):
+    missing = (VersionNotFoundError, RowNotFoundError, StoreNotFoundError, CheckpointNotFoundError)
+    if isinstance(exc, missing):
         return 404
     if isinstance(exc, InvalidDataError):
         return 400
