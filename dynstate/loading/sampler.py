@@ -514,7 +514,8 @@ class VersionedSampler(Sampler[int]):
         mine = None if self.select is None else self.select.identity()
         if state["select"] != mine:
             raise StateMismatchError(
-                f"sampler state for {url} was saved with select={state['select']!r} but this "
+                f"sampler state for {url} (version {state['version']}, step "
+                f"{state['step']}) was saved with select={state['select']!r} but this "
                 f"sampler has select={mine!r}; construct the sampler with the same selection "
                 "policy and parameters to resume exactly"
             )

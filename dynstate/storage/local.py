@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -67,7 +68,13 @@ class LocalStorage(Storage):
 
     def contained(self, rel: str) -> bool:
         path = self.path(rel)
-        if os.path.islink(path):
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return True  # removed meanwhile: deleting it again is a no-op
+        # A link, or a folder (or fifo...) under a name the grammar accepts, is not a file
+        # dynstate wrote: gc must neither follow nor remove it.
+        if not stat.S_ISREG(mode):
             return False
         root = os.path.realpath(self.root or ".")
         real = os.path.realpath(path)
