@@ -278,3 +278,15 @@ def test_a_large_shard_has_at_most_max_row_groups():
     rows = ROW_GROUP_ROWS * MAX_ROW_GROUPS * 2 + 1
     groups = write_shard(pa.table({"x": pa.array(np.arange(rows))}), Sink())
     assert groups is not None and len(groups.rows) <= MAX_ROW_GROUPS and sum(groups.rows) == rows
+
+
+def test_a_missing_shard_read_in_part_is_a_missing_shard_error(store_url):
+    from dynstate import MissingShardError
+
+    store, table = _build(store_url, shards=2)
+    shard = store.snapshot().shards[1]
+    ds = VersionedDataset(store)
+    assert ds.read_batch([3])[0] == table.slice(3, 1).to_pylist()[0]  # memory, local, S3 alike
+    store.storage.delete(shard.path)
+    with pytest.raises(MissingShardError, match=shard.path):
+        ds.read_batch([2, ROWS + 1])

@@ -120,8 +120,10 @@ def read_groups(
     try:
         store.storage.read_ranges(ranges, check=check)
     except FileNotFoundError:
-        for shard, _ in wanted:  # the one home of "missing" and "collected" errors
-            store.read_shard_bytes(shard, version=version)
+        for shard, _ in wanted:
+            if not store.storage.exists(shard.path):
+                # The one home of the "missing" and "collected" errors raises them.
+                store.read_shard_bytes(shard, version=version)
         raise
     out = []
     for k, (shard, groups) in enumerate(wanted):
