@@ -94,6 +94,10 @@ def check_selection(url: str, log: dict[int, dict], imported: int, figures: dict
             name = f"select/drawn_pass_rate_{i / 5:.1f}_{(i + 1) / 5:.1f}"
             assert f[name] == sum(min(int(r * 5), 4) == i for r in rates), (step, name)
     assert excluded_seen > 0, "no row ever left the band: the policy was not tested"
+    # drawn with replacement (the epoch's permutation would visit each row once): a row that
+    # fell out of the band could have been drawn again, and was not
+    drawn = [r for step in sorted(log) for r in sorted(set(log[step]["rows"])) if r < imported]
+    assert len(drawn) > len(set(drawn)), "no imported row was drawn twice: not the policy's draw"
 
 
 # -- legacy trainer ------------------------------------------------------------------------------
