@@ -10,6 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
 
 import numpy as np
@@ -26,7 +30,8 @@ from dynstate import (
 )
 from dynstate import manifest as m
 from dynstate.errors import StateMismatchError
-from dynstate.maintenance.gc import collect_garbage
+from dynstate.maintenance.gc import TOMBSTONE_S, collect_garbage
+from dynstate.maintenance.verify import verify_store
 from dynstate.rowgroups import ROW_GROUP_ROWS
 
 ROWS = 2 * ROW_GROUP_ROWS + 88  # three row groups: 256, 256, 88
@@ -162,3 +167,76 @@ def test_a_tampered_selection_part_is_refused_naming_the_version(tmp_path):
         assert url in str(err.value)
         assert fresh.state_dict() == reference  # left as it was
     assert json.dumps(state, sort_keys=True) == before
+
+
+# -- a writer paused past gc's tombstone ---------------------------------------------------------
+
+WOKEN = """
+import sys
+from dynstate import CommitConflictError, LeaseExpiredError, Store
+store = Store.open(sys.argv[1], lease_ttl_s=0.5)
+part = store.stage([{"id": i} for i in range(10)])
+leases = store.log.leases
+real_claim = leases.claim
+
+
+def claim(*args, **kwargs):
+    # The pause point: inside commit_staged, its lease taken as its own, just before the
+    # claim (the parent SIGSTOPs the process here).
+    print("claiming", flush=True)
+    sys.stdin.readline()
+    return real_claim(*args, **kwargs)
+
+
+leases.claim = claim
+try:
+    print("committed", store.commit_staged([part], meta={"step": 1}), flush=True)
+except (LeaseExpiredError, CommitConflictError) as exc:
+    print("refused", type(exc).__name__, exc, flush=True)
+"""
+
+
+def test_a_stager_paused_past_its_tombstone_cannot_commit_removed_shards(tmp_path):
+    """A real process stages a round and is SIGSTOPped; gc expires its lease and removes its
+    shards; a week later (the tombstone's age set back by the storage's own stamps, which is
+    all gc judges by) gc removes the tombstone. The process resumes straight into its commit
+    : the commit must be
+    refused, never a version naming the removed shards (docs/format.md listed this window).
+    The pause is inside ``commit_staged``, right before its claim, where the heartbeat cannot
+    forget the lease first."""
+    url = str(tmp_path / "s")
+    store = Store.open(url, create=True)
+    store.append([{"id": -1}])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WOKEN, url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "claiming"
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(2.5)  # past its 0.5 s lease and the stamps' resolution
+        first = collect_garbage(store, grace_s=0)
+        assert any(r.path.startswith(m.DATA_DIR + "/") for r in first.removed)
+        leases = tmp_path / "s" / m.META_DIR / "leases"
+        tombstones = list(leases.glob("*.outcome.json"))
+        assert len(tombstones) == 1
+        week_ago = time.time() - TOMBSTONE_S - 3600
+        os.utime(tombstones[0], (week_ago, week_ago))
+        collect_garbage(store, grace_s=0)
+        assert list(leases.iterdir()) == []  # the tombstone went too
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # (the refused commit gives its lease up through a second, discarding claim: "claiming")
+    assert "refused LeaseExpiredError" in out and "committed 2" not in out, out
+    assert "stage the round again" in out
+    after = Store.open(url)
+    assert after.head == 1
+    assert verify_store(after, all_versions=True).ok

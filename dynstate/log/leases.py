@@ -192,6 +192,12 @@ class Leases:
                     if found.get("outcome") != outcome:
                         self.storage.put(outcome_path(lease), body)  # ours: we decide again
                 won.append(lease)
+                # Winning the outcome proves gc left the shards alone only while gc's own
+                # outcome (a tombstone) still stands. A writer paused past TOMBSTONE_S wins
+                # against nothing; the lease file, which gc removes with the shards and no
+                # writer creates again, tells.
+                if not self.storage.exists(lease_path(lease)):
+                    raise self._lost(lease, None)
         except BaseException:
             self._give_up(won, nonce)
             raise
