@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
-from typing import Any
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from . import manifest as m
 from . import paths
@@ -29,15 +26,32 @@ from .errors import (
     VersionNotFoundError,
 )
 from .log import DEFAULT_TTL_S, Log, Tags
-from .log.outcomes import outcomes_of
+from .log.commits import ROOT_FILES
 from .manifest import Commit, ShardRef
-from .outcomes import DEFAULT_HALF_LIFE, DEFAULT_SUCCESS_ABOVE, check_stats_params
-from .rounds import conform
-from .snapshot import Snapshot, Staged, verify_shard_bytes
 from .storage import Storage, open_storage
-from .writes import DEFAULT_SHARD_BYTES, Writer
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from .snapshot import Snapshot, Staged
+    from .writes import DEFAULT_SHARD_BYTES, Writer  # noqa: F401 (re-exported by __getattr__)
+
+# pyarrow (with numpy) is imported by the methods that read or write rows, outcomes or
+# schemas, and by the modules they import, not here: opening a store and reading its records
+# (`dynstate ls`, `info`, `show`, `tags`) never needs it, and its import costs 0.2-0.4 s of a
+# command that otherwise takes tens of milliseconds (tests/test_startup.py holds this).
 
 log = logging.getLogger("dynstate")
+
+
+def __getattr__(name: str) -> object:
+    # ``from dynstate.store import DEFAULT_SHARD_BYTES`` (dynstate.ray) without importing the
+    # write path when the store module loads; the value's one home is dynstate.writes.
+    if name == "DEFAULT_SHARD_BYTES":
+        from .writes import DEFAULT_SHARD_BYTES
+
+        return DEFAULT_SHARD_BYTES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Store:
@@ -63,7 +77,7 @@ class Store:
         self.single_writer = single_writer
         self.log = Log(storage, store_id, single_writer=single_writer, lease_ttl_s=lease_ttl_s)
         self._tags = Tags(self.log)
-        self._writer = Writer(self.log)
+        self._writer: Writer | None = None
         self._snapshots: dict[
             int, tuple[Commit, tuple[ShardRef, ...], pa.Schema | None, list[int]]
         ] = {}
@@ -91,7 +105,8 @@ class Store:
         ):
             raise InvalidDataError(f"lease_ttl_s must be a positive number, not {lease_ttl_s!r}")
         storage = open_storage(url, storage_options)
-        raw = storage.try_read(paths.STORE_FILE)
+        # The files the first refresh reads come in the same round trip as store.json.
+        raw, *first = storage.read_many((paths.STORE_FILE, *ROOT_FILES))
         if raw is None:
             if not create:
                 raise StoreNotFoundError(
@@ -99,9 +114,10 @@ class Store:
                     "create=True to make a new store there"
                 )
             raw = cls._create(storage, single_writer)
+            first = storage.read_many(ROOT_FILES)
         store_id = m.store_identity(raw, f"{storage.display_url}/{paths.STORE_FILE}")
         store = cls(storage, store_id, single_writer=single_writer, lease_ttl_s=lease_ttl_s)
-        store.refresh()
+        store.log.refresh(read=(first[0], first[1]))
         return store
 
     @staticmethod
@@ -140,6 +156,10 @@ class Store:
     def writer(self) -> Writer:
         """The write path of this handle (:class:`dynstate.writes.Writer`): the one commit
         protocol, which maintenance (compaction) commits through."""
+        if self._writer is None:
+            from .writes import Writer
+
+            self._writer = Writer(self.log)
         return self._writer
 
     @property
@@ -147,14 +167,21 @@ class Store:
         """The gc floor as of the last refresh: versions below it were collected."""
         return self.log.floor
 
-    def lineage(self, version: int) -> Iterator[int]:
+    def lineage(self, version: int, *, ahead: int = 0) -> Iterator[int]:
         """The versions whose content makes up ``version``, newest first, down to the gc floor
-        (a reset's predecessor is its target; abandoned versions are never on the way)."""
-        return self.log.lineage(version)
+        (a reset's predecessor is its target; abandoned versions are never on the way).
+        ``ahead``: how many the caller takes at most, so that their records are fetched
+        together (:meth:`dynstate.log.Log.lineage`)."""
+        return self.log.lineage(version, ahead=ahead)
 
     def commit_record(self, version: int) -> Commit:
         """The commit record of ``version``."""
         return self.log.commit_record(version)
+
+    def commit_records(self, versions: Iterable[int]) -> dict[int, Commit | None]:
+        """The commit records of ``versions`` read together (one round trip on an object
+        store), None for any without a file; :meth:`commit_record` raises the typed error."""
+        return self.log.records(versions)
 
     def versions(self, *, start: int = 0) -> list[Commit]:
         """Commit records of every kept version from ``start`` on, oldest first."""
@@ -209,6 +236,8 @@ class Store:
     def snapshot(self, version: int | str | None = None) -> Snapshot:
         """An immutable view of ``version`` (a number, a tag, or None for the head)."""
         number = self.resolve(version)
+        from .snapshot import Snapshot
+
         cached = self._snapshots.get(number)
         if cached is None:
             record = self.commit_record(number)
@@ -230,11 +259,18 @@ class Store:
         self, shard: ShardRef, schema: pa.Schema | None = None, *, version: int | None = None
     ) -> pa.Table:
         """Read one shard, verified against its recorded size and checksum."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from .rounds import conform
+
         data = self.read_shard_bytes(shard, version=version)
         table = pq.read_table(pa.BufferReader(data))
         return conform(table, schema) if schema is not None else table
 
     def read_shard_bytes(self, shard: ShardRef, *, version: int | None = None) -> bytes:
+        from .snapshot import verify_shard_bytes
+
         at = f" (version {version})" if version is not None else ""
         where = f"{self.display_url}{at}"
         try:
@@ -260,13 +296,14 @@ class Store:
         *,
         meta: dict[str, Any] | None = None,
         allow_new_columns: bool = False,
-        shard_bytes: int = DEFAULT_SHARD_BYTES,
+        shard_bytes: int | None = None,
         outcomes: Any = None,
         generator_state: Any = None,
     ) -> int:
         """Commit ``data`` (a pyarrow Table, a list of dicts, a pandas DataFrame or a
         ``datasets.Dataset``) as one new version; returns its number. An empty round is a
-        valid commit. ``allow_new_columns`` lets a round add nullable columns.
+        valid commit. ``allow_new_columns`` lets a round add nullable columns; ``shard_bytes``
+        cuts the round into shards of about that size (None: 64 MiB).
 
         ``outcomes``: what the policy scored on rows it trained on — a pyarrow Table, a list
         of dicts or a dict of columns with ``row`` (a row of the current head), ``step``,
@@ -274,11 +311,11 @@ class Store:
         (one record: never one without the other). ``generator_state``: plain JSON types, the
         generator's state after this round (:meth:`generator_state` reads it back). Both are
         checked before anything is written (:class:`InvalidDataError`)."""
-        return self._writer.append(
+        return self.writer.append(
             data,
             meta=meta,
             allow_new_columns=allow_new_columns,
-            shard_bytes=shard_bytes,
+            shard_bytes=_shard_bytes(shard_bytes),
             outcomes=outcomes,
             generator_state=generator_state,
         )
@@ -288,7 +325,7 @@ class Store:
         data: Any,
         *,
         allow_new_columns: bool = False,
-        shard_bytes: int = DEFAULT_SHARD_BYTES,
+        shard_bytes: int | None = None,
     ) -> Staged:
         """Validate ``data`` against the head's schema and write its shards, without
         committing. Several staged parts (from other processes too: a :class:`Staged` pickles)
@@ -297,8 +334,8 @@ class Store:
         renews from then on; uncommitted ones are removed by gc after. Window: if this process
         exits before a receiver unpickles the part, a gc in that gap ends the lease and the
         commit raises :class:`LeaseExpiredError` (docs/format.md, "Leases")."""
-        return self._writer.stage(
-            data, allow_new_columns=allow_new_columns, shard_bytes=shard_bytes
+        return self.writer.stage(
+            data, allow_new_columns=allow_new_columns, shard_bytes=_shard_bytes(shard_bytes)
         )
 
     def commit_staged(
@@ -315,7 +352,7 @@ class Store:
         interrupt during the write) is resolved by reading the record back; when nothing was
         committed the parts' shards are removed. ``outcomes`` and ``generator_state`` as for
         :meth:`append`, in the same record."""
-        return self._writer.commit_staged(
+        return self.writer.commit_staged(
             parts, meta=meta, outcomes=outcomes, generator_state=generator_state
         )
 
@@ -325,8 +362,8 @@ class Store:
         self,
         version: int | str | None = None,
         *,
-        success_above: float = DEFAULT_SUCCESS_ABOVE,
-        half_life: float = DEFAULT_HALF_LIFE,
+        success_above: float | None = None,
+        half_life: float | None = None,
         pending: Any = None,
     ) -> pa.Table:
         """Per-row statistics of ``version``'s outcomes (a number, a tag, None for the head):
@@ -338,22 +375,35 @@ class Store:
         takes), counted as if committed on top of ``version`` — nothing is written. Bounded
         (an aggregate plus the outcome files since) for the default ``half_life`` at any
         ``success_above`` while scores take at most 16 distinct values; another half-life reads
-        every outcome record of the lineage (docs/outcomes.md, "Cost")."""
-        above, half = check_stats_params(success_above, half_life, self.display_url)
+        every outcome record of the lineage (docs/outcomes.md, "Cost"). None for either
+        means its default, ``DEFAULT_SUCCESS_ABOVE`` (0.5) and ``DEFAULT_HALF_LIFE`` (10.0)
+        of :mod:`dynstate.outcomes`."""
+        from .log.outcomes import outcomes_of
+        from .outcomes import DEFAULT_HALF_LIFE, DEFAULT_SUCCESS_ABOVE, check_stats_params
+
+        above, half = check_stats_params(
+            DEFAULT_SUCCESS_ABOVE if success_above is None else success_above,
+            DEFAULT_HALF_LIFE if half_life is None else half_life,
+            self.display_url,
+        )
         return outcomes_of(self.log).stats(self.resolve(version), above, half, pending)
 
     def outcome_records(self, version: int | str | None = None) -> pa.Table:
         """Every outcome record of ``version``'s lineage (``row``, ``step``, ``score`` and the
         extra columns), oldest commit first."""
+        from .log.outcomes import outcomes_of
+
         return outcomes_of(self.log).records(self.resolve(version))
 
     def generator_state(self, version: int | str | None = None) -> Any:
         """The generator state committed last in ``version``'s lineage, or None."""
+        from .log.outcomes import outcomes_of
+
         return outcomes_of(self.log).generator_state(self.resolve(version))
 
     def discard(self, parts: Sequence[Staged]) -> None:
         """Remove the shards of staged parts that will not be committed."""
-        self._writer.discard(parts)
+        self.writer.discard(parts)
 
     def commit_base(
         self,
@@ -368,7 +418,7 @@ class Store:
         """Commit a version whose complete shard list is ``shards`` (a reset). ``target``,
         the version the shards come from, must not be collected when the record is created.
         With ``expected_parent``, fail instead of rebasing if someone committed meanwhile."""
-        return self._writer.commit_base(
+        return self.writer.commit_base(
             shards,
             op=op,
             schema=schema,
@@ -388,9 +438,22 @@ class Store:
         )
 
 
+def _shard_bytes(value: int | None) -> int:
+    """The size rounds are cut into shards at: ``value``, or None for the writer's default
+    (``DEFAULT_SHARD_BYTES``, 64 MiB), looked up where it is defined."""
+    if value is not None:
+        return value
+    from .writes import DEFAULT_SHARD_BYTES
+
+    return DEFAULT_SHARD_BYTES
+
+
 def _check_rows(data: bytes, shard: ShardRef, where: str) -> None:
     """The record's row count must be the file's (from the Parquet footer, no data read):
     offsets into a snapshot are computed from the record, so a mismatch would misplace rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         rows = pq.ParquetFile(pa.BufferReader(data)).metadata.num_rows
     except (pa.ArrowException, OSError) as exc:

@@ -92,7 +92,8 @@ def ls_cmd(url, show_all: bool, limit: int | None, reverse: bool, as_json: bool,
         limit = DEFAULT_TERMINAL_LIMIT
     limit = limit or None
     store = open_store(url, storage_options)
-    info = summary(store)  # refreshes the store and reads the tags, for the rows too
+    # Opening found the head and floor; the summary and the rows use them (no second probe).
+    info = summary(store, refresh=False)  # and reads the tags, for the rows too
     rows = version_rows(store, include_abandoned=show_all, limit=limit, newest_first=not reverse,
                         refresh=False, tags=info["tags"])  # fmt: skip
     if as_json:
@@ -186,7 +187,7 @@ def info_cmd(url: str, as_json: bool, storage_options) -> None:
     from ..history import summary
 
     store = open_store(url, storage_options)
-    info = summary(store)
+    info = summary(store, refresh=False)  # opening found the head
     if as_json:
         r.print_json(info)
         return
@@ -212,7 +213,7 @@ def show_cmd(url, version, max_shards: int, as_json: bool, storage_options) -> N
     from ..history import describe
 
     store = open_store(url, storage_options)
-    info = describe(store, version_arg(version), lineage_limit=LINEAGE_LIMIT)
+    info = describe(store, version_arg(version), lineage_limit=LINEAGE_LIMIT, refresh=False)
     if as_json:
         r.print_json(info)
         return
@@ -361,6 +362,7 @@ def tags_cmd(url: str, as_json: bool, storage_options) -> None:
     """
     store = open_store(url, storage_options)
     tags = sorted(store.tags().items(), key=lambda kv: (kv[1], kv[0]))
+    store.commit_records(v for _, v in tags)  # read together, not one round trip per tag
     out: list[dict[str, Any]] = []
     for name, version in tags:
         record = store.commit_record(version)

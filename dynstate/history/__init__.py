@@ -66,9 +66,12 @@ def version_rows(
         top = head if before is None else min(head, before - 1)
         oldest = max(floor, top - limit + 1) if limit else floor
         versions = list(range(top, oldest - 1, -1))
+        store.commit_records(versions)  # fetched together; the walk below finds them read
         line = set(itertools.takewhile(lambda v: v >= oldest, store.lineage(head)))
     else:
-        versions = list(itertools.islice(store.lineage(head), limit))
+        versions = list(
+            itertools.islice(store.lineage(head, ahead=limit or head - floor + 1), limit)
+        )
         line = set(versions)
     by_version: dict[int, list[str]] = {}
     for name, v in sorted((store.tags() if tags is None else tags).items()):
@@ -109,11 +112,14 @@ def _error_text(error: Any) -> str | None:
     return " ".join(str(error).split())[:200]
 
 
-def summary(store: Store) -> dict[str, Any]:
+def summary(store: Store, *, refresh: bool = True) -> dict[str, Any]:
     """The store at a glance, as the header of ``dynstate ls`` shows it: reads the head's and
-    the oldest kept version's records and the tags, whatever the length of the history."""
-    head = store.refresh()
+    the oldest kept version's records and the tags, whatever the length of the history.
+    ``refresh=False``: the caller has just refreshed the store (a command that opened it), so
+    the head and floor it found stand for this call too, rather than being read again."""
+    head = store.refresh() if refresh else store.head
     floor = store.floor
+    store.commit_records((head, floor))
     last, first = store.commit_record(head), store.commit_record(floor)
     return {
         "url": store.display_url,
@@ -131,20 +137,25 @@ def summary(store: Store) -> dict[str, Any]:
 
 
 def describe(
-    store: Store, version: int | str | None = None, *, lineage_limit: int | None = None
+    store: Store,
+    version: int | str | None = None,
+    *,
+    lineage_limit: int | None = None,
+    refresh: bool = True,
 ) -> dict[str, Any]:
     """Everything about one version, as ``dynstate show`` prints it. The lineage and the
     status come from walking records back; ``lineage_limit`` caps each walk (the lineage then
     ends in "…", and a status that would need more is "unknown"), so that the cost does not
-    grow with the history."""
-    snap = store.snapshot(version)
+    grow with the history. ``refresh=False`` as for :func:`summary`."""
+    snap = store.snapshot(store.head if version is None and not refresh else version)
     record = snap.commit
-    head = store.refresh()
+    head = store.refresh() if refresh else store.head
     floor = store.floor
 
     def walk(start: int, stop: int) -> tuple[list[int], bool]:
         """The lineage of ``start`` down to ``stop``, and whether the limit cut it short."""
-        steps = itertools.takewhile(lambda v: v >= stop, store.lineage(start))
+        ahead = lineage_limit or start - stop + 1
+        steps = itertools.takewhile(lambda v: v >= stop, store.lineage(start, ahead=ahead))
         got = list(itertools.islice(steps, lineage_limit)) if lineage_limit else list(steps)
         return got, bool(lineage_limit) and len(got) == lineage_limit and got[-1] > stop
 

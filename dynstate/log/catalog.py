@@ -5,14 +5,16 @@ on it."""
 from __future__ import annotations
 
 import logging
-
-import pyarrow as pa
+from typing import TYPE_CHECKING
 
 from .. import manifest as m
 from .. import paths
 from ..errors import ChecksumMismatchError, CorruptStoreError
 from ..manifest import Commit, ShardRef
 from ..storage import Storage
+
+if TYPE_CHECKING:
+    import pyarrow as pa  # only schemas are Arrow objects, built by dynstate.manifest
 
 log = logging.getLogger("dynstate")
 

@@ -14,7 +14,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import manifest as m
 from .. import paths
@@ -30,11 +30,16 @@ from ..manifest import Commit, ShardRef
 from ..storage import Storage
 from .catalog import Catalog, checkpoint_bytes
 from .leases import DEFAULT_TTL_S, Leases
-from .outcomes import outcomes_of
+
+if TYPE_CHECKING:
+    from .outcomes import Outcomes
 
 log = logging.getLogger("dynstate")
 
 MAX_COMMIT_ATTEMPTS = 200
+
+#: What :meth:`Log.refresh` reads first, in this order: the gc floor and the head hint.
+ROOT_FILES = (paths.GC_FILE, paths.HEAD_HINT)
 
 
 class Log(Catalog):
@@ -96,7 +101,10 @@ class Log(Catalog):
 
     def read_floor(self) -> int:
         """The floor ``_dynstate/gc.json`` names now (0 before the first gc)."""
-        raw = self.storage.try_read(paths.GC_FILE)
+        return self._set_floor(self.storage.try_read(paths.GC_FILE))
+
+    def _set_floor(self, raw: bytes | None) -> int:
+        """The floor from the bytes of ``gc.json`` (None: no file, floor 0), kept."""
         if raw is None:
             self._floor = 0
             return 0
@@ -128,26 +136,38 @@ class Log(Catalog):
         self.storage.create_if_absent(
             paths.checkpoint_path(floor), checkpoint_bytes(record, shard_list)
         )
-        outcomes_of(self).write_checkpoint(record)  # the floor's outcomes stand alone too
+        _outcomes(self).write_checkpoint(record)  # the floor's outcomes stand alone too
         self.storage.put(paths.GC_FILE, m.encode({"format": m.FORMAT, "floor": floor}))
         self._floor = floor
 
     # -- the head --------------------------------------------------------------------------
 
-    def refresh(self) -> int:
+    def refresh(self, *, read: tuple[bytes | None, bytes | None] | None = None) -> int:
         """Read the floor and find the head: from the largest of the known head, the floor and
-        the hint, gallop and bisect over record names (records are gap-free). No LIST."""
-        self.read_floor()
-        hint = self.storage.try_read(paths.HEAD_HINT)
+        the hint, gallop and bisect over record names (records are gap-free). No LIST.
+        ``read``: the bytes of ``gc.json`` and of the head hint (None: no file) that the
+        caller read just now (:meth:`dynstate.store.Store.open` reads them together with
+        ``store.json``); otherwise both are read here, together."""
+        gc_raw, hint = read if read is not None else self.storage.read_many(ROOT_FILES)
+        self._set_floor(gc_raw)
         start = max(self._head, self._floor)
         if hint is not None:
             try:
                 start = max(start, int(m.load_json(hint, self.where(paths.HEAD_HINT))["version"]))
             except (ValueError, KeyError, TypeError, OverflowError, CorruptStoreError):
                 log.warning("ignoring unreadable head hint in %s", self.display_url)
-        if self.record(start) is None:
+        # The start's record and the next name (usually missing: the head) in one round trip;
+        # a name found missing by that read is not asked for again in this probe.
+        first = self.records((start, start + 1))
+        absent = {v for v, record in first.items() if record is None}
+
+        def exists(version: int) -> bool:
+            return version not in absent and self.record(version) is not None
+
+        if not exists(start):
             # Hints are advisory; fall back to the last version known to exist.
             start = max(self._head, self._floor)
+            absent.clear()
             if self.record(start) is None:
                 raise CorruptStoreError(
                     f"{self.display_url} has no commit record for version {start}; run "
@@ -155,13 +175,13 @@ class Log(Catalog):
                 )
         step = 1
         lo = start
-        while self.record(lo + step) is not None:
+        while exists(lo + step):
             lo += step
             step *= 2
         hi = lo + step  # missing
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if self.record(mid) is not None:
+            if exists(mid):
                 lo = mid
             else:
                 hi = mid
@@ -175,10 +195,25 @@ class Log(Catalog):
         cached = self._records.get(version)
         if cached is not None:
             return cached
-        rel = paths.log_path(version)
-        raw = self.storage.try_read(rel)
+        return self._decode_record(version, self.storage.try_read(paths.log_path(version)))
+
+    def records(self, versions: Iterable[int]) -> dict[int, Commit | None]:
+        """The records of ``versions`` (None for a missing file), the ones not read before
+        fetched together (:meth:`Storage.read_many`): a listing of n versions on an object
+        store costs about one round trip, not n."""
+        wanted = list(dict.fromkeys(versions))
+        missing = [v for v in wanted if v not in self._records]
+        raws = self.storage.read_many([paths.log_path(v) for v in missing])
+        for version, raw in zip(missing, raws, strict=True):
+            self._decode_record(version, raw)
+        return {v: self._records.get(v) for v in wanted}
+
+    def _decode_record(self, version: int, raw: bytes | None) -> Commit | None:
+        """The record of ``version`` from its file's bytes (None: no file), checked to be the
+        one its name says and cached (records never change once created)."""
         if raw is None:
             return None
+        rel = paths.log_path(version)
         commit = Commit.from_json(m.decode(raw, self.where(rel)), self.where(rel))
         if commit.version != version or commit.store_id != self.store_id:
             raise CorruptStoreError(
@@ -230,12 +265,20 @@ class Log(Catalog):
         the parent (appends, compactions)."""
         return record.target if record.op == "reset" else record.parent
 
-    def lineage(self, version: int) -> Iterator[int]:
+    def lineage(self, version: int, *, ahead: int = 0) -> Iterator[int]:
         """Versions whose content makes up ``version``, newest first, down to the gc floor.
-        Abandoned versions are never on the way."""
+        Abandoned versions are never on the way. ``ahead``: a caller that takes at most that
+        many versions lets a record not read yet be fetched together with the ones below it
+        that the rest of the walk would read if it only appends (:meth:`records`): n versions
+        cost about one round trip on an object store, and each reset's jump one more."""
         v: int | None = version
+        taken = 0
         while v is not None and v >= self._floor:
             yield v
+            taken += 1
+            left = ahead - taken + 1  # v and the ones after it the caller may still take
+            if left > 1 and v not in self._records:
+                self.records(range(v, max(self._floor, v - left + 1) - 1, -1))
             v = self.predecessor(self.commit_record(v))
 
     def lineage_cut(self, oldest: int) -> bool:
@@ -366,7 +409,7 @@ class Log(Catalog):
                 f"meanwhile: it is not the head (latest is {self.refresh()}); check the head "
                 "and run it again"
             )
-        for shard in [*record.add, *outcomes_of(self).added(record)]:
+        for shard in [*record.add, *_outcomes(self).added(record)]:
             if not self.storage.exists(shard.path):
                 raise LeaseExpiredError(
                     f"version {record.version} of {self.display_url} was created below the gc "
@@ -396,10 +439,10 @@ class Log(Catalog):
         if record.add:
             first = record.add[0].path
             return any(s.path == first for s in self.materialize(head))
-        added = outcomes_of(self).added(record)
+        added = _outcomes(self).added(record)
         if added:
             first = added[0].path
-            return any(f.path == first for f in outcomes_of(self).lineage_files(head))
+            return any(f.path == first for f in _outcomes(self).lineage_files(head))
         return False
 
     def recheck_sources(self, record: Commit, sources: Iterable[int]) -> None:
@@ -419,7 +462,7 @@ class Log(Catalog):
             return
         parent = self.commit_record(record.parent or 0)
         shard_list = self.put_shard_list(self.materialize(parent.version))
-        carried = outcomes_of(self).carry(parent.version)
+        carried = _outcomes(self).carry(parent.version)
 
         def make(head: Commit) -> Commit:
             return Commit(
@@ -448,7 +491,7 @@ class Log(Catalog):
     def restore_named(self, record: Commit) -> None:
         """:meth:`Catalog.restore_named`, and the outcome aggregate the record names."""
         super().restore_named(record)
-        outcomes_of(self).restore_named(record)
+        _outcomes(self).restore_named(record)
 
     def _publish(self, record: Commit) -> None:
         self.storage.create(paths.log_path(record.version), m.encode(record.to_json()))
@@ -467,7 +510,7 @@ class Log(Catalog):
                 # A gc that listed files before the create may have taken its chunks for
                 # unreferenced; a checkpoint naming a missing chunk breaks materialize().
                 self.restore_chunks(shard_list, f"the checkpoint of version {record.version}")
-                outcomes_of(self).write_checkpoint(record)
+                _outcomes(self).write_checkpoint(record)
             # No fsync: the hint only ever names a version already durable, and a hint lost
             # or torn by a power cut is ignored by refresh(), which then probes.
             hint = json.dumps({"version": record.version}).encode()
@@ -511,3 +554,11 @@ class Log(Catalog):
             return None
         self._upkeep(record)
         return True
+
+
+def _outcomes(commits: Log) -> Outcomes:
+    """The outcome log of ``commits``, imported on first use: it needs numpy and pyarrow,
+    which reading records (``dynstate ls``, ``info``, ``show``) never does."""
+    from .outcomes import outcomes_of
+
+    return outcomes_of(commits)

@@ -221,6 +221,11 @@ class Storage:
         except FileNotFoundError:
             return None
 
+    def read_many(self, rels: Sequence[str]) -> list[bytes | None]:
+        """:meth:`try_read` of each of ``rels``, in order (None for a missing file). One after
+        another here, where a read costs no round trip; object stores issue them together."""
+        return [self.try_read(rel) for rel in rels]
+
     def exists(self, rel: str) -> bool:
         return self._call("check", rel, lambda: self.fs.exists(self.path(rel)))
 

@@ -65,6 +65,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="100,10000", help="versions per store")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument("--show-requests", action="store_true",
+                        help="print the requests of one S3 `ls` (method, path, query)")  # fmt: skip
     args = parser.parse_args()
     root = Path(args.dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -101,6 +103,11 @@ def main() -> None:
             mark = server.count()
             remote[n] = timed(["ls", url, "--limit", "20"], args.repeats, {**env, **server.env()})
             requests[n] = (server.count() - mark) // args.repeats
+            if args.show_requests:
+                mark = server.count()
+                timed(["ls", url, "--limit", "20"], 1, {**env, **server.env()})
+                for method, where, query in server.since(mark):
+                    print(f"    {method:4} {where}{'?' + query if query else ''}")
         for n in sizes:
             print(f"  ls --limit 20, S3,    {n:>6,} versions  {remote[n]:6.3f} s  "
                   f"({requests[n]} requests)")  # fmt: skip
