@@ -114,10 +114,14 @@ def row_source(
     place in it: the whole shard when it is cached or has no row groups, else its row group."""
     shard = view.shards[index]
     snap = view.snap
-    if cache.reads_whole(store, shard, 1) or cache.cached(shard, snap.schema, view.fingerprint):
+    if shard.groups is None or cache.cached(shard, snap.schema, view.fingerprint):
         return _whole(cache, store, view, index), local
     starts = starts_of(view, index)
     group = int(np.searchsorted(starts, local, side="right")) - 1
+    if not cache.has_groups(shard, snap.schema, view.fingerprint, [group]) and cache.reads_whole(
+        store, shard, 1
+    ):
+        return _whole(cache, store, view, index), local
     entry = cache.groups(store, [(shard, [group])], snap.schema, view.fingerprint, snap.version)
     return entry[0][0], local - int(starts[group])
 
@@ -160,7 +164,10 @@ def pieces(cache: ShardCache, store: Store, view: _View, rows: np.ndarray) -> li
                     continue
                 starts = starts_of(view, index)
                 split = _split(np.searchsorted(starts, local, side="right") - 1)
-                if not cache.reads_whole(store, shard, len(split)):
+                groups = [g for g, _ in split]
+                if cache.has_groups(
+                    shard, snap.schema, view.fingerprint, groups
+                ) or not cache.reads_whole(store, shard, len(split)):
                     partial.append((index, here, local, split))
                     continue
             out.append((_whole(cache, store, view, index), here, local))

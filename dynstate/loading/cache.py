@@ -81,6 +81,7 @@ class ShardCache:
         # a block by ("block", fingerprint, digest).
         self._shards: OrderedDict[tuple[Any, ...], _Shard] = OrderedDict()
         self.footers = Footers()
+        self._partial: dict[str, int] = {}  # row groups fetched so far, by shard checksum
         self._bytes = 0
         self._disk: OrderedDict[str, int] = OrderedDict()
         self._disk_bytes = 0
@@ -139,6 +140,13 @@ class ShardCache:
                 self.hits += 1
             return entry
 
+    def has_groups(
+        self, shard: m.ShardRef, schema: pa.Schema | None, fingerprint: str | None, groups: Any
+    ) -> bool:
+        """Whether every row group in ``groups`` of the shard is decoded already."""
+        fp = fingerprint if schema is not None else None
+        return all((shard.sha256, fp, g) in self._shards for g in groups)
+
     def reads_whole(self, store: Store, shard: m.ShardRef, groups: int) -> bool:
         """Whether a read that needs ``groups`` of the shard's row groups should read it
         whole: no row groups recorded (an older store), all of them wanted (one range, one
@@ -146,6 +154,13 @@ class ShardCache:
         row group skipped saves more than the extra pieces cost."""
         info = shard.groups
         if info is None or groups >= len(info.rows):
+            return True
+        # A shard read again and again (a loader's epoch over a store the cache holds) is
+        # read whole once a quarter of it has been asked for: one decode instead of dozens
+        # of row-group reads until every group has been seen. A cold batch, or a store far
+        # larger than the cache, keeps reading row groups.
+        seen = self._partial.get(shard.sha256, 0)
+        if 4 * (seen + groups) >= len(info.rows) and 3 * shard.bytes <= self.max_bytes // 4:
             return True
         if store.storage.local or self.disk_dir is None:
             return False
@@ -192,6 +207,9 @@ class ShardCache:
                     if row[i] is None:
                         row[i] = entries[g]
                 with self._lock:
+                    if len(self._partial) > 65536:
+                        self._partial.clear()  # a hint only: forgetting costs group reads
+                    self._partial[shard.sha256] = self._partial.get(shard.sha256, 0) + len(lacking)
                     for g, entry in entries.items():
                         if (shard.sha256, fp, g) not in self._shards:
                             self._shards[(shard.sha256, fp, g)] = entry

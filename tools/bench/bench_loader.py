@@ -202,7 +202,9 @@ def main() -> None:
     parser.add_argument("--loader-repeats", type=int, default=5)
     parser.add_argument("--loader-batches", type=int, default=1000)
     parser.add_argument("--workers", default="0,2")
+    parser.add_argument("--warm-batches", type=int, default=20, help="batches timed as the warm-up")
     args = parser.parse_args()
+    globals()["WARM_BATCHES"] = args.warm_batches  # read by _rate and bench_loader
     sections = set(args.sections.split(","))
     table = rows_table(args.rows)
     path = Path(args.dir) / f"rows-{args.rows}-{args.rounds}"
