@@ -14,11 +14,15 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import uuid
+from typing import Any, ClassVar
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 
 from dynstate import (
     CorruptStoreError,
@@ -29,10 +33,12 @@ from dynstate import (
     codec,
 )
 from dynstate import manifest as m
-from dynstate.errors import StateMismatchError
+from dynstate.errors import DynstateError, StateMismatchError
 from dynstate.maintenance.gc import TOMBSTONE_S, collect_garbage
 from dynstate.maintenance.verify import verify_store
 from dynstate.rowgroups import ROW_GROUP_ROWS
+from dynstate.storage import open_storage
+from dynstate.storage.credentials import scrub
 
 ROWS = 2 * ROW_GROUP_ROWS + 88  # three row groups: 256, 256, 88
 
@@ -240,3 +246,54 @@ def test_a_stager_paused_past_its_tombstone_cannot_commit_removed_shards(tmp_pat
     after = Store.open(url)
     assert after.head == 1
     assert verify_store(after, all_versions=True).ok
+
+
+# -- secrets quoted by repr or JSON ------------------------------------------------------------
+
+# A password may hold anything: a backslash and a quote are escaped by repr() and JSON, so the
+# text an error carries holds the secret in a form that is not the one given.
+ODD_SECRET = "wJalr\\XUtnFEMI/K7MD'ENG+bPx\"RfiCY-é"
+
+
+class _RaisingFS(MemoryFileSystem):
+    """A real fsspec filesystem whose reads fail quoting the secret (as OSError's filename
+    and an exception's tuple of args do: by repr)."""
+
+    protocol = "dynstate-attack-raising"
+    to_raise: ClassVar[BaseException | None] = None
+
+    def cat_file(self, path: str, *args: Any, **kwargs: Any) -> bytes:
+        assert _RaisingFS.to_raise is not None
+        raise _RaisingFS.to_raise
+
+
+def _forms_of(secret: str) -> list[str]:
+    return [secret, repr(secret)[1:-1], ascii(secret)[1:-1], json.dumps(secret)[1:-1],
+            json.dumps(secret, ensure_ascii=False)[1:-1]]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        OSError(5, "access denied", ODD_SECRET),
+        RuntimeError("signing failed", ODD_SECRET),
+        KeyError(ODD_SECRET),
+        ValueError(json.dumps({"secret": ODD_SECRET})),
+    ],
+    ids=["oserror-filename", "args-tuple", "keyerror", "json"],
+)
+def test_a_secret_quoted_by_repr_or_json_is_scrubbed(exc):
+    fsspec.register_implementation(_RaisingFS.protocol, _RaisingFS, clobber=True)
+    url = f"{_RaisingFS.protocol}://bucket/{uuid.uuid4().hex}"
+    storage = open_storage(url, {"secret": ODD_SECRET})
+    storage.retry_attempts = 1
+    _RaisingFS.to_raise = exc
+    with pytest.raises(DynstateError) as info:
+        storage.read("_dynstate/store.json")
+    shown = "".join(traceback.format_exception(info.value))
+    for form in _forms_of(ODD_SECRET):
+        assert form not in shown, (form, shown)
+    # and what a retry logs: the repr of the exception, and the repr of a message quoting it
+    for text in (repr(exc), repr(str(exc)), str(exc)):
+        clean = scrub(text, [ODD_SECRET])
+        assert not any(form in clean for form in _forms_of(ODD_SECRET)), clean

@@ -26,6 +26,7 @@ tokens ``=`` as well, passwords anything):
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -106,8 +107,19 @@ def _scrub_url(match: re.Match[str]) -> str:
 
 
 def _forms(secret: str) -> set[str]:
-    """A secret as it may appear in text: as is and URL-encoded (``/`` as ``%2F``...)."""
-    return {secret, quote(secret, safe=""), quote_plus(secret, safe=""), quote(secret)}
+    """A secret as it may appear in text: as is, URL-encoded (``/`` as ``%2F``...), and
+    escaped as ``repr()``, ``ascii()`` and JSON write it — an OSError's filename, an
+    exception's tuple of args and a KeyError are shown by repr, so a password holding a
+    backslash, a quote or a non-ASCII letter would otherwise pass in its escaped form."""
+    forms = {secret, quote(secret, safe=""), quote_plus(secret, safe=""), quote(secret)}
+    for quoted in (repr(secret), ascii(secret), json.dumps(secret),
+                   json.dumps(secret, ensure_ascii=False)):  # fmt: skip
+        forms.add(quoted[1:-1])
+    # repr() picks the quote the text lacks; inside a repr of another quote character (a
+    # tuple, a dict) the other one is escaped instead.
+    forms.add(secret.replace("\\", "\\\\").replace("'", "\\'"))
+    # The repr of a message that quotes one (a retry's log line of a wrapped OSError).
+    return forms | {repr(form)[1:-1] for form in forms}
 
 
 def _environment_secrets() -> list[str]:
