@@ -25,6 +25,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 from dynstate import (
+    ChecksumMismatchError,
     CorruptStoreError,
     Learnability,
     Store,
@@ -40,25 +41,37 @@ from dynstate.rowgroups import ROW_GROUP_ROWS
 from dynstate.storage import open_storage
 from dynstate.storage.credentials import scrub
 
-ROWS = 2 * ROW_GROUP_ROWS + 88  # three row groups: 256, 256, 88
+# Twelve row groups (256 each, the last 88): a batch of one row reads one of them by range
+# (the cache reads a shard whole once a quarter of its groups were asked for).
+ROWS = 11 * ROW_GROUP_ROWS + 88
 
 
-def _store(tmp_path) -> tuple[Store, str]:
-    url = str(tmp_path / "s")
+def _store(url: str) -> tuple[Store, str]:
     store = Store.open(url, create=True)
     store.append(pa.table({"id": pa.array(np.arange(ROWS), pa.int64())}))
     return store, url
 
 
+def _dataset(url: str) -> VersionedDataset:
+    return VersionedDataset(url, cache_dir=None)  # nothing cached across the tampering
+
+
+def _rewrite(store: Store, rel: str, data: bytes) -> None:
+    if store.storage.local:
+        path = store.storage.path(rel)
+        os.chmod(path, 0o644)
+        with open(path, "wb") as fh:
+            fh.write(data)
+    else:
+        store.storage.put(rel, data)
+
+
 def _rewrite_record(store: Store, version: int, change) -> None:
     """Change a commit record and give it a valid checksum again: what someone who can write
     the store can do; only what the record itself cannot vouch for is left to the reader."""
-    path = store.storage.path(m.log_path(version))
     obj = json.loads(store.storage.read(m.log_path(version)))
     change(obj)
-    os.chmod(path, 0o644)
-    with open(path, "wb") as fh:
-        fh.write(codec.encode(obj))
+    _rewrite(store, m.log_path(version), codec.encode(obj))
 
 
 # -- ranged reads of a tampered record --------------------------------------------------------
@@ -72,14 +85,15 @@ def _rewrite_record(store: Store, version: int, change) -> None:
     "meta.row_group(i).num_rows == info.rows[i] for every i (and each group's column chunks "
     "inside its segment, as rowgroups._layout_matches does) when the footer is parsed",
 )
-def test_a_record_whose_group_rows_disagree_with_the_footer_is_refused(tmp_path):
-    store, url = _store(tmp_path)
+def test_a_record_whose_group_rows_disagree_with_the_footer_is_refused(durable_url):
+    store, url = _store(durable_url)
 
     def move_rows(obj):
-        obj["add"][0]["groups"]["rows"] = [200, 312, 88]  # same sum, other boundaries
+        rows = obj["add"][0]["groups"]["rows"]
+        rows[0], rows[1] = 200, 312  # same sum, other boundaries
 
     _rewrite_record(store, 1, move_rows)
-    ds = VersionedDataset(url)
+    ds = _dataset(url)
     # the whole-shard path ignores the group counts and reads row 210 right ...
     assert Store.open(url).snapshot().to_arrow()["id"][210].as_py() == 210
     # ... a ranged read must not answer another row for it
@@ -92,11 +106,11 @@ def test_a_record_whose_group_rows_disagree_with_the_footer_is_refused(tmp_path)
 
 
 @pytest.mark.parametrize("shift", [40, -40])
-def test_shifted_segments_rehashed_never_decode_unverified_bytes(tmp_path, shift):
+def test_shifted_segments_rehashed_never_decode_unverified_bytes(durable_url, shift):
     """Held: segment boundaries moved and every segment's SHA-256 recomputed for the bytes now
     inside it (hashes valid for other bytes). Only verified bytes enter the decode buffer, so a
     read gives the true row or a CorruptStoreError naming the shard, never another row."""
-    store, url = _store(tmp_path)
+    store, url = _store(durable_url)
     shard = store.snapshot().shards[0]
     data = store.storage.read(shard.path)
 
@@ -113,13 +127,31 @@ def test_shifted_segments_rehashed_never_decode_unverified_bytes(tmp_path, shift
 
     _rewrite_record(store, 1, shift_bounds)
     for rows in ([300], [0], [0, 300], [ROWS - 1]):
-        ds = VersionedDataset(url)
+        ds = _dataset(url)
         try:
             got = ds.read_batch(rows)
         except CorruptStoreError as exc:
             assert shard.path in str(exc)
         else:
             assert got == [{"id": r} for r in rows]
+
+
+@pytest.mark.parametrize("segment", [0, 1, 2, "footer"])
+def test_a_flipped_byte_anywhere_is_a_checksum_error_naming_the_shard(durable_url, segment):
+    """Held, locally and on S3: one byte flipped in any row group or in the footer is a
+    ChecksumMismatchError naming the shard, for a ranged read of any row of the shard."""
+    store, url = _store(durable_url)
+    shard = store.snapshot().shards[0]
+    assert shard.groups is not None
+    seg = len(shard.groups.rows) if segment == "footer" else segment
+    data = bytearray(store.storage.read(shard.path))
+    data[sum(shard.groups.bytes[:seg]) + shard.groups.bytes[seg] // 2] ^= 0x01
+    _rewrite(store, shard.path, bytes(data))
+    row = 0 if segment == "footer" else seg * ROW_GROUP_ROWS
+    with pytest.raises(ChecksumMismatchError, match=shard.path):
+        _dataset(url).read_batch([row])
+    with pytest.raises(ChecksumMismatchError, match=shard.path):
+        _dataset(url).read_batch(list(range(ROWS)))  # every group: the whole-shard path
 
 
 # -- gc and names the grammar accepts -------------------------------------------------------
@@ -129,7 +161,7 @@ def test_gc_leaves_a_directory_named_like_a_shard_and_finishes(tmp_path):
     """A name paths.match_shard accepts is not enough: a folder under that name is nobody's
     shard. gc reports it as foreign, deletes nothing in it and still collects real orphans
     (it used to stop with 'Is a directory' halfway through its plan)."""
-    store, url = _store(tmp_path)
+    store, url = _store(str(tmp_path / "s"))
     folder = tmp_path / "s" / m.DATA_DIR / f"{uuid.uuid4().hex}.parquet"
     folder.mkdir()
     (folder / "precious").write_text("not dynstate's")
@@ -152,7 +184,7 @@ def test_a_tampered_selection_part_is_refused_naming_the_version(tmp_path):
     """The policy a state was saved with is checked against the sampler's, and the refusal
     names the store and the version the state pins (what to resume from) and changes nothing;
     the sampler draws with its own policy, so a state cannot steer it."""
-    _, url = _store(tmp_path)
+    _, url = _store(str(tmp_path / "s"))
     ds = VersionedDataset(url)
     sampler = VersionedSampler(ds, seed=3, batch_size=4, select=Learnability())
     it = iter(sampler)
