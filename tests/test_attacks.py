@@ -22,6 +22,7 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import s3_url
 from fsspec.implementations.memory import MemoryFileSystem
 
 from dynstate import (
@@ -203,6 +204,21 @@ def test_gc_leaves_a_directory_named_like_a_shard_and_finishes(tmp_path):
     assert f"{m.DATA_DIR}/{folder.name}" in result.foreign
     assert f"{m.DATA_DIR}/{orphan.name}" in [r.path for r in result.removed]
     assert not orphan.exists()
+    assert Store.open(url).snapshot().num_rows == ROWS
+
+
+@pytest.mark.s3
+def test_gc_on_s3_leaves_objects_under_a_prefix_named_like_a_shard(s3_endpoint):
+    """Held: on S3 a 'folder' named like a shard is a prefix of foreign objects; gc at grace
+    0 (which judges no age) removes no object under it."""
+    url = s3_url()
+    store, _ = _store(url)
+    fs, root = fsspec.core.url_to_fs(url)
+    foreign = f"{root}/{m.DATA_DIR}/{uuid.uuid4().hex}.parquet/precious"
+    fs.pipe_file(foreign, b"not dynstate's")
+    collect_garbage(store, grace_s=0)
+    fs.invalidate_cache()
+    assert fs.cat_file(foreign) == b"not dynstate's"
     assert Store.open(url).snapshot().num_rows == ROWS
 
 
