@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import base64
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -212,12 +214,36 @@ def split_chunks(shards: list[ShardRef]) -> tuple[list[tuple[str, bytes]], Shard
     return files, ShardList(tuple(d for d, _ in files), tuple(shards[full:]))
 
 
+# Chunks decoded in this process, by content address (most recent last). Bytes whose SHA-256
+# is the digest always decode to the same entries, so a chunk read again — by the next
+# ``Store.open``, a loader worker's refresh, a later version sharing it — is still read and
+# hashed (it must exist and be intact) but not parsed and checked entry by entry again.
+# Bounded: 256 chunks hold 65,536 shard entries.
+_DECODED: OrderedDict[str, tuple[ShardRef, ...]] = OrderedDict()
+_DECODED_MAX = 256
+_DECODED_LOCK = threading.Lock()
+
+
 def decode_chunk(digest: str, data: bytes, where: str) -> list[ShardRef]:
     if sha256(data) != digest:
         raise ChecksumMismatchError(
             f"{where} does not match its content address; the chunk was modified — "
             "restore it or reset the store past the versions that use it"
         )
+    with _DECODED_LOCK:
+        known = _DECODED.get(digest)
+        if known is not None:
+            _DECODED.move_to_end(digest)
+            return list(known)
+    entries = _decode_chunk(data, where)
+    with _DECODED_LOCK:
+        _DECODED[digest] = tuple(entries)
+        while len(_DECODED) > _DECODED_MAX:
+            _DECODED.popitem(last=False)
+    return entries
+
+
+def _decode_chunk(data: bytes, where: str) -> list[ShardRef]:
     obj = load_json(data, where)
     if not isinstance(obj, dict) or type(obj.get("format", 0)) is not int:
         raise CorruptStoreError(f"{where} is not a chunk of shard entries")
@@ -233,6 +259,31 @@ def decode_chunk(digest: str, data: bytes, where: str) -> list[ShardRef]:
         ]
     except (KeyError, TypeError) as exc:
         raise CorruptStoreError(f"{where} is not a chunk of shard entries") from exc
+
+
+# Commit records decoded in this process, by their exact bytes: the same bytes always decode
+# to the same record, so opening a store again (a loader worker, a refresh, the next command
+# of a long-lived process) still reads each record it needs but parses, checksums and checks
+# it once. Keyed by content, not name, so a name that holds other bytes now is decoded anew.
+_RECORDS: OrderedDict[bytes, Commit] = OrderedDict()
+_RECORDS_MAX = 4096
+
+
+def decode_record(raw: bytes, where: str) -> Commit:
+    """The commit record in ``raw`` (a log file's bytes), verified (:func:`decode`) and
+    checked field by field (:meth:`Commit.from_json`)."""
+    key = raw if type(raw) is bytes else bytes(raw)
+    with _DECODED_LOCK:
+        known = _RECORDS.get(key)
+        if known is not None:
+            _RECORDS.move_to_end(key)
+            return known
+    record = Commit.from_json(decode(key, where), where)
+    with _DECODED_LOCK:
+        _RECORDS[key] = record
+        while len(_RECORDS) > _RECORDS_MAX:
+            _RECORDS.popitem(last=False)
+    return record
 
 
 @dataclass(frozen=True)

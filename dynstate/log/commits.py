@@ -214,7 +214,7 @@ class Log(Catalog):
         if raw is None:
             return None
         rel = paths.log_path(version)
-        commit = Commit.from_json(m.decode(raw, self.where(rel)), self.where(rel))
+        commit = m.decode_record(raw, self.where(rel))
         if commit.version != version or commit.store_id != self.store_id:
             raise CorruptStoreError(
                 f"{self.where(rel)} claims version {commit.version} of store "
@@ -270,14 +270,15 @@ class Log(Catalog):
         Abandoned versions are never on the way. ``ahead``: a caller that takes at most that
         many versions lets a record not read yet be fetched together with the ones below it
         that the rest of the walk would read if it only appends (:meth:`records`): n versions
-        cost about one round trip on an object store, and each reset's jump one more."""
+        cost about one round trip on an object store, and each reset's jump one more (where
+        reads come one after another, records are read as the walk needs them)."""
         v: int | None = version
         taken = 0
         while v is not None and v >= self._floor:
             yield v
             taken += 1
             left = ahead - taken + 1  # v and the ones after it the caller may still take
-            if left > 1 and v not in self._records:
+            if left > 1 and self.storage.concurrent_reads and v not in self._records:
                 self.records(range(v, max(self._floor, v - left + 1) - 1, -1))
             v = self.predecessor(self.commit_record(v))
 
@@ -293,6 +294,13 @@ class Log(Catalog):
         compaction record) at or below it, plus the appends since — at most K records."""
         tails: list[tuple[ShardRef, ...]] = []
         v = version
+        if self.storage.concurrent_reads and self.commit_record(version).base is None:
+            # The records back to the checkpoint below, read together: one round trip on an
+            # object store rather than up to K - 1. (A reset or compaction record on the way
+            # ends the walk early, and the ones below it were read for nothing; where reads
+            # come one after another that would cost time, so there they are read as needed.)
+            below = max(self._floor, version - version % m.CHECKPOINT_INTERVAL)
+            self.records(range(version, below - 1, -1))
         while True:
             if v < self._floor:
                 raise VersionCollectedError(

@@ -221,6 +221,10 @@ class Storage:
         except FileNotFoundError:
             return None
 
+    #: Whether :meth:`read_many` issues its reads together (object stores), so that reading
+    #: a few more files than needed costs no time.
+    concurrent_reads: ClassVar[bool] = False
+
     def read_many(self, rels: Sequence[str]) -> list[bytes | None]:
         """:meth:`try_read` of each of ``rels``, in order (None for a missing file). One after
         another here, where a read costs no round trip; object stores issue them together."""

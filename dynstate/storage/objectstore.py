@@ -21,6 +21,7 @@ class ObjectStorage(Storage):
     #: Small reads issued together by :meth:`read_many` (each a GET of a few hundred bytes,
     #: so the round trip is the whole cost).
     max_parallel_reads = 16
+    concurrent_reads = True
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         if split_userinfo(url)[1] is not None:
