@@ -17,9 +17,10 @@ tokens ``=`` as well, passwords anything):
   ``X-Amz-Credential``, ``X-Amz-Security-Token``, ``Signature``, ``sig``, ``token``...);
 * signed-request fragments in headers (``Credential=``, ``Signature=``, the security token)
   and ``name: value`` pairs of AWS credential fields (``aws_secret_access_key`` ...);
-* every known secret value of at least :data:`MIN_SECRET` characters, as written and
-  URL-encoded: the AWS environment variables, the secrets of every object-store location
-  opened in this process and those the caller names. Shorter values are hidden only where
+* every known secret value of at least :data:`MIN_SECRET` characters, as written,
+  URL-encoded and escaped as ``repr()``, ``ascii()`` and JSON write it: the AWS environment
+  variables, the secrets of every object-store location opened in this process and those
+  the caller names. Shorter values are hidden only where
   the rules above find them: replacing a short word everywhere would blank ordinary text
   (the loopback test server's key is ``testing``).
 """
