@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -27,6 +28,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from dynstate import (
     ChecksumMismatchError,
+    CommitConflictError,
     CorruptStoreError,
     Learnability,
     Store,
@@ -220,6 +222,57 @@ def test_gc_on_s3_leaves_objects_under_a_prefix_named_like_a_shard(s3_endpoint):
     fs.invalidate_cache()
     assert fs.cat_file(foreign) == b"not dynstate's"
     assert Store.open(url).snapshot().num_rows == ROWS
+
+
+def test_two_gcs_with_different_retention_never_leave_a_floor_below_what_they_deleted(tmp_path):
+    """Two gc runs at once (cron on two hosts): B (keep 2) publishes floor 9, then A (keep 6,
+    planned before B published) publishes floor 5 over it, then B deletes below 9 — the
+    floor gc.json names would then lack its checkpoint and the head would not open. The
+    interleaving is forced by holding each run at its publish (threads, one handle each);
+    a run that finds the floor moved by another gc deletes nothing and says so."""
+    url = str(tmp_path / "s")
+    store = Store.open(url, create=True)
+    for i in range(10):
+        store.append([{"id": i}])
+    a, b = Store.open(url), Store.open(url)
+    b_published, a_published = threading.Event(), threading.Event()
+    publish_a, publish_b = a.log.publish_floor, b.log.publish_floor
+
+    def hold_a(floor, **kwargs):
+        assert b_published.wait(60)
+        try:
+            publish_a(floor, **kwargs)
+        finally:
+            a_published.set()
+
+    def hold_b(floor, **kwargs):
+        publish_b(floor, **kwargs)
+        b_published.set()
+        assert a_published.wait(60)
+
+    a.log.publish_floor, b.log.publish_floor = hold_a, hold_b  # pause points, not stand-ins
+    outcomes: dict[str, object] = {}
+
+    def run(name, handle, keep):
+        try:
+            outcomes[name] = collect_garbage(handle, keep=keep, grace_s=0).floor_after
+        except DynstateError as exc:
+            outcomes[name] = exc
+        finally:
+            b_published.set()
+            a_published.set()
+
+    other = threading.Thread(target=run, args=("b", b, 2))
+    other.start()
+    run("a", a, 6)
+    other.join(60)
+    refused = [v for v in outcomes.values() if isinstance(v, CommitConflictError)]
+    assert all(isinstance(v, (int, CommitConflictError)) for v in outcomes.values()), outcomes
+    for exc in refused:
+        assert url in str(exc) and "nothing was deleted" in str(exc)
+    after = Store.open(url)
+    assert after.snapshot().to_arrow()["id"].to_pylist() == list(range(10))
+    assert verify_store(after, all_versions=True).ok
 
 
 # -- sampler states with a tampered selection part ---------------------------------------------

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import paths
-from ..errors import InvalidDataError, StorageError
+from ..errors import CommitConflictError, InvalidDataError, StorageError
 from ..log import LeaseState, survey
 from ..store import Store
 from .references import References, references_below
@@ -206,6 +206,11 @@ def collect_garbage(
     if latest > head:
         refs.add_versions(head + 1, latest)
         result.removed = [r for r in result.removed if not refs.needs(r.path)]
+    # The floor a concurrent gc published over ours (lower: it planned before we published)
+    # names files we would delete: leave them all; that gc, or the next run, collects.
+    published = store.log.read_floor()
+    if published < floor:
+        raise _floor_moved(store, floor, published)
     # Data before metadata: an interrupted run leaves records the floor already hides.
     result.removed.sort(
         key=lambda r: (r.path.startswith(paths.META_DIR), r.path.startswith(paths.LEASE_DIR))
@@ -238,11 +243,27 @@ def collect_garbage(
     return result
 
 
+def _floor_moved(store: Store, expected: int, found: int) -> CommitConflictError:
+    return CommitConflictError(
+        f"gc of {store.display_url}: another gc moved the floor to {found} while this one "
+        f"worked from {expected}; nothing was deleted — run gc again (one at a time)"
+    )
+
+
 def _publish_floor(store: Store, floor: int, floor_before: int) -> int:
     """Publish ``floor``, then read the tags again: a tag created meanwhile (whose tagger did
-    not see the new floor yet) lowers it again, before anything is deleted."""
+    not see the new floor yet) lowers it again, before anything is deleted.
+
+    Another gc may run at once (cron on two hosts) with another rule: were this one to write
+    its lower floor over the other's higher one, the other would then delete what that lower
+    floor names. So the floor is published only while it is still the one this plan read."""
+    expected = floor_before
     while True:
+        found = store.log.read_floor()
+        if found != expected:
+            raise _floor_moved(store, expected, found)
         store.log.publish_floor(floor, previous=floor_before)
+        expected = floor
         lowest = min([floor, *tagged(store, floor_before)])
         if lowest >= floor:
             return floor
