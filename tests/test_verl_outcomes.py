@@ -261,20 +261,23 @@ from verl.experimental.dynamic_dataset.dynamicgen_dataset import AbstractDataGen
 
 class LeastSolved(AbstractDataGenerator):
     """verl's old interface with state: each call copies the trained row with the fewest
-    successes so far (the statistics of the dataset it receives), numbered by its calls."""
+    successes so far (the statistics of the dataset it receives), numbered by its calls.
+    ``attempts`` is what the statistics with this step's outcomes (pending=True) count."""
 
     def __init__(self, config=None):
         super().__init__(config)
         self.calls = 0
+        self.attempts = 0
 
     def state_dict(self):
-        return {"calls": self.calls}
+        return {"calls": self.calls, "attempts": self.attempts}
 
     def load_state_dict(self, state):
-        self.calls = state["calls"]
+        self.calls, self.attempts = state["calls"], state["attempts"]
 
     def generate(self, dataset):
         self.calls += 1
+        self.attempts = sum(dataset.outcome_stats(pending=True).column("attempts").to_pylist())
         trained = [s for s in dataset.outcome_stats().to_pylist() if s["attempts"]]
         if not trained:
             return []
@@ -293,7 +296,14 @@ def test_old_interface_stateful_generator_resumes_exactly(world, tmp_path):
     ref = new_run(world, "old-stateful-ref", datagen=datagen, **EPOCH)
     assert call(world, ref) == 0, output(ref)
     ref_state = outcome_state(ref["store"])
-    assert ref_state["states"] == {s: {"calls": s} for s in range(1, STEPS + 1)}
+    assert {s: state["calls"] for s, state in ref_state["states"].items()} == {
+        s: s for s in range(1, STEPS + 1)
+    }
+    # the statistics a generator reads with pending=True are those its round's version has
+    store = dynstate.Store.open(ref["store"])
+    for step, version in round_versions(store).items():
+        attempts = sum(store.outcome_stats(version).column("attempts").to_pylist())
+        assert ref_state["states"][step]["attempts"] == attempts > 0
     final = content(ref)
     assert [r["extra_info"]["index"] for r in final[IMPORTED:]] == [
         300_000 + s for s in range(2, STEPS + 1)

@@ -137,6 +137,7 @@ class DynstateRLDataset(RLHFDataset):
         )
         self.settings = None if self.fixed else Settings.from_config(config)
         self._committed: tuple[Any, int, int] | None = None  # (batch, step, version)
+        self._pending: dict[str, Any] | None = None  # the outcomes of the step being generated
         self.last_metrics: dict[str, float] = {}  # the figures of the last committed round
         self._rows: VersionedDataset | None = None
         self._frame: StoreFrame | None = None
@@ -170,6 +171,7 @@ class DynstateRLDataset(RLHFDataset):
         state = super().__getstate__()
         state["data_generator"] = None
         state["_committed"] = None
+        state["_pending"] = None
         if self.settings is not None and self.settings.select is not None:
             # nor the policy (a function loaded from a file does not pickle by reference)
             state["settings"] = dataclasses.replace(self.settings, select=None)
@@ -291,15 +293,20 @@ class DynstateRLDataset(RLHFDataset):
 
     # -- one round per step ------------------------------------------------------------------
 
-    def outcome_stats(self, version: int | None = None, **options: Any) -> pa.Table:
+    def outcome_stats(
+        self, version: int | None = None, *, pending: bool = False, **options: Any
+    ) -> pa.Table:
         """Per-row statistics (:meth:`Store.outcome_stats`: ``row``, ``attempts``,
         ``successes``, ``mean_score``, ``ewma_score``, ``first_step``, ``last_step``) of
         ``version``, by default the version the dataset reads now. Inside a generator's
         ``generate`` that is the version its round is appended to: every earlier step's
-        outcomes, not the current step's (those are in the batch)."""
+        outcomes, not the current step's (those are in the batch) — unless ``pending=True``,
+        which counts the current step's outcomes as if already committed (nothing is written;
+        the same figures the next version will have)."""
         assert self._rows is not None
+        extra = self._pending if pending and version is None else None
         return self.store.outcome_stats(
-            self._rows.version if version is None else version, **options
+            self._rows.version if version is None else version, pending=extra, **options
         )
 
     def round_metrics(self, version: int, added: int, batch: Any = None) -> dict[str, float]:
@@ -355,7 +362,9 @@ class DynstateRLDataset(RLHFDataset):
         name = generator_name(self.data_generator) if self.data_generator else "none"
         meta: dict[str, Any] = {"step": step, "generator": name}
         rows = None
+        outcomes = batch_outcomes(batch, step)
         if self.data_generator is not None:
+            self._pending = outcomes  # for outcome_stats(pending=True) inside generate
             try:
                 rows = run_generator(self.data_generator, batch, step, self)
             except Exception as exc:
@@ -366,10 +375,11 @@ class DynstateRLDataset(RLHFDataset):
                     "generator %s failed at step %d, committing an empty round: %r", name, step, exc
                 )
                 meta["error"] = repr(exc)[:500]
+            finally:
+                self._pending = None
         keep_source = isinstance(self.data_generator, DynstateGenerator)
         table = self._round_table(rows, keep_source)
         meta["rows"] = table.num_rows
-        outcomes = batch_outcomes(batch, step)
         if outcomes is None:
             log.warning(
                 "step %d: the batch has no %s or %s; committing its round without outcomes",

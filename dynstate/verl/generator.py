@@ -15,7 +15,8 @@ Two interfaces are accepted, chosen by the class a generator derives from:
 
 Both interfaces can read what the policy solves so far: ``dataset.outcome_stats()`` (the
 per-row statistics of the version the round is appended to, every earlier step's outcomes;
-the step's own scores are in ``batch``). A generator of either interface may keep state:
+the step's own scores are in ``batch``, and ``dataset.outcome_stats(pending=True)`` counts
+them too). A generator of either interface may keep state:
 ``state_dict()`` returning plain JSON types, and ``load_state_dict(state)``. The integration
 commits the state with the generator's round and, on resume, loads the state of the
 checkpointed version. Classes without these methods run unchanged.
@@ -66,7 +67,8 @@ class DynstateGenerator(ABC):
         """Return the new rows for ``step``: a list of dicts, a ``datasets.Dataset``, a pandas
         DataFrame or a pyarrow Table, with the store's columns and optionally
         ``_dynstate_source`` (list of source row numbers, from ``batch``'s ``dynstate_row``).
-        ``dataset.outcome_stats()`` gives the per-row statistics of the earlier steps."""
+        ``dataset.outcome_stats()`` gives the per-row statistics of the earlier steps
+        (``pending=True``: and of this one)."""
 
     # Optional (both interfaces): ``state_dict() -> plain JSON types`` and
     # ``load_state_dict(state)``; see :func:`state_of` and :func:`load_state`.
