@@ -6,7 +6,7 @@ entries shared between checkpoints. ``docs/format.md`` is the prose form of this
 names of the files are :mod:`dynstate.paths`', the checksummed JSON every file shares is
 :mod:`dynstate.codec`'s.
 
-One file, just over 400 lines, because its types (row groups, shard entries, shard lists,
+One file, under 500 lines, because its types (row groups, shard entries, shard lists,
 commit records, schemas) are one format, checked field by field as docs/format.md reads.
 """
 

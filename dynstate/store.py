@@ -3,7 +3,7 @@
 Record formats live in :mod:`dynstate.manifest`, the commit log (head, commits, floor,
 lineage, leases) in :mod:`dynstate.log`, the filesystem in :mod:`dynstate.storage`.
 
-One file, just over 400 lines, because it is the facade users read first: every method is a
+One file, under 500 lines, because it is the facade users read first: every method is a
 few lines over the log, the writer or the outcomes, and most of its length is their docs.
 """
 

@@ -4,6 +4,10 @@
 read-back of an attempt whose outcome is unknown), the upkeep after a commit (checkpoints and
 the head hint), the gc floor and the one lineage walker, which stops at the floor. Store, gc,
 compaction, verify, history and resume use it through these methods only.
+
+One file, near 600 lines, because the commit protocol is one argument: the head probe, the
+floor, the create, the stray and read-back checks and the walkers reason about the same
+records and the same races, and splitting them would put that argument in two places.
 """
 
 from __future__ import annotations
