@@ -98,12 +98,18 @@ def write_shard(table: pa.Table, sink: Any, row_group_rows: int | None = None) -
 
 
 def _layout_matches(footer: bytes, ends: list[int], counts: list[int]) -> bool:
-    """Whether the footer says row group i starts where segment i-1 ended (the first just
-    after the magic) and holds the rows written into it: the cuts then partition the file."""
     try:
         meta = read_footer(footer)
     except (pa.ArrowException, OSError):
         return False
+    return layout_matches(meta, ends, counts)
+
+
+def layout_matches(meta: pq.FileMetaData, ends: list[int], counts: list[int]) -> bool:
+    """Whether the footer says row group i starts where segment i-1 ended (the first just
+    after the magic) and holds the rows written into it: the cuts then partition the file.
+    The writer checks it before recording the cuts; a reader again, since a record may be
+    tampered with and the footer is the one that says which bytes a group decodes."""
     if meta.num_row_groups != len(counts) or len(ends) != len(counts) + 1:
         return False
     if counts and meta.num_columns == 0:

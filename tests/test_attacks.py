@@ -1,8 +1,7 @@
 """An attacker's review of the file-name grammar, gc, ranged row-group reads and selection
 state: tampered records whose checksums are valid again, names the grammar accepts that are
 not files dynstate wrote, and sampler states whose selection part was changed. Each test is
-one finding or one attack that held; an ``xfail(strict=True)`` is a finding in a file this
-review does not own (its reason names the file and the fix), so that the fix turns it green.
+one finding (fixed) or one attack that held.
 """
 
 from __future__ import annotations
@@ -80,14 +79,6 @@ def _rewrite_record(store: Store, version: int, change) -> None:
 # -- ranged reads of a tampered record --------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding for dynstate/loading/ranged.py (_decode): the verified footer's per-group "
-    "row counts are not compared with ShardRef.groups.rows (only their sums are), so a record "
-    "whose rows were moved between groups reads a wrong row silently; fix: check "
-    "meta.row_group(i).num_rows == info.rows[i] for every i (and each group's column chunks "
-    "inside its segment, as rowgroups._layout_matches does) when the footer is parsed",
-)
 def test_a_record_whose_group_rows_disagree_with_the_footer_is_refused(durable_url):
     store, url = _store(durable_url)
 
@@ -157,15 +148,6 @@ def test_a_flipped_byte_anywhere_is_a_checksum_error_naming_the_shard(durable_ur
         _dataset(url).read_batch(list(range(ROWS)))  # every group: the whole-shard path
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding for dynstate/loading/cache.py (ShardCache.groups keys) and "
-    "loading/ranged.py (Footers): decoded row groups and footers are cached by the shard's "
-    "whole-file sha256, which a ranged read never verifies, so a record naming another "
-    "shard's sha256 is served that shard's rows from the cache; fix: key ranged entries by "
-    "the segment digests (groups.digest(g), the footer's digest), which every ranged read "
-    "does verify",
-)
 def test_a_record_naming_another_shards_checksum_never_serves_its_rows(tmp_path):
     url = str(tmp_path / "s")
     store = Store.open(url, create=True)

@@ -33,6 +33,15 @@ log = logging.getLogger("dynstate")
 DEFAULT_CACHE_BYTES = 512 * 2**20
 
 
+def cache_id(shard: m.ShardRef) -> tuple[str, str]:
+    """What a decoded shard or row group is cached under: the file's checksum and, for a
+    shard read a row group at a time, the checksums of its segments. A row-group read
+    verifies the segments, never the whole file, so a record naming another shard's
+    checksum (tampered) must not find that shard's rows in the cache: the segment
+    checksums, which every byte was checked against, tell them apart."""
+    return (shard.sha256, shard.groups.sha256 if shard.groups is not None else "")
+
+
 def _numpy_view(column: pa.Array | pa.ChunkedArray) -> np.ndarray | None:
     """A zero-copy numpy view of a null-free integer or float column, whose ``tolist()`` gives
     exactly the Python values Arrow's ``as_py()`` gives, ~10x faster; None for other columns."""
@@ -108,7 +117,7 @@ class ShardCache:
         fingerprint: str | None,
         version: int,
     ) -> _Shard:
-        key = (shard.sha256, fingerprint if schema is not None else None)
+        key = (cache_id(shard), fingerprint if schema is not None else None)
         with self._lock:
             entry = self._shards.get(key)
             if entry is not None:
@@ -132,7 +141,7 @@ class ShardCache:
 
     def cached(self, shard: m.ShardRef, schema: pa.Schema | None, fingerprint: str | None):
         """The whole shard if it is decoded already, else None."""
-        key = (shard.sha256, fingerprint if schema is not None else None)
+        key = (cache_id(shard), fingerprint if schema is not None else None)
         with self._lock:
             entry = self._shards.get(key)
             if entry is not None:
@@ -145,7 +154,7 @@ class ShardCache:
     ) -> bool:
         """Whether every row group in ``groups`` of the shard is decoded already."""
         fp = fingerprint if schema is not None else None
-        return all((shard.sha256, fp, g) in self._shards for g in groups)
+        return all((cache_id(shard), fp, g) in self._shards for g in groups)
 
     def reads_whole(self, store: Store, shard: m.ShardRef, groups: int) -> bool:
         """Whether a read that needs ``groups`` of the shard's row groups should read it
@@ -184,12 +193,12 @@ class ShardCache:
                 found: list[_Shard | None] = []
                 lacking = []
                 for g in groups:
-                    entry = self._shards.get((shard.sha256, fp, g))
+                    entry = self._shards.get((cache_id(shard), fp, g))
                     if entry is None:
                         lacking.append(g)
                         self.misses += 1
                     else:
-                        self._shards.move_to_end((shard.sha256, fp, g))
+                        self._shards.move_to_end((cache_id(shard), fp, g))
                         self.hits += 1
                     found.append(entry)
                 if lacking:
@@ -211,8 +220,8 @@ class ShardCache:
                         self._partial.clear()  # a hint only: forgetting costs group reads
                     self._partial[shard.sha256] = self._partial.get(shard.sha256, 0) + len(lacking)
                     for g, entry in entries.items():
-                        if (shard.sha256, fp, g) not in self._shards:
-                            self._shards[(shard.sha256, fp, g)] = entry
+                        if (cache_id(shard), fp, g) not in self._shards:
+                            self._shards[(cache_id(shard), fp, g)] = entry
                             self._bytes += entry.nbytes
                     self._join(shard, fp)
                     self._evict()
@@ -222,9 +231,9 @@ class ShardCache:
         """With the lock held: once every row group of ``shard`` is decoded, replace them by
         the whole shard (one take per column for a batch, and it can join a block)."""
         assert shard.groups is not None
-        keys = [(shard.sha256, fp, g) for g in range(len(shard.groups.rows))]
+        keys = [(cache_id(shard), fp, g) for g in range(len(shard.groups.rows))]
         parts = [self._shards.get(key) for key in keys]
-        if any(p is None for p in parts) or (shard.sha256, fp) in self._shards:
+        if any(p is None for p in parts) or (cache_id(shard), fp) in self._shards:
             return
         try:
             entry = _Shard(pa.concat_tables([p.table for p in parts if p is not None]))
@@ -233,7 +242,7 @@ class ShardCache:
         for key in keys:
             old = self._shards.pop(key)
             self._bytes -= old.nbytes
-        self._shards[(shard.sha256, fp)] = entry
+        self._shards[(cache_id(shard), fp)] = entry
         self._bytes += entry.nbytes
 
     def block(self, view: _View, block: int) -> _Shard | None:

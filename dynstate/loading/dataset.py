@@ -22,7 +22,9 @@ from ..errors import InvalidDataError, RowOutOfRangeError
 from ..snapshot import Snapshot
 from ..store import Store
 from .batch import _merge_columns, _row_maker, _rows, arrow_batch, columns_at, row_source
-from .cache import DEFAULT_CACHE_BYTES, ShardCache
+from .cache import DEFAULT_CACHE_BYTES, ShardCache, cache_id
+
+_Key = tuple[tuple[str, str], str | None]  # a whole shard's key in the cache
 
 BATCH_FORMATS = ("rows", "columns", "arrow")
 # Decoded Arrow bytes per Parquet byte assumed when planning blocks (text compresses ~2-4x);
@@ -119,26 +121,32 @@ class _View:
             blocks.append((i, i + width))
             i += width
         self.blocks = blocks
-        self.block_parts: list[list[tuple[str, str | None]] | None] = [None] * len(blocks)
+        self.block_parts: list[list[tuple[tuple[str, str], str | None]] | None] = [None] * len(
+            blocks
+        )
         self.block_starts = [self.offsets[lo] for lo, _ in blocks]
         self.block_offsets = np.asarray([*self.block_starts, self.num_rows])
         fp = self.fingerprint if self.snap.schema is not None else None
         # One digest of the parts' checksums: a key of thousands of tiny shards would cost a
         # tuple hash over all of them on every lookup.
         self.block_keys = [
-            ("block", fp, m.sha256("".join(s.sha256 for s in self.shards[lo:hi]).encode()))
+            (
+                "block",
+                fp,
+                m.sha256("".join("".join(cache_id(s)) for s in self.shards[lo:hi]).encode()),
+            )
             if hi - lo > 1
             else None
             for lo, hi in blocks
         ]
 
-    def parts(self, block: int) -> list[tuple[str, str | None]]:
+    def parts(self, block: int) -> list[_Key]:
         """The cache keys of a block's shards (kept: asked on every read until it forms)."""
         parts = self.block_parts[block]
         if parts is None:
             lo, hi = self.blocks[block]
             fp = self.fingerprint if self.snap.schema is not None else None
-            parts = self.block_parts[block] = [(s.sha256, fp) for s in self.shards[lo:hi]]
+            parts = self.block_parts[block] = [(cache_id(s), fp) for s in self.shards[lo:hi]]
         return parts
 
 

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from .. import manifest as m
 from ..errors import ChecksumMismatchError, CorruptStoreError
-from ..rowgroups import read_footer
+from ..rowgroups import layout_matches, read_footer
 from ..store import Store
 
 # Parsed footers kept per process; each is a few KB to a few tens of KB.
@@ -35,25 +35,33 @@ def group_starts(groups: m.RowGroups) -> np.ndarray:
 
 
 class Footers:
-    """Parsed, verified footers by shard checksum, least recently used first out."""
+    """Parsed, verified footers by the row-group entry they match (:func:`footer_key`),
+    least recently used first out."""
 
     def __init__(self, limit: int = _FOOTERS):
-        self._items: OrderedDict[str, pq.FileMetaData] = OrderedDict()
+        self._items: OrderedDict[m.RowGroups, pq.FileMetaData] = OrderedDict()
         self._lock = threading.Lock()
         self._limit = limit
 
-    def get(self, digest: str) -> pq.FileMetaData | None:
+    def get(self, digest: m.RowGroups) -> pq.FileMetaData | None:
         with self._lock:
             meta = self._items.get(digest)
             if meta is not None:
                 self._items.move_to_end(digest)
             return meta
 
-    def put(self, digest: str, meta: pq.FileMetaData) -> None:
+    def put(self, digest: m.RowGroups, meta: pq.FileMetaData) -> None:
         with self._lock:
             self._items[digest] = meta
             while len(self._items) > self._limit:
                 self._items.popitem(last=False)
+
+
+def footer_key(groups: m.RowGroups) -> m.RowGroups:
+    """A parsed footer is cached under the whole row-group entry it was checked against:
+    its checksum says which footer it is, and its cuts are what the footer's layout was
+    found to match (a tampered record with the same footer but other cuts misses)."""
+    return groups
 
 
 def _where(store: Store, version: int | None) -> str:
@@ -78,7 +86,7 @@ def read_groups(
         assert shard.groups is not None  # callers pick whole-shard reads for the others
         bounds = segment_bounds(shard.groups)
         segments = list(groups)
-        if footers.get(shard.sha256) is None:
+        if footers.get(footer_key(shard.groups)) is None:
             segments.append(len(shard.groups.rows))  # the footer: the last segment
         if not segments:
             continue
@@ -141,17 +149,19 @@ def _decode(
 ) -> list[pa.Table]:
     info = shard.groups
     assert info is not None
-    meta = footers.get(shard.sha256)
+    meta = footers.get(footer_key(info))
     try:
         if meta is None:
             meta = read_footer(got[(k, len(info.rows))])
-            if meta.num_rows != shard.rows or meta.num_row_groups != len(info.rows):
+            ends = segment_bounds(info)[1:]
+            if meta.num_rows != shard.rows or not layout_matches(meta, ends, list(info.rows)):
                 raise CorruptStoreError(
                     f"shard {shard.path} of {where} holds {meta.num_rows} rows in "
                     f"{meta.num_row_groups} row groups but its commit record says {shard.rows} "
-                    f"in {len(info.rows)}; the record is wrong — reset to a version without it"
+                    f"in {len(info.rows)} (or its row groups lie elsewhere); the record is wrong "
+                    "— reset to a version without it"
                 )
-            footers.put(shard.sha256, meta)
+            footers.put(footer_key(info), meta)
         # A buffer the size of the file holding only the verified row groups, at their
         # offsets: the reader, given the verified footer, reads only their column chunks,
         # which the writer checked lie inside them.
