@@ -180,8 +180,9 @@ class Store:
 
     def commit_records(self, versions: Iterable[int]) -> dict[int, Commit | None]:
         """The commit records of ``versions`` read together (one round trip on an object
-        store), None for any without a file; :meth:`commit_record` raises the typed error."""
-        return self.log.records(versions)
+        store), None for any without a readable file: a read-ahead, after which
+        :meth:`commit_record` returns each at once or raises its typed error."""
+        return self.log.records(versions, strict=False)
 
     def versions(self, *, start: int = 0) -> list[Commit]:
         """Commit records of every kept version from ``start`` on, oldest first."""

@@ -201,15 +201,26 @@ class Log(Catalog):
             return cached
         return self._decode_record(version, self.storage.try_read(paths.log_path(version)))
 
-    def records(self, versions: Iterable[int]) -> dict[int, Commit | None]:
+    def records(self, versions: Iterable[int], *, strict: bool = True) -> dict[int, Commit | None]:
         """The records of ``versions`` (None for a missing file), the ones not read before
         fetched together (:meth:`Storage.read_many`): a listing of n versions on an object
-        store costs about one round trip, not n."""
+        store costs about one round trip, not n. ``strict=False`` reads ahead for a walk that
+        may not need them all: a damaged record (or a failed read) raises nothing here and is
+        None, and the walk's own :meth:`record` raises for it if it gets there."""
         wanted = list(dict.fromkeys(versions))
         missing = [v for v in wanted if v not in self._records]
-        raws = self.storage.read_many([paths.log_path(v) for v in missing])
+        try:
+            raws = self.storage.read_many([paths.log_path(v) for v in missing])
+        except DynstateError:
+            if strict:
+                raise
+            raws = [None] * len(missing)
         for version, raw in zip(missing, raws, strict=True):
-            self._decode_record(version, raw)
+            try:
+                self._decode_record(version, raw)
+            except DynstateError:
+                if strict:
+                    raise
         return {v: self._records.get(v) for v in wanted}
 
     def _decode_record(self, version: int, raw: bytes | None) -> Commit | None:
@@ -283,7 +294,7 @@ class Log(Catalog):
             taken += 1
             left = ahead - taken + 1  # v and the ones after it the caller may still take
             if left > 1 and self.storage.concurrent_reads and v not in self._records:
-                self.records(range(v, max(self._floor, v - left + 1) - 1, -1))
+                self.records(range(v, max(self._floor, v - left + 1) - 1, -1), strict=False)
             v = self.predecessor(self.commit_record(v))
 
     def lineage_cut(self, oldest: int) -> bool:
@@ -304,7 +315,7 @@ class Log(Catalog):
             # ends the walk early, and the ones below it were read for nothing; where reads
             # come one after another that would cost time, so there they are read as needed.)
             below = max(self._floor, version - version % m.CHECKPOINT_INTERVAL)
-            self.records(range(version, below - 1, -1))
+            self.records(range(version, below - 1, -1), strict=False)
         while True:
             if v < self._floor:
                 raise VersionCollectedError(
