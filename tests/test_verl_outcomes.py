@@ -51,6 +51,11 @@ HARDEST = {
     "max_new": 3,
 }
 EPOCH = {"batch_size": 6}
+# the kill chains draw their rows by a learnability policy (issue 22): the CPU stand-in policy
+# gets every row always right or always wrong, so tried rows weigh the floor and rows never
+# tried (the generated ones, too) the neutral weight
+LEARN = {"policy": "learnability"}
+LEARN_STATE = {"policy": "learnability", "params": {"floor": 0.01, "neutral": 0.25}}
 RESPONSES = 2  # actor_rollout_ref.rollout.n in both drivers: a GRPO group of 2 per prompt
 
 
@@ -109,9 +114,10 @@ def check_outcomes_of_run(url: str, log: dict[int, dict], imported: int, storage
         b = log[step]
         assert [r["row"] for r in mine] == b["rows"]
         assert [r["score"] for r in mine] == pytest.approx(b["scores"])
-        # GRPO: every prompt of the step has its n responses recorded
+        # GRPO: every prompt of the step has its n responses recorded (a policy draws with
+        # replacement, so a row drawn twice in a step has twice n)
         counts = np.bincount(b["rows"])
-        assert set(counts[counts > 0]) == {RESPONSES}
+        assert set(counts[counts > 0] % RESPONSES) == {0}
         # the generator's sources: the hardest rows by the statistics of the version before
         # the round, with the step's own scores added, and the picks its state held then
         stats = store.outcome_stats(previous)
@@ -145,7 +151,7 @@ def check_outcomes_of_run(url: str, log: dict[int, dict], imported: int, storage
 
 @pytest.fixture(scope="module")
 def hardest_reference(world):
-    spec = new_run(world, "hardest-ref", datagen=HARDEST, **EPOCH)
+    spec = new_run(world, "hardest-ref", datagen=HARDEST, dynstate={"select": LEARN}, **EPOCH)
     assert call(world, spec) == 0, output(spec)
     (run,) = events(spec)
     assert run[0]["resumed_from"] == 0 and run[-1]["event"] == "done"
@@ -163,6 +169,17 @@ def test_legacy_records_outcomes_state_and_figures_with_each_round(hardest_refer
         assert state["states"][step]["made"] == made
     assert made == len(final) - IMPORTED > 0
     check_figures(spec["store"], tracked(spec), STEPS)
+
+
+def check_policy_at_work(ckpt: str, step: int, figures: dict[int, dict[str, float]] | None):
+    """The checkpoint's sampler state names the learnability policy, and (with the tracker's
+    figures) every step logged the version whose statistics drew its rows."""
+    import torch
+
+    data = torch.load(os.path.join(ckpt, f"global_step_{step}", "data.pt"), weights_only=True)
+    assert dynstate.find_sampler_state(data)["select"] == LEARN_STATE
+    if figures is not None:
+        assert figures and all("select/stats_version" in f for f in figures.values()), figures
 
 
 def check_figures(url: str, figures: dict[int, dict[str, float]], steps: int) -> None:
@@ -193,7 +210,7 @@ def test_legacy_stateful_generator_killed_at_every_instant_resumes_exactly(
         (5, "rollout"),  # inside the agent loop of step 5
         (6, "validation"),  # in validation, after checkpoint 6
     ]
-    spec = new_run(world, "hardest-chain", datagen=HARDEST, **EPOCH)
+    spec = new_run(world, "hardest-chain", datagen=HARDEST, dynstate={"select": LEARN}, **EPOCH)
     for step, instant in kills:
         status = call(world, {**spec, "kill": [step, instant]})
         assert status == -9, f"not killed at {step}/{instant}: {status}\n{output(spec)}"
@@ -211,6 +228,7 @@ def test_legacy_stateful_generator_killed_at_every_instant_resumes_exactly(
     assert content(spec) == ref_final
     # the abandoned rounds' outcomes (steps 3, 5, 6 of killed runs) do not leak
     assert outcome_state(spec["store"]) == ref_state
+    check_policy_at_work(spec["ckpt"], 6, tracked(spec))
 
 
 @pytest.mark.slow
@@ -221,7 +239,8 @@ def test_legacy_mix_mode_on_s3_with_workers_resumes_exactly(world, s3_endpoint):
     after a round's commit equal the uninterrupted run's."""
     from conftest import s3_url
 
-    extra = {"num_workers": 2, "dynstate": {"mode": "mix", "fresh_share": 0.5, "lag": 5}}
+    mix = {"mode": "mix", "fresh_share": 0.5, "lag": 5, "select": LEARN}
+    extra = {"num_workers": 2, "dynstate": mix}
     ref = new_run(world, "hardest-mix-ref", store=s3_url(), datagen=HARDEST, **extra)
     assert call(world, ref) == 0, output(ref)
     (run,) = events(ref)
@@ -242,6 +261,7 @@ def test_legacy_mix_mode_on_s3_with_workers_resumes_exactly(world, s3_endpoint):
             ), step
     assert content(spec) == content(ref)
     assert outcome_state(spec["store"]) == ref_state
+    check_policy_at_work(spec["ckpt"], 6, tracked(spec))
 
 
 # -- V1 trainer ----------------------------------------------------------------------------------
