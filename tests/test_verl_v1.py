@@ -104,6 +104,7 @@ def test_v1_sync_kill_at_every_instant_resumes_exactly(files, tmp_path):
         "save_freq": 2,
         "test_freq": 3,
         "num_workers": 2,
+        "dynstate": {"select": outcomes.LEARN},
         "datagen": outcomes.HARDEST,
     }
     ref_spec = _spec(files, tmp_path, str(tmp_path / "ref-store"), **common)
@@ -138,6 +139,7 @@ def test_v1_sync_kill_at_every_instant_resumes_exactly(files, tmp_path):
     _assert_same_run(ref, spec, steps)
     # the abandoned rounds' outcomes and generator states do not leak
     assert outcomes.outcome_state(spec["store"]) == ref_state
+    outcomes.check_policy_at_work(spec["ckpt"], 8, outcomes.tracked(ref_spec))
 
 
 @pytest.mark.slow
@@ -158,7 +160,7 @@ def test_v1_mix_mode_on_s3_resumes_exactly(files, tmp_path, s3_endpoint):
         "save_freq": 2,
         "test_freq": 0,
         "num_workers": 2,
-        "dynstate": {"mode": "mix", "fresh_share": 0.5, "lag": 5},
+        "dynstate": {"mode": "mix", "fresh_share": 0.5, "lag": 5, "select": outcomes.LEARN},
         "datagen": outcomes.HARDEST,
     }
     ref = _reference(files, tmp_path, s3_url(), **common)
@@ -180,6 +182,7 @@ def test_v1_mix_mode_on_s3_resumes_exactly(files, tmp_path, s3_endpoint):
     assert os.path.exists(os.path.join(spec["ckpt"], "global_step_4", "data.pt"))  # pulled
     _assert_same_run(ref, spec, steps)
     assert outcomes.outcome_state(spec["store"]) == ref_state
+    outcomes.check_policy_at_work(spec["ckpt"], 6, None)
 
 
 # -- every resume check before anything is committed -------------------------------------------
