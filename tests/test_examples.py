@@ -150,6 +150,23 @@ def test_ddp_readme_commands_kill_and_resume_at_another_world_size(tmp_path) -> 
     else:  # the killed run committed rounds after its checkpoint: a reset drops them
         assert int(back) == 1 + int(at) and int(version) == killed_head + 1
 
+    # The policy of the commands drew the steps, before and after the world-size change: the
+    # checkpoint names it, and every step's round recorded its rows' outcomes.
+    import torch
+
+    ckpt = torch.load(tmp_path / "ckpt" / "latest.pt", weights_only=True)
+    assert ckpt["world"] == 3
+    assert ckpt["sampler"]["select"] == {
+        "policy": "learnability",
+        "params": {"floor": 0.01, "neutral": 0.25},
+    }
+    records = Store.open(url).outcome_records().to_pylist()
+    assert sorted({r["step"] for r in records}) == list(range(40))
+    # the first epoch (steps 0-4 at world size 2, 8 of the 40 rows a step) drew with replacement:
+    # without a policy its permutation trains each row once
+    first = [r["row"] for r in records if r["step"] < 5]
+    assert len(first) == 40 and len(set(first)) < 40, first
+
     # One round per step, each once, in order, along the head's lineage.
     store = Store.open(url)
     steps = [store.commit_record(v).meta.get("step") for v in reversed(lineage(store))]

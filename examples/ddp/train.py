@@ -1,12 +1,15 @@
 """Data-parallel training over a dynstate store that grows while it trains.
 
 Every rank runs its own loader over its share of each step; rank 0 generates one round per
-step from the step's batches and commits it; every ``--ckpt-every`` steps rank 0 writes one
-checkpoint, which restores every rank at any world size::
+step from the step's batches and commits it with the outcome of every row the ranks trained
+(``--select learnability`` draws each step's rows by them); every ``--ckpt-every`` steps
+rank 0 writes one checkpoint, which restores every rank at any world size::
 
-    torchrun --nproc-per-node 2 examples/ddp/train.py --store /tmp/ddp/store --ckpt /tmp/ddp/ckpt
+    torchrun --nproc-per-node 2 examples/ddp/train.py --store /tmp/ddp/store --ckpt /tmp/ddp/ckpt \
+        --select learnability
     # kill it at any moment (kill -9), then resume with three ranks:
-    torchrun --nproc-per-node 3 examples/ddp/train.py --store /tmp/ddp/store --ckpt /tmp/ddp/ckpt
+    torchrun --nproc-per-node 3 examples/ddp/train.py --store /tmp/ddp/store --ckpt /tmp/ddp/ckpt \
+        --select learnability
 
 Rank 0 prints one line per start: fresh or resumed (from which checkpoint step and world
 size), the first step it runs, the world size and the store version it starts from.
@@ -41,7 +44,16 @@ def generate(step: int, rows: list[int]) -> list[dict]:
     return [{"id": 100_000 * (step + 1) + k, "text": f"task {step}-{k}"} for k in range(step % 3)]
 
 
-def commit_round(store: dynstate.Store, step: int, rows: list[dict]) -> int:
+def score(task_id: int) -> float:
+    """A deterministic stand-in for a reward: a task is solved unless its id is divisible by
+    3 (so every task's pass rate is 0 or 1 once tried, and a learnability policy favours the
+    tasks never tried)."""
+    return float(task_id % 3 != 0)
+
+
+def commit_round(
+    store: dynstate.Store, step: int, rows: list[dict], outcomes: list[dict] | None = None
+) -> int:
     """Commit the round of ``step`` once: if the head's lineage already holds it (a restarted
     writer, a rank that retries), return that version instead of committing it twice."""
     for version in dynstate.lineage(store):
@@ -50,7 +62,7 @@ def commit_round(store: dynstate.Store, step: int, rows: list[dict]) -> int:
             return version
         if recorded is not None and recorded < step:
             break
-    return store.append(rows, meta={"step": step, "generator": "ddp-example"})
+    return store.append(rows, meta={"step": step, "generator": "ddp-example"}, outcomes=outcomes)
 
 
 def save_checkpoint(path: str, state: dict) -> None:
@@ -96,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--drop-last", action="store_true")
     parser.add_argument(
+        "--select",
+        choices=["learnability"],
+        help="draw each step's rows by a policy over the recorded outcomes (docs/selection.md)",
+    )
+    parser.add_argument(
         "--batch-log", metavar="DIR", help="folder for one JSON line per rank and step (tests)"
     )
     parser.add_argument("--step-time", type=float, default=0.0, help="seconds of 'training'")
@@ -125,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         print(start_line(args, ckpt, ckpt_path, world, head, before), flush=True)
     dist.barrier()
 
-    dataset = dynstate.VersionedDataset(args.store)
+    # the row numbers: rank 0 records every trained row's outcome with the step's round
+    dataset = dynstate.VersionedDataset(args.store, row_column="_dynstate_row")
     sampler = dynstate.VersionedSampler(  # num_replicas and rank come from torch.distributed
         dataset,
         seed=args.seed,
@@ -133,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size,
         lag=args.lag,
         drop_last=args.drop_last,
+        select={"policy": args.select} if args.select else None,
     )
     model = DistributedDataParallel(torch.nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
@@ -149,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             drop_last=args.drop_last,
             num_workers=args.num_workers,
             prefetch_factor=2 if args.num_workers else None,
-            collate_fn=lambda rows: [row["id"] for row in rows],
+            collate_fn=lambda rows: ([r["id"] for r in rows], [r["_dynstate_row"] for r in rows]),
         )
     )
     log = None
@@ -159,12 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         log = open(os.path.join(args.batch_log, name), "a")  # noqa: SIM115
 
     while step < args.steps:
-        for ids in loader:
+        for ids, rows in loader:
             x = torch.tensor(ids, dtype=torch.float32).unsqueeze(1) / 1e6
             loss = model(x).pow(2).mean()
             loss.backward()  # the all-reduce: every rank is at this step
             optimizer.step()
             optimizer.zero_grad()
+            trained: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+            dist.all_gather_object(trained, list(zip(rows, ids, strict=True)))
             time.sleep(args.step_time)
             if log is not None:
                 line = {"step": step, "rank": rank, "world": world, "ids": ids}
@@ -172,7 +193,12 @@ def main(argv: list[str] | None = None) -> int:
                 log.write(json.dumps(line) + "\n")
                 log.flush()
             if rank == 0:
-                commit_round(store, step, generate(step, ids))
+                outcomes = [
+                    {"row": row, "step": step, "score": score(task)}
+                    for share in trained
+                    for row, task in share
+                ]
+                commit_round(store, step, generate(step, ids), outcomes)
                 if step % args.ckpt_every == 0:
                     state = dynstate.find_sampler_state(loader.state_dict())
                     save_checkpoint(
