@@ -429,9 +429,12 @@ def test_gc_file_without_floor_is_a_typed_error(store: Store) -> None:
     assert listing(store) == before
 
 
-def test_shard_row_count_differs_from_its_record(tmp_path) -> None:
+@pytest.mark.parametrize("groups", ["kept", "dropped"])
+def test_shard_row_count_differs_from_its_record(tmp_path, groups: str) -> None:
     """F2: a self-consistent record (checksum valid) whose shard entry says 5 rows for a
-    3-row file: reads raise CorruptStoreError naming the shard and version."""
+    3-row file: reads raise CorruptStoreError naming the shard and version. With its row
+    groups recorded, the entry no longer adds up and is refused when the record is read
+    (naming the record); without (a store written before row groups), when the shard is."""
     import hashlib
     import json
 
@@ -445,10 +448,18 @@ def test_shard_row_count_differs_from_its_record(tmp_path) -> None:
     obj = json.loads(path.read_text())
     obj["add"][0]["rows"] = 5
     obj["num_rows"] += 2
+    assert "groups" in obj["add"][0]
+    if groups == "dropped":
+        del obj["add"][0]["groups"]
     obj.pop("checksum")
     obj["checksum"] = hashlib.sha256(m._canonical(obj)).hexdigest()
     path.write_text(json.dumps(obj))
     shard = obj["add"][0]["path"]
+    if groups == "kept":
+        with pytest.raises(CorruptStoreError, match="malformed row group entry") as info:
+            Store.open(url).snapshot().to_arrow()
+        assert m.log_path(2) in str(info.value) and "reset to a version" in str(info.value)
+        return
     with pytest.raises(CorruptStoreError, match="version 3") as info:
         Store.open(url).snapshot().to_arrow()
     assert shard in str(info.value) and "5" in str(info.value)
