@@ -235,7 +235,8 @@ def _code(exc: BaseException) -> tuple[str, int] | None:
     return str(response["Error"].get("Code", "") or status or "unknown"), int(status)
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
+def cause_chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it was raised from (at most 8 links, no cycle)."""
     seen: list[BaseException] = []
     current: BaseException | None = exc
     while current is not None and current not in seen and len(seen) < 8:
@@ -246,12 +247,12 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 def is_client_error(exc: BaseException) -> bool:
     """Whether ``exc`` (or what it was raised from) comes from a client library."""
-    return any(type(link).__module__.split(".")[0] in CLIENT_LIBRARIES for link in _chain(exc))
+    return any(type(link).__module__.split(".")[0] in CLIENT_LIBRARIES for link in cause_chain(exc))
 
 
 def row_of(exc: BaseException) -> tuple[Row, str]:
     """The table's row for ``exc`` and the S3 error code it carries ("" if none)."""
-    links = _chain(exc)
+    links = cause_chain(exc)
     for link in links:
         code = _code(link)
         if code is not None:

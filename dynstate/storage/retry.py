@@ -12,7 +12,7 @@ import errno
 import random
 
 from ..errors import CorruptStoreError
-from .errors import BAD_REQUEST, BUSY_CODES, CLIENT_LIBRARIES, CREDENTIALS, row_of
+from .errors import BAD_REQUEST, BUSY_CODES, CLIENT_LIBRARIES, CREDENTIALS, cause_chain, row_of
 
 _TRANSIENT_ERRNOS = frozenset(
     {errno.EIO, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE}
@@ -25,15 +25,6 @@ def backoff(attempt: int, base_s: float, cap_s: float) -> float:
     return random.uniform(0, min(cap_s, base_s * 2**attempt))
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
-    seen: list[BaseException] = []
-    current: BaseException | None = exc
-    while current is not None and current not in seen and len(seen) < 8:
-        seen.append(current)
-        current = current.__cause__ or current.__context__
-    return seen
-
-
 def is_client_library_error(exc: BaseException) -> bool:
     return type(exc).__module__.split(".")[0] in CLIENT_LIBRARIES
 
@@ -44,14 +35,14 @@ def is_transient(exc: BaseException) -> bool:
     exclusive create, a denied request or any other 4xx."""
     if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, CorruptStoreError)):
         return False
-    for link in _chain(exc):
+    for link in cause_chain(exc):
         response = getattr(link, "response", None)
         if isinstance(response, dict) and "Error" in response:
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
             code = response["Error"].get("Code", "")
             # 501: the backend does not implement the request (e.g. a conditional header).
             return (status >= 500 and status != 501) or status == 429 or code in BUSY_CODES
-    for link in _chain(exc):
+    for link in cause_chain(exc):
         if isinstance(link, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
             return True
         if is_client_library_error(link):
