@@ -14,7 +14,7 @@ import math
 import os
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -155,13 +155,18 @@ class Writer:
         except BaseException:
             done = outcome_file.value if outcome_file is not None else None
             written = [*shards, *([done.ref] if done is not None and done.ref else [])]
-            for ref in written:
-                try:
-                    self.storage.delete(ref.path)
-                except DynstateError as exc:
-                    log.warning("could not remove %s: %s (gc will)", ref.path, exc)
+            self._remove(ref.path for ref in written)
             raise
         return shards, pending
+
+    def _remove(self, paths: Iterable[str]) -> None:
+        """Remove files no record names (what a failed or discarded write left), as far as
+        the storage lets us now: gc removes the rest."""
+        for path in paths:
+            try:
+                self.storage.delete(path)
+            except DynstateError as exc:
+                log.warning("could not remove %s: %s (gc will)", path, exc)
 
     def _check_shard_bytes(self, shard_bytes: Any) -> None:
         if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
@@ -458,11 +463,7 @@ class Writer:
                         self.display_url,
                     )
                     continue
-            for shard in part.shards:
-                try:
-                    self.storage.delete(shard.path)
-                except DynstateError as exc:
-                    log.warning("could not remove %s: %s (gc will)", shard.path, exc)
+            self._remove(shard.path for shard in part.shards)
             if part.lease:
                 self.log.leases.end({part.lease}, committed=False, tombstone=not private)
         if committed:
@@ -551,11 +552,7 @@ class Writer:
             if sync:
                 self.storage.sync_dir(m.DATA_DIR)
         except BaseException:
-            for shard in written:
-                try:
-                    self.storage.delete(shard.path)
-                except DynstateError as exc:
-                    log.warning("could not remove %s: %s (gc will)", shard.path, exc)
+            self._remove(shard.path for shard in written)
             raise
         return written
 
@@ -582,11 +579,7 @@ class Writer:
             listed = list(write(new_path))
             self.storage.sync_dir(m.DATA_DIR)
         except BaseException:
-            for path in sorted(named):
-                try:
-                    self.storage.delete(path)
-                except DynstateError as exc:
-                    log.warning("could not remove %s: %s (gc will)", path, exc)
+            self._remove(sorted(named))
             self.log.leases.end({lease}, committed=False)
             raise
         new = tuple(s for s in listed if s.path in named)
