@@ -533,7 +533,8 @@ class Log(Catalog):
                 # A gc that listed files before the create may have taken its chunks for
                 # unreferenced; a checkpoint naming a missing chunk breaks materialize().
                 self.restore_chunks(shard_list, f"the checkpoint of version {record.version}")
-                _outcomes(self).write_checkpoint(record)
+                # a cache readers do without: off the commit's path (a floor's is not)
+                _outcomes(self).write_checkpoint(record, background=True)
             # No fsync: the hint only ever names a version already durable, and a hint lost
             # or torn by a power cut is ignored by refresh(), which then probes.
             hint = json.dumps({"version": record.version}).encode()
