@@ -6,8 +6,16 @@ user runs it. Reported: median wall time per command, the 10,000/100 ratio (the 
 Targets: `--help` well under 1 s (moonshot 0.3 s), `ls --limit 20` of a 10,000-version S3
 store under 1 s. Never part of the tests.
 
+With ``--delta`` (issue 23.3) a Delta table of as many versions (one one-row append each, the
+same step and generator in the commit's metadata), built with deltalake and uploaded to the
+same loopback endpoint, is read by ``DeltaTable(uri, storage_options=...).history(20)`` in a
+fresh ``python -c`` process, alternated with ``dynstate ls --limit 20``: per-round ratios and
+their median, and the requests each sends. deltalake is a benchmark-only dependency
+(``pip install 'dynstate[bench]'``).
+
     python tools/bench/bench_cli.py                  # stores built once under --dir
     python tools/bench/bench_cli.py --repeats 9 --sizes 100,10000
+    python tools/bench/bench_cli.py --sizes 100 --repeats 11 --delta [--show-requests]
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/, for loopback_s3
 
@@ -43,20 +52,97 @@ def build(path: Path, versions: int) -> Path:
     return path
 
 
+def build_delta(path: Path, versions: int) -> Path:
+    """A Delta table of ``versions`` versions, each a one-row append whose commit carries the
+    step and generator (as dynstate's rounds do), built once and reused from ``path``."""
+    import pyarrow as pa
+    from deltalake import CommitProperties, write_deltalake
+
+    done = path / ".complete"
+    if done.exists():
+        return path
+    started = time.perf_counter()
+    for step in range(versions):
+        write_deltalake(str(path), pa.table({"step": [step], "prompt": [f"task {step}"]}),
+                        mode="append",
+                        commit_properties=CommitProperties(
+                            custom_metadata={"step": str(step), "generator": "bench"}))  # fmt: skip
+    done.write_text(str(versions))
+    print(f"  built {path} ({versions:,} Delta versions) in {time.perf_counter() - started:.0f} s")
+    return path
+
+
+# A fresh process reading the newest 20 commits of a Delta table on S3, and printing them as
+# `ls` prints its rows (so both pay for their output). Credentials and endpoint from the env.
+DELTA_HISTORY = """
+import os, sys
+from deltalake import DeltaTable
+options = {"AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"], "AWS_ALLOW_HTTP": "true",
+           "AWS_REGION": os.environ["AWS_DEFAULT_REGION"],
+           "AWS_ACCESS_KEY_ID": os.environ["AWS_ACCESS_KEY_ID"],
+           "AWS_SECRET_ACCESS_KEY": os.environ["AWS_SECRET_ACCESS_KEY"]}
+for commit in DeltaTable(sys.argv[1], storage_options=options).history(20):
+    print(commit.get("version"), commit.get("operation"), commit.get("timestamp"),
+          commit.get("step"), commit.get("generator"))
+"""
+
+
+def delta_command() -> list[str]:
+    return [sys.executable, "-c", DELTA_HISTORY]
+
+
 def dynstate_command() -> list[str]:
     exe = Path(sys.executable).with_name("dynstate")
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "dynstate.cli"]
 
 
+def once(command: list[str], env: dict[str, str]) -> float:
+    """Wall time of one fresh process running ``command``."""
+    started = time.perf_counter()
+    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
 def timed(args: list[str], repeats: int, env: dict[str, str]) -> float:
     """Median wall time of a fresh process running ``dynstate ARGS``."""
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        subprocess.run([*dynstate_command(), *args], env=env, check=True,
-                       stdout=subprocess.DEVNULL)  # fmt: skip
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return statistics.median(once([*dynstate_command(), *args], env) for _ in range(repeats))
+
+
+def side_by_side(server: Any, url: str, delta_uri: str, repeats: int, env: dict[str, str],
+                 show: bool) -> None:  # fmt: skip
+    """``dynstate ls --limit 20`` and Delta's ``history(20)``, alternated in fresh processes:
+    medians, the median of the per-round ratios, and the requests of one run of each."""
+    s3_env = {**env, **server.env()}
+    runs = {
+        "dynstate": [*dynstate_command(), "ls", url, "--limit", "20"],
+        "delta": [*delta_command(), delta_uri],
+    }
+    for command in runs.values():  # warm the page cache and moto, not timed
+        once(command, s3_env)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(repeats):
+        order = list(runs) if round_ % 2 == 0 else list(runs)[::-1]
+        for name in order:
+            times[name].append(once(runs[name], s3_env))
+    ratios = [d / t for d, t in zip(times["dynstate"], times["delta"], strict=True)]
+    requests = {}
+    for name, command in runs.items():
+        mark = server.count()
+        once(command, s3_env)
+        requests[name] = server.since(mark)
+    print(f"  S3, dynstate ls --limit 20 vs Delta history(20), {repeats} alternated rounds, "
+          f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
+    for name, label in (("dynstate", "dynstate ls --limit 20"), ("delta", "Delta history(20)")):
+        spread = times[name]
+        print(f"    {label:24} {statistics.median(spread):6.3f} s  [{min(spread):.3f}-"
+              f"{max(spread):.3f}]  {len(requests[name])} requests")  # fmt: skip
+    print(f"    ratio dynstate/Delta     {statistics.median(ratios):6.2f}  "
+          f"[{min(ratios):.2f}-{max(ratios):.2f}]")  # fmt: skip
+    if show:
+        for name, seen in requests.items():
+            print(f"    requests of one {name} run:")
+            for method, where, query in seen:
+                print(f"      {method:4} {where}{'?' + query if query else ''}")
 
 
 def main() -> None:
@@ -65,6 +151,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="100,10000", help="versions per store")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument("--delta", action="store_true",
+                        help="on S3, also Delta's history(20) (needs deltalake)")  # fmt: skip
     parser.add_argument("--show-requests", action="store_true",
                         help="print the requests of one S3 `ls` (method, path, query)")  # fmt: skip
     args = parser.parse_args()
@@ -113,6 +201,14 @@ def main() -> None:
                   f"({requests[n]} requests)")  # fmt: skip
         print(f"  ratio {sizes[-1]:,}/{sizes[0]:,} versions, S3: "
               f"{remote[sizes[-1]] / remote[sizes[0]]:.2f}")  # fmt: skip
+        if not args.delta:
+            return
+        for n in sizes:
+            table = build_delta(root / f"delta-{n}", n)
+            fs.put(str(table) + "/", f"{BUCKET}/delta-{n}/", recursive=True)
+            print(f"\n  {n:,} versions:")
+            side_by_side(server, f"s3://{BUCKET}/store-{n}", f"s3://{BUCKET}/delta-{n}",
+                         args.repeats, env, args.show_requests)  # fmt: skip
 
 
 if __name__ == "__main__":
