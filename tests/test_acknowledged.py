@@ -31,6 +31,7 @@ from dynstate import (
     collect_garbage,
 )
 from dynstate import manifest as m
+from dynstate.log.outcomes import outcomes_of
 from dynstate.maintenance import gc as gc_module
 from dynstate.maintenance.verify import verify_store
 
@@ -375,6 +376,7 @@ def test_checkpoint_chunks_and_aggregate_collected_before_its_create(tmp_path, m
 
     monkeypatch.setattr(store.storage, "create_if_absent", gc_first)
     assert store.append([], outcomes={"row": [0], "step": [98], "score": [0]}) == 100
+    outcomes_of(store.log).flush()  # the outcome checkpoint is written in the background
     assert any(p.startswith(f"{m.META_DIR}/chunks/") for p in removed), removed
     assert any(p.startswith(f"{m.META_DIR}/aggregates/") for p in removed), removed
     reader = _fresh(url)
