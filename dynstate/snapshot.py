@@ -1,19 +1,25 @@
 """Views of a store's content: :class:`Snapshot` (one committed version, immutable) and
 :class:`Staged` (shards written but not committed yet), and the check every shard read passes.
+
+A snapshot is made from its version's commit record alone: its version, row count and record
+are known at once, and its shard list (up to a checkpoint interval of records and the chunks
+of a checkpoint) and schema are read the first time something asks for them — opening a store
+to count its rows reads no shard list (issue 23.2).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, Protocol
-
-import pyarrow as pa
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import manifest as m
-from .errors import ChecksumMismatchError, RowOutOfRangeError
+from .errors import ChecksumMismatchError, CorruptStoreError, RowOutOfRangeError
 from .manifest import Commit, ShardRef
+
+if TYPE_CHECKING:
+    # Counting a version's rows needs no Arrow: only reading them (and the schema) imports it.
+    import pyarrow as pa
 
 
 class ShardReader(Protocol):
@@ -22,9 +28,15 @@ class ShardReader(Protocol):
     @property
     def display_url(self) -> str: ...
 
+    def shard_list(self, version: int) -> list[ShardRef]: ...
+
+    def schema_of(self, record: Commit) -> pa.Schema | None: ...
+
     def read_shard(
         self, shard: ShardRef, schema: pa.Schema | None = None, *, version: int | None = None
     ) -> pa.Table: ...
+
+    def read_shard_bytes(self, shard: ShardRef, *, version: int | None = None) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -73,35 +85,96 @@ class Staged:
         return sum(s.rows for s in self.shards)
 
 
-class Snapshot:
-    """An immutable view of one version: its shards in order, row offsets and schema."""
+_UNREAD: Any = object()  # a schema not read yet (None is a version without one)
 
-    def __init__(
-        self,
-        store: ShardReader,
-        commit: Commit,
-        shards: Sequence[ShardRef],
-        schema: pa.Schema | None,
-        *,
-        offsets: list[int] | None = None,
-    ):
-        self.store = store
+
+class Contents:
+    """What a snapshot of one version is made of, filled in as it is first needed and shared
+    by every snapshot of that version a store handle makes. It holds no reference to the
+    store: a store -> cache -> store cycle would leave Arrow objects to be freed at interpreter
+    teardown, which aborts the process when torch is loaded."""
+
+    __slots__ = ("commit", "offsets", "schema", "shards")
+
+    def __init__(self, commit: Commit) -> None:
         self.commit = commit
-        self.shards: tuple[ShardRef, ...] = tuple(shards)
-        self.schema = schema
-        if offsets is None:
-            offsets = [0]
-            for shard in self.shards:
-                offsets.append(offsets[-1] + shard.rows)
-        self.offsets: list[int] = offsets  # shared with the store's cache: never modified
+        self.shards: tuple[ShardRef, ...] | None = None
+        self.offsets: list[int] | None = None  # shared by the snapshots: never modified
+        self.schema: Any = _UNREAD
+
+
+class Snapshot:
+    """An immutable view of one version: its shards in order, row offsets and schema.
+
+    ``version``, ``num_rows`` and ``commit`` come from the version's commit record; the shard
+    list (``shards``, ``offsets``) and ``schema`` are read on first use, so a damaged or
+    missing record, checkpoint or chunk on the way raises (:class:`CorruptStoreError` and its
+    kin) from the first call that needs them — ``locate``, ``read_shard``, ``to_arrow``."""
+
+    def __init__(self, store: ShardReader, contents: Contents) -> None:
+        self.store = store
+        self._contents = contents
+
+    @property
+    def commit(self) -> Commit:
+        return self._contents.commit
 
     @property
     def version(self) -> int:
-        return self.commit.version
+        return self._contents.commit.version
 
     @property
     def num_rows(self) -> int:
-        return self.offsets[-1]
+        return self._contents.commit.num_rows
+
+    @property
+    def shards(self) -> tuple[ShardRef, ...]:
+        shards = self._contents.shards
+        return shards if shards is not None else self._load()
+
+    @property
+    def offsets(self) -> list[int]:
+        offsets = self._contents.offsets
+        if offsets is None:
+            self._load()
+            offsets = self._contents.offsets
+            assert offsets is not None
+        return offsets
+
+    @property
+    def schema(self) -> pa.Schema | None:
+        contents = self._contents
+        if contents.schema is _UNREAD:
+            contents.schema = self.store.schema_of(contents.commit)
+        return contents.schema
+
+    def _load(self) -> tuple[ShardRef, ...]:
+        """Read the shard list and check that it holds the rows the record counts (offsets
+        into the version are computed from it; ``num_rows`` from the record)."""
+        contents = self._contents
+        shards = tuple(self.store.shard_list(self.version))
+        offsets = [0]
+        for shard in shards:
+            offsets.append(offsets[-1] + shard.rows)
+        if offsets[-1] != self.num_rows:
+            self._mismatch(shards, offsets[-1])
+        # Offsets first: a thread that sees the shards set finds the offsets too.
+        contents.offsets = offsets
+        contents.shards = shards
+        return shards
+
+    def _mismatch(self, shards: tuple[ShardRef, ...], listed: int) -> None:
+        """The record's row count and its shard list disagree: some record was altered. A
+        shard entry that lies about its rows is the likely cause, and reading the shards
+        names it (:meth:`dynstate.Store.read_shard_bytes` checks each file's row count);
+        only if every entry is true is the count itself to blame. Error path only."""
+        for shard in shards:
+            self.store.read_shard_bytes(shard, version=self.version)
+        raise CorruptStoreError(
+            f"version {self.version} of {self.store.display_url} counts {self.num_rows} rows "
+            f"in its commit record but its shard list holds {listed}; a record was altered — "
+            "run `dynstate verify`, and reset to a version before it"
+        )
 
     def __len__(self) -> int:
         return self.num_rows
@@ -120,14 +193,17 @@ class Snapshot:
                 f"{self.store.display_url} ({self.num_rows} rows); ask for a row below "
                 f"{self.num_rows}, or read a later version"
             )
-        shard = bisect.bisect_right(self.offsets, row) - 1
-        return shard, row - self.offsets[shard]
+        offsets = self.offsets
+        shard = bisect.bisect_right(offsets, row) - 1
+        return shard, row - offsets[shard]
 
     def read_shard(self, index: int) -> pa.Table:
         return self.store.read_shard(self.shards[index], self.schema, version=self.version)
 
     def to_arrow(self) -> pa.Table:
         """This version's rows, in order, as one table."""
+        import pyarrow as pa
+
         tables = [self.read_shard(i) for i in range(len(self.shards))]
         if tables:
             return pa.concat_tables(tables)

@@ -33,7 +33,7 @@ from .storage import Storage, open_storage
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from .snapshot import Snapshot, Staged
+    from .snapshot import Contents, Snapshot, Staged
     from .writes import DEFAULT_SHARD_BYTES, Writer  # noqa: F401 (re-exported by __getattr__)
 
 # pyarrow (with numpy) is imported by the methods that read or write rows, outcomes or
@@ -78,9 +78,7 @@ class Store:
         self.log = Log(storage, store_id, single_writer=single_writer, lease_ttl_s=lease_ttl_s)
         self._tags = Tags(self.log)
         self._writer: Writer | None = None
-        self._snapshots: dict[
-            int, tuple[Commit, tuple[ShardRef, ...], pa.Schema | None, list[int]]
-        ] = {}
+        self._snapshots: dict[int, Contents] = {}
 
     @classmethod
     def open(
@@ -235,23 +233,36 @@ class Store:
     # -- reading -----------------------------------------------------------------------------
 
     def snapshot(self, version: int | str | None = None) -> Snapshot:
-        """An immutable view of ``version`` (a number, a tag, or None for the head)."""
+        """An immutable view of ``version`` (a number, a tag, or None for the head). Made
+        from its commit record: its shard list and schema are read when first needed
+        (:class:`dynstate.Snapshot`), so counting rows reads no shard list."""
         number = self.resolve(version)
-        from .snapshot import Snapshot
+        from .snapshot import Contents, Snapshot
 
-        cached = self._snapshots.get(number)
-        if cached is None:
-            record = self.commit_record(number)
-            snap = Snapshot(self, record, self.log.materialize(number), self.schema_of(record))
+        contents = self._snapshots.get(number)
+        if contents is None:
+            contents = Contents(self.commit_record(number))
             if len(self._snapshots) > 64:
                 self._snapshots.pop(next(iter(self._snapshots)))
-            # The cache keeps what a snapshot is made of, not the snapshot: a snapshot points
-            # at its store, and a store -> snapshot -> store cycle leaves Arrow objects to be
-            # freed at interpreter teardown, which aborts the process when torch is loaded.
-            self._snapshots[number] = (record, snap.shards, snap.schema, snap.offsets)
-            return snap
-        record, shards, schema, offsets = cached
-        return Snapshot(self, record, shards, schema, offsets=offsets)
+            # The cache keeps what snapshots are made of, not a snapshot: a snapshot points
+            # at its store (see Contents).
+            self._snapshots[number] = contents
+        return Snapshot(self, contents)
+
+    def shard_list(self, version: int) -> list[ShardRef]:
+        """The ordered shard list of a kept ``version`` (what its snapshot's shards are).
+        A gc since this handle last read the floor may have collected records on the way
+        from an older floor: then the floor is read again and the walk starts over from
+        it, or, if ``version`` itself is below it now, :class:`VersionCollectedError`."""
+        floor = self.log.floor
+        try:
+            return self.log.materialize(version)
+        except DynstateError:
+            if self.log.read_floor() == floor and version >= floor:
+                raise
+        if version < self.log.floor:
+            raise self.log.collected(version)
+        return self.log.materialize(version)
 
     def schema_of(self, record: Commit) -> pa.Schema | None:
         return self.log.schema(record.schema, record.version)

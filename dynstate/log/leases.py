@@ -19,6 +19,7 @@ is the writer's side (acquire, renew, adopt, claim, end); :mod:`dynstate.log.sur
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -99,7 +100,11 @@ class Leases:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._host = host_id()
+
+    @functools.cached_property
+    def _host(self) -> str:
+        # On first use (a lease or a claim written): a handle that only reads never pays it.
+        return host_id()
 
     def __getstate__(self) -> dict[str, object]:
         # A pickled handle (Ray task, spawned worker) holds no leases of its own.

@@ -118,12 +118,12 @@ def _collect(
     store: Store, version: int, shards: dict[str, tuple[ShardRef, int]], report: VerifyReport
 ) -> None:
     try:
-        snap = store.snapshot(version)
+        listed = store.snapshot(version).shards  # a snapshot reads its shard list when asked
     except DynstateError as exc:
         report.problems.append(f"version {version}: {exc}")
         return
     seen: set[str] = set()
-    for shard in snap.shards:
+    for shard in listed:
         if shard.path in seen:
             _duplicate(store, shard.path, version, report)
         seen.add(shard.path)
