@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from . import render as r
 from .commands_rows import _columns, _print_rows, _read_rows, head_cmd
 from .options import Count, json_option, open_store, store_command, version_arg
+
+if TYPE_CHECKING:
+    from ..store import Store
 
 DEFAULT_TERMINAL_LIMIT = 20
 LINEAGE_LIMIT = 1000  # records `show` reads to describe a lineage: bounded, however long
@@ -86,16 +89,11 @@ def ls_cmd(url, show_all: bool, limit: int | None, reverse: bool, as_json: bool,
     Example:
       dynstate ls ./runs/run1 --all --limit 50
     """
-    from ..history import summary, version_rows
-
     if limit is None and sys.stdout.isatty():
         limit = DEFAULT_TERMINAL_LIMIT
     limit = limit or None
     store = open_store(url, storage_options)
-    # Opening found the head and floor; the summary and the rows use them (no second probe).
-    info = summary(store, refresh=False)  # and reads the tags, for the rows too
-    rows = version_rows(store, include_abandoned=show_all, limit=limit, newest_first=not reverse,
-                        refresh=False, tags=info["tags"])  # fmt: skip
+    info, rows = _summary_and_rows(store, show_all, limit, reverse)
     if as_json:
         r.print_json(rows)
         return
@@ -147,6 +145,34 @@ def ls_cmd(url, show_all: bool, limit: int | None, reverse: bool, as_json: bool,
         notes.append(f"{r.count(hidden, 'abandoned version')} hidden: --all shows them")
     for note in notes:
         r.echo(f"({note})")
+
+
+def _summary_and_rows(
+    store: Store, show_all: bool, limit: int | None, reverse: bool
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``ls``'s header and rows, from the head and floor that opening found (no second probe).
+    The header's reads — the oldest kept version's record, then the tag listing, three
+    requests one after another on S3 — need nothing from the rows' records, so they run on a
+    thread while those are fetched. Where the floor is among the newest ``limit`` versions
+    (or every version is listed) the walk reads it anyway, and the header then waits for the
+    rows, so that no object is read twice. The rows get their tags once both are done."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..history import summary, version_rows
+
+    def rows_with(tags: dict[str, int]) -> list[dict[str, Any]]:
+        return version_rows(store, include_abandoned=show_all, limit=limit,
+                            newest_first=not reverse, refresh=False, tags=tags)  # fmt: skip
+
+    if limit is None or store.floor > store.head - limit:
+        info = summary(store, refresh=False)
+        return info, rows_with(info["tags"])
+    with ThreadPoolExecutor(1, thread_name_prefix="dynstate-ls") as pool:
+        header = pool.submit(summary, store, refresh=False)
+        rows = rows_with({})
+        info = header.result()
+    # Records are read once per handle: labelling the rows with the tags reads nothing more.
+    return info, rows_with(info["tags"]) if info["tags"] else rows
 
 
 def _summary_lines(info: dict[str, Any]) -> list[str]:
