@@ -227,8 +227,6 @@ class Writer:
                 raise self._claimed_elsewhere(exc, parts) from None
             claimed = True
             self._check_unleased(parts)
-            if schema is not None:
-                self.log.put_schema(schema)
             version = self.log.commit(
                 lambda parent: self._append_record(
                     parent, shards, schema, validated, meta, pending
@@ -520,6 +518,13 @@ class Writer:
                     + m.describe_schema_diff(parent_schema, schema)
                     + "; convert the round and append again"
                 )
+        if schema is not None and parent.schema != fp:
+            # The schema file is written (or rewritten, refreshing its time for gc) before a
+            # record names it, unless the parent names it already: then the head, a kept
+            # version, names it, and gc keeps what a kept version names (docs/format.md,
+            # "The commit protocol"). Asked per attempt: a lost race rebases onto a parent
+            # that may name another schema.
+            self.log.put_schema(schema)
         outcomes, state = outcomes_of(self.log).append_fields(pending, parent)
         return Commit(
             store_id=self.store_id,
