@@ -87,6 +87,12 @@ for commit in DeltaTable(sys.argv[1], storage_options=options).history(20):
 """
 
 
+S3FS_ONE_GET = """
+import sys, s3fs
+s3fs.S3FileSystem().cat_file(sys.argv[1], max_concurrency=1)
+"""
+
+
 def delta_command() -> list[str]:
     return [sys.executable, "-c", DELTA_HISTORY]
 
@@ -110,12 +116,20 @@ def timed(args: list[str], repeats: int, env: dict[str, str]) -> float:
 
 def side_by_side(server: Any, url: str, delta_uri: str, repeats: int, env: dict[str, str],
                  show: bool) -> None:  # fmt: skip
-    """``dynstate ls --limit 20`` and Delta's ``history(20)``, alternated in fresh processes:
-    medians, the median of the per-round ratios, and the requests of one run of each."""
+    """``dynstate ls --limit 20`` and Delta's ``history(20)``, alternated in fresh processes
+    with what stands below any s3fs command (the interpreter, ``import s3fs``, a client and
+    one GET): medians, the median of the per-round dynstate/Delta ratios, and the requests of
+    one run of each."""
     s3_env = {**env, **server.env()}
+    key = url[len("s3://") :] + "/_dynstate/store.json"
     runs = {
         "dynstate": [*dynstate_command(), "ls", url, "--limit", "20"],
         "delta": [*delta_command(), delta_uri],
+        # What any command on s3fs pays before its first record: the interpreter, the client
+        # libraries' import, then the client's set-up and one GET.
+        "python": [sys.executable, "-c", "pass"],
+        "import s3fs": [sys.executable, "-c", "import s3fs"],
+        "s3fs one GET": [sys.executable, "-c", S3FS_ONE_GET, key],
     }
     for command in runs.values():  # warm the page cache and moto, not timed
         once(command, s3_env)
@@ -126,16 +140,17 @@ def side_by_side(server: Any, url: str, delta_uri: str, repeats: int, env: dict[
             times[name].append(once(runs[name], s3_env))
     ratios = [d / t for d, t in zip(times["dynstate"], times["delta"], strict=True)]
     requests = {}
-    for name, command in runs.items():
+    for name, command in list(runs.items())[:2]:
         mark = server.count()
         once(command, s3_env)
         requests[name] = server.since(mark)
     print(f"  S3, dynstate ls --limit 20 vs Delta history(20), {repeats} alternated rounds, "
           f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
-    for name, label in (("dynstate", "dynstate ls --limit 20"), ("delta", "Delta history(20)")):
-        spread = times[name]
-        print(f"    {label:24} {statistics.median(spread):6.3f} s  [{min(spread):.3f}-"
-              f"{max(spread):.3f}]  {len(requests[name])} requests")  # fmt: skip
+    labels = {"dynstate": "dynstate ls --limit 20", "delta": "Delta history(20)"}
+    for name, spread in times.items():
+        sent = f"  {len(requests[name])} requests" if name in requests else ""
+        print(f"    {labels.get(name, name):24} {statistics.median(spread):6.3f} s  "
+              f"[{min(spread):.3f}-{max(spread):.3f}]{sent}")  # fmt: skip
     print(f"    ratio dynstate/Delta     {statistics.median(ratios):6.2f}  "
           f"[{min(ratios):.2f}-{max(ratios):.2f}]")  # fmt: skip
     if show:
