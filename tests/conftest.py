@@ -1,5 +1,6 @@
 """Shared fixtures: one parametrized store location over every backend (memory://, a local
-directory, s3:// on a loopback moto server), so store tests run as one contract."""
+directory, s3:// on a loopback moto server), so store tests run as one contract; and the order
+in which pytest-xdist's workers take the modules."""
 
 from __future__ import annotations
 
@@ -16,6 +17,28 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
 S3_BUCKET = "dynstate-test"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (tools/test.sh: ``-n 2 --dist loadfile --no-loadscope-reorder``) a
+    worker runs a module whole, so module-scoped fixtures (verl's zygote and reference runs,
+    Chromium, Ray) are built once, as in a serial run, and tests/test_verl_v1.py's drivers run
+    one at a time. The modules with the most ``slow`` test functions (parameters not counted:
+    a sweep of short trials is not a long test) go first, so the longest ones start at once
+    instead of ending the run on one worker. A serial run keeps pytest's order."""
+    if getattr(config, "workerinput", None) is None:
+        return
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def slow_functions(module: list[pytest.Item]) -> int:
+        return len(
+            {getattr(i, "originalname", i.name) for i in module if i.get_closest_marker("slow")}
+        )
+
+    ordered = sorted(modules.values(), key=lambda m: -slow_functions(m))  # stable on ties
+    items[:] = [item for module in ordered for item in module]
 
 
 @pytest.fixture(scope="session")

@@ -11,14 +11,15 @@ rate 0 or 1 once tried, and the band drops the failed ones. Mix mode with ``lag`
 Fresh rows (generated ones, taking their share of each step first) do not go through the
 policy; imported rows are drawn only by it, so those are the ones checked against the band.
 
-Legacy trainer: the CPU driver of tests/test_verl.py (tests/verl_cpu.py); V1 trainer: the one
-of tests/test_verl_v1.py (tests/verl_v1_standins.py). verl missing is a failure, never a skip.
+Legacy trainer: the CPU driver of tests/test_verl.py (tests/verl_cpu.py), here; V1 trainer: the
+same checks (``check_selection``) on the driver of tests/test_verl_v1.py, in that file, so that
+one pytest-xdist worker runs every V1 driver in turn (tests/conftest.py). verl missing is a
+failure, never a skip.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 import pytest
@@ -202,61 +203,3 @@ def test_selection_settings_make_the_policies():
     assert Settings.from_config(_data(None)).select is None
     with pytest.raises(InvalidDataError, match=r"data\.dynstate\.slect is not a dynstate setting"):
         Settings.from_config(OmegaConf.create({"dynstate": {"url": "/x", "slect": BAND}}))
-
-
-# -- V1 trainer ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def v1_files(tmp_path_factory) -> dict:
-    import verl_v1_standins as standins
-
-    folder = tmp_path_factory.mktemp("verl_v1_select")
-    model = standins.make_model_dir(str(folder / "model"))
-    train, val = standins.write_data(str(folder), n_train=30, n_val=4)
-    return {"model": model, "train": train, "val": val}
-
-
-@pytest.mark.slow
-def test_v1_selection_follows_the_policy_and_resumes_exactly(v1_files, tmp_path):
-    """Also verl's old generator interface on the V1 trainer (its rows drawn in mix mode)."""
-    import verl_v1_standins as standins
-
-    steps = 6
-    common = {
-        "steps": steps,
-        "save_freq": 2,
-        "test_freq": 0,
-        "num_workers": 0,
-        "dynstate": SELECT,
-        "datagen": {"path": os.path.join(HERE, "verl_v1_standins.py"), "name": "OldInterface"},
-    }
-
-    def spec_for(name: str) -> dict:
-        return {
-            **v1_files,
-            "store": str(tmp_path / f"{name}-store"),
-            "ckpt": str(tmp_path / f"{name}-ckpt"),
-            "log": str(tmp_path / f"{name}.jsonl"),
-            "pids": str(tmp_path / f"{name}-pids.json"),
-            "output": str(tmp_path / f"{name}-out.txt"),
-            **common,
-        }
-
-    ref = spec_for("ref")
-    assert standins.run_driver(ref, None, timeout=900) == 0
-    ref_log = standins.read_log(ref["log"])
-    assert sorted(ref_log) == list(range(1, steps + 1))
-    imported = dynstate.Store.open(ref["store"]).snapshot(1).num_rows
-    check_selection(ref["store"], ref_log, imported, tracked(ref))
-    prompts = [p for b in ref_log.values() for p in b["prompts"]]
-    assert any(p.endswith("+ 7 ?") for p in prompts), "no generated row was drawn in mix mode"
-
-    spec = spec_for("chain")
-    assert standins.run_driver(spec, (4, "committed"), timeout=900) == -signal.SIGKILL
-    assert standins.run_driver(spec, None, timeout=900) == 0
-    got = standins.read_log(spec["log"])
-    for step in range(1, steps + 1):
-        assert got[step] == ref_log[step], f"step {step} trained another batch"
-    assert standins.store_summary(spec["store"]) == standins.store_summary(ref["store"])
-    assert outcome_state(spec["store"]) == outcome_state(ref["store"])

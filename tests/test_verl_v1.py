@@ -6,11 +6,14 @@ group, the LLM server and weight sync (tests/verl_v1_standins.py).
 
 Drivers are SIGKILLed at the four instants of issue 12 — in rollout, right after a checkpoint,
 in validation, right after a commit — and every resume must train exactly the uninterrupted
-run's batches and end with its store. Also: the ``python -m dynstate.verl.main_ppo`` entry
-point for both trainers up to where verl starts GPU workers, and the settings V1 refuses.
+run's batches and end with its store. Also: a selection policy (the checks of
+tests/test_verl_select.py), the ``python -m dynstate.verl.main_ppo`` entry point for both
+trainers up to where verl starts GPU workers, and the settings V1 refuses.
 
 These tests fail (never skip) when verl or TransferQueue is missing. One file: the V1
-trainer's kill chains, resume refusals and entry point share the module's files and helpers.
+trainer's kill chains, selection, resume refusals and entry point share the module's files and
+helpers, and every test that starts a V1 driver (each with its own Ray cluster) is here so that
+one pytest-xdist worker runs them in turn (tests/conftest.py), never two at once.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 import test_verl_outcomes as outcomes  # noqa: E402
+import test_verl_select as select  # noqa: E402
 import verl_v1_standins as standins  # noqa: E402
 
 DRIVER_TIMEOUT = 900
@@ -151,7 +155,7 @@ def test_v1_mix_mode_on_s3_resumes_exactly(files, tmp_path, s3_endpoint):
     commit of a round whose checkpoint is not written yet, and resumed on a "fresh machine" (an
     empty checkpoint folder) from the mirror; batches, rows, rounds, outcomes and generator
     states equal the uninterrupted run's. (The old generator interface on V1 runs in
-    tests/test_verl_select.py.)"""
+    test_v1_selection_follows_the_policy_and_resumes_exactly.)"""
     from conftest import s3_url
 
     steps = 7
@@ -183,6 +187,51 @@ def test_v1_mix_mode_on_s3_resumes_exactly(files, tmp_path, s3_endpoint):
     _assert_same_run(ref, spec, steps)
     assert outcomes.outcome_state(spec["store"]) == ref_state
     outcomes.check_policy_at_work(spec["ckpt"], 6, None)
+
+
+@pytest.mark.slow
+def test_v1_selection_follows_the_policy_and_resumes_exactly(files, tmp_path):
+    """The band policy of tests/test_verl_select.py (its checks) through V1's fit(), in mix
+    mode with verl's old generator interface (its rows drawn as fresh ones), killed right after
+    a commit and resumed exactly."""
+    steps = 6
+    common = {
+        "steps": steps,
+        "save_freq": 2,
+        "test_freq": 0,
+        "num_workers": 0,
+        "dynstate": select.SELECT,
+        "datagen": {"path": os.path.join(HERE, "verl_v1_standins.py"), "name": "OldInterface"},
+    }
+
+    def spec_for(name: str) -> dict:
+        return {
+            **files,
+            "store": str(tmp_path / f"{name}-store"),
+            "ckpt": str(tmp_path / f"{name}-ckpt"),
+            "log": str(tmp_path / f"{name}.jsonl"),
+            "pids": str(tmp_path / f"{name}-pids.json"),
+            "output": str(tmp_path / f"{name}-out.txt"),
+            **common,
+        }
+
+    ref = spec_for("ref")
+    assert run_driver(ref) == 0
+    ref_log = standins.read_log(ref["log"])
+    assert sorted(ref_log) == list(range(1, steps + 1))
+    imported = dynstate.Store.open(ref["store"]).snapshot(1).num_rows
+    select.check_selection(ref["store"], ref_log, imported, outcomes.tracked(ref))
+    prompts = [p for b in ref_log.values() for p in b["prompts"]]
+    assert any(p.endswith("+ 7 ?") for p in prompts), "no generated row was drawn in mix mode"
+
+    spec = spec_for("chain")
+    assert run_driver(spec, (4, "committed")) == -signal.SIGKILL
+    assert run_driver(spec) == 0
+    got = standins.read_log(spec["log"])
+    for step in range(1, steps + 1):
+        assert got[step] == ref_log[step], f"step {step} trained another batch"
+    assert standins.store_summary(spec["store"]) == standins.store_summary(ref["store"])
+    assert outcomes.outcome_state(spec["store"]) == outcomes.outcome_state(ref["store"])
 
 
 # -- every resume check before anything is committed -------------------------------------------

@@ -19,4 +19,7 @@ fi
 ruff check dynstate tests tools examples
 ruff format --check dynstate tests tools examples
 mypy  # [tool.mypy] in pyproject.toml: the dynstate package
-python -m pytest -q --durations=20 "$@"
+# Two workers (CI has 2 cores; the long tests mostly wait on subprocesses). Each module runs
+# whole on one worker (its module fixtures built once; verl's V1 drivers one at a time), the
+# modules with the most slow tests first (tests/conftest.py keeps that order, not xdist's).
+python -m pytest -q --durations=30 -n 2 --dist loadfile --no-loadscope-reorder "$@"
