@@ -172,6 +172,52 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
     return min(out)
 
 
+def encodings(part: pa.Table, rows: int, repeats: int) -> None:
+    """One shard encoded with dynstate's layout under pyarrow's dictionary settings, beside
+    ``write_table``'s defaults, and the same for a table of low-cardinality columns (what a
+    setting that saves time on distinct values costs where the dictionary pays)."""
+    import numpy as np
+
+    def layout(data: pa.Table, **options: Any) -> Callable[[], int]:
+        def run() -> int:
+            sink = _Null()
+            with pq.ParquetWriter(sink, data.schema, write_statistics=False, **options) as w:
+                for start in range(0, data.num_rows, rows):
+                    w.write_table(data.slice(start, rows), row_group_size=rows)
+            return sink.size
+
+        return run
+
+    def defaults(data: pa.Table) -> Callable[[], int]:
+        def run() -> int:
+            sink = _Null()
+            pq.write_table(data, sink)
+            return sink.size
+
+        return run
+
+    rng = np.random.default_rng(0)
+    n = part.num_rows
+    low = pa.table({
+        "reward": pa.array(rng.integers(0, 2, n).astype("float64")),
+        "generator": pa.array(np.array(["gen-a", "gen-b", "gen-c"])[rng.integers(0, 3, n)]),
+        "step": pa.array(np.repeat(np.arange(n // 4096 + 1), 4096)[:n]),
+    })  # fmt: skip
+    print(f"\nEncoding one shard ({n:,} rows, {rows:,} a row group), fastest of {repeats}, "
+          f"load {os.getloadavg()[0]:.1f}:")  # fmt: skip
+    for label, data in (("this table", part), ("low-cardinality columns", low)):
+        cases = {
+            "write_table defaults": defaults(data),
+            "dynstate's layout": layout(data),
+            "  use_dictionary=False": layout(data, use_dictionary=False),
+            "  dictionary_pagesize_limit=16 KiB": layout(data, dictionary_pagesize_limit=16384),
+        }
+        print(f"  {label}:")
+        for name, run in cases.items():
+            size = run()
+            print(f"    {name:36} {_best(run, repeats):6.3f} s  {size / 2**20:6.1f} MB")
+
+
 def profile(base: Path, table: pa.Table, repeats: int) -> None:
     """Where one append of ``table`` spends its time, each step timed alone (fastest of
     ``repeats``), then a cProfile of one append."""
@@ -276,6 +322,7 @@ def profile(base: Path, table: pa.Table, repeats: int) -> None:
     shards = steps["write_shard -> ShardSink(fd) + fsyncs"]
     print(f"  {'left for the commit (append - the shards)':44} "
           f"{steps['Store.append, all of it'] - shards:6.3f} s")  # fmt: skip
+    encodings(parts[0], rows, repeats)
     prof = cProfile.Profile()
     prof.enable()
     store.append(table)
