@@ -2,11 +2,13 @@
 1,000 and 5,000 versions of 64-row commits on local disk: `Store.open(url).snapshot().num_rows`
 against `lance.dataset(uri).count_rows()`, each a new handle, alternating, several rounds.
 
-dynstate is timed twice: "repeat" (a later open in the same process, as a loader worker's
-refresh or a long-lived service sees it: chunks and records whose bytes this process decoded
-before are read and hashed but not parsed again) and "first" (those per-process memos cleared
-before each open, as the first open of a fresh process pays). Lance is a benchmark-only
-dependency. Never part of the tests.
+dynstate is timed three ways: "repeat" (a later open in the same process, as a loader
+worker's refresh or a long-lived service sees it: chunks and records whose bytes this process
+decoded before are read and hashed but not parsed again), "first" (those per-process memos
+cleared before each open, as the first open of a fresh process pays) and "first + list" (a
+first open that also reads the head's shard list, ``snapshot().shards``: what reading its
+rows needs first — a snapshot reads it only when asked, so counting rows does not). Lance is a
+benchmark-only dependency. Never part of the tests.
 
     python tools/bench/bench_open.py                       # stores built once under --dir
     python tools/bench/bench_open.py --sizes 10,1000 --rounds 15
@@ -77,7 +79,7 @@ def main() -> None:
           f"{os.getloadavg()[0]:.1f}; median [min] of {args.rounds} rounds, ms")  # fmt: skip
     for versions in [int(s) for s in args.sizes.split(",")]:
         url, lance_uri = build(root, versions)
-        times: dict[str, list[float]] = {"repeat": [], "first": [], "lance": []}
+        times: dict[str, list[float]] = {"repeat": [], "first": [], "list": [], "lance": []}
         rows = Store.open(url).snapshot().num_rows  # warm the page cache and the memos
         for _ in range(args.rounds):
             t = time.perf_counter()
@@ -87,6 +89,10 @@ def main() -> None:
             t = time.perf_counter()
             assert Store.open(url).snapshot().num_rows == rows
             times["first"].append(time.perf_counter() - t)
+            _forget()
+            t = time.perf_counter()
+            assert len(Store.open(url).snapshot().shards) == versions - 1
+            times["list"].append(time.perf_counter() - t)
             if lance_uri is not None:
                 import lance
 
@@ -97,7 +103,7 @@ def main() -> None:
         low = {k: 1e3 * min(v) for k, v in times.items() if v}
         line = (f"  {versions:>5,} versions ({rows:,} rows): dynstate repeat "
                 f"{med['repeat']:.2f} [{low['repeat']:.2f}], first {med['first']:.2f} "
-                f"[{low['first']:.2f}]")  # fmt: skip
+                f"[{low['first']:.2f}], first + list {med['list']:.2f} [{low['list']:.2f}]")  # fmt: skip
         if "lance" in med:
             line += (f"; Lance {med['lance']:.2f} [{low['lance']:.2f}]; ratio repeat "
                      f"{med['repeat'] / med['lance']:.2f}x, first "
