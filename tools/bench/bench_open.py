@@ -103,7 +103,8 @@ def main() -> None:
         low = {k: 1e3 * min(v) for k, v in times.items() if v}
         line = (f"  {versions:>5,} versions ({rows:,} rows): dynstate repeat "
                 f"{med['repeat']:.2f} [{low['repeat']:.2f}], first {med['first']:.2f} "
-                f"[{low['first']:.2f}], first + list {med['list']:.2f} [{low['list']:.2f}]")  # fmt: skip
+                f"[{low['first']:.2f}], first + list {med['list']:.2f} "
+                f"[{low['list']:.2f}]")  # fmt: skip
         if "lance" in med:
             line += (f"; Lance {med['lance']:.2f} [{low['lance']:.2f}]; ratio repeat "
                      f"{med['repeat'] / med['lance']:.2f}x, first "
