@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -105,24 +106,40 @@ def _layout_matches(footer: bytes, ends: list[int], counts: list[int]) -> bool:
     return layout_matches(meta, ends, counts)
 
 
-def layout_matches(meta: pq.FileMetaData, ends: list[int], counts: list[int]) -> bool:
+def layout_matches(
+    meta: pq.FileMetaData,
+    ends: list[int],
+    counts: list[int],
+    groups: Sequence[int] | None = None,
+    counted: int = 0,
+) -> bool:
     """Whether the footer says row group i starts where segment i-1 ended (the first just
     after the magic) and holds the rows written into it: the cuts then partition the file.
     The writer checks it before recording the cuts; a reader again, since a record may be
-    tampered with and the footer is the one that says which bytes a group decodes."""
+    tampered with and the footer is the one that says which bytes a group decodes.
+
+    With ``groups``, only what a read of those groups relies on: their byte ranges, and the
+    row counts of every group up to the last of them (a group's first row is the sum of the
+    counts before it); ``counted`` leading groups' counts are known to match already. A read
+    of a few groups of a shard with dozens then costs a few lookups, not dozens."""
     if meta.num_row_groups != len(counts) or len(ends) != len(counts) + 1:
         return False
     if counts and meta.num_columns == 0:
         return False
     starts = [4, *ends[:-2]]
-    for i in range(meta.num_row_groups):
-        group = meta.row_group(i)
-        if group.num_rows != counts[i]:
+    check = range(meta.num_row_groups) if groups is None else groups
+    last = meta.num_row_groups if groups is None else max(groups, default=-1) + 1
+    for i in range(counted, last):
+        if meta.row_group(i).num_rows != counts[i]:
             return False
+    for i in check:
+        group = meta.row_group(i)
         first = group.column(0)
         begin = first.dictionary_page_offset or first.data_page_offset
-        last = group.column(group.num_columns - 1)
-        end = (last.dictionary_page_offset or last.data_page_offset) + last.total_compressed_size
+        end_col = group.column(group.num_columns - 1)
+        end = (end_col.dictionary_page_offset or end_col.data_page_offset) + (
+            end_col.total_compressed_size
+        )
         if begin != starts[i] or end > ends[i]:
             return False
     return True

@@ -290,3 +290,99 @@ def test_a_missing_shard_read_in_part_is_a_missing_shard_error(store_url):
     store.storage.delete(shard.path)
     with pytest.raises(MissingShardError, match=shard.path):
         ds.read_batch([2, ROWS + 1])
+
+
+def _rewrite_record(store: Store, version: int, change) -> None:
+    """Change a commit record and give it a valid checksum again (what someone who can write
+    the store can do)."""
+    from dynstate import codec
+
+    obj = json.loads(store.storage.read(m.log_path(version)))
+    change(obj)
+    path = store.storage.path(m.log_path(version))
+    os.chmod(path, 0o644)
+    with open(path, "wb") as fh:
+        fh.write(codec.encode(obj))
+
+
+def test_a_record_with_earlier_group_counts_moved_never_serves_another_row(tmp_path):
+    """A read checks the counts of every group up to the ones it decodes (a group's first row
+    is the sum of the counts before it), not only the decoded group's own: here group 1 keeps
+    its true count, but the record moves its first row from 256 to 200."""
+    url = str(tmp_path / "s")
+    store, _ = _build(url, shards=1)
+
+    def move(obj):
+        rows = obj["add"][0]["groups"]["rows"]
+        assert rows[:3] == [ROW_GROUP_ROWS] * 3
+        rows[0], rows[2] = ROW_GROUP_ROWS - 56, ROW_GROUP_ROWS + 56
+
+    _rewrite_record(store, 1, move)
+    shard = Store.open(url).snapshot().shards[0]
+    for row in (210, 5, 700):
+        ds = VersionedDataset(url)
+        try:
+            got = ds.read_batch([row])
+        except CorruptStoreError as exc:
+            assert shard.path in str(exc)
+        else:
+            assert got == [_table(row, 1).to_pylist()[0]], f"row {row} answered another row"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_batch_over_many_shards_decodes_them_on_threads_or_not_alike(
+    tmp_path, monkeypatch, parallel
+):
+    import dynstate.loading.ranged as ranged
+
+    monkeypatch.setattr(ranged, "_PARALLEL_SHARDS", 2 if parallel else 10**9)
+    url, n = str(tmp_path / "s"), 20 * ROW_GROUP_ROWS  # 20 groups: a few rows read by range
+    store = Store.open(url, create=True)
+    for k in range(6):
+        store.append(_table(k * n, n))
+    table = _table(0, 6 * n)
+    rows = np.random.default_rng(5).choice(table.num_rows, 18, replace=False).tolist()
+    assert VersionedDataset(url).read_batch(rows) == table.take(rows).to_pylist()
+    # a damaged record among them is still the typed error naming its shard, from a thread
+    shard = store.snapshot().shards[3]
+
+    def wrong_rows(obj):
+        counts = obj["add"][0]["groups"]["rows"]
+        counts[0], counts[1] = counts[0] - 1, counts[1] + 1
+
+    _rewrite_record(store, 4, wrong_rows)
+    some = [k * n + 7 for k in range(6)] + [3 * n + ROW_GROUP_ROWS + 1]
+    with pytest.raises(CorruptStoreError, match=shard.path):
+        VersionedDataset(url).read_batch(some)
+
+
+def test_a_forked_child_decodes_after_its_parent_used_the_threads(tmp_path, monkeypatch):
+    """The decoding threads of a parent do not exist in a forked DataLoader worker: the child
+    starts its own (a pool inherited as is would never run its work)."""
+    import multiprocessing
+
+    import dynstate.loading.ranged as ranged
+
+    monkeypatch.setattr(ranged, "_PARALLEL_SHARDS", 2)
+    url, n = str(tmp_path / "s"), 20 * ROW_GROUP_ROWS  # 20 groups: a few rows read by range
+    store = Store.open(url, create=True)
+    for k in range(4):
+        store.append(_table(k * n, n))
+    table = _table(0, 4 * n)
+    rows = [k * n + 3 for k in range(4)]
+    started = ranged._decoder_pool is not None
+    assert VersionedDataset(url).read_batch(rows) == table.take(rows).to_pylist()
+    assert started or ranged._decoder_pool is not None, "the parent never used the threads"
+    ctx = multiprocessing.get_context("fork")
+    child = ctx.Process(target=_read_and_check, args=(url, rows, table.take(rows).to_pylist()))
+    child.start()
+    child.join(60)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+    assert child.exitcode == 0, "the child hung or read wrong rows"
+
+
+def _read_and_check(url: str, rows: list[int], expected: list[dict]) -> None:
+    if VersionedDataset(url).read_batch(rows) != expected:
+        os._exit(3)

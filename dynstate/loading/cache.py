@@ -77,6 +77,25 @@ class _Shard:
         self.views = [_numpy_view(a) for a in self.arrays]
         self.nbytes = table.nbytes
 
+    def split(self, counts: Sequence[int]) -> list[_Shard]:
+        """Consecutive runs of ``counts`` rows (summing to this one's rows) as shards of
+        their own that share this one's arrays and views: a decode of a few row groups of a
+        shard prepares its columns once, not once per group."""
+        if len(counts) == 1:
+            return [self]
+        out, start = [], 0
+        total = max(1, self.table.num_rows)
+        for n in counts:
+            part = _Shard.__new__(_Shard)
+            part.table = self.table.slice(start, n)
+            part.names = self.names
+            part.arrays = [a.slice(start, n) for a in self.arrays]
+            part.views = [None if v is None else v[start : start + n] for v in self.views]
+            part.nbytes = self.nbytes * n // total
+            out.append(part)
+            start += n
+        return out
+
 
 class ShardCache:
     """Decoded shards in memory, least-recently-used first out, bounded in bytes. Remote shards
@@ -207,10 +226,11 @@ class ShardCache:
         if missing:
             tables = read_groups(store, [(s, g) for _, s, g in missing], version, self.footers)
             for (k, shard, lacking), decoded in zip(missing, tables, strict=True):
-                entries = {
-                    g: _Shard(conform(t, schema) if schema is not None else t)
-                    for g, t in zip(lacking, decoded, strict=True)
-                }
+                info = shard.groups
+                assert info is not None
+                whole = _Shard(conform(decoded, schema) if schema is not None else decoded)
+                parts = whole.split([info.rows[g] for g in lacking])
+                entries = dict(zip(lacking, parts, strict=True))
                 row = out[k]
                 for i, g in enumerate(wanted[k][1]):
                     if row[i] is None:

@@ -5,9 +5,11 @@ checksum its commit recorded before a byte of it is decoded (docs/format.md, "Ro
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate
 
 import numpy as np
@@ -16,11 +18,15 @@ import pyarrow.parquet as pq
 
 from .. import manifest as m
 from ..errors import ChecksumMismatchError, CorruptStoreError
-from ..rowgroups import layout_matches, read_footer
+from ..rowgroups import layout_matches
 from ..store import Store
 
 # Parsed footers kept per process; each is a few KB to a few tens of KB.
 _FOOTERS = 4096
+# Threads that decode the shards of one read, and the fewest shards worth handing to them
+# (a thread hand-off costs ~50 µs; a shard's decode ~0.3-0.5 ms).
+_DECODERS = min(4, os.cpu_count() or 1)
+_PARALLEL_SHARDS = 4
 
 
 def segment_bounds(groups: m.RowGroups) -> list[int]:
@@ -34,25 +40,39 @@ def group_starts(groups: m.RowGroups) -> np.ndarray:
     return np.asarray([0, *accumulate(groups.rows)], dtype=np.int64)
 
 
+class Footer:
+    """A parsed footer that matched its shard's record, and how much of its layout has been
+    checked against the record so far (:func:`~dynstate.rowgroups.layout_matches`): the
+    counts of the first ``counted`` row groups and the byte ranges of the groups in
+    ``placed``. A read checks only what it relies on, once per footer and process."""
+
+    __slots__ = ("counted", "meta", "placed")
+
+    def __init__(self, meta: pq.FileMetaData):
+        self.meta = meta
+        self.counted = 0
+        self.placed: set[int] = set()
+
+
 class Footers:
     """Parsed, verified footers by the row-group entry they match (:func:`footer_key`),
     least recently used first out."""
 
     def __init__(self, limit: int = _FOOTERS):
-        self._items: OrderedDict[m.RowGroups, pq.FileMetaData] = OrderedDict()
+        self._items: OrderedDict[m.RowGroups, Footer] = OrderedDict()
         self._lock = threading.Lock()
         self._limit = limit
 
-    def get(self, digest: m.RowGroups) -> pq.FileMetaData | None:
+    def get(self, digest: m.RowGroups) -> Footer | None:
         with self._lock:
-            meta = self._items.get(digest)
-            if meta is not None:
+            footer = self._items.get(digest)
+            if footer is not None:
                 self._items.move_to_end(digest)
-            return meta
+            return footer
 
-    def put(self, digest: m.RowGroups, meta: pq.FileMetaData) -> None:
+    def put(self, digest: m.RowGroups, footer: Footer) -> None:
         with self._lock:
-            self._items[digest] = meta
+            self._items[digest] = footer
             while len(self._items) > self._limit:
                 self._items.popitem(last=False)
 
@@ -64,6 +84,40 @@ def footer_key(groups: m.RowGroups) -> m.RowGroups:
     return groups
 
 
+def _wrong_record(shard: m.ShardRef, where: str, rows: int, groups: int) -> CorruptStoreError:
+    info = shard.groups
+    assert info is not None
+    return CorruptStoreError(
+        f"shard {shard.path} of {where} holds {rows} rows in {groups} row groups but its "
+        f"commit record says {shard.rows} in {len(info.rows)} (or its row groups lie "
+        "elsewhere); the record is wrong — reset to a version without it"
+    )
+
+
+_decoder_pool: ThreadPoolExecutor | None = None
+_decoder_lock = threading.Lock()
+
+
+def _decoders() -> ThreadPoolExecutor:
+    """This process's decoding threads, started on first use."""
+    global _decoder_pool
+    with _decoder_lock:
+        if _decoder_pool is None:
+            _decoder_pool = ThreadPoolExecutor(_DECODERS, thread_name_prefix="dynstate-decode")
+        return _decoder_pool
+
+
+def _forget_decoders() -> None:
+    # A forked child (a DataLoader worker) has none of its parent's threads, and the lock may
+    # have been held by one of them at the fork: start both afresh there.
+    global _decoder_pool, _decoder_lock
+    _decoder_pool = None
+    _decoder_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_decoders)
+
+
 def _where(store: Store, version: int | None) -> str:
     return f"{store.display_url}" + (f" (version {version})" if version is not None else "")
 
@@ -73,8 +127,9 @@ def read_groups(
     wanted: Sequence[tuple[m.ShardRef, Sequence[int]]],
     version: int | None,
     footers: Footers,
-) -> list[list[pa.Table]]:
-    """The row groups ``wanted`` (shard, sorted group numbers) as tables, in that order.
+) -> list[pa.Table]:
+    """The row groups ``wanted`` (shard, sorted group numbers) decoded, one table per shard
+    holding its groups in that order.
     One storage call fetches every range the batch lacks; adjacent segments travel as one
     range and are verified one by one. Raises ChecksumMismatchError naming the shard and
     segment when bytes differ from their record."""
@@ -82,11 +137,16 @@ def read_groups(
     ranges: list[tuple[str, int, int]] = []
     # Per range: (index into wanted, first segment, last segment + 1)
     spans: list[tuple[int, int, int]] = []
+    # The footer each shard's read uses, looked up once: fetched with its groups if None.
+    known: list[Footer | None] = []
+    all_bounds: list[list[int]] = []
     for k, (shard, groups) in enumerate(wanted):
         assert shard.groups is not None  # callers pick whole-shard reads for the others
         bounds = segment_bounds(shard.groups)
+        all_bounds.append(bounds)
         segments = list(groups)
-        if footers.get(footer_key(shard.groups)) is None:
+        known.append(footers.get(footer_key(shard.groups)))
+        if known[-1] is None:
             segments.append(len(shard.groups.rows))  # the footer: the last segment
         if not segments:
             continue
@@ -107,7 +167,7 @@ def read_groups(
             shard = wanted[k][0]
             groups = shard.groups
             assert groups is not None
-            bounds = segment_bounds(groups)
+            bounds = all_bounds[k]
             view = memoryview(blob)
             if len(view) != bounds[hi] - bounds[lo]:
                 raise ChecksumMismatchError(
@@ -133,10 +193,16 @@ def read_groups(
                 # The one home of the "missing" and "collected" errors raises them.
                 store.read_shard_bytes(shard, version=version)
         raise
-    out = []
-    for k, (shard, groups) in enumerate(wanted):
-        out.append(_decode(shard, groups, got, k, footers, where))
-    return out
+
+    def decode(k: int) -> pa.Table:
+        shard, groups = wanted[k]
+        return _decode(shard, groups, got, k, all_bounds[k], known[k], footers, where)
+
+    if len(wanted) < _PARALLEL_SHARDS:
+        return [decode(k) for k in range(len(wanted))]
+    # Parquet decodes with the GIL released: a cold batch spread over dozens of shards
+    # decodes them on a few threads at once.
+    return list(_decoders().map(decode, range(len(wanted))))
 
 
 def _decode(
@@ -144,43 +210,46 @@ def _decode(
     groups: Sequence[int],
     got: dict[tuple[int, int], memoryview],
     k: int,
+    bounds: list[int],
+    footer: Footer | None,
     footers: Footers,
     where: str,
-) -> list[pa.Table]:
+) -> pa.Table:
+    """The row groups ``groups`` of one shard, decoded: one table, the groups in order."""
     info = shard.groups
     assert info is not None
-    meta = footers.get(footer_key(info))
+    ends = bounds[1:]
     try:
-        if meta is None:
-            meta = read_footer(got[(k, len(info.rows))])
-            ends = segment_bounds(info)[1:]
-            if meta.num_rows != shard.rows or not layout_matches(meta, ends, list(info.rows)):
-                raise CorruptStoreError(
-                    f"shard {shard.path} of {where} holds {meta.num_rows} rows in "
-                    f"{meta.num_row_groups} row groups but its commit record says {shard.rows} "
-                    f"in {len(info.rows)} (or its row groups lie elsewhere); the record is wrong "
-                    "— reset to a version without it"
-                )
-            footers.put(footer_key(info), meta)
-        # A buffer the size of the file holding only the verified row groups, at their
-        # offsets: the reader, given the verified footer, reads only their column chunks,
-        # which the writer checked lie inside them.
-        bounds = segment_bounds(info)
+        # A buffer the size of the file holding only the verified segments, at their
+        # offsets: the reader, given the verified footer, reads only the column chunks of
+        # the groups asked for, which are checked below to lie inside them.
         buffer = pa.allocate_buffer(shard.bytes)
         target = np.frombuffer(buffer, dtype=np.uint8)
         for g in groups:
             target[bounds[g] : bounds[g + 1]] = np.frombuffer(got[(k, g)], dtype=np.uint8)
-        table = pq.ParquetFile(pa.BufferReader(buffer), metadata=meta).read_row_groups(
-            list(groups), use_threads=False
-        )
+        if footer is None:
+            footer_at = len(info.rows)
+            target[bounds[footer_at] :] = np.frombuffer(got[(k, footer_at)], dtype=np.uint8)
+            # The footer is parsed where it lies in the buffer: one reader set up, not two.
+            parquet = pq.ParquetFile(pa.BufferReader(buffer))
+            footer = Footer(parquet.metadata)
+            meta = footer.meta
+            if meta.num_rows != shard.rows or not layout_matches(meta, ends, list(info.rows), ()):
+                raise _wrong_record(shard, where, meta.num_rows, meta.num_row_groups)
+            footers.put(footer_key(info), footer)
+        else:
+            parquet = pq.ParquetFile(pa.BufferReader(buffer), metadata=footer.meta)
+        unplaced = [g for g in groups if g not in footer.placed]
+        if unplaced:
+            meta = footer.meta
+            if not layout_matches(meta, ends, list(info.rows), unplaced, footer.counted):
+                raise _wrong_record(shard, where, meta.num_rows, meta.num_row_groups)
+            footer.counted = max(footer.counted, max(unplaced) + 1)
+            footer.placed.update(unplaced)
+        table = parquet.read_row_groups(list(groups), use_threads=False)
     except (pa.ArrowException, OSError) as exc:
         raise CorruptStoreError(
             f"shard {shard.path} of {where} is not a readable Parquet file ({exc}); restore it "
             "or reset to a version without it"
         ) from None
-    out, start = [], 0
-    for g in groups:
-        n = info.rows[g]
-        out.append(table.slice(start, n))
-        start += n
-    return out
+    return table
