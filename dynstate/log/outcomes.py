@@ -419,8 +419,14 @@ class Outcomes:
         if len(refs) <= 2:
             return [self.read_file(r, version) for r in refs]
         # Object stores answer many small GETs at once far faster than one after another.
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            return list(pool.map(lambda r: self.read_file(r, version), refs))
+        try:
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                return list(pool.map(lambda r: self.read_file(r, version), refs))
+        except RuntimeError:
+            # "cannot schedule new futures after interpreter shutdown": the background
+            # checkpoint runs on while a normal exit waits for it (write_checkpoint). Any
+            # other RuntimeError is raised again by the same reads one after another.
+            return [self.read_file(r, version) for r in refs]
 
     def records(self, version: int) -> pa.Table:
         """Every outcome record of ``version``'s lineage, oldest commit first; extra columns
