@@ -16,6 +16,7 @@ their median, and the requests each sends. deltalake is a benchmark-only depende
     python tools/bench/bench_cli.py                  # stores built once under --dir
     python tools/bench/bench_cli.py --repeats 9 --sizes 100,10000
     python tools/bench/bench_cli.py --sizes 100 --repeats 11 --delta [--show-requests]
+    python tools/bench/bench_cli.py --sizes 100 --no-local --header-ab 0.02
 """
 
 from __future__ import annotations
@@ -160,14 +161,65 @@ def side_by_side(server: Any, url: str, delta_uri: str, repeats: int, env: dict[
                 print(f"      {method:4} {where}{'?' + query if query else ''}")
 
 
+def header_ab(server: Any, url: str, delay_s: float, rounds: int) -> None:
+    """In one process: ``ls``'s summary and rows read one after the other (the order before
+    issue 23.3's change) against the CLI's header-beside-rows, alternated on fresh handles,
+    every request delayed ``delay_s`` by the fault proxy of tests/s3_faults.py (an S3 round
+    trip longer than loopback's)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    from s3_faults import FaultProxy
+
+    from dynstate.cli.commands_ls import _summary_and_rows
+    from dynstate.cli.options import open_store
+    from dynstate.history import summary, version_rows
+
+    def in_series(store: Any) -> Any:
+        info = summary(store, refresh=False)
+        return info, version_rows(store, limit=20, refresh=False, tags=info["tags"])
+
+    def beside(store: Any) -> Any:
+        return _summary_and_rows(store, False, 20, False)
+
+    with FaultProxy(server.endpoint, rate=1.0, kinds=("delay",), delay_s=delay_s) as proxy:
+        options = {"endpoint_url": proxy.url}
+        open_store(url, options)  # the client, once: both then reuse it
+        times: dict[str, list[float]] = {"in series": [], "beside": []}
+        runs = {"in series": in_series, "beside": beside}
+        for round_ in range(rounds):
+            for name in list(runs) if round_ % 2 == 0 else list(runs)[::-1]:
+                store = open_store(url, options)
+                started = time.perf_counter()
+                runs[name](store)
+                times[name].append(time.perf_counter() - started)
+    print(f"  ls's summary + rows after opening, every request delayed {delay_s * 1000:.0f} ms, "
+          f"{rounds} alternated rounds, load {os.getloadavg()[0]:.1f}:")  # fmt: skip
+    for name, spread in times.items():
+        print(f"    header {name:9} median {statistics.median(spread) * 1000:6.1f} ms, "
+              f"min {min(spread) * 1000:6.1f} ms")  # fmt: skip
+
+
+def local_runs(stores: dict[int, Path], repeats: int, env: dict[str, str]) -> None:
+    print(f"  dynstate --help                      {timed(['--help'], repeats, env):6.3f} s")
+    local = {n: timed(["ls", str(p), "--limit", "20"], repeats, env) for n, p in stores.items()}
+    sizes = list(stores)
+    for n in sizes:
+        print(f"  ls --limit 20, local, {n:>6,} versions  {local[n]:6.3f} s")
+    ratio = local[sizes[-1]] / local[sizes[0]]
+    print(f"  ratio {sizes[-1]:,}/{sizes[0]:,} versions, local: {ratio:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default=".bench-out/cli", help="where stores are built once")
     parser.add_argument("--sizes", default="100,10000", help="versions per store")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument("--no-local", action="store_true", help="skip --help and local ls")
     parser.add_argument("--delta", action="store_true",
                         help="on S3, also Delta's history(20) (needs deltalake)")  # fmt: skip
+    parser.add_argument("--header-ab", type=float, metavar="DELAY_S", default=None,
+                        help="on S3, also time ls's header beside its rows against in series, "
+                        "each request delayed DELAY_S")  # fmt: skip
     parser.add_argument("--show-requests", action="store_true",
                         help="print the requests of one S3 `ls` (method, path, query)")  # fmt: skip
     args = parser.parse_args()
@@ -179,14 +231,8 @@ def main() -> None:
 
     print(f"\npython {sys.version.split()[0]}, {os.cpu_count()} CPUs, load "
           f"{os.getloadavg()[0]:.1f}; median of {args.repeats} fresh processes")  # fmt: skip
-    print(f"  dynstate --help                      {timed(['--help'], args.repeats, env):6.3f} s")
-    local = {
-        n: timed(["ls", str(p), "--limit", "20"], args.repeats, env) for n, p in stores.items()
-    }
-    for n in sizes:
-        print(f"  ls --limit 20, local, {n:>6,} versions  {local[n]:6.3f} s")
-    ratio = local[sizes[-1]] / local[sizes[0]]
-    print(f"  ratio {sizes[-1]:,}/{sizes[0]:,} versions, local: {ratio:.2f}")
+    if not args.no_local:
+        local_runs(stores, args.repeats, env)
     if args.no_s3:
         return
 
@@ -216,6 +262,8 @@ def main() -> None:
                   f"({requests[n]} requests)")  # fmt: skip
         print(f"  ratio {sizes[-1]:,}/{sizes[0]:,} versions, S3: "
               f"{remote[sizes[-1]] / remote[sizes[0]]:.2f}")  # fmt: skip
+        for n in sizes if args.header_ab is not None else []:
+            header_ab(server, f"s3://{BUCKET}/store-{n}", args.header_ab, max(args.repeats, 15))
         if not args.delta:
             return
         for n in sizes:
