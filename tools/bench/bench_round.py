@@ -9,10 +9,11 @@ would pick instead, in one process, on the same local disk, alternating, several
 Each contender first gets a 10-row slice of the table so that every timed call is a steady
 state append. The order rotates every round; the load average is recorded before and after.
 Reported: median [min-max] per contender and the median of the per-round ratios to dynstate.
-Then ``--profile`` splits one append of the same table into Parquet's encoder (as
-``write_table`` runs it, and with dynstate's layout: shards of 64 MiB, row groups of the
+Then (unless ``--no-profile``) one append of the same table is split into Parquet's encoder
+(as ``write_table`` runs it, and with dynstate's layout: shards of 64 MiB, row groups of the
 random-access size, no statistics), the per-row-group hashing, the whole-shard hashing, the
-write and fsync, and what is left (dynstate's own work), and prints a cProfile of one append.
+write and fsync, and what is left (the commit); one shard is encoded under pyarrow's
+dictionary settings; and a cProfile of one append is printed.
 
 Never part of the tests; Lance and Delta are benchmark-only dependencies
 (``pip install 'dynstate[bench]'``).
