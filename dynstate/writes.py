@@ -39,6 +39,7 @@ from .manifest import Commit, ShardRef
 from .rounds import check_meta, conform_round, to_table
 from .rowgroups import write_shard
 from .snapshot import Staged
+from .storage import DeferredSync
 
 log = logging.getLogger("dynstate")
 
@@ -123,41 +124,57 @@ class Writer:
             return self.commit_staged([staged], meta=meta, private=True, checked=checked)
         lease = self.log.leases.acquire()
         try:
-            shards, checked = self._write_round(table, shard_bytes, lease, checked)
+            shards, checked, ready = self._write_round(table, shard_bytes, lease, checked)
         except BaseException:
             self.log.leases.end({lease}, committed=False, tombstone=False)
             raise
         staged = Staged(
             tuple(shards), schema, head.schema, lease if shards else None, self.store_id
         )
-        return self.commit_staged([staged], meta=meta, private=True, checked=checked)
+        return self.commit_staged([staged], meta=meta, private=True, checked=checked, ready=ready)
 
     def _write_round(
         self, table: pa.Table, shard_bytes: int, lease: str, pending: Pending | None
-    ) -> tuple[list[ShardRef], Pending | None]:
+    ) -> tuple[list[ShardRef], Pending | None, Callable[[], None]]:
         """The round's shards and its outcome file under ``lease``, then one ``data/`` sync.
         The outcome file is written on a thread while the shards are: their fsyncs overlap
         (a journaling filesystem commits both in one go), so the outcomes add about their
-        encoding, not another flush, to the commit. On failure every file written is removed."""
+        encoding, not another flush, to the commit. The shards' fsyncs and the ``data/`` sync
+        then run on that thread too, and the call returned waits for them (raising their
+        error): the record's create calls it after writing and syncing its own bytes and
+        before its name appears, so the two flushes overlap and no record ever names a
+        shard that is not durable. On failure every file written is removed."""
         outcome_file = None
         if pending is not None and pending.table is not None:
             unwritten = pending
             outcome_file = _Background(lambda: outcomes_of(self.log).write_file(unwritten, lease))
         shards: list[ShardRef] = []
+        deferred = self.storage.deferred_sync(m.DATA_DIR)
         try:
             try:
                 if table.num_rows:
-                    shards = self._write_shards(table, shard_bytes, lease, sync=False)
+                    shards = self._write_shards(
+                        table, shard_bytes, lease, sync=False, deferred=deferred
+                    )
             finally:
                 if outcome_file is not None:
                     pending = outcome_file.result()
-            self.storage.sync_dir(m.DATA_DIR)
+            if deferred.pending:
+                synced = _Background(deferred.run)
+
+                def ready() -> None:
+                    synced.result()
+
+            else:
+                deferred.run()  # the outcome file's data/ entry, or nothing to sync
+                ready = _nothing
         except BaseException:
+            deferred.close()
             done = outcome_file.value if outcome_file is not None else None
             written = [*shards, *([done.ref] if done is not None and done.ref else [])]
             self._remove(ref.path for ref in written)
             raise
-        return shards, pending
+        return shards, pending, ready
 
     def _remove(self, paths: Iterable[str]) -> None:
         """Remove files no record names (what a failed or discarded write left), as far as
@@ -184,6 +201,7 @@ class Writer:
         outcomes: Any = None,
         generator_state: Any = None,
         checked: Pending | None = None,
+        ready: Callable[[], None] | None = None,
     ) -> int:
         """Commit staged parts, in the given order, as one new version; returns its number.
         ``outcomes`` and ``generator_state`` are committed in the same record (see
@@ -192,7 +210,8 @@ class Writer:
         raise :class:`LeaseExpiredError`. A commit whose outcome is unknown (a lost reply, an
         interrupt during the write) is resolved by reading the record back; when nothing was
         committed the parts' shards are removed. ``private``: the parts never left this
-        call (``append``), so their leases need no tombstone."""
+        call (``append``), so their leases need no tombstone. ``ready``: waits for the parts'
+        files to be durable (``append``'s deferred sync), called before the record appears."""
         self._check_parts(parts)
         shards = [s for part in parts for s in part.shards]
         leases = {p.lease for p in parts if p.lease}
@@ -232,6 +251,7 @@ class Writer:
                     parent, shards, schema, validated, meta, pending
                 ),
                 attempts=attempts,
+                ready=ready,
             )
         except BaseException as exc:
             if pending is not None and pending.ref is not None:
@@ -543,7 +563,13 @@ class Writer:
         )
 
     def _write_shards(
-        self, table: pa.Table, shard_bytes: int, lease: str, *, sync: bool = True
+        self,
+        table: pa.Table,
+        shard_bytes: int,
+        lease: str,
+        *,
+        sync: bool = True,
+        deferred: DeferredSync | None = None,
     ) -> list[ShardRef]:
         per_shard = max(1, math.ceil(table.num_rows * shard_bytes / max(table.nbytes, 1)))
         written: list[ShardRef] = []
@@ -551,7 +577,7 @@ class Writer:
             for start in range(0, table.num_rows, per_shard):
                 part = table.slice(start, per_shard)
                 path = shard_path(lease)
-                with self.storage.new_shard(path) as sink:
+                with self.storage.new_shard(path, deferred=deferred) as sink:
                     groups = write_shard(part, sink)
                 written.append(ShardRef(path, part.num_rows, sink.size, sink.sha256, groups))
             if sync:
@@ -724,6 +750,10 @@ class Writer:
             raise
         self.log.leases.end(leases, committed=True, tombstone=False)
         return version
+
+
+def _nothing() -> None:
+    pass
 
 
 class _Background:

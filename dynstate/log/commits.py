@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -41,6 +42,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("dynstate")
 
 MAX_COMMIT_ATTEMPTS = 200
+
+# The ``ready`` of the commit this thread runs (see Log.commit), read by Log._publish: beside
+# its one argument rather than in it, so the hook tests wrap around _publish keeps its shape.
+_COMMITTING = threading.local()
 
 #: What :meth:`Log.refresh` reads first, in this order: the gc floor and the head hint.
 ROOT_FILES = (paths.GC_FILE, paths.HEAD_HINT)
@@ -352,12 +357,24 @@ class Log(Catalog):
         *,
         sources: Iterable[int] = (),
         attempts: list[Commit] | None = None,
+        ready: Callable[[], None] | None = None,
     ) -> int:
         """Create the next version's record exclusively; on a lost race, rebase (``make`` is
         called with the new parent) and retry. ``sources`` are versions whose shards the
         record reuses (a reset's target, a compaction's base): each attempt re-reads the gc
-        floor and refuses sources below it. Every record tried is appended to ``attempts``."""
-        sources = list(sources)
+        floor and refuses sources below it. Every record tried is appended to ``attempts``.
+        ``ready`` waits for the files the record names to be durable; the create calls it
+        before the record's name appears."""
+        previous = getattr(_COMMITTING, "ready", None)
+        _COMMITTING.ready = ready
+        try:
+            return self._commit(make, list(sources), attempts)
+        finally:
+            _COMMITTING.ready = previous
+
+    def _commit(
+        self, make: Callable[[Commit], Commit], sources: list[int], attempts: list[Commit] | None
+    ) -> int:
         for attempt in range(MAX_COMMIT_ATTEMPTS):
             floor = self.read_floor()
             for source in sources:
@@ -517,7 +534,9 @@ class Log(Catalog):
         _outcomes(self).restore_named(record)
 
     def _publish(self, record: Commit) -> None:
-        self.storage.create(paths.log_path(record.version), m.encode(record.to_json()))
+        raw = m.encode(record.to_json())
+        ready = getattr(_COMMITTING, "ready", None)
+        self.storage.create(paths.log_path(record.version), raw, ready=ready)
         self._records[record.version] = record
         self._head = max(self._head, record.version)
         log.debug("committed version %d to %s", record.version, self.display_url)

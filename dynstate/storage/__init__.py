@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from ..errors import InvalidDataError
-from .base import ShardSink, Storage, is_safe_name
+from .base import DeferredSync, ShardSink, Storage, is_safe_name
 from .credentials import redact
 from .errors import is_client_error, translate
 from .local import LocalStorage
@@ -24,6 +24,7 @@ from .objectstore import ObjectStorage
 from .retry import is_transient
 
 __all__ = [
+    "DeferredSync",
     "LocalStorage",
     "Location",
     "MemoryStorage",

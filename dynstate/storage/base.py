@@ -9,15 +9,18 @@ retried and translated into :mod:`dynstate.errors` types by the client-error tab
 pass through on purpose because callers act on them: ``FileNotFoundError`` (object missing)
 and ``FileExistsError`` (an exclusive create lost the race).
 
-One file, at about 400 lines, because it is one concept: the interface every backend fills
-in and the boundary all of it runs through (the shard sink is that interface's write side).
+One file, at about 490 lines, because it is one concept: the interface every backend fills
+in and the boundary all of it runs through (the shard sink and the deferred sync of new shards
+are that interface's write side).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -170,7 +173,13 @@ class Storage:
             on_error="raise",
         )
 
-    def _create(self, rel: str, data: bytes, durable: bool = True) -> None:
+    def _create(
+        self,
+        rel: str,
+        data: bytes,
+        durable: bool = True,
+        ready: Callable[[], None] | None = None,
+    ) -> None:
         raise NotImplementedError
 
     def _put(self, rel: str, data: bytes, durable: bool) -> None:
@@ -285,13 +294,22 @@ class Storage:
 
     # -- writes ----------------------------------------------------------------------------
 
-    def create(self, rel: str, data: bytes, *, durable: bool = True) -> None:
+    def create(
+        self,
+        rel: str,
+        data: bytes,
+        *,
+        durable: bool = True,
+        ready: Callable[[], None] | None = None,
+    ) -> None:
         """Create ``rel`` holding ``data`` only if it does not exist yet, atomically: readers
         see the whole object or nothing. Raises ``FileExistsError`` when it exists.
         ``durable=False`` skips the fsyncs where a crash of the machine loses nothing (leases:
-        the writer dies with it)."""
+        the writer dies with it). ``ready`` is called before the name can appear (and may
+        raise, then nothing is created): a record waits there for its shards to be durable,
+        so that writing and syncing its own bytes overlaps their sync (local disks)."""
         try:
-            self._call("create", rel, lambda: self._create(rel, data, durable))
+            self._call("create", rel, lambda: self._create(rel, data, durable, ready))
         except FileExistsError:
             if not self._landed(rel, data):
                 raise
@@ -322,13 +340,19 @@ class Storage:
             pass
 
     @contextmanager
-    def new_shard(self, rel: str) -> Iterator[ShardSink]:
+    def new_shard(self, rel: str, *, deferred: DeferredSync | None = None) -> Iterator[ShardSink]:
         """A sink for a new immutable data file under a fresh unique name (never overwrites);
         it hashes what passes through. This default buffers and uploads in one exclusive
-        create when the block ends; local disks stream instead."""
+        create when the block ends; local disks stream instead. ``deferred``: the file's
+        fsync is left to :meth:`DeferredSync.run` (local disks; elsewhere the create is the
+        durable point and there is nothing to defer)."""
         sink = ShardSink(None)
         yield sink
         self.create(rel, sink.getvalue())
+
+    def deferred_sync(self, rel_dir: str) -> DeferredSync:
+        """A :class:`DeferredSync` of new files under ``rel_dir``."""
+        return DeferredSync(self, rel_dir)
 
     def sync_dir(self, rel_dir: str) -> None:
         """Make the names created under ``rel_dir`` durable (local disks); a no-op elsewhere."""
@@ -377,6 +401,47 @@ class Storage:
 
 
 is_safe_name = paths.is_safe_name  # the name grammar lives in dynstate.paths
+
+
+class DeferredSync:
+    """Files written under one folder whose fsync is deferred: :meth:`run` (on another
+    thread, while the commit record is written) fsyncs each file on the descriptor it was
+    written through, kept open so that a write-back error is reported to it, then the
+    folder; :meth:`close` closes them unsynced (a failed write: nothing will name them).
+    Each descriptor is closed exactly once, by whichever comes first."""
+
+    def __init__(self, storage: Storage, rel_dir: str) -> None:
+        self.storage = storage
+        self.rel_dir = rel_dir
+        self._fds: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._fds)
+
+    def add(self, rel: str, fd: int) -> None:
+        with self._lock:
+            self._fds.append((rel, fd))
+
+    def _take(self) -> list[tuple[str, int]]:
+        with self._lock:
+            fds, self._fds = self._fds, []
+        return fds
+
+    def run(self) -> None:
+        fds = self._take()
+        try:
+            for rel, fd in fds:
+                self.storage._call("sync", rel, functools.partial(os.fsync, fd))
+        finally:
+            for _, fd in fds:
+                os.close(fd)
+        self.storage.sync_dir(self.rel_dir)
+
+    def close(self) -> None:
+        for _, fd in self._take():
+            os.close(fd)
 
 
 class ShardSink:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 from .. import paths
-from .base import ShardSink, Storage, write_all
+from .base import DeferredSync, ShardSink, Storage, write_all
 
 T = TypeVar("T")
 
@@ -41,11 +41,19 @@ class LocalStorage(Storage):
             os.makedirs(directory, exist_ok=True)
             return fn(directory)
 
-    def _create(self, rel: str, data: bytes, durable: bool = True) -> None:
+    def _create(
+        self,
+        rel: str,
+        data: bytes,
+        durable: bool = True,
+        ready: Callable[[], None] | None = None,
+    ) -> None:
         def create(directory: str) -> None:
             tmp = os.path.join(directory, paths.tmp_name())
             _write_new(tmp, data, durable)
             try:
+                if ready is not None:
+                    ready()  # what must be durable before this name is (a record's shards)
                 # link() fails if the name exists: the exclusive create, with no partial file
                 # ever visible under the final name.
                 os.link(tmp, self.path(rel))
@@ -107,8 +115,9 @@ class LocalStorage(Storage):
         return os.path.commonpath([root, real]) == root
 
     @contextmanager
-    def new_shard(self, rel: str) -> Iterator[ShardSink]:
-        """Streamed to disk under ``O_EXCL`` and fsynced; a failure removes the partial file."""
+    def new_shard(self, rel: str, *, deferred: DeferredSync | None = None) -> Iterator[ShardSink]:
+        """Streamed to disk under ``O_EXCL`` and fsynced (by ``deferred`` if given, which
+        then owns the descriptor); a failure removes the partial file."""
         fd = self._call(
             "create",
             rel,
@@ -117,7 +126,11 @@ class LocalStorage(Storage):
         try:
             sink = ShardSink(fd)
             yield sink
-            self._call("sync", rel, lambda: os.fsync(fd))
+            if deferred is not None:
+                deferred.add(rel, fd)
+                fd = -1
+            else:
+                self._call("sync", rel, lambda: os.fsync(fd))
         except BaseException:
             os.close(fd)
             fd = -1
