@@ -1094,7 +1094,7 @@ def test_a_diff_of_neighbours_reads_records_back_to_where_they_meet_only(tmp_pat
     for step in range(150):
         store.append([{"prompt": f"p{step}"}], meta={"step": step})
     fresh = Store.open(url)
-    fresh.snapshot(fresh.head - 1)  # what opening the two versions reads (their shard lists)
+    _ = fresh.snapshot(fresh.head - 1).shards  # what reading the two versions reads first
     reads = _counting_reads(fresh)
     data = StoreView(fresh).diff(str(fresh.head - 1), "head")
     assert (data["added_versions"], data["added_range"]) == ([150], [149, 150])
