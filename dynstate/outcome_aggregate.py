@@ -271,8 +271,9 @@ class Aggregate:
 def _group(rows: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
     """The distinct rows (sorted) and each record's index among them, as ``np.unique``
     gives them. Many records for the rows (a checkpoint folds 100 steps): by a pass over
-    the rows instead of a sort, which costs seconds at millions of records."""
-    if len(rows) * 4 < num_rows:
+    the rows instead of a sort, which costs seconds at millions of records — and already
+    at a sixteenth of the rows (100 steps of 2,048 over 1M rows) the pass is the cheaper."""
+    if len(rows) * 16 < num_rows:
         return np.unique(rows, return_inverse=True)
     hit = np.flatnonzero(np.bincount(rows, minlength=num_rows))
     where = np.empty(num_rows, np.int64)

@@ -693,11 +693,12 @@ def test_append_refused_at_its_record_removes_the_round_and_outcome_file(
     written: list[str] = []
 
     def then_another_writer(self: Writer, *args: Any, **kwargs: Any) -> Any:
-        shards, pending = written_round(self, *args, **kwargs)
+        result = written_round(self, *args, **kwargs)  # (shards, pending, ...)
+        shards, pending = result[0], result[1]
         if not written:  # the first writer's round; the other writer's goes through
             written.extend([s.path for s in shards] + [pending.ref.path])
             other.append([], outcomes={"row": [0], "step": [5], "score": [1.0]})
-        return shards, pending
+        return result
 
     monkeypatch.setattr(Writer, "_write_round", then_another_writer)
     with pytest.raises(InvalidDataError, match="step"):
