@@ -103,3 +103,26 @@ def test_ls_on_s3_reads_each_object_once(s3_server, tmp_path) -> None:
     records = [p for p in gets if "/_dynstate/log/" in p]
     # The 20 shown, the probe past the head, the oldest kept version's (the summary's).
     assert len(records) == 22, sorted(records)
+
+
+@pytest.mark.s3
+def test_open_and_count_on_s3_reads_no_shard_list(s3_server, tmp_path) -> None:
+    """`Store.open(url).snapshot().num_rows` on S3 (issue 23.2): `store.json`, `gc.json`,
+    the hint, the head's record and the probe past it, then the snapshot's refresh — at most
+    8 GETs and none of a record below the head, a checkpoint, chunk or schema, although the
+    head (149) lies 49 records above its checkpoint. Its shard list comes when asked."""
+    local = str(tmp_path / "store")
+    store = Store.open(local, create=True)
+    for step in range(149):
+        store.append([{"step": step}], meta={"step": step})
+    url = s3_url()
+    fsspec.filesystem("s3").put(local + "/", url[len("s3://") :] + "/", recursive=True)
+    mark = s3_server.count()
+    snap = Store.open(url).snapshot()
+    assert snap.num_rows == 149
+    gets = [p for method, p, query in s3_server.since(mark) if method == "GET" and not query]
+    assert len(gets) <= 8, gets
+    named = {"store.json", "gc.json", "_head_hint.json", f"{149:020d}.json", f"{150:020d}.json"}
+    assert {p.rsplit("/", 1)[-1] for p in gets} <= named, gets
+    assert not [p for p in gets if "/checkpoints/" in p or "/chunks/" in p or "/schemas/" in p]
+    assert [s.rows for s in snap.shards] == [1] * 149
