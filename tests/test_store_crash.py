@@ -24,8 +24,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("seed", [20261130])
 def test_random_kills_local(tmp_path: Path, seed: int) -> None:
+    # A kill up to 1 s after the writer is ready: on a loaded machine (another test on the
+    # other xdist worker) 0.35 s left most writers without a commit and failed the counts below.
     soak = soak_store.Soak(
-        str(tmp_path / "store"), tmp_path, max_delay=0.35, rng=random.Random(seed)
+        str(tmp_path / "store"), tmp_path, max_delay=1.0, rng=random.Random(seed)
     )
     outcomes = [soak.trial() for _ in range(30)]
     soak.final_check()
