@@ -64,9 +64,9 @@ def slow_put_aggregate(outcomes: Outcomes, gate: threading.Event) -> list[float]
 
 
 def test_the_commit_returns_before_its_outcome_checkpoint_then_reads_use_it(
-    tmp_path: Path,
+    store_url: str,
 ) -> None:
-    url = str(tmp_path / "s")
+    url = store_url
     store, records = build_to_99(url)
     outcomes = outcomes_of(store.log)
     gate = threading.Event()
