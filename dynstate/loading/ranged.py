@@ -24,9 +24,12 @@ from ..store import Store
 # Parsed footers kept per process; each is a few KB to a few tens of KB.
 _FOOTERS = 4096
 # Threads that decode the shards of one read, and the fewest shards worth handing to them
-# (a thread hand-off costs ~50 µs; a shard's decode ~0.3-0.5 ms).
+# (a hand-off costs ~50 µs, a shard's decode ~0.3-0.5 ms). Only on machines with more than
+# two cores: on the 2-core VM the benchmarks run on, with other jobs holding the cores, a
+# cold 256-row batch over ~95 shards measured 1.01-1.13x *slower* on two threads than on one
+# (the decode is ~60 % of it; the rest holds the GIL), at ~10 % more CPU.
 _DECODERS = min(4, os.cpu_count() or 1)
-_PARALLEL_SHARDS = 4
+_PARALLEL_SHARDS = 4 if _DECODERS > 2 else 1 << 62
 
 
 def segment_bounds(groups: m.RowGroups) -> list[int]:
