@@ -8,8 +8,10 @@ dynstate fsyncs the shard, its folder, the record and the log folder before ``ap
 returns (SPEC §3.1); Lance and Delta call no fsync on a local disk (strace shows none). The
 library has no switch to turn fsync off, so the row "dynstate, fsync patched out" replaces
 ``os.fsync`` with a no-op in this process around those appends only (a measurement of what
-the four fsyncs cost, never a mode of the library). Lance and Delta are the ``bench`` extra,
-never imported by the library. Never part of the tests.
+the four fsyncs cost, never a mode of the library); "dynstate, sync not overlapped" runs the
+shards' fsyncs inline again, before the record is written (what the overlap of the two
+flushes changes). Lance and Delta are the ``bench`` extra, never imported by the library.
+Never part of the tests.
 
     python tools/bench/bench_commit.py                    # 10 and 1,000 versions, 41 rounds
     python tools/bench/bench_commit.py --sizes 10,1000,5000 --rounds 61
