@@ -41,19 +41,12 @@ class LocalStorage(Storage):
             os.makedirs(directory, exist_ok=True)
             return fn(directory)
 
-    def _create(
-        self,
-        rel: str,
-        data: bytes,
-        durable: bool = True,
-        ready: Callable[[], None] | None = None,
-    ) -> None:
+    def _create(self, rel: str, data: bytes, durable: bool = True) -> None:
         def create(directory: str) -> None:
             tmp = os.path.join(directory, paths.tmp_name())
             _write_new(tmp, data, durable)
             try:
-                if ready is not None:
-                    ready()  # what must be durable before this name is (a record's shards)
+                self._await_ready()  # what must be durable before this name (a record's shards)
                 # link() fails if the name exists: the exclusive create, with no partial file
                 # ever visible under the final name.
                 os.link(tmp, self.path(rel))

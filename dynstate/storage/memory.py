@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 from .base import Storage
 
@@ -19,15 +18,8 @@ class MemoryStorage(Storage):
     memory = True
     clock_resolution_s = 0.0  # microseconds, from this process's own clock
 
-    def _create(
-        self,
-        rel: str,
-        data: bytes,
-        durable: bool = True,
-        ready: Callable[[], None] | None = None,
-    ) -> None:
-        if ready is not None:
-            ready()
+    def _create(self, rel: str, data: bytes, durable: bool = True) -> None:
+        self._await_ready()
         path = self.path(rel)
         with _LOCK:
             if self.fs.exists(path):

@@ -3,7 +3,7 @@ read-back that resolves creates whose reply was lost."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -65,15 +65,8 @@ class ObjectStorage(Storage):
         with ThreadPoolExecutor(workers, thread_name_prefix="dynstate-read") as pool:
             return list(pool.map(self.try_read, rels))
 
-    def _create(
-        self,
-        rel: str,
-        data: bytes,
-        durable: bool = True,
-        ready: Callable[[], None] | None = None,
-    ) -> None:
-        if ready is not None:
-            ready()
+    def _create(self, rel: str, data: bytes, durable: bool = True) -> None:
+        self._await_ready()
         # s3fs sends If-None-Match: * and turns the 412 into FileExistsError.
         self.fs.pipe_file(self.path(rel), data, mode="create")
 
