@@ -308,3 +308,35 @@ def test_a_normal_exit_waits_for_the_checkpoint(tmp_path: Path) -> None:
     reads = counted_reads(fresh)
     assert_stats(fresh.outcome_stats(), reference(records, ROWS, 0.5, 10.0))
     assert [r for r in reads if r.startswith("data/")] == []  # all 99 files in the aggregate
+
+
+def test_a_reset_while_the_checkpoint_is_written_names_its_aggregate(tmp_path: Path) -> None:
+    """The writing handle reads the outcomes of a later version while version 100's outcome
+    checkpoint is still being written: that lineage is not remembered without the aggregate,
+    and a reset waits for it, so the reset record names the aggregate (a fresh handle at the
+    reset's head then reads it, not every file since version 1)."""
+    url = str(tmp_path / "s")
+    store, records = build_to_99(url)
+    outcomes = outcomes_of(store.log)
+    gate = threading.Event()
+    slow_put_aggregate(outcomes, gate)
+    assert store.append([], outcomes=step_outcomes(100)) == 100
+    records += step_outcomes(100)
+    try:
+        assert store.append([], outcomes=step_outcomes(101)) == 101
+        records += step_outcomes(101)
+        # read while the checkpoint of 100 is in flight
+        assert_stats(store.outcome_stats(), reference(records, ROWS, 0.5, 10.0))
+        assert outcomes.lineage(101).aggregate is None
+    finally:
+        threading.Timer(0.5, gate.set).start()  # the reset below must wait for it
+    store.reset(101)
+    head = store.head
+    record = store.commit_record(head)
+    assert record.outcomes["aggregate"] is not None, record.outcomes
+    assert outcomes.lineage(101).aggregate is not None
+    fresh = Store.open(url)
+    reads = counted_reads(fresh)
+    assert_stats(fresh.outcome_stats(), reference(records, ROWS, 0.5, 10.0))
+    assert sum(r.startswith(outcome_log.AGGREGATE_DIR) for r in reads) == 1
+    assert len([r for r in reads if r.startswith("data/")]) <= 2  # versions 100-101 at most

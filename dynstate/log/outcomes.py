@@ -204,6 +204,7 @@ class Outcomes:
             return Lineage(version)  # nothing in this lineage was committed with outcomes
         adds: list[tuple[list[ShardRef], Ranges, int]] = []
         state: Any = None
+        in_flight = False
         floor = self.log.floor
         v = version
         while True:
@@ -220,6 +221,9 @@ class Outcomes:
                 base = self._base_of(record)
                 break
             if v == floor or v % m.CHECKPOINT_INTERVAL == 0:
+                # Asked before the read: a checkpoint this handle is still writing appears
+                # later, and a lineage cached without it would name no aggregate for good.
+                in_flight = in_flight or self._checkpoint_in_flight(v)
                 found = self.read_checkpoint(v)
                 if found is not None:
                     base = found
@@ -249,10 +253,20 @@ class Outcomes:
             records=records,
             state=state if state is not None else base.state,
         )
-        self._lineages[version] = result
-        if len(self._lineages) > 256:
-            self._lineages.popitem(last=False)
+        if not in_flight:
+            self._lineages[version] = result
+            if len(self._lineages) > 256:
+                self._lineages.popitem(last=False)
         return result
+
+    def _checkpoint_in_flight(self, version: int) -> bool:
+        """Whether this handle is writing the outcome checkpoint of ``version`` right now."""
+        thread = self._checkpointing
+        return (
+            thread is not None
+            and thread.is_alive()
+            and thread.name == _checkpoint_thread_name(version)
+        )
 
     def outcomes_since(self) -> int | None:
         """None while the store holds no outcomes (``store.json`` at format 1); else the
@@ -663,6 +677,7 @@ class Outcomes:
         """(``outcomes``, ``generator_state``) of a reset to, or a compaction of, ``version``:
         its complete outcome list (chunks written now), so the new record stands alone like
         its shard list does."""
+        self.flush()  # a reset or compaction names the aggregate a checkpoint in flight stores
         lineage = self.lineage(version)
         if not lineage.count and lineage.state is None:
             return None, None
@@ -746,7 +761,7 @@ class Outcomes:
             thread = threading.Thread(
                 target=self._write_checkpoint_logged,
                 args=(record,),
-                name=f"dynstate-outcome-checkpoint-{record.version}",
+                name=_checkpoint_thread_name(record.version),
                 daemon=False,  # interpreter exit joins it: a normal exit keeps the checkpoint
             )
             self._checkpointing = thread
@@ -812,6 +827,10 @@ class Outcomes:
         return AggregateRef(
             aggregate_path(digest), len(data), digest, files, agg.success_above, agg.half_life
         )
+
+
+def _checkpoint_thread_name(version: int) -> str:
+    return f"dynstate-outcome-checkpoint-{version}"
 
 
 def _read_parquet(data: bytes) -> pa.Table:
