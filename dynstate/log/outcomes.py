@@ -182,6 +182,7 @@ class Outcomes:
         # bytes of aggregates this handle just named in a record or checkpoint, to rewrite
         # one a concurrent gc removed before that create (see restore_named)
         self._named_aggregates: OrderedDict[str, bytes] = OrderedDict()
+        self._named_lock = threading.Lock()
         # the outcome checkpoint written in the background (write_checkpoint), one at a time
         self._checkpointing: threading.Thread | None = None
         self._checkpoint_lock = threading.Lock()
@@ -709,10 +710,11 @@ class Outcomes:
         return True
 
     def _keep_aggregate(self, path: str, data: bytes) -> None:
-        self._named_aggregates[path] = data
-        self._named_aggregates.move_to_end(path)
-        while len(self._named_aggregates) > 4:  # one per commit in flight is plenty
-            self._named_aggregates.popitem(last=False)
+        with self._named_lock:  # the background checkpoint keeps its aggregate too
+            self._named_aggregates[path] = data
+            self._named_aggregates.move_to_end(path)
+            while len(self._named_aggregates) > 4:  # one per commit in flight is plenty
+                self._named_aggregates.popitem(last=False)
 
     def restore_named(self, record: Commit) -> None:
         """After ``record`` was created: rewrite the aggregate it names if a gc removed it
@@ -862,6 +864,7 @@ def _after_fork_in_child() -> None:
     for outcomes in list(_BY_LOG.values()):
         outcomes._files_lock = threading.Lock()
         outcomes._checkpoint_lock = threading.Lock()
+        outcomes._named_lock = threading.Lock()
         outcomes._checkpointing = None
 
 
