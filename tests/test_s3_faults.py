@@ -265,6 +265,7 @@ def test_truncated_shard_bodies_are_fetched_again(proxy):
     store.append(pa.table({"x": list(range(1000))}))
     reader = Store.open(url, storage_options=_options(proxy))
     snap = reader.snapshot()
+    assert snap.shards and snap.schema is not None  # read on first use: before the count
     for _ in range(3):
         proxy.force("truncate", method="GET", path_contains="/data/")
     proxy.reset_counts()
