@@ -375,8 +375,11 @@ def test_rollbacks_and_failed_rounds_say_so(tmp_path) -> None:
     assert run("show", url, "6").stdout.splitlines()[1] == "op:      reset→3 (step 1)"
 
 
-def test_ls_fits_80_columns_without_cutting_status_or_tags(tmp_path) -> None:
-    url = str(tmp_path / "store")
+def test_ls_fits_80_columns_without_cutting_status_or_tags(tmp_path, monkeypatch) -> None:
+    # a relative URL: the header names it, and a pytest-xdist worker's tmp_path is 10
+    # characters longer (popen-gwN/), enough to push that line past 80 columns
+    monkeypatch.chdir(tmp_path)
+    url = "store"
     store = build(url)
     store.tag("best-run", 6)
     out = run("ls", url, "--all", env={"COLUMNS": "80"}).stdout.splitlines()
