@@ -145,11 +145,13 @@ class Writer:
         before its name appears, so the two flushes overlap and no record ever names a
         shard that is not durable. On failure every file written is removed."""
         outcome_file = None
-        if pending is not None and pending.table is not None:
-            unwritten = pending
-            outcome_file = _Background(lambda: outcomes_of(self.log).write_file(unwritten, lease))
         shards: list[ShardRef] = []
         deferred = self.storage.deferred_sync(m.DATA_DIR)
+        if pending is not None and pending.table is not None:
+            unwritten = pending
+            outcome_file = _Background(
+                lambda: outcomes_of(self.log).write_file(unwritten, lease, deferred=deferred)
+            )
         try:
             try:
                 if table.num_rows:
