@@ -287,8 +287,10 @@ def test_sigkill_while_the_checkpoint_is_written_leaves_a_consistent_store(
     assert_stats(reader.outcome_stats(), reference(records, ROWS, 0.5, 10.0))
 
 
-def test_a_normal_exit_waits_for_the_checkpoint(tmp_path: Path) -> None:
-    url = str(tmp_path / "s")
+def test_a_normal_exit_waits_for_the_checkpoint(durable_url: str) -> None:
+    """On S3 too: the checkpoint thread's reads and writes still run during the
+    interpreter's shutdown (s3fs's event loop, the storage's read pools)."""
+    url = durable_url
     _, records = build_to_99(url)
     proc = start(url, "exit", SLOW_S="1.5")
     try:
