@@ -386,3 +386,69 @@ def test_a_forked_child_decodes_after_its_parent_used_the_threads(tmp_path, monk
 def _read_and_check(url: str, rows: list[int], expected: list[dict]) -> None:
     if VersionedDataset(url).read_batch(rows) != expected:
         os._exit(3)
+
+
+def _dictionary_encoded(path, column: str) -> bool:
+    meta = pq.read_metadata(path)
+    index = meta.schema.names.index(column)
+    return any(
+        "DICTIONARY" in " ".join(meta.row_group(g).column(index).encodings)
+        for g in range(meta.num_row_groups)
+    )
+
+
+def test_only_columns_that_repeat_get_a_dictionary(tmp_path) -> None:
+    """Per-group dictionaries of mostly distinct values are paid at write and at every read
+    and save nothing: such columns are written plain, repeated ones keep the dictionary."""
+    n = 3 * ROW_GROUP_ROWS
+    ids = np.arange(n)
+    table = pa.table(
+        {
+            "id": pa.array(ids, pa.int64()),
+            "prompt": pa.array([f"task {i}" for i in ids.tolist()]),
+            "source": pa.array(["gsm8k", "math"] * (n // 2)),
+            "step": pa.array(ids // 500, pa.int64()),
+            "solved": pa.array(ids % 3 == 0),
+        }
+    )
+    store = Store.open(str(tmp_path / "s"), create=True)
+    store.append(table)
+    [shard] = store.snapshot().shards
+    path = tmp_path / "s" / shard.path
+    assert not _dictionary_encoded(path, "id")
+    assert not _dictionary_encoded(path, "prompt")
+    assert _dictionary_encoded(path, "source")
+    assert _dictionary_encoded(path, "step")
+    assert store.snapshot().to_arrow().equals(table)
+
+
+def test_every_column_type_round_trips_through_the_encoding_choice(tmp_path) -> None:
+    import datetime
+    import decimal
+
+    n = ROW_GROUP_ROWS + 3
+    ids = list(range(n))
+    table = pa.table(
+        {
+            "i8": pa.array([i % 100 for i in ids], pa.int8()),
+            "f32": pa.array([i / 3 for i in ids], pa.float32()),
+            "large": pa.array([f"x{i}" for i in ids], pa.large_string()),
+            "bin": pa.array([bytes([i % 256]) * 3 for i in ids], pa.binary()),
+            "fixed": pa.array([i.to_bytes(4, "little") for i in ids], pa.binary(4)),
+            "when": pa.array(
+                [datetime.datetime(2026, 1, 1) + datetime.timedelta(seconds=i) for i in ids],
+                pa.timestamp("us"),
+            ),
+            "dec": pa.array([decimal.Decimal(i) / 100 for i in ids], pa.decimal128(10, 2)),
+            "nothing": pa.nulls(n),
+            "labels": pa.array(["a", "b"] * (n // 2) + ["a"] * (n % 2)).dictionary_encode(),
+            "mostly_null": pa.array([None] * (n - 1) + ["z"]),
+        }
+    )
+    store = Store.open(str(tmp_path / "s"), create=True)
+    store.append(table)
+    assert store.snapshot().to_arrow().equals(table)
+    nested = pa.table({"ids": pa.array([[i, i + 1] for i in ids]), "k": pa.array(ids)})
+    other = Store.open(str(tmp_path / "n"), create=True)
+    other.append(nested)
+    assert other.snapshot().to_arrow().equals(nested)
