@@ -63,6 +63,19 @@ def slow_put_aggregate(outcomes: Outcomes, gate: threading.Event) -> list[float]
     return started
 
 
+def committed_100_checkpoint_held(
+    url: str,
+) -> tuple[Store, list[dict[str, Any]], Outcomes, threading.Event]:
+    """Versions up to 100 committed, 100's outcome checkpoint held in flight until the
+    returned gate is set."""
+    store, records = build_to_99(url)
+    outcomes = outcomes_of(store.log)
+    gate = threading.Event()
+    slow_put_aggregate(outcomes, gate)
+    assert store.append([], outcomes=step_outcomes(100)) == 100
+    return store, records + step_outcomes(100), outcomes, gate
+
+
 def test_the_commit_returns_before_its_outcome_checkpoint_then_reads_use_it(
     store_url: str,
 ) -> None:
@@ -133,12 +146,7 @@ def test_two_checkpoints_of_one_version_are_harmless(tmp_path: Path) -> None:
     """A gc floor at 100 writes 100's outcome checkpoint synchronously while the commit's own
     is still in flight: whichever creates it first wins, the other finds it there."""
     url = str(tmp_path / "s")
-    store, records = build_to_99(url)
-    outcomes = outcomes_of(store.log)
-    gate = threading.Event()
-    slow_put_aggregate(outcomes, gate)
-    assert store.append([], outcomes=step_outcomes(100)) == 100
-    records += step_outcomes(100)
+    store, records, outcomes, gate = committed_100_checkpoint_held(url)
     rel = outcome_log.checkpoint_path(100)
     other = outcomes_of(Store.open(url).log)
     other.write_checkpoint(store.commit_record(100))  # synchronous, another handle
@@ -318,12 +326,7 @@ def test_a_reset_while_the_checkpoint_is_written_names_its_aggregate(tmp_path: P
     and a reset waits for it, so the reset record names the aggregate (a fresh handle at the
     reset's head then reads it, not every file since version 1)."""
     url = str(tmp_path / "s")
-    store, records = build_to_99(url)
-    outcomes = outcomes_of(store.log)
-    gate = threading.Event()
-    slow_put_aggregate(outcomes, gate)
-    assert store.append([], outcomes=step_outcomes(100)) == 100
-    records += step_outcomes(100)
+    store, records, outcomes, gate = committed_100_checkpoint_held(url)
     try:
         assert store.append([], outcomes=step_outcomes(101)) == 101
         records += step_outcomes(101)

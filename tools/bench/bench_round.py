@@ -44,18 +44,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_store import _fsync_file as _fsync
 from bench_store import big_table
 
 from dynstate import Store
 from dynstate.storage.base import ShardSink
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def contenders(base: Path, table: pa.Table) -> dict[str, Callable[[int], None]]:
