@@ -42,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -477,6 +478,30 @@ class Chaos:
         self.workers.append(Worker(role, self.started, proc))
 
     def run(self, seconds: float, audit: Audit, store: Any) -> None:
+        # The auditor reads acknowledged versions back on a thread of its own: on a loaded
+        # machine a poll can take seconds, and the kills and pauses must keep their schedule.
+        stop = threading.Event()
+        failed: list[BaseException] = []
+
+        def audit_loop() -> None:
+            try:
+                while not stop.is_set():
+                    audit.poll(store)
+                    stop.wait(0.1)
+            except BaseException as exc:  # re-raised by run() once the chaos has stopped
+                failed.append(exc)
+
+        auditor = threading.Thread(target=audit_loop, name="soak-audit", daemon=True)
+        auditor.start()
+        try:
+            self._chaos(seconds, audit.problems)
+        finally:
+            stop.set()
+            auditor.join()
+        if failed:
+            raise failed[0]
+
+    def _chaos(self, seconds: float, problems: list[str]) -> None:
         for role, n in self.roles.items():
             for _ in range(n):
                 self.start(role)
@@ -492,7 +517,7 @@ class Chaos:
                 if w.proc.exitcode is not None:  # exited (a stager's draw) or was killed
                     self.workers.remove(w)
                     if w.proc.exitcode not in (0, -signal.SIGKILL):
-                        audit.problems.append(
+                        problems.append(
                             f"{w.role} {w.number} exited with {w.proc.exitcode}: {self._tail(w)}"
                         )
                     self.exits += w.proc.exitcode == 0
@@ -508,7 +533,6 @@ class Chaos:
                     w.paused_until = now + self.rng.uniform(0.2, 3 * LEASE_TTL_S)
                     self.pauses += 1
                 next_pause = now + self.rng.uniform(1, 3)
-            audit.poll(store)
             time.sleep(0.1)
         for w in self.workers:
             _signal(w, signal.SIGCONT)
