@@ -208,6 +208,8 @@ def build(url: str, steps: int, seed: int = 0) -> tuple[Store, dict[int, list[di
         outcomes = outcomes_for(step, head.num_rows, rng)
         v = store.append(rows(step, 2), meta={"step": step}, outcomes=outcomes)
         by_version[v] = outcomes
+    # the outcome checkpoints are written in the background: the tests read them
+    outcome_log.outcomes_of(store.log).flush()
     return store, by_version
 
 
