@@ -433,6 +433,7 @@ def test_reset_far_back_and_forward_again_over_checkpoints(tmp_path: Path) -> No
     store.reset(40)
     for k in range(90):  # past the next checkpoint (version 200) on the new branch
         store.append(rows(500 + k, 1))
+    outcome_log.outcomes_of(store.log).flush()  # 200's checkpoint is written in the background
     fresh = Store.open(url)
     assert fresh.head > 200
     assert fresh.storage.exists(outcome_log.checkpoint_path(200))
