@@ -264,9 +264,7 @@ def profile(base: Path, table: pa.Table, repeats: int) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        dfd = os.open(out, os.O_RDONLY)
-        os.fsync(dfd)
-        os.close(dfd)
+        _fsync(out)  # the directory
 
     def to_disk(sink_of: Callable[[int], Any]) -> Callable[[], None]:
         """write_shard of each part into ``sink_of(fd)`` on a new file, fsynced (+ the dir)."""
@@ -283,9 +281,7 @@ def profile(base: Path, table: pa.Table, repeats: int) -> None:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            dfd = os.open(out, os.O_RDONLY)
-            os.fsync(dfd)
-            os.close(dfd)
+            _fsync(out)  # the directory
 
         return run
 
