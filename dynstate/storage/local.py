@@ -110,21 +110,25 @@ class LocalStorage(Storage):
     @contextmanager
     def new_shard(self, rel: str, *, deferred: DeferredSync | None = None) -> Iterator[ShardSink]:
         """Streamed to disk under ``O_EXCL`` and fsynced (by ``deferred`` if given, which
-        then owns the descriptor); a failure removes the partial file."""
+        then owns the descriptor); a failure removes the partial file. A large shard's bytes
+        are hashed and written on a thread of the sink's: the block's end waits for them (and
+        raises their error) before the file is synced or named anywhere."""
         fd = self._call(
             "create",
             rel,
             lambda: self._in_folder(rel, lambda _: os.open(self.path(rel), _NEW_FILE, 0o644)),
         )
+        sink = ShardSink(fd)
         try:
-            sink = ShardSink(fd)
             yield sink
+            sink.finish()
             if deferred is not None:
                 deferred.add(rel, fd)
                 fd = -1
             else:
                 self._call("sync", rel, lambda: os.fsync(fd))
         except BaseException:
+            sink.abort()  # its thread writes to fd no more before fd is closed
             os.close(fd)
             fd = -1
             self.delete(rel)
