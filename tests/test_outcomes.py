@@ -654,6 +654,152 @@ def test_oversized_outcomes_and_deep_state(tmp_path: Path, monkeypatch) -> None:
     assert files(url) == before
 
 
+def test_checked_columns_of_every_integer_and_float_type_and_their_bounds() -> None:
+    """The checks run in numpy over every input type: narrower and unsigned integers, float32,
+    several chunks; each bound and each non-finite value is still refused."""
+    from dynstate.outcomes import check_outcomes
+
+    def check(**columns: Any) -> pa.Table:
+        return check_outcomes(pa.table(columns), "s", 10, 1)
+
+    two_chunks = pa.concat_tables(
+        [
+            pa.table({"row": pa.array([9], pa.int32()), "step": pa.array([3], pa.uint8())}),
+            pa.table({"row": pa.array([0], pa.int32()), "step": pa.array([2], pa.uint8())}),
+        ]
+    )
+    table = check_outcomes(
+        two_chunks.append_column("score", pa.chunked_array([[1.5], [2]], pa.float32()))
+        .append_column("n", pa.chunked_array([[7], [None]], pa.uint16()))
+        .append_column("f", pa.chunked_array([[None], [0.5]], pa.float32())),
+        "s",
+        10,
+        1,
+    )
+    assert table.schema == pa.schema(
+        [
+            ("row", pa.int64()),
+            ("step", pa.int64()),
+            ("score", pa.float64()),
+            ("n", pa.int64()),
+            ("f", pa.float64()),
+        ]
+    )
+    assert table.to_pydict() == {
+        "row": [9, 0],
+        "step": [3, 2],
+        "score": [1.5, 2.0],
+        "n": [7, None],
+        "f": [None, 0.5],
+    }
+    score = pa.array([1.0])
+    big = pa.array([2**60], pa.uint64())
+    for columns, message in (
+        ({"row": big, "step": pa.array([1]), "score": score}, "'row' holds values over 2"),
+        ({"row": pa.array([0]), "step": big, "score": score}, "'step' holds values over 2"),
+        ({"row": pa.array([0]), "step": pa.array([2**53]), "score": score}, "outside"),
+        (
+            {"row": pa.array([0, -1], pa.int8()), "step": pa.array([1, 1]), "score": [1.0, 1.0]},
+            "outside",
+        ),
+        ({"row": pa.array([10]), "step": pa.array([1]), "score": score}, "name row 10"),
+        (
+            {
+                "row": pa.array([0]),
+                "step": pa.array([1]),
+                "score": pa.array([math.inf], pa.float32()),
+            },
+            "NaN or infinity",
+        ),
+        (
+            {
+                "row": pa.array([0, 1]),
+                "step": pa.array([1, 1]),
+                "score": [1.0, 0.0],
+                "f": pa.array([None, math.nan]),
+            },
+            "'f' holds NaN",
+        ),
+        (
+            {
+                "row": pa.array([0, 1]),
+                "step": pa.array([1, 1]),
+                "score": [1.0, 0.0],
+                "f": pa.array([1.0, -math.inf], pa.float32()),
+            },
+            "'f' holds NaN",
+        ),
+    ):
+        with pytest.raises(InvalidDataError, match=message):
+            check(**columns)
+
+
+def test_step_sets_from_numpy_are_those_of_the_records() -> None:
+    from dynstate.outcomes import steps_of, to_ranges
+
+    rng = random.Random(3)
+    assert steps_of(pa.table({"step": pa.array([], pa.int64())})) == []
+    for _ in range(300):
+        steps = [rng.randrange(rng.choice([1, 5, 40, 2**53])) for _ in range(rng.randrange(1, 30))]
+        assert steps_of(pa.table({"step": pa.array(steps, pa.int64())})) == to_ranges(steps)
+
+
+def test_commits_during_a_background_checkpoint_walk_one_record_and_use_it_after(
+    tmp_path: Path,
+) -> None:
+    """While this handle writes version 100's outcome checkpoint, a commit's step check walks
+    back to the lineage the previous commit walked, not to the checkpoint below (which takes
+    the commits ~100 record reads each for as long as the checkpoint takes); steps committed
+    meanwhile are refused still, and once the checkpoint lands lineages name its aggregate."""
+    import threading
+
+    store, by_version = build(str(tmp_path / "s"), 98)  # versions 2-99: steps 1-98
+    outcomes = outcome_log.outcomes_of(store.log)
+    gate = threading.Event()
+    put_aggregate = outcomes._put_aggregate
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        gate.wait(30)
+        return put_aggregate(*args, **kwargs)
+
+    outcomes._put_aggregate = held  # type: ignore[method-assign]
+    walked: list[int] = []
+    add_of = outcomes._add_of
+
+    def counted(record: m.Commit) -> Any:
+        walked.append(record.version)
+        return add_of(record)
+
+    outcomes._add_of = counted  # type: ignore[method-assign]
+    rng = random.Random(5)
+    try:
+        for step in range(99, 106):  # versions 100-106
+            num_rows = store.snapshot().num_rows
+            by_version[step + 1] = outcomes_for(step, num_rows, rng)
+            walked.clear()
+            store.append(rows(step, 2), meta={"step": step}, outcomes=by_version[step + 1])
+            if step > 100:
+                assert walked == [step], walked  # the head only: the one before is known
+        assert outcomes._checkpoint_in_flight(100)
+        head = store.snapshot()
+        with pytest.raises(InvalidDataError, match=r"step\(s\) 103 already have outcomes"):
+            store.append([], outcomes=outcomes_for(103, head.num_rows, rng))
+        assert outcomes.lineage(106).aggregate is None  # the one of version 100 is to come
+    finally:
+        gate.set()
+    outcomes.flush()
+    lineage = outcomes.lineage(store.head)
+    assert lineage.aggregate is not None and lineage.aggregate.files == 99
+    assert lineage.steps == ((1, 105),)
+    expected = reference(
+        lineage_records(by_version, store.head),
+        store.snapshot().num_rows,
+        DEFAULT_SUCCESS_ABOVE,
+        DEFAULT_HALF_LIFE,
+    )
+    assert_stats(store.outcome_stats(), expected)
+
+
 def test_bad_stats_parameters(tmp_path: Path) -> None:
     store, _ = build(str(tmp_path / "s"), 2)
     for kwargs in (
