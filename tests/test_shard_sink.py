@@ -171,3 +171,21 @@ def test_an_error_the_sink_meets_raises_from_finish(tmp_path: Path, monkeypatch)
     finally:
         os.close(fd)
     assert _writers() == []
+
+
+def test_writev_all_resumes_after_short_writes(tmp_path: Path, monkeypatch) -> None:
+    writev = os.writev
+
+    def short(fd: int, buffers: list[memoryview]) -> int:
+        assert len(buffers) <= base._IOV_MAX
+        return writev(fd, [memoryview(b"".join(buffers))[:5]])  # at most 5 bytes a call
+
+    monkeypatch.setattr(os, "writev", short)
+    monkeypatch.setattr(base, "_IOV_MAX", 3)
+    parts = [b"abc", b"", b"defghij", b"k", b"lmnopqrstu", b"vw"]
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        base.writev_all(fd, [memoryview(p) for p in parts])
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"".join(parts)
