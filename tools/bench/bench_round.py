@@ -4,16 +4,19 @@ would pick instead, in one process, on the same local disk, alternating, several
 * pylance 14.0.2 ``lance.write_dataset(table, uri, mode="append")``,
 * deltalake 1.6.6 ``write_deltalake(uri, table, mode="append")``,
 * ``pyarrow.parquet.write_table`` to a new file, then an fsync of it (the least a durable
-  Parquet round costs), and a bare ``write_table`` (page cache only).
+  Parquet round costs), and a bare ``write_table`` (page cache only),
+* and ``Store.append`` again with the shard sink inline (hashing and writing on the
+  encoder's thread, as before its writer thread): the A/B of that thread.
 
 Each contender first gets a 10-row slice of the table so that every timed call is a steady
 state append. The order rotates every round; the load average is recorded before and after.
 Reported: median [min-max] per contender and the median of the per-round ratios to dynstate.
 Then (unless ``--no-profile``) one append of the same table is split into Parquet's encoder
 (as ``write_table`` runs it, and with dynstate's layout: shards of 64 MiB, row groups of the
-random-access size, no statistics), the per-row-group hashing, the whole-shard hashing, the
-write and fsync, and what is left (the commit); one shard is encoded under pyarrow's
-dictionary settings; and a cProfile of one append is printed.
+random-access size, no statistics, the dictionaries ``write_shard`` picks per column), the
+per-row-group hashing, the whole-shard hashing, the write and fsync, write_shard to disk
+with the sink's writer thread and without, and what is left (the commit); one shard is
+encoded under dynstate's and pyarrow's dictionary settings; and a cProfile of one append.
 
 Never part of the tests; Lance and Delta are benchmark-only dependencies
 (``pip install 'dynstate[bench]'``).
@@ -48,6 +51,8 @@ from bench_store import _fsync_file as _fsync
 from bench_store import big_table
 
 from dynstate import Store
+from dynstate.rowgroups import dictionary_columns
+from dynstate.storage import base as storage_base
 from dynstate.storage.base import ShardSink
 
 
@@ -71,8 +76,22 @@ def contenders(base: Path, table: pa.Table) -> dict[str, Callable[[int], None]]:
         pq.write_table(table, path)
         _fsync(path)
 
+    inline = Store.open(str(base / "dynstate-inline"), create=True)
+    inline.append(first)
+
+    def append_inline(i: int) -> None:
+        """The same append with the shard sink hashing and writing on the encoder's thread
+        (as before issue 23): the A/B of its writer thread, interleaved with the rest."""
+        saved = storage_base.PIPELINE_AFTER
+        storage_base.PIPELINE_AFTER = 1 << 62
+        try:
+            inline.append(table)
+        finally:
+            storage_base.PIPELINE_AFTER = saved
+
     return {
         "dynstate append": lambda i: store.append(table),
+        "  sink inline": append_inline,
         "lance append": lambda i: lance.write_dataset(table, lance_uri, mode="append"),
         "delta append": lambda i: write_deltalake(delta_uri, table, mode="append"),
         "write_table+fsync": write_fsync,
@@ -167,12 +186,16 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def encodings(part: pa.Table, rows: int, repeats: int) -> None:
-    """One shard encoded with dynstate's layout under pyarrow's dictionary settings, beside
-    ``write_table``'s defaults, and the same for a table of low-cardinality columns (what a
-    setting that saves time on distinct values costs where the dictionary pays)."""
+    """One shard encoded with dynstate's layout (its per-column dictionaries, then pyarrow's
+    and other settings), beside ``write_table``'s defaults, and the same for a table of
+    low-cardinality columns (what a setting that saves time on distinct values costs where
+    the dictionary pays)."""
     import numpy as np
 
     def layout(data: pa.Table, **options: Any) -> Callable[[], int]:
+        # write_shard's own settings, the dictionaries it picks per column included
+        options.setdefault("use_dictionary", dictionary_columns(data, rows))
+
         def run() -> int:
             sink = _Null()
             with pq.ParquetWriter(sink, data.schema, write_statistics=False, **options) as w:
@@ -203,6 +226,7 @@ def encodings(part: pa.Table, rows: int, repeats: int) -> None:
         cases = {
             "write_table defaults": defaults(data),
             "dynstate's layout": layout(data),
+            "  use_dictionary=True (pyarrow's)": layout(data, use_dictionary=True),
             "  use_dictionary=False": layout(data, use_dictionary=False),
             "  dictionary_pagesize_limit=16 KiB": layout(data, dictionary_pagesize_limit=16384),
         }
@@ -221,14 +245,18 @@ def profile(base: Path, table: pa.Table, repeats: int) -> None:
     per_shard = max(1, math.ceil(table.num_rows * shard_bytes / max(table.nbytes, 1)))
     parts = [table.slice(s, per_shard) for s in range(0, table.num_rows, per_shard)]
     rows = max(rowgroups.ROW_GROUP_ROWS, -(-parts[0].num_rows // rowgroups.MAX_ROW_GROUPS))
+    # write_shard's per-column choice, so that the encoder's lines time what it really runs
+    dictionary = [dictionary_columns(part, rows) for part in parts]
 
     def encode_default() -> None:
         pq.write_table(table, pa.BufferOutputStream())
 
     def encode_layout(sink_of: Callable[[], Any]) -> Callable[[], None]:
         def run() -> None:
-            for part in parts:
-                with pq.ParquetWriter(sink_of(), part.schema, write_statistics=False) as writer:
+            for part, dictionaries in zip(parts, dictionary, strict=True):
+                with pq.ParquetWriter(
+                    sink_of(), part.schema, write_statistics=False, use_dictionary=dictionaries
+                ) as writer:
                     for start in range(0, part.num_rows, rows):
                         writer.write_table(part.slice(start, rows), row_group_size=rows)
 
@@ -278,12 +306,17 @@ def profile(base: Path, table: pa.Table, repeats: int) -> None:
                     rowgroups.write_shard(part, sink)
                     if hasattr(sink, "drain"):
                         sink.drain()
+                    if hasattr(sink, "finish"):
+                        sink.finish()
                     os.fsync(fd)
                 finally:
                     os.close(fd)
             _fsync(out)  # the directory
 
         return run
+
+    def inline_sink(fd: int) -> ShardSink:
+        return ShardSink(fd, pipeline_after=1 << 62)
 
     store = Store.open(str(base / "profiled"), create=True)
     store.append(table.slice(0, 10))
@@ -297,6 +330,7 @@ def profile(base: Path, table: pa.Table, repeats: int) -> None:
         "whole-shard SHA-256 (ShardSink)": _best(whole_hash, repeats),
         "write + fsync of the bytes, dir fsync": _best(write_fsync, repeats),
         "write_shard -> ShardSink(fd) + fsyncs": _best(to_disk(ShardSink), repeats),
+        "  same, sink inline (no writer thread)": _best(to_disk(inline_sink), repeats),
         "  same, sink writing 1 MiB at a time": _best(to_disk(_Buffered), repeats),
         "Store.append, all of it": _best(lambda: store.append(table), repeats),
     }
