@@ -211,7 +211,9 @@ def tags_cmd(url: str, as_json: bool, storage_options) -> None:
       dynstate tags ./runs/run1
     """
     store = open_store(url, storage_options)
-    tags = sorted(store.tags().items(), key=lambda kv: (kv[1], kv[0]))
+    from ..history import readable_tags
+
+    tags = sorted(readable_tags(store).items(), key=lambda kv: (kv[1], kv[0]))
     store.commit_records(v for _, v in tags)  # read together, not one round trip per tag
     out: list[dict[str, Any]] = []
     for name, version in tags:

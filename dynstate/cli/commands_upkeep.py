@@ -244,12 +244,19 @@ def tag_cmd(url, name: str, version, force: bool, delete: bool, as_json: bool, s
         raise click.UsageError("--delete takes only the tag NAME")
     store = open_store(url, storage_options)
     if delete:
-        target = store.resolve(name)  # a missing tag fails here, naming the store
+        from ..errors import CorruptStoreError
+
+        target: int | None
+        try:
+            target = store.resolve(name)  # a missing tag fails here, naming the store
+        except CorruptStoreError:
+            target = None  # a damaged tag: deleting it is how it is repaired
         store.untag(name)
         out = {"url": store.display_url, "tag": name, "version": target, "deleted": True}
-        text = f"removed tag {name} (version {target}) from {store.display_url}"
+        named = "damaged" if target is None else f"version {target}"
+        text = f"removed tag {name} ({named}) from {store.display_url}"
     else:
-        before = store.tags().get(name)
+        before = store.check_tags()[0].get(name)  # other tags' damage is not this command's
         store.tag(name, version_arg(version), force=force)
         target = store.resolve(name)
         out = {"url": store.display_url, "tag": name, "version": target, "deleted": False,

@@ -5,12 +5,15 @@ difference between two versions and (:mod:`.growth`) the growth of a lineage. Th
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any
 
 from .. import manifest as m
 from ..manifest import Commit
 from ..store import Store
 from .growth import ABANDONED_POINTS, growth
+
+log = logging.getLogger("dynstate")
 
 __all__ = [
     "ABANDONED_POINTS",
@@ -19,6 +22,7 @@ __all__ = [
     "growth",
     "lineage",
     "ranges",
+    "readable_tags",
     "summary",
     "version_row",
     "version_rows",
@@ -29,6 +33,16 @@ def lineage(store: Store, version: int, floor: int = 0) -> list[int]:
     """Versions whose rows ``version`` carries, newest first, down to ``floor`` (the log's
     one lineage walker, which also stops at the gc floor)."""
     return list(itertools.takewhile(lambda v: v >= floor, store.lineage(version)))
+
+
+def readable_tags(store: Store) -> dict[str, int]:
+    """The tags that can be read, by name; each damaged tag file is a warning (naming the
+    file and how to drop it) instead of an error, so that one bad file does not hide the
+    history. gc, which must keep what every tag names, reads them strictly (Store.tags)."""
+    tags, damaged = store.check_tags()
+    for error in damaged.values():
+        log.warning("%s", error)
+    return dict(sorted(tags.items()))
 
 
 def ranges(versions: list[int]) -> str:
@@ -74,7 +88,7 @@ def version_rows(
         )
         line = set(versions)
     by_version: dict[int, list[str]] = {}
-    for name, v in sorted((store.tags() if tags is None else tags).items()):
+    for name, v in sorted((readable_tags(store) if tags is None else tags).items()):
         by_version.setdefault(v, []).append(name)
     rows = [
         version_row(store.commit_record(v), head, line, by_version.get(v, [])) for v in versions
@@ -130,7 +144,7 @@ def summary(store: Store, *, refresh: bool = True) -> dict[str, Any]:
         "rows": last.num_rows,
         "bytes": last.num_bytes,
         "shards": last.num_shards,
-        "tags": dict(sorted(store.tags().items())),
+        "tags": readable_tags(store),
         "first_commit": first.created,
         "last_commit": last.created,
     }
@@ -178,7 +192,7 @@ def describe(
         "rows_added": record.rows_added,
         "shards": len(snap.shards),
         "bytes": record.num_bytes,
-        "tags": sorted(n for n, v in store.tags().items() if v == record.version),
+        "tags": sorted(n for n, v in readable_tags(store).items() if v == record.version),
         "lineage": (
             f"{ranges(line)}, … (the newest {len(line):,} versions read)"
             if cut

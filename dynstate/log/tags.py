@@ -30,12 +30,22 @@ class Tags:
                 f"no tag {name!r} in {self.log.display_url}; `dynstate ls` lists versions and tags"
             )
         where = self.log.where(paths.tag_path(name))
-        version = m.decode(raw, where).get("version")
+        # A reset cannot repair a tag: the way out is dropping it (the version stays) or
+        # restoring the file, and each error says so.
+        fix = (
+            "restore it from a backup, or remove the tag with "
+            f"`dynstate tag {self.log.display_url} {name} --delete` (the version stays)"
+        )
+        try:
+            version = m.decode(raw, where).get("version")
+        except CorruptStoreError as exc:
+            # codec's messages end in "; <advice>" (the advice holds no ';'): keep the finding.
+            finding = str(exc).rsplit(";", 1)[0]
+            raise type(exc)(f"tag {name!r}: {finding}; the file is damaged — {fix}") from None
         if type(version) is not int or not 0 <= version <= m.MAX_COUNT:
             raise CorruptStoreError(
                 f"{where} names no version ({version!r} is not a count from 0 to 2**63 - 1); "
-                "the file is damaged — restore it from a backup, or remove the file to drop "
-                "the tag"
+                f"the file is damaged — {fix}"
             )
         return version
 
@@ -78,7 +88,12 @@ class Tags:
         try:
             self.storage.create(rel, raw)
         except FileExistsError:
-            current = self._read(name)
+            try:
+                current: int | None = self._read(name)
+            except CorruptStoreError:
+                if not force:
+                    raise
+                current = None  # a damaged tag is replaced like any other, with force
             if current == target:
                 return
             if not force:
@@ -101,5 +116,9 @@ class Tags:
         raise self.log.collected(target)
 
     def remove(self, name: str) -> None:
-        self._read(name)
+        """Drop tag ``name``; a damaged tag file is removed too (it is how one is repaired)."""
+        try:
+            self._read(name)
+        except CorruptStoreError:
+            log.warning("removing damaged tag %s of %s", name, self.log.display_url)
         self.storage.delete(paths.tag_path(name))
