@@ -88,9 +88,14 @@ def _depth(obj: Any) -> int:
             peak = depth
             if peak > MAX_JSON_DEPTH:
                 break
-        for child in value.values() if isinstance(value, dict) else value:
-            if isinstance(child, (dict, list)):
-                stack.append((child, depth + 1))
+        children = value.values() if isinstance(value, dict) else value
+        # A record's long lists hold numbers: one C-level pass over their types settles that
+        # they hold no container, instead of a Python test per element.
+        kinds = set(map(type, children))
+        if any(issubclass(kind, (dict, list)) for kind in kinds):
+            stack.extend(
+                (child, depth + 1) for child in children if isinstance(child, (dict, list))
+            )
     return peak
 
 

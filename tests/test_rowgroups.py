@@ -221,6 +221,10 @@ def test_chunked_shard_lists_keep_row_groups_and_old_chunks_still_decode():
         {"rows": [2, 1], "bytes": [10, 14], "sha256": "a" * 128},  # a segment missing
         {"rows": [2, 1], "bytes": [10, 8, 6], "sha256": "A" * 192},  # not a digest
         {"rows": [2, True], "bytes": [10, 8, 6], "sha256": "a" * 192},
+        {"rows": [2.0, 1], "bytes": [10, 8, 6], "sha256": "a" * 192},  # adds up, not ints
+        {"rows": [4, -1], "bytes": [10, 8, 6], "sha256": "a" * 192},  # adds up, negative
+        {"rows": [2, 1], "bytes": [30, -12, 6], "sha256": "a" * 192},
+        {"rows": [2, 1], "bytes": [10, 8, 6], "sha256": "a" * 191 + "g"},
         {"rows": [2, 1], "bytes": [10, 8, 6]},
         [1, 2],
     ],
