@@ -49,7 +49,8 @@ MAX_STATE_DEPTH = 32
 def as_numpy(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     """A column as numpy without pandas (ChunkedArray.to_numpy imports it: seconds cold)."""
     if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
+        # one chunk (the usual case) is converted as it is: combining copies it first
+        column = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
     return column.to_numpy(zero_copy_only=False)
 
 
@@ -171,7 +172,7 @@ def check_outcomes(data: Any, url: str, num_rows: int, version: int) -> pa.Table
             raise InvalidDataError(
                 f"outcomes for {url}: column {name!r} holds values outside 0..2**53"
             )
-        columns[name] = pa.array(values.astype(np.int64, copy=False))
+        columns[name] = col if col.type == pa.int64() else pa.array(values.astype(np.int64))
         if name == "row":
             top = high
     if top >= num_rows:  # (the table is not empty: returned above)
