@@ -5,10 +5,14 @@ matching checksums, and the head must hold exactly the rounds whose commit compl
     python tools/soak_store.py --trials 200          # local directory
     python tools/soak_store.py --trials 50 --s3      # a loopback S3 server (moto)
     python tools/soak_store.py --trials 100 --gc     # with gc at grace 0 running all along
+    python tools/soak_store.py --trials 50 --big-every 3   # every 3rd round ~2.5 MB, one shard
 
 With ``--gc``, a gc thread collects garbage at grace 0 in a tight loop while each writer runs
 (it must never remove what a commit names or is about to name), and after each kill a last
 gc must leave no uncommitted shard behind (the killed writer's lease ends with its process).
+With ``--big-every N`` every Nth round is one shard of ~2.5 MB of Parquet: past the shard
+sink's 1 MiB, so it is hashed and written on the sink's writer thread, and the kills land
+inside that too.
 
 ``tests/test_store_crash.py`` runs a short share of the same trials (it imports this module).
 """
@@ -16,6 +20,7 @@ gc must leave no uncommitted shard behind (the killed writer's lease ends with i
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import multiprocessing as mp
 import os
@@ -32,12 +37,34 @@ from typing import Any
 # Small shards, so that a kill can land between the shards of one round.
 SHARD_BYTES = 512
 _ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
+# A big round: 36,000 rows of hex digests (Parquet cannot shrink them), ~2.5 MB in one shard:
+# past the shard sink's 1 MiB, the rest goes through its writer thread.
+BIG_ROWS = 36_000
+BIG_SHARD_BYTES = 64 << 20
+_BIG_EVERY = "DYNSTATE_SOAK_BIG_EVERY"  # how the writer process learns it
+_BIG_CACHE: dict[int, list[dict[str, Any]]] = {}
 
 
-def round_rows(k: int) -> list[dict[str, Any]]:
-    """Round ``k``'s rows, a pure function of k: some rounds are empty, some span shards."""
+def is_big(k: int, big_every: int) -> bool:
+    return big_every > 0 and k % big_every == big_every - 1
+
+
+def round_rows(k: int, big_every: int = 0) -> list[dict[str, Any]]:
+    """Round ``k``'s rows, a pure function of k: some rounds are empty, some span shards,
+    and with ``big_every`` every that-many-th round is big (see BIG_ROWS)."""
+    if is_big(k, big_every):
+        if k not in _BIG_CACHE:  # the checker compares every round after every kill
+            _BIG_CACHE[k] = [
+                {"round": k, "i": i, "text": hashlib.sha256(b"%d,%d" % (k, i)).hexdigest()}
+                for i in range(BIG_ROWS)
+            ]
+        return _BIG_CACHE[k]
     n = (k * 37) % 11 * 6
     return [{"round": k, "i": i, "text": f"round {k} row {i} " + "x" * (i % 13)} for i in range(n)]
+
+
+def shard_bytes_of(k: int, big_every: int) -> int:
+    return BIG_SHARD_BYTES if is_big(k, big_every) else SHARD_BYTES
 
 
 def writer_main(url: str, log_file: str, env: dict[str, str]) -> None:
@@ -48,6 +75,7 @@ def writer_main(url: str, log_file: str, env: dict[str, str]) -> None:
     os.environ.update(env)
     from dynstate import Store
 
+    big_every = int(os.environ.get(_BIG_EVERY, "0"))
     fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def note(line: str) -> None:
@@ -59,7 +87,8 @@ def writer_main(url: str, log_file: str, env: dict[str, str]) -> None:
     note("ready")
     while True:
         note(f"begin {k}")
-        version = store.append(round_rows(k), meta={"round": k}, shard_bytes=SHARD_BYTES)
+        rows, shard_bytes = round_rows(k, big_every), shard_bytes_of(k, big_every)
+        version = store.append(rows, meta={"round": k}, shard_bytes=shard_bytes)
         note(f"commit {version} {k}")
         k += 1
 
@@ -107,6 +136,7 @@ class Outcome:
     unlogged_commit: bool
     stray_shards: int
     killed_before_ready: bool
+    killed_in_round: int | None = None  # the round begun and not logged as committed
 
 
 @dataclass
@@ -125,6 +155,7 @@ class Soak:
     # on a loaded machine a writer racing gc may not commit within max_delay of "ready", and
     # a run of trials that all kill before any commit would prove nothing.
     commit_first: float = 0.0
+    big_every: int = 0  # every that-many-th round is big (round_rows)
     rows_of: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -132,6 +163,7 @@ class Soak:
 
         Store.open(self.url, create=True)
         self.env = {k: os.environ[k] for k in _ENV if k in os.environ}
+        self.env[_BIG_EVERY] = str(self.big_every)
         self.verified_head = 0  # versions up to here were checked by an earlier trial
 
     def trial(self) -> Outcome:
@@ -206,12 +238,12 @@ class Soak:
                 begun.append(int(parts[1]))
             elif parts[:1] == ["commit"] and len(parts) == 3:
                 logged[int(parts[1])] = int(parts[2])
+        pending = [k for k in begun if k not in logged.values()]
         last_logged = max(logged, default=self.verified_head)
         unlogged = head == last_logged + 1
         if not (head == last_logged or unlogged):
             raise TrialFailure(f"head is {head}, but the writer last logged {last_logged}")
         if unlogged:
-            pending = [k for k in begun if k not in logged.values()]
             if len(pending) != 1 or store.commit_record(head).meta.get("round") != pending[0]:
                 raise TrialFailure(f"version {head} is not the round in flight {pending}")
             logged[head] = pending[0]
@@ -237,7 +269,7 @@ class Soak:
             if shard.path not in self.rows_of:
                 self.rows_of[shard.path] = store.read_shard(shard, snap.schema).to_pylist()
         got = [row for shard in snap.shards for row in self.rows_of[shard.path]]
-        if got != [row for k in rounds for row in round_rows(k)]:
+        if got != [row for k in rounds for row in round_rows(k, self.big_every)]:
             raise TrialFailure(f"head {head} does not hold exactly the committed rounds")
         # Each new version is a prefix of the head (row identity) and reads back.
         for version in range(self.verified_head + 1, head + 1):
@@ -250,7 +282,7 @@ class Soak:
         stray = [n for n in store.storage.list("data") if n not in referenced]
         new = head - self.verified_head
         self.verified_head = head
-        return Outcome(head, new, unlogged, len(stray), early)
+        return Outcome(head, new, unlogged, len(stray), early, pending[0] if pending else None)
 
     def final_check(self, samples: int = 10) -> None:
         """Every version of the store checked by a fresh reader: the head read back in full
@@ -328,13 +360,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--max-delay", type=float, default=0.5, help="seconds, per trial")
     parser.add_argument("--gc", action="store_true", help="run gc at grace 0 all along")
+    parser.add_argument("--big-every", type=int, default=0, help="every Nth round ~2.5 MB")
     args = parser.parse_args(argv)
     server = _moto() if args.s3 else None
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dynstate-soak-") as tmp:
         url = "s3://dynstate-soak/store" if args.s3 else os.path.join(tmp, "store")
         soak = Soak(
-            url, Path(tmp), max_delay=args.max_delay, rng=random.Random(args.seed), gc=args.gc
+            url,
+            Path(tmp),
+            max_delay=args.max_delay,
+            rng=random.Random(args.seed),
+            gc=args.gc,
+            big_every=args.big_every,
         )
         outcomes: list[Outcome] = []
         try:
