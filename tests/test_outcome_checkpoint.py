@@ -198,8 +198,14 @@ WRITER = textwrap.dedent(
     put_aggregate = outcomes._put_aggregate
     create = store.storage.create_if_absent
 
+    lock = threading.Lock()
+
     def note(what):
-        print(json.dumps(what), flush=True)
+        # one write per line, under a lock: the checkpoint thread notes too, and print()'s
+        # text and newline are two writes another thread's line can land between
+        with lock:
+            sys.stdout.write(json.dumps(what) + "\\n")
+            sys.stdout.flush()
 
     def slow_aggregate(*args, **kwargs):
         note({"in": "aggregate"})
