@@ -25,9 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar, TypeVar
-
-import fsspec
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from .. import paths
 from ..errors import (
@@ -40,6 +38,9 @@ from .connect import check_options, connect
 from .credentials import Scrubber, redact, secrets_of
 from .errors import text_of, translate
 from .retry import backoff, is_transient
+
+if TYPE_CHECKING:
+    import fsspec
 
 log = logging.getLogger("dynstate")
 T = TypeVar("T")
@@ -73,7 +74,8 @@ class Storage:
         self._scrubber.add(secrets_of(url, self.storage_options))
         self._check_options()
         self._pid = os.getpid()
-        self._fs, root = self._connect()
+        self._fs: fsspec.AbstractFileSystem | None = None
+        root = self._locate()
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self._exclusive_ok: bool | None = True
 
@@ -88,11 +90,19 @@ class Storage:
     def _connect(self) -> tuple[fsspec.AbstractFileSystem, str]:
         return connect(self.url, self.storage_options, self.display_url, self.scrub)
 
+    def _locate(self) -> str:
+        """The root's path in the filesystem, as fsspec gives it. Here by building the
+        filesystem (which also reports a bad URL or option now, not at the first call);
+        a backend that can tell without fsspec leaves :attr:`fs` to its first use."""
+        self._fs, root = self._connect()
+        return root
+
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
-        """The filesystem, rebuilt after a fork: async fsspec filesystems (s3fs) hold an event
-        loop thread and sockets that do not survive into a forked DataLoader worker."""
-        if self._pid != os.getpid():
+        """The filesystem, built on first use and rebuilt after a fork: async fsspec
+        filesystems (s3fs) hold an event loop thread and sockets that do not survive into a
+        forked DataLoader worker."""
+        if self._fs is None or self._pid != os.getpid():
             self._fs = self._connect()[0]
             self._pid = os.getpid()
         return self._fs
