@@ -5,6 +5,10 @@ call ``os`` directly rather than through fsspec's local filesystem, whose path h
 a commit's dozen calls tens of microseconds each; they raise the same builtins, and
 :meth:`Storage._call` translates failures as before. Folders are created on the first miss
 (``FileNotFoundError`` from the create), not checked before every write.
+
+Reads (stat, listing) use ``os`` too, and the root is worked out the way fsspec's local
+filesystem would (:func:`fsspec_local_path`), so a process that only reads a local store
+never imports fsspec; :attr:`Storage.fs` is still there, built on first use.
 """
 
 from __future__ import annotations
@@ -23,6 +27,33 @@ T = TypeVar("T")
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL
 
 
+def fsspec_local_path(url: str) -> str | None:
+    """The path ``fsspec.core.url_to_fs(url)`` gives a local ``url`` (a path, ``file://``,
+    ``local://``), worked out without importing fsspec: the prefix stripped, the path made
+    absolute the way fsspec's ``make_path_posix`` does (``~`` expanded, no ``..`` resolved),
+    trailing slashes dropped. None where only fsspec can tell: chained URLs (``::``), the
+    ``file:``/``local:`` prefixes without ``//``, other platforms than POSIX."""
+    if os.sep != "/" or "::" in url:
+        return None
+    if url.startswith(("file://", "local://")):
+        path = url.split("://", 1)[1]
+    elif "://" in url or url.startswith(("file:", "local:", "data:")):
+        return None
+    else:
+        path = url
+    if path.startswith("/"):
+        pass
+    elif path.startswith("~"):
+        path = os.path.expanduser(path)
+    else:
+        if path.startswith("./"):
+            path = path[2:]
+        elif path == ".":
+            path = ""
+        path = f"{os.getcwd()}/{path}"
+    return path.rstrip("/") or "/"
+
+
 class LocalStorage(Storage):
     """A store root in a local directory. Records appear by ``link()`` of a complete,
     fsynced temporary file, so no partial record is ever visible under its final name."""
@@ -30,6 +61,10 @@ class LocalStorage(Storage):
     local = True
     # The kernel stamps files by its coarse clock (a few ms); ext4, xfs, btrfs keep ns.
     clock_resolution_s = 0.01
+
+    def _locate(self) -> str:
+        root = fsspec_local_path(self.url)
+        return super()._locate() if root is None else root
 
     def _in_folder(self, rel: str, fn: Callable[[str], T]) -> T:
         """``fn(folder)`` for the folder of ``rel``, creating the folder (and any above it)
@@ -84,6 +119,30 @@ class LocalStorage(Storage):
             for fd in fds.values():
                 os.close(fd)
         return out
+
+    def size(self, rel: str) -> int:
+        return self._call("stat", rel, lambda: os.stat(self.path(rel)).st_size)
+
+    def modified(self, rel: str) -> float | None:
+        return self._call("stat", rel, lambda: os.stat(self.path(rel)).st_mtime)
+
+    def list(self, rel_dir: str) -> list[str]:
+        path = self.path(rel_dir)
+
+        def names() -> list[str]:
+            try:
+                with os.scandir(path) as entries:
+                    return [entry.name for entry in entries]
+            except NotADirectoryError:
+                # fsspec's ls of a file (which this replaces) lists the file itself; below a
+                # file, its stat raised NotADirectoryError, as this one does
+                os.stat(path)
+                return [os.path.basename(path.rstrip("/"))]
+
+        try:
+            return sorted(self._call("list", rel_dir, names))
+        except FileNotFoundError:
+            return []
 
     def _put(self, rel: str, data: bytes, durable: bool) -> None:
         def put(directory: str) -> None:
