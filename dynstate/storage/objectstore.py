@@ -3,6 +3,8 @@ read-back that resolves creates whose reply was lost."""
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -10,6 +12,7 @@ from typing import Any
 from ..errors import InvalidDataError
 from .base import Storage
 from .credentials import guard_loggers, split_userinfo
+from .s3http import S3Reader, config_of
 
 
 class ObjectStorage(Storage):
@@ -40,6 +43,11 @@ class ObjectStorage(Storage):
         # on a missing key that HEAD is followed by a LIST; one plain GET is a third the cost.
         self._read_kwargs = {"max_concurrency": 1} if s3 else {}
         self._exclusive_ok = None  # probed before the first write
+        # Reads through the standard library's HTTP client where its configuration is fully
+        # known (s3http's docstring says when): no aiobotocore import, client set-up or
+        # per-request hooks for a command that only reads. Writes go through s3fs.
+        config = config_of(self.url, self.storage_options) if s3 else None
+        self._reader = S3Reader(config) if config is not None else None
 
     def _with_defaults(self, options: dict[str, Any]) -> dict[str, Any]:
         """S3 options with dynstate's defaults where the caller set none: botocore's standard
@@ -53,17 +61,54 @@ class ObjectStorage(Storage):
         return options
 
     def _cat(self, rel: str) -> bytes:
+        if self._reader is not None:
+            return self._reader.get(self.path(rel))
         return self.fs.cat_file(self.path(rel), **self._read_kwargs)
+
+    def _cat_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        reader = self._reader
+        if reader is None:
+            return super()._cat_ranges(ranges)
+        if len(ranges) < 2 or _in_pool():
+            return [reader.get(self.path(rel), start, end) for rel, start, end in ranges]
+        return list(
+            _pool(self.max_parallel_reads).map(
+                lambda r: reader.get(self.path(r[0]), r[1], r[2]), ranges
+            )
+        )
 
     def read_many(self, rels: Sequence[str]) -> list[bytes | None]:
         """:meth:`try_read` of each of ``rels`` on a pool of threads, so that n small objects
         cost about one round trip instead of n. Each read keeps its own retries and error
         translation (the one boundary, :meth:`_call`); the first error raises."""
-        if len(rels) < 2:
+        if len(rels) < 2 or _in_pool():
             return [self.try_read(rel) for rel in rels]
-        workers = min(self.max_parallel_reads, len(rels))
-        with ThreadPoolExecutor(workers, thread_name_prefix="dynstate-read") as pool:
-            return list(pool.map(self.try_read, rels))
+        return list(_pool(self.max_parallel_reads).map(self.try_read, rels))
+
+    def exists(self, rel: str) -> bool:
+        if self._reader is None or not rel:  # the root: a prefix, for s3fs to tell
+            return super().exists(rel)
+        try:
+            self._call("check", rel, lambda: self._reader.info(self.path(rel)))  # type: ignore[union-attr]
+        except FileNotFoundError:
+            return False
+        return True
+
+    def size(self, rel: str) -> int:
+        if self._reader is None:
+            return super().size(rel)
+        return int(self._call("stat", rel, lambda: self._reader.info(self.path(rel))["size"]))  # type: ignore[union-attr]
+
+    def modified(self, rel: str) -> float | None:
+        if self._reader is None:
+            return super().modified(rel)
+        return self._call("stat", rel, lambda: self._reader.info(self.path(rel))["mtime"])  # type: ignore[union-attr]
+
+    def list(self, rel_dir: str) -> list[str]:
+        if self._reader is None:
+            return super().list(rel_dir)
+        entries = self._call("list", rel_dir, lambda: self._reader.ls(self.path(rel_dir)))  # type: ignore[union-attr]
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def _create(self, rel: str, data: bytes, durable: bool = True) -> None:
         self._await_ready()
@@ -75,3 +120,24 @@ class ObjectStorage(Storage):
         # lost; the retry then meets our own object. Only identical bytes are ours (records
         # carry unique shard names and timestamps), anything else lost a race.
         return self.try_read(rel) == bytes(data)
+
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOL_PREFIX = "dynstate-read"
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """This process's pool of read threads (a forked child gets its own): one per process,
+    not one per call, whose thread starts would cost a batch of small reads more than the
+    reads."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():
+            _POOL = (os.getpid(), ThreadPoolExecutor(workers, thread_name_prefix=_POOL_PREFIX))
+        return _POOL[1]
+
+
+def _in_pool() -> bool:
+    # A read the pool's own thread waits for must not queue behind it: run it in series.
+    return threading.current_thread().name.startswith(_POOL_PREFIX)

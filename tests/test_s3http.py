@@ -1,0 +1,279 @@
+"""The read-only S3 client (dynstate/storage/s3http.py): its signatures equal botocore's for
+the same request, it reads, ranges, heads and lists the loopback S3 server as s3fs does, its
+failures are those s3fs raises (so the client-error table applies), transient ones are
+retried through the fault proxy, and it serves only configurations it fully understands."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import uuid
+
+import pytest
+from s3_faults import FaultProxy
+
+from dynstate.errors import StoreNotFoundError
+from dynstate.storage import open_storage
+from dynstate.storage.retry import is_transient
+from dynstate.storage.s3http import S3Config, S3Reader, S3ResponseError, config_of
+
+pytestmark = pytest.mark.s3
+
+ENV = {"AWS_ACCESS_KEY_ID": "AKIDEXAMPLE", "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG+bPx"}
+
+
+def _config(**changes) -> S3Config:
+    base = dict(
+        scheme="http",
+        host="127.0.0.1:9000",
+        path_style=True,
+        region="eu-west-1",
+        key="AKIDEXAMPLE",
+        secret="wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY",
+        token=None,
+    )
+    return S3Config(**{**base, **changes})
+
+
+# -- signatures --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "query", "token", "path_style"),
+    [
+        ("bucket/_dynstate/log/00000000000000000001.json", {}, None, True),
+        ("bucket/a key with spaces/ünïcode+plus=eq~tilde.json", {}, None, True),
+        (
+            "bucket",
+            {"list-type": "2", "prefix": "run 1/_dynstate/", "delimiter": "/", "max-keys": "9"},
+            None,
+            True,
+        ),
+        ("bucket/x/y.parquet", {}, "FQoGZXIvYXdzEJr//////////wEaDOb+session=token", True),
+        ("my-bucket/x/y.parquet", {"continuation-token": "1/abc+def=="}, None, False),
+    ],
+)
+def test_signatures_equal_botocores(monkeypatch, path, query, token, path_style):
+    """The Authorization header equals botocore's S3 SigV4 signer's for the same request at
+    the same instant (path- and virtual-host style, a session token, keys and queries with
+    characters that need encoding)."""
+    import botocore.auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    config = _config(
+        token=token, path_style=path_style, host="s3.eu-west-1.amazonaws.com", scheme="https"
+    )
+    reader = S3Reader(config)
+    bucket, _, key = path.partition("/")
+    host, uri = reader._address(bucket, key)
+    now = dt.datetime(2026, 12, 2, 1, 2, 3, tzinfo=dt.timezone.utc)
+    ours = reader.signed_headers("GET", host, uri, query, now)
+
+    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: now.replace(tzinfo=None))
+    from dynstate.storage.s3http import _query_string
+
+    url = f"https://{host}{uri}" + ("?" + _query_string(query) if query else "")
+    request = AWSRequest(method="GET", url=url, headers={})
+    request.context["payload_signing_enabled"] = True
+    signer = botocore.auth.S3SigV4Auth(
+        Credentials(config.key, config.secret, token), "s3", config.region
+    )
+    signer.add_auth(request)
+    assert ours["authorization"] == request.headers["Authorization"]
+    assert ours["x-amz-date"] == request.headers["X-Amz-Date"]
+    if token:
+        assert ours["x-amz-security-token"] == request.headers["X-Amz-Security-Token"]
+
+
+# -- against the loopback server -----------------------------------------------------------
+
+
+@pytest.fixture
+def put(s3_server):
+    """Write objects with boto3 (not through the code under test); yields a writer."""
+    import boto3
+
+    env = s3_server.env()
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3_server.endpoint,
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_DEFAULT_REGION"],
+    )
+    prefix = uuid.uuid4().hex
+
+    def write(name: str, data: bytes) -> str:
+        from conftest import S3_BUCKET
+
+        client.put_object(Bucket=S3_BUCKET, Key=f"{prefix}/{name}", Body=data)
+        return f"{S3_BUCKET}/{prefix}/{name}"
+
+    write.prefix = prefix  # type: ignore[attr-defined]
+    return write
+
+
+def _reader(endpoint: str, **config) -> S3Reader:
+    options = {"endpoint_url": endpoint, "config_kwargs": config} if config else {}
+    found = config_of("s3://b/p", {"endpoint_url": endpoint, **options})
+    assert found is not None
+    return S3Reader(found)
+
+
+def test_reads_ranges_heads_and_lists(s3_endpoint, put):
+    data = bytes(range(256)) * 40
+    path = put("dir/a b+c.bin", data)
+    put("dir/sub/x.json", b"{}")
+    put("dir/z.json", b"[]")
+    reader = _reader(s3_endpoint)
+    assert reader.get(path) == data
+    assert reader.get(path, 10, 20) == data[10:20]
+    assert reader.get(path, 10_000, 20_000) == data[10_000:]  # past the end: a slice's answer
+    assert reader.get(path, 20_000, 30_000) == b""
+    assert reader.get(path, 5, 5) == b""
+    info = reader.info(path)
+    assert info["size"] == len(data)
+    assert abs(info["mtime"] - dt.datetime.now(dt.timezone.utc).timestamp()) < 3600
+    folder = path.rsplit("/", 1)[0]
+    assert sorted(reader.ls(folder)) == sorted([path, f"{folder}/sub", f"{folder}/z.json"])
+    assert reader.ls(folder + "/nothing-here") == []
+
+
+def test_listing_follows_continuation_tokens(s3_endpoint, put, monkeypatch):
+    paths = sorted(put(f"many/{i:03d}", b"x") for i in range(7))
+    reader = _reader(s3_endpoint)
+    pages: list[dict] = []
+    request = reader._request
+
+    def small_pages(operation, method, path, query=None, extra=None, ok=(200,)):
+        if operation == "ListObjectsV2":
+            query = {**query, "max-keys": "3"}
+            pages.append(query)
+        return request(operation, method, path, query=query, extra=extra, ok=ok)
+
+    monkeypatch.setattr(reader, "_request", small_pages)
+    assert sorted(reader.ls(paths[0].rsplit("/", 1)[0])) == paths
+    assert len(pages) == 3 and "continuation-token" in pages[-1]
+
+
+def test_missing_key_and_bucket_raise_what_s3fs_raises(s3_endpoint, put):
+    reader = _reader(s3_endpoint)
+    path = put("here", b"1")
+    for call in (lambda: reader.get(path + "-not"), lambda: reader.info(path + "-not")):
+        with pytest.raises(FileNotFoundError) as caught:
+            call()
+        assert isinstance(caught.value.__cause__, S3ResponseError)
+        assert not is_transient(caught.value)
+    with pytest.raises(FileNotFoundError) as caught:
+        reader.get(f"no-such-bucket-{uuid.uuid4().hex[:8]}/key")
+    assert caught.value.__cause__.code == "NoSuchBucket"
+
+
+def test_a_store_in_a_missing_bucket_is_store_not_found(s3_endpoint):
+    storage = open_storage(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run")
+    assert storage._reader is not None  # the environment's keys and endpoint: this client
+    with pytest.raises(StoreNotFoundError, match="bucket"):
+        storage.read("_dynstate/store.json")
+
+
+@pytest.mark.parametrize("kind", ["drop_request", "drop_response", "500", "503", "truncate"])
+def test_transient_faults_are_retried(s3_endpoint, put, kind):
+    data = os.urandom(5000)
+    path = put("faulty", data)
+    with FaultProxy(s3_endpoint) as proxy:
+        reader = _reader(proxy.url)
+        proxy.force(kind, method="GET")
+        proxy.force(kind, method="GET")
+        assert reader.get(path) == data
+        assert proxy.faults[kind] == 2
+        proxy.force(kind, method="GET")
+        one = _reader(proxy.url, retries={"max_attempts": 0})  # one attempt in all
+        with pytest.raises(Exception) as caught:
+            one.get(path)
+        assert is_transient(caught.value), repr(caught.value)
+
+
+def test_a_reader_reads_after_fork(s3_endpoint, put):
+    """A forked child (a DataLoader worker) opens its own connection, never its parent's."""
+    path = put("forked", b"parent and child")
+    reader = _reader(s3_endpoint)
+    assert reader.get(path) == b"parent and child"
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(0 if reader.get(path) == b"parent and child" else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert reader.get(path) == b"parent and child"  # the parent's connection still works
+
+
+# -- which configurations it serves -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "env", "served"),
+    [
+        ({}, ENV, False),  # an AWS endpoint with no region named: s3fs discovers it
+        ({}, {**ENV, "AWS_REGION": "eu-west-1"}, True),
+        ({"endpoint_url": "http://127.0.0.1:1"}, ENV, True),
+        ({"endpoint_url": "http://127.0.0.1:1"}, {}, False),  # no keys: s3fs's chain
+        ({"endpoint_url": "http://h:1", "key": "a", "secret": "b"}, {}, True),
+        ({"endpoint_url": "http://h:1", "key": "a"}, {}, False),  # a partial pair
+        ({"endpoint_url": "http://h:1"}, {**ENV, "AWS_PROFILE": "work"}, False),
+        ({"endpoint_url": "http://h:1"}, {**ENV, "HTTPS_PROXY": "http://proxy:3128"}, False),
+        ({"endpoint_url": "http://h:1"}, {**ENV, "DYNSTATE_S3_CLIENT": "s3fs"}, False),
+        ({"endpoint_url": "http://h:1", "anon": True}, ENV, False),
+        ({"endpoint_url": "http://h:1", "requester_pays": True}, ENV, False),
+        ({"endpoint_url": "http://h:1", "client_kwargs": {"verify": False}}, ENV, False),
+        ({"endpoint_url": "http://h:1", "config_kwargs": {"s3": {}}}, ENV, False),
+        ({"endpoint_url": "http://h:1/path"}, ENV, False),
+        ({"endpoint_url": "ftp://h:1"}, ENV, False),
+        (
+            {"client_kwargs": {"endpoint_url": "https://minio:9000", "region_name": "x"}},
+            ENV,
+            True,
+        ),
+    ],
+)
+def test_serves_only_configurations_it_knows(tmp_path, options, env, served):
+    env = {**env, "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    assert (config_of("s3://bucket/run", options, env) is not None) is served
+
+
+def test_the_configuration_it_takes(tmp_path):
+    env = {**ENV, "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_SESSION_TOKEN": "tok"}
+    found = config_of(
+        "s3://bucket/run",
+        {
+            "endpoint_url": "https://minio.example:9000",
+            "config_kwargs": {
+                "connect_timeout": 5,
+                "read_timeout": 30,
+                "retries": {"max_attempts": 2},
+            },
+        },
+        env,
+    )
+    assert found is not None
+    assert (found.scheme, found.host, found.path_style, found.region) == (
+        "https",
+        "minio.example:9000",
+        True,
+        "us-east-1",
+    )
+    assert (found.key, found.token, found.attempts) == ("AKIDEXAMPLE", "tok", 3)
+    assert (found.connect_timeout, found.read_timeout) == (5.0, 30.0)
+    assert ENV["AWS_SECRET_ACCESS_KEY"] not in repr(found)
+    bundle_env = {**env, "AWS_CA_BUNDLE": "/ca.pem"}
+    bundle = config_of("s3://b/r", {"endpoint_url": "https://h"}, bundle_env)
+    assert bundle is not None and bundle.ca_bundle == "/ca.pem"
+    # explicit options win over the environment, as in botocore
+    found = config_of("s3://b/r", {"endpoint_url": "http://h:1", "key": "k", "secret": "s"}, env)
+    assert found is not None and (found.key, found.secret, found.token) == ("k", "s", None)
+    # a region in the config file: botocore would use it, so s3fs serves
+    (tmp_path / "config").write_text("[default]\nregion = eu-north-1\n")
+    with_file = {**env, "AWS_CONFIG_FILE": str(tmp_path / "config")}
+    assert config_of("s3://b/r", {"endpoint_url": "http://h:1"}, with_file) is None
