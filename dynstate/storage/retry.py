@@ -7,9 +7,9 @@ create, denied, bad parameters) are never repeated.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import random
+import sys
 
 from ..errors import CorruptStoreError
 from .errors import BAD_REQUEST, BUSY_CODES, CLIENT_LIBRARIES, CREDENTIALS, cause_chain, row_of
@@ -42,8 +42,12 @@ def is_transient(exc: BaseException) -> bool:
             code = response["Error"].get("Code", "")
             # 501: the backend does not implement the request (e.g. a conditional header).
             return (status >= 500 and status != 501) or status == 429 or code in BUSY_CODES
+    # asyncio's TimeoutError is the builtin from Python 3.11; before, its own class, which
+    # can only have been raised where asyncio was imported (its import costs a CLI ~20 ms).
+    asyncio = sys.modules.get("asyncio")
+    timeouts = (TimeoutError, asyncio.TimeoutError) if asyncio is not None else (TimeoutError,)
     for link in cause_chain(exc):
-        if isinstance(link, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+        if isinstance(link, (ConnectionError, *timeouts)):
             return True
         if is_client_library_error(link):
             # What is left of botocore/aiohttp/urllib3 errors without a reply is transport:
