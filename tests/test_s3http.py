@@ -15,7 +15,7 @@ from s3_faults import FaultProxy
 from dynstate.errors import StoreNotFoundError
 from dynstate.storage import open_storage
 from dynstate.storage.retry import is_transient
-from dynstate.storage.s3http import S3Config, S3Reader, S3ResponseError, config_of
+from dynstate.storage.s3http import S3Config, S3Reader, S3ResponseError, config_of, root_of
 
 pytestmark = pytest.mark.s3
 
@@ -277,3 +277,47 @@ def test_the_configuration_it_takes(tmp_path):
     (tmp_path / "config").write_text("[default]\nregion = eu-north-1\n")
     with_file = {**env, "AWS_CONFIG_FILE": str(tmp_path / "config")}
     assert config_of("s3://b/r", {"endpoint_url": "http://h:1"}, with_file) is None
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["s3://bucket", "s3://bucket/", "s3://bucket/run", "s3://bucket/a/b/c/", "s3a://bucket/run"],
+)
+def test_roots_equal_s3fss(url):
+    import fsspec
+
+    assert root_of(url) == fsspec.core.url_to_fs(url)[1].rstrip("/")
+
+
+@pytest.mark.parametrize("url", ["s3://bucket//run", "s3://bucket/run?versionId=1", "s3://"])
+def test_unusual_urls_go_to_s3fs(url):
+    assert root_of(url) is None and config_of(url, {"endpoint_url": "http://h:1"}, ENV) is None
+
+
+def test_a_reading_process_never_imports_s3fs(s3_endpoint, tmp_path):
+    """A store opened, listed and read through this client imports neither s3fs nor its
+    libraries; its first write builds s3fs's filesystem then."""
+    import subprocess
+    import sys
+
+    from conftest import s3_url
+
+    url = s3_url()
+    script = f"""
+import sys
+import pyarrow as pa
+from dynstate import Store
+store = Store.open({url!r})
+assert store.head == 1 and store.snapshot().to_arrow().num_rows == 3, store.head
+libraries = ("s3fs", "aiobotocore", "botocore", "aiohttp", "fsspec")
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in libraries)
+assert not heavy, heavy
+store.append(pa.table({{"x": [4]}}))
+assert "s3fs" in sys.modules
+print("ok")
+"""
+    from dynstate import Store
+
+    Store.open(url, create=True).append([{"x": 1}, {"x": 2}, {"x": 3}])
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import InvalidDataError
 from .base import Storage
 from .credentials import guard_loggers, split_userinfo
-from .s3http import S3Reader, config_of
+from .s3http import S3Config, S3Reader, config_of, root_of
 
 
 class ObjectStorage(Storage):
@@ -35,19 +35,31 @@ class ObjectStorage(Storage):
                 "(key=..., secret=...) or in the environment (AWS_ACCESS_KEY_ID, "
                 "AWS_SECRET_ACCESS_KEY), never in the URL"
             )
+        self._config: S3Config | None = None
         super().__init__(url, storage_options)
         # The client libraries log request headers at DEBUG level; keep our secrets out.
         guard_loggers(self._scrubber._secrets)
-        s3 = self.url.split("://", 1)[0] in ("s3", "s3a")
+        s3 = self.url.split("://", 1)[0].lower() in ("s3", "s3a")
         # s3fs sends a HEAD before every GET to split large objects into parallel ranges, and
         # on a missing key that HEAD is followed by a LIST; one plain GET is a third the cost.
         self._read_kwargs = {"max_concurrency": 1} if s3 else {}
         self._exclusive_ok = None  # probed before the first write
         # Reads through the standard library's HTTP client where its configuration is fully
         # known (s3http's docstring says when): no aiobotocore import, client set-up or
-        # per-request hooks for a command that only reads. Writes go through s3fs.
-        config = config_of(self.url, self.storage_options) if s3 else None
-        self._reader = S3Reader(config) if config is not None else None
+        # per-request hooks for a command that only reads. Writes go through s3fs, built on
+        # the first of them.
+        self._reader = S3Reader(self._config) if self._config is not None else None
+
+    def _check_options(self) -> None:
+        self._config = config_of(self.url, self.storage_options)
+        if self._config is None:
+            super()._check_options()
+        # else every option is one s3http knows, all of them s3fs's own: nothing to refuse,
+        # and no need to import s3fs and aiobotocore to inspect their signatures
+
+    def _locate(self) -> str:
+        root = root_of(self.url) if self._config is not None else None
+        return super()._locate() if root is None else root
 
     def _with_defaults(self, options: dict[str, Any]) -> dict[str, Any]:
         """S3 options with dynstate's defaults where the caller set none: botocore's standard

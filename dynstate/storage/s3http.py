@@ -140,7 +140,7 @@ def config_of(url: str, options: dict[str, Any], env: Any = None) -> S3Config | 
     env = os.environ if env is None else env
     if env.get("DYNSTATE_S3_CLIENT", "").lower() == "s3fs":
         return None
-    if url.split("://", 1)[0].lower() not in ("s3", "s3a"):
+    if root_of(url) is None:
         return None
     if not set(options) <= KNOWN_OPTIONS or any(env.get(name) for name in _FOREIGN_ENV):
         return None
@@ -196,6 +196,18 @@ def config_of(url: str, options: dict[str, Any], env: Any = None) -> S3Config | 
     return S3Config(
         scheme, host, path_style, region, key, secret, token, connect, read, attempts, ca_bundle
     )
+
+
+def root_of(url: str) -> str | None:
+    """``bucket/prefix`` of an ``s3://`` URL, as s3fs's ``url_to_fs`` gives it; None for a
+    URL whose form s3fs would read otherwise (a query, a fragment, an empty segment)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in ("s3", "s3a"):
+        return None
+    root = rest.rstrip("/")
+    if not root or any(c in root for c in "?#") or "" in root.split("/"):
+        return None
+    return root
 
 
 def _config_file(env: Any) -> str:

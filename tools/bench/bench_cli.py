@@ -228,6 +228,11 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     stores = {n: build(root / f"store-{n}", n) for n in sizes}
     env = {**os.environ, "COLUMNS": "100"}
+    # An installed package has its bytecode (pip compiles it at install time); an editable
+    # checkout gets it on its first import, unless PYTHONDONTWRITEBYTECODE is set (this
+    # machine sets it), and then every fresh process compiles dynstate's ~40 modules again
+    # (~0.09 s). The untimed first runs below write it, as an installation would have it.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
 
     print(f"\npython {sys.version.split()[0]}, {os.cpu_count()} CPUs, load "
           f"{os.getloadavg()[0]:.1f}; median of {args.repeats} fresh processes")  # fmt: skip
