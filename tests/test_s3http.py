@@ -321,3 +321,115 @@ print("ok")
     Store.open(url, create=True).append([{"x": 1}, {"x": 2}, {"x": 3}])
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# -- what S3 tells a client: a bucket's region, its clock; idle connections it closed ------
+
+
+class _FakeS3:
+    """A loopback HTTP server answering GETs as S3 would in one situation: ``region`` (the
+    bucket is in eu-west-1 and a request signed for another region gets S3's 400
+    AuthorizationHeaderMalformed naming it), ``skew`` (S3's clock is two hours ahead and a
+    request more than 15 minutes off gets 403 RequestTimeTooSkewed with its ServerTime), or
+    ``close`` (every reply is followed by closing the connection, without saying so)."""
+
+    def __init__(self, mode: str) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        fake = self
+        self.mode = mode
+        self.requests: list[str] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                auth = self.headers.get("authorization", "")
+                region = auth.split("Credential=", 1)[1].split("/")[2]
+                stamp = dt.datetime.strptime(self.headers["x-amz-date"], "%Y%m%dT%H%M%SZ")
+                stamp = stamp.replace(tzinfo=dt.timezone.utc)
+                fake.requests.append(region)
+                server_now = dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=2)
+                if fake.mode == "region" and region != "eu-west-1":
+                    return self._reply(
+                        400,
+                        b"<Error><Code>AuthorizationHeaderMalformed</Code><Message>the region"
+                        b" is wrong</Message><Region>eu-west-1</Region></Error>",
+                        {"x-amz-bucket-region": "eu-west-1"},
+                    )
+                if fake.mode == "skew" and abs((stamp - server_now).total_seconds()) > 900:
+                    when = server_now.strftime("%Y-%m-%dT%H:%M:%SZ").encode()
+                    return self._reply(
+                        403,
+                        b"<Error><Code>RequestTimeTooSkewed</Code><Message>too far</Message>"
+                        b"<ServerTime>" + when + b"</ServerTime></Error>",
+                    )
+                self._reply(200, b"the body")
+                if fake.mode == "close":
+                    self.close_connection = True  # and no "Connection: close" said
+
+            def _reply(self, status: int, body: bytes, headers: dict | None = None) -> None:
+                self.send_response(status)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_s3(request):
+    fake = _FakeS3(request.param)
+    yield fake
+    fake.close()
+
+
+def _fake_reader(url: str) -> S3Reader:
+    options = {
+        "endpoint_url": url,
+        "key": "k",
+        "secret": "s",
+        "client_kwargs": {"region_name": "us-east-1"},
+        "config_kwargs": {"retries": {"max_attempts": 0}},  # one attempt: no retry hides it
+    }
+    config = config_of("s3://bucket/run", options, {"AWS_CONFIG_FILE": "/nonexistent"})
+    assert config is not None and config.attempts == 1
+    return S3Reader(config)
+
+
+@pytest.mark.parametrize("fake_s3", ["region"], indirect=True)
+def test_a_bucket_in_another_region_is_read_there(fake_s3):
+    reader = _fake_reader(fake_s3.url)
+    assert reader.get("bucket/key") == b"the body"
+    assert reader.get("bucket/key") == b"the body"  # remembered: no second refusal
+    assert fake_s3.requests == ["us-east-1", "eu-west-1", "eu-west-1"]
+
+
+@pytest.mark.parametrize("fake_s3", ["skew"], indirect=True)
+def test_a_host_clock_hours_off_signs_by_s3s_clock(fake_s3, caplog):
+    reader = _fake_reader(fake_s3.url)
+    with caplog.at_level("WARNING", logger="dynstate"):
+        assert reader.get("bucket/key") == b"the body"
+    assert "clock" in caplog.text and "RequestTimeTooSkewed" in caplog.text
+    assert reader.get("bucket/key") == b"the body"
+    assert len(fake_s3.requests) == 3
+
+
+@pytest.mark.parametrize("fake_s3", ["close"], indirect=True)
+def test_a_connection_the_server_closed_while_idle_is_replaced(fake_s3):
+    reader = _fake_reader(fake_s3.url)
+    for _ in range(4):  # one attempt each: a stale connection must not cost it
+        assert reader.get("bucket/key") == b"the body"
+    assert len(fake_s3.requests) == 4

@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import http.client
+import logging
 import os
 import ssl
 import threading
@@ -47,6 +48,8 @@ from typing import Any
 from urllib.parse import quote, unquote_plus, urlsplit
 
 from .retry import backoff, is_transient
+
+log = logging.getLogger("dynstate")
 
 #: Storage options this client understands (s3fs's names); any other goes to s3fs.
 KNOWN_OPTIONS = frozenset(
@@ -247,8 +250,12 @@ class S3Reader:
     def __init__(self, config: S3Config) -> None:
         self.config = config
         self._local = threading.local()
-        self._signing_keys: dict[str, bytes] = {}
+        self._signing_keys: dict[tuple[str, str], bytes] = {}
         self._tls_context: ssl.SSLContext | None = None
+        # What S3 told us: a bucket's region when it is not the configured one (botocore
+        # follows the same redirects), and how far this host's clock is from S3's.
+        self._regions: dict[str, str] = {}
+        self._skew_s = 0.0
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled with its storage for spawned workers: connections do not travel.
@@ -256,20 +263,28 @@ class S3Reader:
 
     # -- signing ---------------------------------------------------------------------------
 
-    def _signing_key(self, day: str) -> bytes:
-        found = self._signing_keys.get(day)
+    def _signing_key(self, day: str, region: str) -> bytes:
+        found = self._signing_keys.get((day, region))
         if found is None:
             k = _hmac(f"AWS4{self.config.secret}".encode(), day)
-            for part in (self.config.region, "s3", "aws4_request"):
+            for part in (region, "s3", "aws4_request"):
                 k = _hmac(k, part)
-            found = self._signing_keys[day] = k
+            found = self._signing_keys[(day, region)] = k
         return found
 
     def signed_headers(
-        self, method: str, host: str, uri: str, query: dict[str, str], now: datetime
+        self,
+        method: str,
+        host: str,
+        uri: str,
+        query: dict[str, str],
+        now: datetime,
+        region: str | None = None,
     ) -> dict[str, str]:
-        """The headers of a request signed with SigV4 at ``now`` (UTC); ``uri`` already
-        percent-encoded as sent (S3 does not encode it twice)."""
+        """The headers of a request signed with SigV4 at ``now`` (UTC) for ``region`` (the
+        configured one by default); ``uri`` already percent-encoded as sent (S3 does not
+        encode it twice)."""
+        region = region or self.config.region
         stamp = now.strftime("%Y%m%dT%H%M%SZ")
         day = stamp[:8]
         headers = {"host": host, "x-amz-content-sha256": _EMPTY_SHA256, "x-amz-date": stamp}
@@ -286,11 +301,12 @@ class S3Reader:
                 _EMPTY_SHA256,
             ]
         )
-        scope = f"{day}/{self.config.region}/s3/aws4_request"
+        scope = f"{day}/{region}/s3/aws4_request"
         to_sign = "\n".join(
             ["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()]
         )
-        signature = hmac.new(self._signing_key(day), to_sign.encode(), hashlib.sha256).hexdigest()
+        key = self._signing_key(day, region)
+        signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
         headers["authorization"] = (
             f"AWS4-HMAC-SHA256 Credential={self.config.key}/{scope}, "
             f"SignedHeaders={';'.join(names)}, Signature={signature}"
@@ -301,9 +317,12 @@ class S3Reader:
 
     def _address(self, bucket: str, key: str) -> tuple[str, str]:
         """(host, percent-encoded path) of an object (or of the bucket, for ``key=""``)."""
+        host = self.config.host
+        if not self.config.path_style:  # AWS's own endpoint: the bucket's region's
+            host = f"s3.{self._regions.get(bucket, self.config.region)}.amazonaws.com"
         if self.config.path_style or not _dns_bucket(bucket):
-            return self.config.host, "/" + quote(bucket + ("/" + key if key else ""), safe="/~")
-        return f"{bucket}.{self.config.host}", "/" + quote(key, safe="/~")
+            return host, "/" + quote(bucket + ("/" + key if key else ""), safe="/~")
+        return f"{bucket}.{host}", "/" + quote(key, safe="/~")
 
     def _connection(self, host: str) -> http.client.HTTPConnection:
         pid = os.getpid()
@@ -348,17 +367,32 @@ class S3Reader:
         uri: str,
         query: dict[str, str],
         extra: dict[str, str],
+        region: str,
     ) -> tuple[int, http.client.HTTPResponse, bytes]:
-        headers = self.signed_headers(method, host, uri, query, datetime.now(timezone.utc))
+        now = datetime.fromtimestamp(time.time() + self._skew_s, timezone.utc)
+        headers = self.signed_headers(method, host, uri, query, now, region)
         headers.update(extra)
         target = uri + ("?" + _query_string(query) if query else "")
         conn = self._connection(host)
         try:
-            if conn.sock is None:
+            reused = conn.sock is not None
+            try:
+                if not reused:
+                    conn.connect()
+                    conn.sock.settimeout(self.config.read_timeout)
+                conn.request(method, target, headers=headers)
+                response = conn.getresponse()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                if not reused:
+                    raise
+                # A kept-alive connection the server closed while idle: no request reached
+                # it on that connection (and reads repeat safely). A new one, not an attempt.
+                self._drop(host)
+                conn = self._connection(host)
                 conn.connect()
                 conn.sock.settimeout(self.config.read_timeout)
-            conn.request(method, target, headers=headers)
-            response = conn.getresponse()
+                conn.request(method, target, headers=headers)
+                response = conn.getresponse()
             body = response.read()
         except http.client.IncompleteRead as exc:
             self._drop(host)
@@ -386,20 +420,53 @@ class S3Reader:
         ok: tuple[int, ...] = (200,),
     ) -> tuple[http.client.HTTPResponse, bytes]:
         bucket, key = _split(path)
-        host, uri = self._address(bucket, key)
-        attempts = self.config.attempts
-        for attempt in range(attempts):
+        attempts, attempt, corrected = self.config.attempts, 0, False
+        while True:
+            region = self._regions.get(bucket, self.config.region)
+            host, uri = self._address(bucket, key)
             try:
-                status, response, body = self._once(method, host, uri, query or {}, extra or {})
+                status, response, body = self._once(
+                    method, host, uri, query or {}, extra or {}, region
+                )
                 if status in ok:
                     return response, body
+                if not corrected and self._corrected(bucket, region, status, response, body):
+                    corrected = True  # once: S3 named the region or its clock; ask again
+                    continue
                 raise _error(status, body, operation, path)
             except Exception as exc:
-                if attempt + 1 < attempts and is_transient(exc):
-                    time.sleep(backoff(attempt, 0.05, 2.0))
+                attempt += 1
+                if attempt < attempts and is_transient(exc):
+                    time.sleep(backoff(attempt - 1, 0.05, 2.0))
                     continue
                 raise
-        raise AssertionError("unreachable")
+
+    def _corrected(self, bucket: str, region: str, status: int, response: Any, body: bytes) -> bool:
+        """Learn from a refusal what botocore learns from it: the bucket's region (a 301 or
+        400 naming another, as S3 does for a request signed for the wrong region) or S3's
+        clock (``RequestTimeTooSkewed``: this host's clock is over 15 minutes off). True
+        when the request is worth sending again."""
+        told = response.getheader("x-amz-bucket-region")
+        code, fields = _error_fields(body)
+        told = told or fields.get("Region")
+        if status in (301, 307, 400) and told and told != region:
+            log.info("bucket %s is in region %s, not %s: reading it there", bucket, told, region)
+            self._regions[bucket] = told
+            return True
+        server = fields.get("ServerTime")
+        if code == "RequestTimeTooSkewed" and server:
+            try:
+                stamp = datetime.fromisoformat(server.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                return False
+            self._skew_s = stamp - time.time()
+            log.warning(
+                "this host's clock is %.0f s off S3's (RequestTimeTooSkewed); signing by "
+                "S3's clock (fix the host's time: s3fs and other clients will fail)",
+                -self._skew_s,
+            )
+            return True
+        return False
 
     # -- the operations ----------------------------------------------------------------------
 
@@ -456,17 +523,25 @@ def _unquote_text(text: str | None) -> str:
     return unquote_plus(text or "")  # encoding-type=url, decoded as botocore does
 
 
+def _error_fields(body: bytes) -> tuple[str | None, dict[str, str]]:
+    """(Code, the other fields) of an S3 error body; (None, {}) if it is none."""
+    if not body:
+        return None, {}
+    try:
+        root = ET.fromstring(body)
+    except ET.ParseError:
+        return None, {}
+    fields = {child.tag: (child.text or "") for child in root}
+    return fields.get("Code") or None, fields
+
+
 def _error(status: int, body: bytes, operation: str, path: str) -> Exception:
-    code, message = str(status), ""
-    if body:
-        try:
-            root = ET.fromstring(body)
-            code = root.findtext("Code") or code
-            message = root.findtext("Message") or ""
-        except ET.ParseError:
+    code, fields = _error_fields(body)
+    message = fields.get("Message", "")
+    if code is None:
+        code = str(status)  # a HEAD's reply has no body: botocore reports the status
+        if body and not fields:
             message = body[:200].decode("utf-8", "replace")
-    elif status == 404:
-        code = "404"  # a HEAD's reply has no body, as botocore reports it
     reply = S3ResponseError(status, code, message, operation, path)
     if code in ("NoSuchKey", "NoSuchBucket", "404", "NotFound"):
         missing = FileNotFoundError(2, f"{path} not found ({code})", path)
