@@ -150,6 +150,15 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return _POOL[1]
 
 
+def _fresh_lock_in_child() -> None:
+    global _POOL_LOCK
+    _POOL_LOCK = threading.Lock()  # a fork while another thread held it leaves it held
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_in_child)
+
+
 def _in_pool() -> bool:
     # A read the pool's own thread waits for must not queue behind it: run it in series.
     return threading.current_thread().name.startswith(_POOL_PREFIX)

@@ -26,7 +26,7 @@ unchanged: ``FileNotFoundError`` for a missing key or bucket (its cause an
 :class:`S3ResponseError` (botocore's ``ClientError`` shape: ``.response["Error"]["Code"]``
 and the HTTP status) for other replies, builtin ``ConnectionError`` / ``TimeoutError`` for
 transport failures and bodies cut short. Transient ones are retried here as botocore's
-standard mode would (``retries.max_attempts`` attempts in all), under the store's own
+standard mode would (``retries.max_attempts`` + 1 attempts in all), under the store's own
 retries.
 """
 
