@@ -98,28 +98,32 @@ class ObjectStorage(Storage):
         return list(_pool(self.max_parallel_reads).map(self.try_read, rels))
 
     def exists(self, rel: str) -> bool:
-        if self._reader is None or not rel:  # the root: a prefix, for s3fs to tell
+        reader = self._reader
+        if reader is None or not rel:  # the root: a prefix, for s3fs to tell
             return super().exists(rel)
         try:
-            self._call("check", rel, lambda: self._reader.info(self.path(rel)))  # type: ignore[union-attr]
+            self._call("check", rel, lambda: reader.info(self.path(rel)))
         except FileNotFoundError:
             return False
         return True
 
     def size(self, rel: str) -> int:
-        if self._reader is None:
+        reader = self._reader
+        if reader is None:
             return super().size(rel)
-        return int(self._call("stat", rel, lambda: self._reader.info(self.path(rel))["size"]))  # type: ignore[union-attr]
+        return int(self._call("stat", rel, lambda: reader.info(self.path(rel))["size"]))
 
     def modified(self, rel: str) -> float | None:
-        if self._reader is None:
+        reader = self._reader
+        if reader is None:
             return super().modified(rel)
-        return self._call("stat", rel, lambda: self._reader.info(self.path(rel))["mtime"])  # type: ignore[union-attr]
+        return self._call("stat", rel, lambda: reader.info(self.path(rel))["mtime"])
 
     def list(self, rel_dir: str) -> list[str]:
-        if self._reader is None:
+        reader = self._reader
+        if reader is None:
             return super().list(rel_dir)
-        entries = self._call("list", rel_dir, lambda: self._reader.ls(self.path(rel_dir)))  # type: ignore[union-attr]
+        entries = self._call("list", rel_dir, lambda: reader.ls(self.path(rel_dir)))
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def _create(self, rel: str, data: bytes, durable: bool = True) -> None:
