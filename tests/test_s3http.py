@@ -333,7 +333,8 @@ class _FakeS3:
     request more than 15 minutes off gets 403 RequestTimeTooSkewed with its ServerTime), or
     ``close`` (every reply is followed by closing the connection, without saying so)."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, tls: tuple[str, str] | None = None) -> None:
+        import ssl
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -381,8 +382,14 @@ class _FakeS3:
                 self.wfile.write(body)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        scheme = "http"
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+            scheme = "https"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.url = f"{scheme}://127.0.0.1:{self.server.server_address[1]}"
 
     def close(self) -> None:
         self.server.shutdown()
@@ -396,7 +403,7 @@ def fake_s3(request):
     fake.close()
 
 
-def _fake_reader(url: str) -> S3Reader:
+def _fake_reader(url: str, env: dict | None = None) -> S3Reader:
     options = {
         "endpoint_url": url,
         "key": "k",
@@ -404,7 +411,9 @@ def _fake_reader(url: str) -> S3Reader:
         "client_kwargs": {"region_name": "us-east-1"},
         "config_kwargs": {"retries": {"max_attempts": 0}},  # one attempt: no retry hides it
     }
-    config = config_of("s3://bucket/run", options, {"AWS_CONFIG_FILE": "/nonexistent"})
+    config = config_of(
+        "s3://bucket/run", options, {"AWS_CONFIG_FILE": "/nonexistent", **(env or {})}
+    )
     assert config is not None and config.attempts == 1
     return S3Reader(config)
 
@@ -433,3 +442,61 @@ def test_a_connection_the_server_closed_while_idle_is_replaced(fake_s3):
     for _ in range(4):  # one attempt each: a stale connection must not cost it
         assert reader.get("bucket/key") == b"the body"
     assert len(fake_s3.requests) == 4
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 that no trust store holds, and its key (PEM files)."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(hours=1))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return str(cert_file), str(key_file)
+
+
+def test_tls_is_verified_against_the_trust_store_or_aws_ca_bundle(tmp_path):
+    """An endpoint whose certificate the trust store does not hold is refused (never read
+    unverified, never retried as transient); with AWS_CA_BUNDLE naming it, it is read."""
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    fake = _FakeS3("plain", tls=(cert, key))
+    try:
+        with pytest.raises(ssl.SSLCertVerificationError) as caught:
+            _fake_reader(fake.url).get("bucket/key")
+        assert not is_transient(caught.value)
+        assert fake.requests == []  # nothing was sent over the unverified connection
+        trusted = _fake_reader(fake.url, {"AWS_CA_BUNDLE": cert})
+        assert trusted.get("bucket/key") == b"the body"
+        assert len(fake.requests) == 1
+    finally:
+        fake.close()
