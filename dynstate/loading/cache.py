@@ -173,7 +173,8 @@ class ShardCache:
     ) -> bool:
         """Whether every row group in ``groups`` of the shard is decoded already."""
         fp = fingerprint if schema is not None else None
-        return all((cache_id(shard), fp, g) in self._shards for g in groups)
+        cid = cache_id(shard)
+        return all((cid, fp, g) in self._shards for g in groups)
 
     def reads_whole(self, store: Store, shard: m.ShardRef, groups: int) -> bool:
         """Whether a read that needs ``groups`` of the shard's row groups should read it
@@ -211,13 +212,15 @@ class ShardCache:
             for shard, groups in wanted:
                 found: list[_Shard | None] = []
                 lacking = []
+                cid = cache_id(shard)
                 for g in groups:
-                    entry = self._shards.get((cache_id(shard), fp, g))
+                    key = (cid, fp, g)
+                    entry = self._shards.get(key)
                     if entry is None:
                         lacking.append(g)
                         self.misses += 1
                     else:
-                        self._shards.move_to_end((cache_id(shard), fp, g))
+                        self._shards.move_to_end(key)
                         self.hits += 1
                     found.append(entry)
                 if lacking:
@@ -239,9 +242,11 @@ class ShardCache:
                     if len(self._partial) > 65536:
                         self._partial.clear()  # a hint only: forgetting costs group reads
                     self._partial[shard.sha256] = self._partial.get(shard.sha256, 0) + len(lacking)
+                    cid = cache_id(shard)
                     for g, entry in entries.items():
-                        if (cache_id(shard), fp, g) not in self._shards:
-                            self._shards[(cache_id(shard), fp, g)] = entry
+                        key = (cid, fp, g)
+                        if key not in self._shards:
+                            self._shards[key] = entry
                             self._bytes += entry.nbytes
                     self._join(shard, fp)
                     self._evict()
@@ -251,18 +256,27 @@ class ShardCache:
         """With the lock held: once every row group of ``shard`` is decoded, replace them by
         the whole shard (one take per column for a batch, and it can join a block)."""
         assert shard.groups is not None
-        keys = [(cache_id(shard), fp, g) for g in range(len(shard.groups.rows))]
-        parts = [self._shards.get(key) for key in keys]
-        if any(p is None for p in parts) or (cache_id(shard), fp) in self._shards:
+        cid = cache_id(shard)
+        if (cid, fp) in self._shards:
             return
+        # Called after every decode of a few groups of a shard with dozens: stop at the
+        # first group missing (group 0 for most of a cold batch's shards).
+        shards = self._shards
+        keys = []
+        for g in range(len(shard.groups.rows)):
+            key = (cid, fp, g)
+            if key not in shards:
+                return
+            keys.append(key)
+        parts = [shards[key] for key in keys]
         try:
-            entry = _Shard(pa.concat_tables([p.table for p in parts if p is not None]))
+            entry = _Shard(pa.concat_tables([p.table for p in parts]))
         except (pa.ArrowInvalid, pa.ArrowTypeError):
             return
         for key in keys:
             old = self._shards.pop(key)
             self._bytes -= old.nbytes
-        self._shards[(cache_id(shard), fp)] = entry
+        self._shards[(cid, fp)] = entry
         self._bytes += entry.nbytes
 
     def block(self, view: _View, block: int) -> _Shard | None:
