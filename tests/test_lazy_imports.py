@@ -22,6 +22,14 @@ from dynstate.storage.connect import LOCAL_OPTIONS, known_options
 from dynstate.storage.local import fsspec_local_path
 
 CLIENT_LIBRARIES = ("fsspec", "s3fs", "botocore", "aiobotocore", "aiohttp")
+# What only a store in a bucket needs: the built-in S3 client and its HTTP/TLS stack, and
+# ftplib (whose errors connect translates for ftp://).
+BUCKET_ONLY = (
+    "dynstate.storage.objectstore",
+    "dynstate.storage.s3http",
+    "http.client",
+    "ftplib",
+)
 CONSOLE_SCRIPT = Path(sys.executable).with_name("dynstate")
 
 # The console script's entry point (pyproject's [project.scripts]) run in a fresh interpreter,
@@ -37,9 +45,9 @@ except SystemExit as exc:
     if exc.code not in (0, None):
         raise
 print("IMPORTED " + json.dumps(sorted(
-    m for m in sys.modules if m.split(".")[0] in LIBRARIES
+    m for m in sys.modules if m.split(".")[0] in LIBRARIES or m in BUCKET_ONLY
 )), file=sys.stderr)
-""".replace("LIBRARIES", repr(CLIENT_LIBRARIES))
+""".replace("LIBRARIES", repr(CLIENT_LIBRARIES)).replace("BUCKET_ONLY", repr(BUCKET_ONLY))
 
 COMMANDS = [
     ["ls", "{url}", "--limit", "20"],

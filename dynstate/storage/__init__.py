@@ -20,7 +20,6 @@ from .errors import is_client_error, translate
 from .local import LocalStorage
 from .locations import Location, open_location
 from .memory import MemoryStorage
-from .objectstore import ObjectStorage
 from .retry import is_transient
 
 __all__ = [
@@ -57,4 +56,14 @@ def open_storage(
         return LocalStorage(url, storage_options)
     if scheme == "memory":
         return MemoryStorage(url, storage_options)
+    from .objectstore import ObjectStorage  # its HTTP client's imports: only for a bucket
+
     return ObjectStorage(url, storage_options)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ObjectStorage":
+        from .objectstore import ObjectStorage
+
+        return ObjectStorage
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,6 @@ only reads a local store never pays fsspec's import (~0.1 s)."""
 
 from __future__ import annotations
 
-import ftplib
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -92,6 +91,8 @@ def connect(
 ) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, path inside it) of ``url``; ``shown`` and ``scrub`` keep credentials out
     of the messages."""
+    import ftplib  # here, with fsspec: a command that builds no filesystem needs neither
+
     import fsspec.core
 
     try:
