@@ -237,18 +237,24 @@ def _decode(
             parquet = pq.ParquetFile(pa.BufferReader(buffer))
             footer = Footer(parquet.metadata)
             meta = footer.meta
-            if meta.num_rows != shard.rows or not layout_matches(meta, ends, list(info.rows), ()):
+            # One check of a fresh footer: its group count and what this read relies on
+            # (a check of the count alone first would repeat its first half).
+            if meta.num_rows != shard.rows or not layout_matches(
+                meta, ends, list(info.rows), groups
+            ):
                 raise _wrong_record(shard, where, meta.num_rows, meta.num_row_groups)
+            footer.counted = max(groups, default=-1) + 1
+            footer.placed.update(groups)
             footers.put(footer_key(info), footer)
         else:
             parquet = pq.ParquetFile(pa.BufferReader(buffer), metadata=footer.meta)
-        unplaced = [g for g in groups if g not in footer.placed]
-        if unplaced:
-            meta = footer.meta
-            if not layout_matches(meta, ends, list(info.rows), unplaced, footer.counted):
-                raise _wrong_record(shard, where, meta.num_rows, meta.num_row_groups)
-            footer.counted = max(footer.counted, max(unplaced) + 1)
-            footer.placed.update(unplaced)
+            unplaced = [g for g in groups if g not in footer.placed]
+            if unplaced:
+                meta = footer.meta
+                if not layout_matches(meta, ends, list(info.rows), unplaced, footer.counted):
+                    raise _wrong_record(shard, where, meta.num_rows, meta.num_row_groups)
+                footer.counted = max(footer.counted, max(unplaced) + 1)
+                footer.placed.update(unplaced)
         table = parquet.read_row_groups(list(groups), use_threads=False)
     except (pa.ArrowException, OSError) as exc:
         raise CorruptStoreError(
