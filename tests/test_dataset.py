@@ -422,3 +422,20 @@ def test_row_column_in_loader_workers_round_trips_as_lineage(tmp_path):
     for row in out[8:]:
         (source,) = row["_dynstate_source"]
         assert row["q"] == f"variant of {out[source]['q']}"
+
+
+def test_a_huge_row_number_is_out_of_range_not_a_missing_version(tmp_path):
+    """Indices past 2**40 carry a version (VersionedSampler's); one that names a version the
+    store never had is a row number out of range, said as such, for one index and a batch."""
+    from dynstate.errors import VersionNotFoundError
+
+    store = Store.open(str(tmp_path / "s"), create=True)
+    store.append([{"x": 1}, {"x": 2}])
+    ds = VersionedDataset(str(tmp_path / "s"))
+    huge = 2**45
+    for read in (lambda: ds[huge], lambda: ds.__getitems__([0, huge])):
+        with pytest.raises(RowOutOfRangeError, match=f"index {huge} is out of range") as caught:
+            read()
+        assert not isinstance(caught.value, VersionNotFoundError)
+        assert "len(dataset)" in str(caught.value)
+    assert ds[encode_index(1, 1)]["x"] == 2  # a sampler's index still reads its version

@@ -18,7 +18,7 @@ import pyarrow as pa
 from torch.utils.data import Dataset
 
 from .. import manifest as m
-from ..errors import InvalidDataError, RowOutOfRangeError
+from ..errors import InvalidDataError, RowOutOfRangeError, VersionNotFoundError
 from ..snapshot import Snapshot
 from ..store import Store
 from .batch import _merge_columns, _row_maker, _rows, arrow_batch, columns_at, row_source
@@ -293,6 +293,23 @@ class VersionedDataset(Dataset):
             view = self._view(self.refresh())
         return view
 
+    def _tagged_view(self, version: int, index: int) -> _View:
+        """The view of the version a sampler index names. An index past 2**40 that names a
+        version the store never had is a row number out of range, not a missing version."""
+        try:
+            return self._view(version)
+        except VersionNotFoundError:
+            head = self.store.refresh()
+            if version <= head:
+                raise  # a version that existed (removed by gc, or below a reset): as it says
+            raise RowOutOfRangeError(
+                f"index {index} is out of range for {self.store.display_url}: not a row "
+                f"number (version {self.version if self.version is not None else head} has "
+                f"{self.snapshot().num_rows} rows) nor an index VersionedSampler yields (it "
+                f"would name version {version}, past the latest, {head}); use an index below "
+                "len(dataset)"
+            ) from None
+
     def _out_of_range(self, view: _View, row: int) -> RowOutOfRangeError:
         return RowOutOfRangeError(
             f"row {row} out of range for version {view.snap.version} of "
@@ -323,7 +340,7 @@ class VersionedDataset(Dataset):
                 f"a dataset index must be an int (a row, or a VersionedSampler index) for "
                 f"{self.url}, not {index!r}; use __getitems__ or read_batch for several"
             ) from exc
-        view = self._plain_view(row) if version is None else self._view(version)
+        view = self._plain_view(row) if version is None else self._tagged_view(version, index)
         if row >= view.num_rows:
             raise self._out_of_range(view, row)
         data = None
@@ -428,7 +445,11 @@ class VersionedDataset(Dataset):
         groups = []
         for positions, tag, rows in split:
             top = int(rows.max()) if len(rows) else -1
-            view = self._plain_view(top) if tag == 0 else self._view(tag - 1)
+            view = (
+                self._plain_view(top)
+                if tag == 0
+                else self._tagged_view(tag - 1, int(idx[positions[0]]))
+            )
             if top >= view.num_rows:
                 raise self._out_of_range(view, top)
             groups.append((positions, view, rows))
