@@ -32,10 +32,33 @@ def canonical(obj: Any) -> bytes:
 
 
 def encode(obj: dict[str, Any]) -> bytes:
-    """Serialize a record with a checksum over its canonical JSON, so tampering is caught."""
+    """Serialize a record with a checksum over its canonical JSON, so tampering is caught.
+    The file is itself canonical (the body's text with the checksum member added), which
+    C's encoder writes ~8x faster than an indented file and :func:`decode` verifies without
+    re-encoding what it parsed."""
     body = {k: v for k, v in obj.items() if k != "checksum"}
-    body["checksum"] = sha256(canonical(body))
-    return json.dumps(body, sort_keys=True, indent=1, ensure_ascii=False).encode()
+    return canonical({**body, "checksum": sha256(canonical(body))})
+
+
+def _canonical_file_matches(data: bytes, expected: str) -> bool:
+    """Whether ``data`` is the canonical text of a record's body with its top-level
+    ``"checksum":"<expected>"`` member added (what :func:`encode` writes) and that text
+    hashes to ``expected``. Removing the member's first occurrence and hashing the rest
+    settles it: only the writer's own canonical text has that hash, and a member moved
+    elsewhere, or written with escapes, leaves bytes that do not. Files in any other
+    layout (indented, as dynstate wrote them before) answer False."""
+    member = b'"checksum":"' + expected.encode() + b'"'
+    at = data.find(member)
+    if at <= 0:
+        return False
+    end = at + len(member)
+    if data[at - 1 : at] == b",":
+        text = data[: at - 1] + data[end:]
+    elif data[end : end + 1] == b",":
+        text = data[:at] + data[end + 1 :]
+    else:
+        text = data[:at] + data[end:]
+    return sha256(text) == expected
 
 
 # Bounds on what any store file may hold. Records nest a few levels around a ``meta`` of at
@@ -79,24 +102,24 @@ def _nesting(data: bytes) -> int:
 
 def _depth(obj: Any) -> int:
     """How deep a parsed value's lists and dicts nest (as :func:`_nesting` counts the text's
-    brackets), without recursion; stops counting past the bound."""
-    peak = 0
-    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
-    while stack:
-        value, depth = stack.pop()
-        if depth > peak:
-            peak = depth
-            if peak > MAX_JSON_DEPTH:
-                break
-        children = value.values() if isinstance(value, dict) else value
-        # A record's long lists hold numbers: one C-level pass over their types settles that
-        # they hold no container, instead of a Python test per element.
-        kinds = set(map(type, children))
-        if any(issubclass(kind, (dict, list)) for kind in kinds):
-            stack.extend(
-                (child, depth + 1) for child in children if isinstance(child, (dict, list))
-            )
-    return peak
+    brackets), without recursion; stops counting past the bound. Only for what ``json``
+    parsed: its containers are exactly ``dict`` and ``list``."""
+    level = [obj] if type(obj) in _CONTAINERS else []
+    depth = 0
+    while level and depth <= MAX_JSON_DEPTH:
+        depth += 1
+        below = []
+        for value in level:
+            children = value.values() if type(value) is dict else value
+            # A record's long lists hold numbers: one C-level pass over their types settles
+            # that they hold no container, instead of a Python test per element.
+            if not _CONTAINERS.isdisjoint(set(map(type, children))):
+                below += [child for child in children if type(child) in _CONTAINERS]
+        level = below
+    return depth
+
+
+_CONTAINERS = frozenset((dict, list))
 
 
 def _bounded_int(where: str) -> Any:
@@ -150,7 +173,15 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
         )
     expected = obj.get("checksum")
     body = {k: v for k, v in obj.items() if k != "checksum"}
-    if expected != sha256(canonical(body)):
+    # A canonical file (every file this dynstate writes) is verified by hashing its own
+    # bytes; re-encoding what was parsed, ~4x the cost, only for files written otherwise.
+    fast = (
+        isinstance(expected, str)
+        and len(expected) == 64
+        and isinstance(data, (bytes, bytearray, memoryview))
+        and _canonical_file_matches(bytes(data), expected)
+    )
+    if not fast and expected != sha256(canonical(body)):
         raise ChecksumMismatchError(
             f"{where} does not match its checksum: the record was modified after it was "
             "written; restore it or reset the store to an earlier version"
