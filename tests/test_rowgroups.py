@@ -456,3 +456,35 @@ def test_every_column_type_round_trips_through_the_encoding_choice(tmp_path) -> 
     other = Store.open(str(tmp_path / "n"), create=True)
     other.append(nested)
     assert other.snapshot().to_arrow().equals(nested)
+
+
+def test_row_groups_decoded_together_are_read_as_one_piece_in_any_order(tmp_path):
+    """A batch's rows of several row groups of one shard, in shuffled order with repeats,
+    some groups cached by an earlier read and some decoded now: every format gives the
+    table's rows, and the groups decoded together are read through one decode."""
+    from dynstate.loading import batch
+
+    g = ROW_GROUP_ROWS
+    store = Store.open(str(tmp_path / "s"), create=True)
+    table = _table(0, 20 * g)  # 20 groups: four of them are read as row groups
+    store.append(table)
+    expected = table.to_pylist()
+    ds = VersionedDataset(store)
+    assert ds[2 * g + 5] == expected[2 * g + 5]  # group 2 cached alone
+    rows = [3 * g + 1, 7, 2 * g + 9, 3 * g + 1, 0, 2 * g + 5, 9 * g + 99, 8]
+    assert ds.read_batch(rows) == [expected[i] for i in rows]
+    assert ds.read_batch(rows, "arrow").to_pylist() == [expected[i] for i in rows]
+    assert ds.read_batch(rows, "columns")["prompt"] == [expected[i]["prompt"] for i in rows]
+
+    fresh = VersionedDataset(store)
+    view = fresh._view(fresh.version)
+    found = batch.pieces(fresh.cache, fresh.store, view, np.asarray(rows))
+    assert len(found) == 1  # groups 0, 2, 3 and 9 decoded together: one piece
+    data, where, local = found[0]
+    assert data.base is None
+    got = [None] * len(rows)
+    for position, row in zip(where.tolist(), local.tolist(), strict=True):
+        got[position] = data.table.slice(row, 1).to_pylist()[0]
+    assert got == [expected[i] for i in rows]
+    # The parts cached per group slice their decode when first used on their own.
+    assert fresh[3 * g + 2] == expected[3 * g + 2]

@@ -176,6 +176,16 @@ def pieces(cache: ShardCache, store: Store, view: _View, rows: np.ndarray) -> li
         decoded = cache.groups(store, wanted, snap.schema, view.fingerprint, snap.version)
         for (index, here, local, split), entries in zip(partial, decoded, strict=True):
             starts = starts_of(view, index)
+            root = entries[0].root
+            if len(entries) > 1 and all(e.base is root for e in entries):
+                # Row groups decoded together: one piece over their decode (one take per
+                # column for the shard, not one per group).
+                at_parts, row_parts = [], []
+                for (group, sub), entry in zip(split, entries, strict=True):
+                    at_parts.append(sub if here is None else here[sub])
+                    row_parts.append(local[sub] - (int(starts[group]) - entry.start))
+                out.append((root, np.concatenate(at_parts), np.concatenate(row_parts)))
+                continue
             for (group, sub), entry in zip(split, entries, strict=True):
                 at = here if sub is None else (sub if here is None else here[sub])
                 group_rows = local if sub is None else local[sub]

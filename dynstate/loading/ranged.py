@@ -225,7 +225,8 @@ def _decode(
     try:
         # A buffer the size of the file holding only the verified segments, at their
         # offsets: the reader, given the verified footer, reads only the column chunks of
-        # the groups asked for, which are checked below to lie inside them.
+        # the groups asked for, which are checked below to lie inside them. (In memory:
+        # nothing for pyarrow's read-ahead to coalesce.)
         buffer = pa.allocate_buffer(shard.bytes)
         target = np.frombuffer(buffer, dtype=np.uint8)
         for g in groups:
@@ -234,7 +235,7 @@ def _decode(
             footer_at = len(info.rows)
             target[bounds[footer_at] :] = np.frombuffer(got[(k, footer_at)], dtype=np.uint8)
             # The footer is parsed where it lies in the buffer: one reader set up, not two.
-            parquet = pq.ParquetFile(pa.BufferReader(buffer))
+            parquet = pq.ParquetFile(pa.BufferReader(buffer), pre_buffer=False)
             footer = Footer(parquet.metadata)
             meta = footer.meta
             # One check of a fresh footer: its group count and what this read relies on
@@ -247,7 +248,9 @@ def _decode(
             footer.placed.update(groups)
             footers.put(footer_key(info), footer)
         else:
-            parquet = pq.ParquetFile(pa.BufferReader(buffer), metadata=footer.meta)
+            parquet = pq.ParquetFile(
+                pa.BufferReader(buffer), metadata=footer.meta, pre_buffer=False
+            )
             unplaced = [g for g in groups if g not in footer.placed]
             if unplaced:
                 meta = footer.meta
