@@ -15,7 +15,10 @@ Never part of the tests.
 
     python tools/bench/bench_commit.py                    # 10 and 1,000 versions, 41 rounds
     python tools/bench/bench_commit.py --sizes 10,1000,5000 --rounds 61
+    python tools/bench/bench_commit.py --pause-ms 10      # each append after a pause
     python tools/bench/bench_commit.py --profile          # where dynstate's append goes
+
+Each timed append starts after an untimed ``os.sync()`` (``--no-settle``: without).
 """
 
 from __future__ import annotations
@@ -113,7 +116,9 @@ def contenders(root: Path, versions: int) -> dict[str, Callable[[pa.Table], Any]
     return out
 
 
-def bench_size(root: Path, versions: int, rounds: int) -> dict[str, list[float]]:
+def bench_size(
+    root: Path, versions: int, rounds: int, settle: bool = True, pause: float = 0.0
+) -> dict[str, list[float]]:
     appends = contenders(root, versions)
     names = list(appends)
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -122,6 +127,15 @@ def bench_size(root: Path, versions: int, rounds: int) -> dict[str, list[float]]
         # Rotate who goes first: a disk's journal commit or another job's burst then lands
         # on each contender alike.
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            if settle:
+                # Untimed: nothing another contender wrote (Lance, Delta and the patched-out
+                # append call no fsync) is left for this one's first fsync to flush.
+                os.sync()
+            if pause:
+                # Untimed: the peers' runtime threads idle again (one still spinning on the
+                # second core delays dynstate's sync thread), and every contender starts as
+                # a training step's commit does, after a pause: caches and cores cold.
+                time.sleep(pause)
             t = time.perf_counter()
             appends[name](table)
             times[name].append(time.perf_counter() - t)
@@ -246,6 +260,15 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--profile", action="store_true", help="profile dynstate's append")
     parser.add_argument("--commits", type=int, default=300, help="appends profiled")
+    parser.add_argument(
+        "--no-settle",
+        action="store_true",
+        help="no os.sync() before each timed append (a contender's first fsync then also "
+        "flushes what the one before it left unsynced)",
+    )
+    parser.add_argument(
+        "--pause-ms", type=float, default=0.0, help="untimed sleep before each timed append"
+    )
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="dynstate-bench-commit-", dir=args.dir))
     try:
@@ -258,7 +281,7 @@ def main() -> None:
             root = base / str(versions)
             root.mkdir()
             load0 = os.getloadavg()[0]
-            times = bench_size(root, versions, args.rounds)
+            times = bench_size(root, versions, args.rounds, not args.no_settle, args.pause_ms / 1e3)
             report(versions, times, (load0, os.getloadavg()[0]))
             shutil.rmtree(root, ignore_errors=True)
     finally:
