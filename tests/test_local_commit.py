@@ -166,3 +166,61 @@ def test_schema_file_is_rewritten_only_when_the_parent_does_not_name_it(tmp_path
     assert new_fp != fp
     assert (tmp_path / "s" / m.META_DIR / "schemas" / f"{new_fp}.json").exists()
     assert Store.open(str(tmp_path / "s")).snapshot().to_arrow().column("a").to_pylist() == [3, 4]
+
+
+def _hint(root: Path) -> Path:
+    return root / m.HEAD_HINT
+
+
+def test_the_head_hint_is_rewritten_in_place_at_a_fixed_width(tmp_path: Path) -> None:
+    """No rename per commit (ext4 starts writing a file renamed over another at the rename):
+    the hint keeps its inode, and a shorter version number leaves no tail of a longer one."""
+    root = tmp_path / "s"
+    store = Store.open(str(root), create=True)
+    store.append([{"id": 0}])
+    inode = os.stat(_hint(root)).st_ino
+    for i in range(1, 4):
+        store.append([{"id": i}])
+    assert os.stat(_hint(root)).st_ino == inode
+    assert _hint(root).read_bytes().decode().strip() == '{"version": 4}'
+    # An older, longer hint (as a dynstate before this one left it) is cut to the new one.
+    _hint(root).write_bytes(b'{"version": 4}' + b" " * 100)
+    store.append([{"id": 4}])
+    assert _hint(root).read_bytes().decode().rstrip() == '{"version": 5}'
+    assert len(_hint(root).read_bytes()) == 40
+    assert Store.open(str(root)).head == 5
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_a_linked_head_hint_is_replaced_never_written_through(tmp_path: Path, link: str) -> None:
+    root = tmp_path / "s"
+    store = Store.open(str(root), create=True)
+    store.append([{"id": 0}])
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"not the store's")
+    _hint(root).unlink()
+    if link == "symlink":
+        _hint(root).symlink_to(outside)
+    else:
+        os.link(outside, _hint(root))
+    store.append([{"id": 1}])
+    assert outside.read_bytes() == b"not the store's"
+    assert not _hint(root).is_symlink()
+    assert _hint(root).read_bytes().decode().strip() == '{"version": 2}'
+    assert Store.open(str(root)).head == 2
+
+
+def test_a_head_hint_overwritten_on_memory_and_naming_no_version_is_ignored(tmp_path) -> None:
+    """A hint mixed from an old and a new write names some version or none: either way the
+    head is found."""
+    root = tmp_path / "s"
+    store = Store.open(str(root), create=True)
+    for i in range(3):
+        store.append([{"id": i}])
+    for torn in (b'{"version": 9}', b'{"version": 1}', b'{"vers', b'{"version": 19}'):
+        _hint(root).write_bytes(torn.ljust(40))
+        assert Store.open(str(root)).head == 3
+    memory = Store.open("memory://hint-overwrite", create=True)
+    memory.append([{"id": 0}])
+    memory.storage.overwrite(m.HEAD_HINT, b'{"version": 7}'.ljust(40))
+    assert Store.open("memory://hint-overwrite").head == 1

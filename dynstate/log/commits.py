@@ -47,6 +47,8 @@ MAX_COMMIT_ATTEMPTS = 200
 # its one argument rather than in it, so the hook tests wrap around _publish keeps its shape.
 _COMMITTING = threading.local()
 
+# The head hint's size: '{"version": N}' for any N up to 2**63, padded with spaces.
+HINT_BYTES = 40
 #: What :meth:`Log.refresh` reads first, in this order: the gc floor and the head hint.
 ROOT_FILES = (paths.GC_FILE, paths.HEAD_HINT)
 
@@ -555,9 +557,11 @@ class Log(Catalog):
                 # a cache readers do without: off the commit's path (a floor's is not)
                 _outcomes(self).write_checkpoint(record, background=True)
             # No fsync: the hint only ever names a version already durable, and a hint lost
-            # or torn by a power cut is ignored by refresh(), which then probes.
-            hint = json.dumps({"version": record.version}).encode()
-            self.storage.put(paths.HEAD_HINT, hint, durable=False)
+            # or torn (by a power cut, or read while written in place) is ignored by
+            # refresh() if it names no version, and at worst makes it probe from lower.
+            # Fixed width, so that an overwrite in place leaves no tail of a longer one.
+            hint = json.dumps({"version": record.version}).ljust(HINT_BYTES).encode()
+            self.storage.overwrite(paths.HEAD_HINT, hint)
         except DynstateError as exc:
             log.warning("post-commit upkeep of %s failed: %s", self.display_url, exc)
 

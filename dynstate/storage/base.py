@@ -354,6 +354,13 @@ class Storage:
         force; never data). ``durable=False`` skips the fsync where a lost write is harmless."""
         self._call("write", rel, lambda: self._put(rel, data, durable))
 
+    def overwrite(self, rel: str, data: bytes) -> None:
+        """Replace the content of an advisory file (the head hint) as cheaply as the backend
+        allows, not durably: a reader may meet the old bytes, the new ones or, locally, a
+        mix of both, so only a file whose readers check and ignore what they cannot use may
+        be written this way, and its writers keep its size fixed."""
+        self.put(rel, data, durable=False)
+
     def delete(self, rel: str) -> None:
         try:
             self._call("delete", rel, lambda: self.fs.rm_file(self.path(rel)))

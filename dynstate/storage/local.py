@@ -152,6 +152,30 @@ class LocalStorage(Storage):
 
         self._in_folder(rel, put)
 
+    def overwrite(self, rel: str, data: bytes) -> None:
+        # In place: renaming a new file over the old one makes ext4 (auto_da_alloc) start
+        # writing the new file's data at the rename, ~0.2 ms of a 3 ms commit here.
+        self._call("write", rel, lambda: self._overwrite(rel, data))
+
+    def _overwrite(self, rel: str, data: bytes) -> None:
+        try:
+            # No O_CREAT (the first write creates it whole) and no following a link: only a
+            # regular file of this one name is written into.
+            fd = os.open(self.path(rel), os.O_WRONLY | os.O_NOFOLLOW)
+        except OSError:
+            self._put(rel, data, False)
+            return
+        try:
+            info = os.fstat(fd)
+            regular = stat.S_ISREG(info.st_mode) and info.st_nlink == 1
+            if regular and os.pwrite(fd, data, 0) == len(data):
+                if info.st_size > len(data):
+                    os.ftruncate(fd, len(data))
+                return
+        finally:
+            os.close(fd)
+        self._put(rel, data, False)  # a hard link, or a short write: a new file instead
+
     def contained(self, rel: str) -> bool:
         path = self.path(rel)
         try:
