@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
@@ -40,6 +37,7 @@ from .rounds import check_meta, conform_round, to_table
 from .rowgroups import write_shard
 from .snapshot import Staged
 from .storage import DeferredSync
+from .threads import ProcessPool
 
 log = logging.getLogger("dynstate")
 
@@ -764,21 +762,11 @@ class _Background:
     failed). One long-lived thread, not one per call: starting a thread costs a commit
     milliseconds on a loaded machine."""
 
-    _pool: tuple[int, ThreadPoolExecutor] | None = None
-    _lock = threading.Lock()
+    _threads = ProcessPool("dynstate-write")
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.value: Any = None
-        self._future = self._executor().submit(self._run, fn)
-
-    @classmethod
-    def _executor(cls) -> ThreadPoolExecutor:
-        with cls._lock:
-            # A forked child inherits the pool but not its thread: it gets its own.
-            if cls._pool is None or cls._pool[0] != os.getpid():
-                pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynstate-write")
-                cls._pool = (os.getpid(), pool)
-            return cls._pool[1]
+        self._future = self._threads.executor(1).submit(self._run, fn)
 
     def _run(self, fn: Callable[[], Any]) -> Any:
         self.value = fn()

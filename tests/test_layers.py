@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dynstate"
 
 # Bottom up. A module is placed by its longest matching prefix (a package or a module path).
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "_version"),
+    ("errors", "_version", "threads"),
     # the file-name grammar: pure and self-contained, below storage, whose backends name their
     # temporary files and probes with it (the records layer's, placed where storage reaches it)
     ("paths",),

@@ -374,9 +374,9 @@ def test_a_forked_child_decodes_after_its_parent_used_the_threads(tmp_path, monk
         store.append(_table(k * n, n))
     table = _table(0, 4 * n)
     rows = [k * n + 3 for k in range(4)]
-    started = ranged._decoder_pool is not None
+    started = ranged._DECODE.started
     assert VersionedDataset(url).read_batch(rows) == table.take(rows).to_pylist()
-    assert started or ranged._decoder_pool is not None, "the parent never used the threads"
+    assert started or ranged._DECODE.started, "the parent never used the threads"
     ctx = multiprocessing.get_context("fork")
     child = ctx.Process(target=_read_and_check, args=(url, rows, table.take(rows).to_pylist()))
     child.start()

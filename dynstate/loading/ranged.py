@@ -9,7 +9,6 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate
 
 import numpy as np
@@ -20,6 +19,7 @@ from .. import manifest as m
 from ..errors import ChecksumMismatchError, CorruptStoreError
 from ..rowgroups import layout_matches
 from ..store import Store
+from ..threads import ProcessPool
 
 # Parsed footers kept per process; each is a few KB to a few tens of KB.
 _FOOTERS = 4096
@@ -97,28 +97,9 @@ def _wrong_record(shard: m.ShardRef, where: str, rows: int, groups: int) -> Corr
     )
 
 
-_decoder_pool: ThreadPoolExecutor | None = None
-_decoder_lock = threading.Lock()
-
-
-def _decoders() -> ThreadPoolExecutor:
-    """This process's decoding threads, started on first use."""
-    global _decoder_pool
-    with _decoder_lock:
-        if _decoder_pool is None:
-            _decoder_pool = ThreadPoolExecutor(_DECODERS, thread_name_prefix="dynstate-decode")
-        return _decoder_pool
-
-
-def _forget_decoders() -> None:
-    # A forked child (a DataLoader worker) has none of its parent's threads, and the lock may
-    # have been held by one of them at the fork: start both afresh there.
-    global _decoder_pool, _decoder_lock
-    _decoder_pool = None
-    _decoder_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_decoders)
+# The decoding threads (fresh in a forked child: a DataLoader worker has none of its
+# parent's).
+_DECODE = ProcessPool("dynstate-decode")
 
 
 def _where(store: Store, version: int | None) -> str:
@@ -205,7 +186,7 @@ def read_groups(
         return [decode(k) for k in range(len(wanted))]
     # Parquet decodes with the GIL released: a cold batch spread over dozens of shards
     # decodes them on a few threads at once.
-    return list(_decoders().map(decode, range(len(wanted))))
+    return list(_DECODE.executor(_DECODERS).map(decode, range(len(wanted))))
 
 
 def _decode(

@@ -3,13 +3,11 @@ read-back that resolves creates whose reply was lost."""
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import InvalidDataError
+from ..threads import ProcessPool
 from .base import Storage
 from .credentials import guard_loggers, split_userinfo
 from .s3http import S3Config, S3Reader, config_of, root_of
@@ -81,10 +79,10 @@ class ObjectStorage(Storage):
         reader = self._reader
         if reader is None:
             return super()._cat_ranges(ranges)
-        if len(ranges) < 2 or _in_pool():
+        if len(ranges) < 2 or _READS.owns_current_thread():
             return [reader.get(self.path(rel), start, end) for rel, start, end in ranges]
         return list(
-            _pool(self.max_parallel_reads).map(
+            _READS.executor(self.max_parallel_reads).map(
                 lambda r: reader.get(self.path(r[0]), r[1], r[2]), ranges
             )
         )
@@ -93,9 +91,9 @@ class ObjectStorage(Storage):
         """:meth:`try_read` of each of ``rels`` on a pool of threads, so that n small objects
         cost about one round trip instead of n. Each read keeps its own retries and error
         translation (the one boundary, :meth:`_call`); the first error raises."""
-        if len(rels) < 2 or _in_pool():
+        if len(rels) < 2 or _READS.owns_current_thread():
             return [self.try_read(rel) for rel in rels]
-        return list(_pool(self.max_parallel_reads).map(self.try_read, rels))
+        return list(_READS.executor(self.max_parallel_reads).map(self.try_read, rels))
 
     def exists(self, rel: str) -> bool:
         reader = self._reader
@@ -138,31 +136,6 @@ class ObjectStorage(Storage):
         return self.try_read(rel) == bytes(data)
 
 
-_POOL: tuple[int, ThreadPoolExecutor] | None = None
-_POOL_PREFIX = "dynstate-read"
-_POOL_LOCK = threading.Lock()
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """This process's pool of read threads (a forked child gets its own): one per process,
-    not one per call, whose thread starts would cost a batch of small reads more than the
-    reads."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL[0] != os.getpid():
-            _POOL = (os.getpid(), ThreadPoolExecutor(workers, thread_name_prefix=_POOL_PREFIX))
-        return _POOL[1]
-
-
-def _fresh_lock_in_child() -> None:
-    global _POOL_LOCK
-    _POOL_LOCK = threading.Lock()  # a fork while another thread held it leaves it held
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_lock_in_child)
-
-
-def _in_pool() -> bool:
-    # A read the pool's own thread waits for must not queue behind it: run it in series.
-    return threading.current_thread().name.startswith(_POOL_PREFIX)
+# This process's read threads: one pool per process, whose threads' starts would otherwise
+# cost a batch of small reads more than the reads.
+_READS = ProcessPool("dynstate-read")
