@@ -180,8 +180,10 @@ def pieces(cache: ShardCache, store: Store, view: _View, rows: np.ndarray) -> li
             if len(entries) > 1 and all(e.base is root for e in entries):
                 # Row groups decoded together: one piece over their decode (one take per
                 # column for the shard, not one per group).
-                at_parts, row_parts = [], []
+                at_parts: list[np.ndarray] = []
+                row_parts: list[np.ndarray] = []
                 for (group, sub), entry in zip(split, entries, strict=True):
+                    assert sub is not None  # several groups: each serves some of the rows
                     at_parts.append(sub if here is None else here[sub])
                     row_parts.append(local[sub] - (int(starts[group]) - entry.start))
                 out.append((root, np.concatenate(at_parts), np.concatenate(row_parts)))
