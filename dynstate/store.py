@@ -291,12 +291,16 @@ class Store:
                 shard.path, check=lambda d: verify_shard_bytes(d, shard, where)
             )
         except FileNotFoundError:
+            data = None
+        if data is None:
+            # gc.json read outside the handler: its errors must not carry "no such key" as
+            # their context (storage's error table reads S3's code along that chain).
             if version is not None and version < self.log.read_floor():
-                raise self.log.collected(version) from None  # a handle older than the gc
+                raise self.log.collected(version)  # a handle older than the gc
             raise MissingShardError(
                 f"shard {shard.path} of {self.display_url}{at} is missing; restore it, or reset "
                 "the store to a version that does not use it"
-            ) from None
+            )
         _check_rows(data, shard, where)
         return data
 

@@ -423,3 +423,28 @@ def test_training_reads_at_most_one_request_per_batch_once_warm(proxy, tmp_path)
     assert proxy.counts["GET"] <= batches
     fetched = [path for op, path in proxy.log if any(path.endswith(s) for s in shard_paths)]
     assert fetched == []  # every shard came from the cache
+
+
+@pytest.mark.parametrize("request_number", range(4))
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_fault_anywhere_in_the_probe_leaves_its_verdict(proxy, kind, request_number):
+    """The exclusive-create probe (create, create again: 412, read back, delete) meeting any
+    one fault still finds conditional writes supported: the read-back after the 412 once
+    carried the refusal as its error's context, so a reset connection there read as S3's
+    permanent "PreconditionFailed" and the verdict came out False (seen under the 15 % fault
+    rate of test_concurrent_writers_under_faults)."""
+    storage = open_storage(s3_url(), _options(proxy))
+    storage.retry_base_s = 0.001
+    probe_requests: list[str] = []
+
+    def decide(method: str, path: str) -> str | None:
+        if "/probe/" not in path:
+            return None
+        probe_requests.append(method)
+        if len(probe_requests) - 1 == request_number:
+            return proxy._injected(kind, method, path)
+        return None
+
+    proxy._decide = decide  # type: ignore[method-assign]
+    assert storage.check_exclusive_create() is True, probe_requests
+    assert proxy.faults[kind] == 1

@@ -171,12 +171,18 @@ def read_groups(
 
     try:
         store.storage.read_ranges(ranges, check=check)
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
+        missing: FileNotFoundError | None = exc
+    else:
+        missing = None
+    if missing is not None:
+        # Outside the handler, so that errors of these reads do not carry "no such key" as
+        # their context (storage's error table reads S3's code along that chain).
         for shard, _ in wanted:
             if not store.storage.exists(shard.path):
                 # The one home of the "missing" and "collected" errors raises them.
                 store.read_shard_bytes(shard, version=version)
-        raise
+        raise missing
 
     def decode(k: int) -> pa.Table:
         shard, groups = wanted[k]

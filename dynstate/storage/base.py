@@ -329,16 +329,22 @@ class Storage:
         _READY.fn = ready
         try:
             self._call("create", rel, lambda: self._create(rel, data, durable))
-        except FileExistsError:
-            if not self._landed(rel, data):
-                raise
-            log.info(
-                "create of %s/%s: an earlier attempt landed though its reply was lost",
-                self.display_url,
-                rel,
-            )
+        except FileExistsError as exc:
+            exists = exc
+        else:
+            return
         finally:
             _READY.fn = previous
+        # Outside the handler: an error of the read-back must not carry the refusal as its
+        # context (the error table reads S3's code along that chain: a reset connection
+        # would read as "PreconditionFailed", permanent, and go unretried).
+        if not self._landed(rel, data):
+            raise exists
+        log.info(
+            "create of %s/%s: an earlier attempt landed though its reply was lost",
+            self.display_url,
+            rel,
+        )
 
     def create_if_absent(self, rel: str, data: bytes) -> bool:
         """Exclusive create for content-addressed or deterministic files: an existing object
