@@ -29,6 +29,7 @@ import cProfile
 import functools
 import os
 import pstats
+import random
 import shutil
 import statistics
 import sys
@@ -117,7 +118,12 @@ def contenders(root: Path, versions: int) -> dict[str, Callable[[pa.Table], Any]
 
 
 def bench_size(
-    root: Path, versions: int, rounds: int, settle: bool = True, pause: float = 0.0
+    root: Path,
+    versions: int,
+    rounds: int,
+    settle: bool = True,
+    pause: float = 0.0,
+    shuffle: random.Random | None = None,
 ) -> dict[str, list[float]]:
     appends = contenders(root, versions)
     names = list(appends)
@@ -125,8 +131,12 @@ def bench_size(
     for r in range(rounds):
         table = small_round(10**6 + r)
         # Rotate who goes first: a disk's journal commit or another job's burst then lands
-        # on each contender alike.
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        # on each contender alike. (A rotation also fixes who runs just before whom; with
+        # ``shuffle`` each round's order is drawn instead.)
+        order = names[r % len(names) :] + names[: r % len(names)]
+        if shuffle:
+            order = shuffle.sample(names, len(names))
+        for name in order:
             if settle:
                 # Untimed: nothing another contender wrote (Lance, Delta and the patched-out
                 # append call no fsync) is left for this one's first fsync to flush.
@@ -269,6 +279,9 @@ def main() -> None:
     parser.add_argument(
         "--pause-ms", type=float, default=0.0, help="untimed sleep before each timed append"
     )
+    parser.add_argument(
+        "--shuffle", action="store_true", help="each round's order drawn (seeded), not rotated"
+    )
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="dynstate-bench-commit-", dir=args.dir))
     try:
@@ -281,7 +294,9 @@ def main() -> None:
             root = base / str(versions)
             root.mkdir()
             load0 = os.getloadavg()[0]
-            times = bench_size(root, versions, args.rounds, not args.no_settle, args.pause_ms / 1e3)
+            shuffle = random.Random(0) if args.shuffle else None
+            settle, pause = not args.no_settle, args.pause_ms / 1e3
+            times = bench_size(root, versions, args.rounds, settle, pause, shuffle)
             report(versions, times, (load0, os.getloadavg()[0]))
             shutil.rmtree(root, ignore_errors=True)
     finally:
