@@ -18,7 +18,8 @@ Never part of the tests.
     python tools/bench/bench_commit.py --pause-ms 10      # each append after a pause
     python tools/bench/bench_commit.py --profile          # where dynstate's append goes
 
-Each timed append starts after an untimed ``os.sync()`` (``--no-settle``: without).
+Each timed append starts after an untimed ``os.sync()`` (``--no-settle``: without), in an order
+drawn afresh each round (``--rotate``: rotated, as before 2026-12-02).
 """
 
 from __future__ import annotations
@@ -280,8 +281,12 @@ def main() -> None:
         "--pause-ms", type=float, default=0.0, help="untimed sleep before each timed append"
     )
     parser.add_argument(
-        "--shuffle", action="store_true", help="each round's order drawn (seeded), not rotated"
+        "--rotate",
+        action="store_true",
+        help="rotate the order each round instead of drawing it (seeded): a rotation fixes "
+        "who runs just before whom",
     )
+    parser.add_argument("--shuffle", action="store_true", help="the default; kept for old commands")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="dynstate-bench-commit-", dir=args.dir))
     try:
@@ -294,7 +299,7 @@ def main() -> None:
             root = base / str(versions)
             root.mkdir()
             load0 = os.getloadavg()[0]
-            shuffle = random.Random(0) if args.shuffle else None
+            shuffle = None if args.rotate else random.Random(0)
             settle, pause = not args.no_settle, args.pause_ms / 1e3
             times = bench_size(root, versions, args.rounds, settle, pause, shuffle)
             report(versions, times, (load0, os.getloadavg()[0]))
