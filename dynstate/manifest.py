@@ -70,15 +70,6 @@ decode = codec.decode
 load_json = codec.load_json
 
 
-# Lower-case hex digits: a string of them translates to nothing (a whole number of digests
-# is the caller's check). One C pass; a regex costs ~4x as much on a shard's 41 digests.
-_HEX_DIGITS = b"0123456789abcdef"
-
-
-def _is_hex(text: str) -> bool:
-    return text.isascii() and not text.encode().translate(None, _HEX_DIGITS)
-
-
 class RowGroups(NamedTuple):
     """Where a shard's row groups lie and what they hash to, so that a reader can fetch and
     verify only the ones it needs (docs/format.md, "Row groups"). The file is cut into
@@ -113,7 +104,7 @@ class RowGroups(NamedTuple):
             and len(digests) == 64 * len(sizes)
             and _counts(counts, rows)
             and _counts(sizes, nbytes)
-            and _is_hex(digests)
+            and paths.is_hex(digests)
         ):
             raise CorruptStoreError(
                 f"{where} has a malformed row group entry for a shard of {rows} rows and "

@@ -54,7 +54,6 @@ FIXED_FILES = (STORE_FILE, HEAD_HINT, GC_FILE)
 _VERSION = r"([0-9]{20})"
 _HEX32 = r"([0-9a-f]{32})"
 _HEX64 = r"([0-9a-f]{64})"
-_HEX64_RE = re.compile(_HEX64)
 # Tag names (and the other user-chosen names): letters, digits, '.', '_', '-', starting with a
 # letter or digit, at most 128 characters, and never '..'.
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -69,10 +68,21 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
+# Lower-case hex digits: a string of them translates to nothing. One C pass; a regex costs
+# ~4x as much on a shard's 41 concatenated row-group digests.
+_HEX_DIGITS = b"0123456789abcdef"
+
+
+def is_hex(text: str) -> bool:
+    """Whether ``text`` holds only lower-case hex digits (a whole number of digests is the
+    caller's check)."""
+    return text.isascii() and not text.encode().translate(None, _HEX_DIGITS)
+
+
 def is_digest(text: Any) -> bool:
     """Whether ``text`` is a SHA-256 in lower-case hex (a chunk id, a schema fingerprint, a
     checksum), as chunk and schema file names hold them."""
-    return isinstance(text, str) and _HEX64_RE.fullmatch(text) is not None
+    return isinstance(text, str) and len(text) == 64 and is_hex(text)
 
 
 def is_safe_name(name: str) -> bool:
