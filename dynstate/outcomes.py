@@ -166,8 +166,6 @@ def check_outcomes(data: Any, url: str, num_rows: int, version: int) -> pa.Table
         # checks its outcomes on the caller's thread, before anything is written.
         values = as_numpy(col)
         low, high = int(values.min()), int(values.max())
-        if col.type == pa.uint64() and high >= MAX_STEP:
-            raise InvalidDataError(f"outcomes for {url}: column {name!r} holds values over 2**53")
         if low < 0 or high >= MAX_STEP:
             raise InvalidDataError(
                 f"outcomes for {url}: column {name!r} holds values outside 0..2**53"
