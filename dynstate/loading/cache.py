@@ -42,6 +42,14 @@ def cache_id(shard: m.ShardRef) -> tuple[str, str]:
     return (shard.sha256, shard.groups.sha256 if shard.groups is not None else "")
 
 
+def _key(
+    shard: m.ShardRef, schema: pa.Schema | None, fingerprint: str | None
+) -> tuple[tuple[str, str], str | None]:
+    """A whole decoded shard's cache key: its :func:`cache_id` and the schema it was
+    conformed to (None: as written)."""
+    return (cache_id(shard), fingerprint if schema is not None else None)
+
+
 def _numpy_view(column: pa.Array | pa.ChunkedArray) -> np.ndarray | None:
     """A zero-copy numpy view of a null-free integer or float column, whose ``tolist()`` gives
     exactly the Python values Arrow's ``as_py()`` gives, ~10x faster; None for other columns."""
@@ -165,13 +173,11 @@ class ShardCache:
         fingerprint: str | None,
         version: int,
     ) -> _Shard:
-        key = (cache_id(shard), fingerprint if schema is not None else None)
+        entry = self.cached(shard, schema, fingerprint)
+        if entry is not None:
+            return entry
+        key = _key(shard, schema, fingerprint)
         with self._lock:
-            entry = self._shards.get(key)
-            if entry is not None:
-                self._shards.move_to_end(key)
-                self.hits += 1
-                return entry
             self.misses += 1
         table = self._load(store, shard, version)
         entry = _Shard(conform(table, schema) if schema is not None else table)
@@ -189,7 +195,7 @@ class ShardCache:
 
     def cached(self, shard: m.ShardRef, schema: pa.Schema | None, fingerprint: str | None):
         """The whole shard if it is decoded already, else None."""
-        key = (cache_id(shard), fingerprint if schema is not None else None)
+        key = _key(shard, schema, fingerprint)
         with self._lock:
             entry = self._shards.get(key)
             if entry is not None:
