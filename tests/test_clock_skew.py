@@ -358,8 +358,8 @@ def test_a_taker_paused_past_the_lease_is_refused_not_committed_broken(durable_u
 def test_everything_at_once_loses_no_acknowledged_version(tmp_path: Path) -> None:
     """A 20 s share of tools/soak_chaos.py on a local disk: appenders, stagers handing parts
     to committer processes, a compactor, a resetter, gc at grace 0 with its clock 2 h off,
-    random SIGKILLs and SIGSTOPs. Every acknowledged version reads back right after its ack
-    and at the end."""
+    random SIGKILLs and SIGSTOPs; rounds commit outcomes and generator states. Every
+    acknowledged version reads back, its outcomes too, right after its ack and at the end."""
     sys.path.insert(0, TOOLS)
     import soak_chaos
 
@@ -368,3 +368,6 @@ def test_everything_at_once_loses_no_acknowledged_version(tmp_path: Path) -> Non
     assert summary["acknowledged"] >= 20 and summary["sigkills"] >= 3, summary
     assert summary["gc_runs"] >= 3 and summary["acknowledged_by_kind"].get("round"), summary
     assert summary["checked_at_end"] == summary["acknowledged"]
+    # Appenders and committers record outcomes and generator states with their rounds: each
+    # acknowledged round's outcomes were checked, and the statistics against the raw records.
+    assert summary["outcome_files_at_head"] >= 5 and summary["statistics_checked"] >= 1, summary

@@ -2,12 +2,14 @@
 
 Against one store, all at the same time:
 
-- appender processes (``append`` in a loop),
+- appender processes (``append`` in a loop; every other round with outcomes on rows of the
+  head and a generator state, issue 21),
 - stager processes that stage a round and hand the pickled part to a committer process,
   then exit at once (or are killed right after their own lease renewal),
-- committer processes that unpickle those parts (taking the leases over) and commit them,
-- a compactor, a resetter (``reset`` to a recent version, as a resumed run does) and a
-  tagger,
+- committer processes that unpickle those parts (taking the leases over) and commit them
+  (every third with outcomes, through ``commit_staged(..., outcomes=)``),
+- a compactor and a resetter (``reset`` to a recent version, as a resumed run does; it
+  holds off while a compaction runs, or no compaction of a large head would ever land),
 - gc at grace 0 in a tight loop, in a process whose clock is shifted by hours (``time.time``
   and ``datetime.now`` monkeypatched before dynstate is imported; the library has no hook for
   it: gc must judge every age by the storage's clock),
@@ -18,8 +20,11 @@ Against one store, all at the same time:
 
 Every worker logs each version ``append`` / ``commit_staged`` / ``reset`` / ``compact``
 returned (the acknowledgement) to its own log file, unbuffered, before anything else. An
-auditor thread reads each acknowledged version back (all rows, checksums checked) right
-after its ack, and at the end every acknowledged version is read again. Exit status 1 on any
+auditor thread reads each acknowledged version back (all rows, checksums checked; a round's
+outcome files hold exactly the outcomes it sent, its outcome lineage is its parent's plus
+those, a reset's and a compaction's that of their source, the generator state is the one
+committed last; every 25th version and the head, the statistics equal the raw records')
+right after its ack, and at the end every acknowledged version is read again. Exit status 1 on any
 acknowledged version that is lost or unreadable (unless gc's retention collected it, which
 this soak never asks for: it runs gc without ``keep``), 0 otherwise.
 
@@ -117,6 +122,22 @@ def round_rows(worker: int, k: int) -> list[dict[str, Any]]:
     ]
 
 
+def round_outcomes(worker: int, k: int, num_rows: int) -> dict[str, list[Any]] | None:
+    """The outcomes committed with round ``k`` of ``worker``: up to 4 records on rows of the
+    version it is appended to (``num_rows`` rows, read just before), at a step of its own;
+    None while the store is empty. A reset may shrink the head before the commit: the
+    append is then refused (a typed error, nothing acknowledged)."""
+    if num_rows == 0:
+        return None
+    n = 1 + (worker + k) % 4
+    return {
+        "row": [(worker * 31 + k * 7 + j * 5) % num_rows for j in range(n)],
+        "step": [worker * 1_000_000 + k] * n,
+        "score": [((worker * k + j) % 11) / 10 for j in range(n)],
+        "length": [float(j + k % 5) for j in range(n)],
+    }
+
+
 # -- workers (each one process, forked from the preloaded forkserver) ---------------------
 
 
@@ -169,10 +190,22 @@ def _worker(role: str, url: str, worker: int, workdir: Path, seed: int) -> None:
         k += 1
         try:
             if role == "appender":
+                # Every other round commits outcomes and a generator state with it, so that
+                # gc, compaction and resets meet outcome files and checkpoints too.
+                outcomes = state = None
+                if k % 2 == 0:
+                    outcomes = round_outcomes(worker, k, store.snapshot().num_rows)
+                    state = {"worker": worker, "k": k}
                 version = store.append(
-                    round_rows(worker, k), meta={"parts": [[worker, k]]}, shard_bytes=SHARD_BYTES
+                    round_rows(worker, k),
+                    meta={"parts": [[worker, k]]},
+                    shard_bytes=SHARD_BYTES,
+                    outcomes=outcomes,
+                    generator_state=state,
                 )
-                acks.ack(v=version, kind="round", parts=[[worker, k]])
+                acks.ack(
+                    v=version, kind="round", parts=[[worker, k]], outcomes=outcomes, state=state
+                )
             elif role == "stager":
                 _stage_and_hand_over(store, rng, acks, worker, k, spool)
             elif role == "committer":
@@ -185,17 +218,37 @@ def _worker(role: str, url: str, worker: int, workdir: Path, seed: int) -> None:
                 # looked at — possibly one another writer committed a moment before (a reset
                 # to an empty version): only a record holding this call's meta is its ack.
                 meta = {"compaction": [worker, k]}
-                version = compact(store, target_bytes=SHARD_BYTES * 8, meta=meta)
+                # A reset lands every few seconds and makes a compaction of the head before
+                # it refuse (CommitConflictError): the resetter holds off while this flag is
+                # fresh, so that compactions land too (a killed compactor's flag goes stale).
+                flag = workdir / "compacting"
+                flag.touch()
+                try:
+                    version = compact(store, target_bytes=SHARD_BYTES * 8, meta=meta)
+                finally:
+                    flag.unlink(missing_ok=True)
                 if store.commit_record(version).meta == meta:
                     acks.ack(v=version, kind="compact")
             elif role == "resetter":
                 time.sleep(rng.uniform(1.0, 5.0))
+                if _fresh(workdir / "compacting", COMPACTION_HOLD_S):
+                    continue
                 head = store.refresh()
                 target = max(store.log.read_floor(), head - rng.randint(0, 3))
                 acks.ack(v=store.reset(target), kind="reset", target=target)
         except DynstateError as exc:  # a refused or failed call: nothing acknowledged
             acks.error(exc)
             time.sleep(0.05)
+
+
+COMPACTION_HOLD_S = 20.0  # how long a compaction keeps the resetter off, at most
+
+
+def _fresh(path: Path, max_age_s: float) -> bool:
+    try:
+        return time.time() - path.stat().st_mtime < max_age_s
+    except FileNotFoundError:
+        return False
 
 
 def _stage_and_hand_over(
@@ -244,11 +297,35 @@ def _take_over_and_commit(store: Any, rng: random.Random, acks: _Acks, spool: Pa
     time.sleep(rng.uniform(0, 2.5 * LEASE_TTL_S))
     parts = [p for _, p in taken]
     meta = {"parts": [pk for m, _ in taken for pk in m["parts"]]}
-    version = store.commit_staged(parts, meta=meta)
-    acks.ack(v=version, kind="round", parts=meta["parts"])
+    w, k = meta["parts"][0]
+    outcomes = round_outcomes(w, k, store.snapshot().num_rows) if k % 3 == 0 else None
+    version = store.commit_staged(parts, meta=meta, outcomes=outcomes)
+    acks.ack(v=version, kind="round", parts=meta["parts"], outcomes=outcomes, state=None)
 
 
 # -- the auditor ----------------------------------------------------------------------------
+
+
+def _lineage(store: Any, version: int | None) -> list[str]:
+    """The outcome files of ``version``'s lineage, oldest first (paths)."""
+    from dynstate.log.outcomes import outcomes_of
+
+    if version is None:
+        return []
+    return [f.path for f in outcomes_of(store.log).lineage_files(version)]
+
+
+def _tuples(table: Any) -> list[tuple[Any, ...]]:
+    """Outcome records as sorted (row, step, score, length) tuples."""
+    if not table.num_rows:  # (no extra columns either)
+        return []
+    columns = [table.column(c).to_pylist() for c in ("row", "step", "score", "length")]
+    return sorted(zip(*columns, strict=True))
+
+
+# Every this-many versions (and the head at the end) the statistics are checked against
+# every raw outcome record of the lineage, which reads all its outcome files.
+STATS_EVERY = 25
 
 
 @dataclass
@@ -265,6 +342,7 @@ class Audit:
     gc_runs: int = 0
     handovers: Counter[str] = field(default_factory=Counter)
     checked_after_ack: int = 0
+    stats_checked: int = 0
     _offsets: dict[str, int] = field(default_factory=dict)
     _verified: set[str] = field(default_factory=set)  # shards read back with their checksum
     _needed: dict[str, int] = field(default_factory=dict)  # shard -> an acked version's
@@ -337,16 +415,69 @@ class Audit:
                 got = [{c: r.get(c) for c in ("w", "k", "i", "text")} for r in added]
                 if got != expected:
                     raise AssertionError("its added rows are not the acknowledged round's")
+                self.check_outcomes(store, version, record, entry)
             elif kind == "reset":
                 if record.op != "reset" or snap.shards != store.snapshot(entry["target"]).shards:
                     raise AssertionError(f"is not a reset to {entry['target']}")
-            elif kind == "compact" and record.op != "compact":
-                raise AssertionError(f"is a {record.op}, not the acknowledged compaction")
+                if _lineage(store, version) != _lineage(store, entry["target"]):
+                    raise AssertionError(f"holds other outcomes than {entry['target']}")
+                if store.generator_state(version) != store.generator_state(entry["target"]):
+                    raise AssertionError(f"holds another generator state than {entry['target']}")
+            elif kind == "compact":
+                if record.op != "compact":
+                    raise AssertionError(f"is a {record.op}, not the acknowledged compaction")
+                if _lineage(store, version) != _lineage(store, record.parent):
+                    raise AssertionError("changed the outcomes it compacted")
             self.checked += 1
             for shard in snap.shards:
                 self._needed.setdefault(shard.path, version)
         except (DynstateError, AssertionError, OSError) as exc:
             self._bad(version, f"{when}: {type(exc).__name__}: {exc}")
+
+    def check_outcomes(self, store: Any, version: int, record: Any, entry: dict[str, Any]) -> None:
+        """The acknowledged round's outcomes are in its version, exactly, once, on top of its
+        parent's (the files it adds hold them; its lineage is its parent's plus those); its
+        generator state (or the parent's, when it committed none) is the version's; and,
+        every :data:`STATS_EVERY` versions, the statistics agree with the raw records."""
+        from dynstate.log.outcomes import outcomes_of
+
+        sent = entry.get("outcomes")
+        added = outcomes_of(store.log).added(record)
+        got = sorted(
+            t for f in added for t in _tuples(outcomes_of(store.log).read_file(f, version))
+        )
+        want = []
+        if sent is not None:
+            fields = (sent["row"], sent["step"], sent["score"], sent["length"])
+            want = sorted(zip(*fields, strict=True))
+        if got != want:
+            raise AssertionError(f"holds outcomes {got}, not the acknowledged {want}")
+        if _lineage(store, version) != _lineage(store, record.parent) + [f.path for f in added]:
+            raise AssertionError("holds other outcomes than its parent's plus its own")
+        state = entry.get("state")
+        want_state = state if state is not None else store.generator_state(record.parent)
+        if store.generator_state(version) != want_state:
+            raise AssertionError(f"holds generator state {store.generator_state(version)}")
+        if version % STATS_EVERY == 0:
+            self.check_stats(store, version, record)
+
+    def check_stats(self, store: Any, version: int, record: Any) -> None:
+        """The statistics of ``version`` (an outcome checkpoint's aggregate plus the files
+        since) agree with its raw outcome records: attempts and successes per row."""
+        records = _tuples(store.outcome_records(version))
+        stats = store.outcome_stats(version)
+        if stats.num_rows != record.num_rows:
+            raise AssertionError(f"has statistics of {stats.num_rows} rows")
+        attempts = Counter(r[0] for r in records)
+        successes = Counter(r[0] for r in records if r[2] > 0.5)
+        rows = stats.column("row").to_pylist()
+        counted = zip(rows, stats.column("attempts").to_pylist(), strict=True)
+        succeeded = zip(rows, stats.column("successes").to_pylist(), strict=True)
+        if {r: n for r, n in counted if n} != attempts or {
+            r: n for r, n in succeeded if n
+        } != successes:
+            raise AssertionError("has statistics that disagree with its outcome records")
+        self.stats_checked += 1
 
     def _bad(self, version: int, what: str) -> None:
         if version not in self.bad:  # the first sighting says most
@@ -374,6 +505,10 @@ class Audit:
             self.check(store, version, entry, "at the end")
         self.check_present(store, "at the end")
         head = store.refresh()
+        try:
+            self.check_stats(store, head, store.commit_record(head))
+        except AssertionError as exc:
+            self.problems.append(f"the head {head}: {exc}")
         unacked_broken = []
         for version in range(store.log.read_floor(), head + 1):
             if version in self.acks:
@@ -399,7 +534,12 @@ class Audit:
         report = verify_store(store, all_versions=True)
         if not report.ok:
             self.problems.append(f"verify: {report.problems[:5]}")
-        return {"head": head, "versions": head + 1, "shards": len(self._verified)}
+        return {
+            "head": head,
+            "versions": head + 1,
+            "shards": len(self._verified),
+            "outcome_files_at_head": len(_lineage(store, head)),
+        }
 
 
 # -- the orchestrator -----------------------------------------------------------------------
@@ -651,6 +791,7 @@ def soak(
             "acknowledged_by_kind": dict(acked),
             "checked_after_ack": audit.checked_after_ack,
             "checked_at_end": audit.checked - audit.checked_after_ack,
+            "statistics_checked": audit.stats_checked,
             "refused_or_failed_calls": dict(audit.errors),
             **figures,
             **faults,
