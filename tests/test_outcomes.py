@@ -695,8 +695,8 @@ def test_checked_columns_of_every_integer_and_float_type_and_their_bounds() -> N
     score = pa.array([1.0])
     big = pa.array([2**60], pa.uint64())
     for columns, message in (
-        ({"row": big, "step": pa.array([1]), "score": score}, "'row' holds values over 2"),
-        ({"row": pa.array([0]), "step": big, "score": score}, "'step' holds values over 2"),
+        ({"row": big, "step": pa.array([1]), "score": score}, "'row' holds values outside 0..2"),
+        ({"row": pa.array([0]), "step": big, "score": score}, "'step' holds values outside 0..2"),
         ({"row": pa.array([0]), "step": pa.array([2**53]), "score": score}, "outside"),
         (
             {"row": pa.array([0, -1], pa.int8()), "step": pa.array([1, 1]), "score": [1.0, 1.0]},
