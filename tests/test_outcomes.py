@@ -295,6 +295,38 @@ def counted_reads(store: Store) -> list[str]:
     return reads
 
 
+def test_outcome_records_read_each_file_once_per_handle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handle asked for a version's records twice reads its outcome files once; asked
+    again after one more step, only the new file (the rest are cached, not re-read through
+    the pool)."""
+    url = str(tmp_path / "s")
+    build(url, 30)
+    fresh = Store.open(url)
+    reads = counted_reads(fresh)
+    pools: list[int] = []
+    executor = outcome_log._READS.executor
+
+    def counting_executor(workers: int) -> Any:
+        pools.append(workers)
+        return executor(workers)
+
+    monkeypatch.setattr(outcome_log._READS, "executor", counting_executor)
+    first = fresh.outcome_records()
+    assert len([r for r in reads if r.startswith("data/")]) == 30 and len(pools) == 1
+    reads.clear()
+    assert fresh.outcome_records().equals(first)
+    assert [r for r in reads if r.startswith("data/")] == [] and len(pools) == 1
+    writer = Store.open(url)
+    writer.append([], outcomes=[{"row": 0, "step": 999, "score": 1.0}])
+    fresh.refresh()
+    records = fresh.outcome_records()
+    assert len([r for r in reads if r.startswith("data/")]) == 1
+    assert records.num_rows == first.num_rows + 1
+    assert records.slice(0, first.num_rows).equals(first)
+
+
 def test_any_threshold_reads_only_the_outcomes_since_the_aggregate(tmp_path: Path) -> None:
     """The aggregate's score histogram gives successes above any threshold: a fresh handle
     reads one aggregate and the 51 files since it, whatever the threshold, at 250 steps as

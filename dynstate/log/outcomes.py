@@ -24,7 +24,6 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +53,7 @@ from ..outcomes import (
     union,
     valid_ranges,
 )
+from ..threads import ProcessPool
 from .leases import shard_path
 
 if TYPE_CHECKING:
@@ -167,6 +167,8 @@ class Pending:
 
 
 _CACHE_FILES = 512
+# Reads of the outcome files a call needs and has not cached, many at once.
+_READS = ProcessPool("dynstate-outcome-read")
 _CACHE_DENSE = 2
 
 
@@ -462,17 +464,27 @@ class Outcomes:
                 self._files.popitem(last=False)
 
     def _read_files(self, refs: list[ShardRef], version: int) -> list[pa.Table]:
-        if len(refs) <= 2:
-            return [self.read_file(r, version) for r in refs]
-        # Object stores answer many small GETs at once far faster than one after another.
-        try:
-            with ThreadPoolExecutor(max_workers=8) as pool:
-                return list(pool.map(lambda r: self.read_file(r, version), refs))
-        except RuntimeError:
-            # "cannot schedule new futures after interpreter shutdown": the background
-            # checkpoint runs on while a normal exit waits for it (write_checkpoint). Any
-            # other RuntimeError is raised again by the same reads one after another.
-            return [self.read_file(r, version) for r in refs]
+        with self._files_lock:
+            tables: list[pa.Table | None] = [self._files.get(r.path) for r in refs]
+            for ref, table in zip(refs, tables, strict=True):
+                if table is not None:
+                    self._files.move_to_end(ref.path)
+        missing = [i for i, table in enumerate(tables) if table is None]
+        if len(missing) <= 2:
+            read = [self.read_file(refs[i], version) for i in missing]
+        else:
+            # Object stores answer many small GETs at once far faster than one after another.
+            try:
+                pool = _READS.executor(8)
+                read = list(pool.map(lambda i: self.read_file(refs[i], version), missing))
+            except RuntimeError:
+                # "cannot schedule new futures after interpreter shutdown": the background
+                # checkpoint runs on while a normal exit waits for it (write_checkpoint). Any
+                # other RuntimeError is raised again by the same reads one after another.
+                read = [self.read_file(refs[i], version) for i in missing]
+        for i, table in zip(missing, read, strict=True):
+            tables[i] = table
+        return [t for t in tables if t is not None]
 
     def records(self, version: int) -> pa.Table:
         """Every outcome record of ``version``'s lineage, oldest commit first; extra columns
