@@ -327,6 +327,27 @@ def test_outcome_records_read_each_file_once_per_handle(
     assert records.slice(0, first.num_rows).equals(first)
 
 
+def test_a_lineage_longer_than_the_cache_keeps_its_newest_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading more outcome files than the cache holds keeps the newest ones, rather than
+    evicting, one by one, the files the next read asks for first: asked again, only the
+    older files are read."""
+    monkeypatch.setattr(outcome_log, "_CACHE_FILES", 10)
+    url = str(tmp_path / "s")
+    build(url, 30)
+    fresh = Store.open(url)
+    reads = counted_reads(fresh)
+    first = fresh.outcome_records()
+    assert len([r for r in reads if r.startswith("data/")]) == 30
+    newest = {f.path for f in outcome_log.outcomes_of(fresh.log).lineage_files(fresh.head)[-10:]}
+    assert set(outcome_log.outcomes_of(fresh.log)._files) == newest
+    reads.clear()
+    assert fresh.outcome_records().equals(first)
+    again = [r for r in reads if r.startswith("data/")]
+    assert len(again) == 20 and not newest & set(again)
+
+
 def test_any_threshold_reads_only_the_outcomes_since_the_aggregate(tmp_path: Path) -> None:
     """The aggregate's score histogram gives successes above any threshold: a fresh handle
     reads one aggregate and the 51 files since it, whatever the threshold, at 250 steps as

@@ -418,8 +418,11 @@ class Outcomes:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def read_file(self, ref: ShardRef, version: int | None = None) -> pa.Table:
-        """One outcome file, verified against its recorded size and checksum."""
+    def read_file(
+        self, ref: ShardRef, version: int | None = None, *, cache: bool = True
+    ) -> pa.Table:
+        """One outcome file, verified against its recorded size and checksum; kept in the
+        handle's cache unless ``cache`` is False."""
         with self._files_lock:
             cached = self._files.get(ref.path)
             if cached is not None:
@@ -453,7 +456,8 @@ class Outcomes:
                 f"outcome file {ref.path} of {where} does not hold the {ref.rows} outcome "
                 "records its commit record names"
             )
-        self._cache_file(ref.path, table)
+        if cache:
+            self._cache_file(ref.path, table)
         return table
 
     def _cache_file(self, path: str, table: pa.Table) -> None:
@@ -470,18 +474,24 @@ class Outcomes:
                 if table is not None:
                     self._files.move_to_end(ref.path)
         missing = [i for i, table in enumerate(tables) if table is None]
+        # Only the newest files a cache holds are kept: a lineage longer than the cache would
+        # otherwise evict, file by file, what the next call reads first, and re-read it all.
+        newest = len(refs) - _CACHE_FILES
+
+        def read_one(i: int) -> pa.Table:
+            return self.read_file(refs[i], version, cache=i >= newest)
+
         if len(missing) <= 2:
-            read = [self.read_file(refs[i], version) for i in missing]
+            read = [read_one(i) for i in missing]
         else:
             # Object stores answer many small GETs at once far faster than one after another.
             try:
-                pool = _READS.executor(8)
-                read = list(pool.map(lambda i: self.read_file(refs[i], version), missing))
+                read = list(_READS.executor(8).map(read_one, missing))
             except RuntimeError:
                 # "cannot schedule new futures after interpreter shutdown": the background
                 # checkpoint runs on while a normal exit waits for it (write_checkpoint). Any
                 # other RuntimeError is raised again by the same reads one after another.
-                read = [self.read_file(refs[i], version) for i in missing]
+                read = [read_one(i) for i in missing]
         for i, table in zip(missing, read, strict=True):
             tables[i] = table
         return [t for t in tables if t is not None]
