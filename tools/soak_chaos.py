@@ -464,12 +464,14 @@ class Audit:
     def check_stats(self, store: Any, version: int, record: Any) -> None:
         """The statistics of ``version`` (an outcome checkpoint's aggregate plus the files
         since) agree with its raw outcome records: attempts and successes per row."""
+        from dynstate.outcomes import DEFAULT_SUCCESS_ABOVE
+
         records = _tuples(store.outcome_records(version))
         stats = store.outcome_stats(version)
         if stats.num_rows != record.num_rows:
             raise AssertionError(f"has statistics of {stats.num_rows} rows")
         attempts = Counter(r[0] for r in records)
-        successes = Counter(r[0] for r in records if r[2] > 0.5)
+        successes = Counter(r[0] for r in records if r[2] > DEFAULT_SUCCESS_ABOVE)
         rows = stats.column("row").to_pylist()
         counted = zip(rows, stats.column("attempts").to_pylist(), strict=True)
         succeeded = zip(rows, stats.column("successes").to_pylist(), strict=True)
@@ -495,7 +497,7 @@ class Audit:
     def final(self) -> dict[str, Any]:
         """A fresh reader: every acknowledged version checked again from scratch, every other
         version readable too, and verify over all versions."""
-        from dynstate import Store, verify_store
+        from dynstate import DynstateError, Store, verify_store
 
         self._verified.clear()
         store = Store.open(self.url)
@@ -507,8 +509,8 @@ class Audit:
         head = store.refresh()
         try:
             self.check_stats(store, head, store.commit_record(head))
-        except AssertionError as exc:
-            self.problems.append(f"the head {head}: {exc}")
+        except (DynstateError, AssertionError) as exc:
+            self.problems.append(f"the head {head}: {type(exc).__name__}: {exc}")
         unacked_broken = []
         for version in range(store.log.read_floor(), head + 1):
             if version in self.acks:
