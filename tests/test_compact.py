@@ -340,17 +340,21 @@ def test_sigkill_during_compaction_leaves_last_version_readable(tmp_path, seed) 
     _assert_same_rows(want, _rows(Store.open(url)))
 
 
-def test_groups_are_written_in_row_groups_and_keep_order(monkeypatch) -> None:
+def test_groups_are_written_in_row_groups_across_source_shards_and_keep_order() -> None:
     store = Store.open(f"memory://compact/{uuid.uuid4().hex}", create=True)
-    _fill(store, 9)
-    store.append([{"step": 9, "row": 0, "prompt": "p", "score": 1.5}], allow_new_columns=True)
+    expected = _fill(store, 40, rows=20)  # ~21-24 rows a round: row groups straddle rounds
+    store.append([{"step": 40, "row": 0, "prompt": "p", "score": 1.5}], allow_new_columns=True)
     expected = _rows(store)
-    monkeypatch.setattr(compaction, "_ROW_GROUP_BYTES", 1)  # one row group per source shard
-    compact(store, target_bytes=SMALL)
+    compact(store, target_bytes=2**30)
     (shard,) = store.snapshot().shards
-    data = store.read_shard_bytes(shard)
-    assert pq.ParquetFile(pa.BufferReader(data)).metadata.num_row_groups == 10
+    assert shard.groups is not None and sum(shard.groups.rows) == shard.rows == len(expected)
+    assert shard.groups.rows == (256,) * (len(expected) // 256) + (len(expected) % 256,)
+    meta = pq.ParquetFile(pa.BufferReader(store.read_shard_bytes(shard))).metadata
+    assert [meta.row_group(g).num_rows for g in range(meta.num_row_groups)] == list(
+        shard.groups.rows
+    )
     _assert_same_rows(expected, _rows(store))
+    _assert_same_rows(expected, _rows(Store.open(store.url)))
 
 
 def test_small_shards_between_large_ones_are_left_alone() -> None:

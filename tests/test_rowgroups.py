@@ -488,3 +488,64 @@ def test_row_groups_decoded_together_are_read_as_one_piece_in_any_order(tmp_path
     assert got == [expected[i] for i in rows]
     # The parts cached per group slice their decode when first used on their own.
     assert fresh[3 * g + 2] == expected[3 * g + 2]
+
+
+def test_new_shards_are_lz4_and_snappy_shards_of_older_stores_still_read(tmp_path, monkeypatch):
+    """Shards are LZ4 (LZ4_RAW) for random access; a store whose earlier shards are Snappy,
+    as dynstate wrote them before, reads both, by row group and whole, into the same rows."""
+    import dynstate.rowgroups as rowgroups
+
+    url = str(tmp_path / "s")
+    monkeypatch.setattr(rowgroups, "COMPRESSION", "snappy")  # as written before the change
+    store, _ = _build(url, shards=1)
+    monkeypatch.undo()
+    store.append(_table(ROWS, ROWS))
+    table = pa.concat_tables([_table(0, ROWS), _table(ROWS, ROWS)])
+    old, new = store.snapshot().shards
+    codecs = []
+    for shard in (old, new):
+        meta = pq.read_metadata(tmp_path / "s" / shard.path)
+        codecs.append(
+            {
+                meta.row_group(g).column(c).compression
+                for g in range(meta.num_row_groups)
+                for c in range(meta.num_columns)
+            }
+        )
+    assert codecs == [{"SNAPPY"}, {"LZ4"}]
+    rows = [3, ROW_GROUP_ROWS + 1, ROWS + 2, 2 * ROWS - 1]
+    fresh = VersionedDataset(url, cache_dir=None)
+    assert fresh.read_batch(rows, "arrow").to_pylist() == table.take(rows).to_pylist()
+    assert Store.open(url).snapshot().to_arrow().equals(table)
+
+
+def test_a_compacted_store_reads_only_the_row_groups_a_batch_needs(tmp_path):
+    """Compaction writes and records row groups like a round's shards: a batch of a compacted
+    store reads ranges, not the whole merged shard, and a flipped byte is still refused."""
+    from dynstate import compact, verify_store
+
+    url = str(tmp_path / "s")
+    store = Store.open(url, create=True)
+    sizes, start = [3000, 50, 4000, 10, 2940], 0  # 40 row groups, straddling the rounds
+    for n in sizes:
+        store.append(_table(start, n))
+        start += n
+    table = _table(0, start)
+    compact(store, target_bytes=2**30)
+    (shard,) = store.snapshot().shards
+    assert shard.groups is not None
+    full = start // ROW_GROUP_ROWS
+    assert shard.groups.rows == (ROW_GROUP_ROWS,) * full + (start - full * ROW_GROUP_ROWS,)
+    assert verify_store(store).ok
+    fresh = Store.open(url)
+    counted = _Counted(fresh.storage)
+    rows = [3, 3500, start - 1]
+    ds = VersionedDataset(fresh)
+    assert ds.read_batch(rows) == [table.slice(r, 1).to_pylist()[0] for r in rows]
+    assert counted.whole == []
+    assert counted.bytes_read() < 0.2 * shard.bytes
+    g = 3500 // ROW_GROUP_ROWS
+    _flip(store, shard, sum(shard.groups.bytes[:g]) + shard.groups.bytes[g] // 2)
+    with pytest.raises(ChecksumMismatchError, match=shard.path):
+        VersionedDataset(url).read_batch([3500])
+    assert VersionedDataset(url).read_batch([3])[0]["id"] == 3

@@ -24,20 +24,16 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from ..errors import InvalidDataError
 from ..manifest import ShardRef
 from ..rounds import check_meta
+from ..rowgroups import ShardWriter, group_rows
 from ..snapshot import Snapshot
 from ..store import Store
 
 log = logging.getLogger("dynstate")
 
 DEFAULT_TARGET_BYTES = 128 * 2**20
-# Decoded rows buffered before they are written as one row group of a compacted shard.
-_ROW_GROUP_BYTES = 32 * 2**20
 
 # A plan step: either a shard kept as it is (a ShardRef) or a run of shards to merge (a list).
 Step = ShardRef | list[ShardRef]
@@ -168,34 +164,29 @@ def _write_group(
     path: str,
     tick: Callable[[], None] | None = None,
 ) -> ShardRef:
-    """Write the rows of a run of shards, in order, as one shard at ``path``. Source shards
-    are read one at a time (verified, shaped like the snapshot's schema so older shards gain
-    later nullable columns) and written as row groups of about ``_ROW_GROUP_BYTES``, so memory
-    stays near the output's size rather than several times the decoded group."""
+    """Write the rows of a run of shards, in order, as one shard at ``path``, in the row
+    groups a round's shards have (recorded, so a batch reads only those it needs). Source
+    shards are read one at a time (verified, shaped like the snapshot's schema so older shards
+    gain later nullable columns), so memory stays near one source shard's size."""
     rows = 0
     with store.storage.new_shard(path) as sink:
-        writer: pq.ParquetWriter | None = None
-        pending: list[pa.Table] = []
-        pending_bytes = 0
+        writer: ShardWriter | None = None
         try:
             for shard in group:
                 table = store.read_shard(shard, snap.schema, version=snap.version)
                 if writer is None:
-                    writer = pq.ParquetWriter(sink, snap.schema or table.schema)
-                pending.append(table)
-                pending_bytes += table.nbytes
+                    per_group = group_rows(sum(shard.rows for shard in group))
+                    writer = ShardWriter(sink, snap.schema or table.schema, per_group)
+                writer.write(table)
                 rows += table.num_rows
                 if tick is not None:
                     tick()
-                if pending_bytes >= _ROW_GROUP_BYTES:
-                    writer.write_table(pa.concat_tables(pending))
-                    pending, pending_bytes = [], 0
-            if pending and writer is not None:
-                writer.write_table(pa.concat_tables(pending))
-        finally:
+            groups = writer.close() if writer is not None else None
+        except BaseException:
             if writer is not None:
-                writer.close()
-    return ShardRef(path, rows, sink.size, sink.sha256)
+                writer.abort()
+            raise
+    return ShardRef(path, rows, sink.size, sink.sha256, groups)
 
 
 def compact_if_needed(
