@@ -143,6 +143,31 @@ def test_round_and_outcomes_in_one_record(store_url: str) -> None:
     assert fresh.generator_state(v - 1) is None
 
 
+def test_outcome_files_are_lz4_and_older_snappy_files_still_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store.open(str(tmp_path / "s"), create=True)
+    store.append(rows(0, 4))
+    first = [{"row": 0, "step": 1, "score": 1.0}, {"row": 2, "step": 1, "score": 0.25}]
+    monkeypatch.setattr(outcome_log, "OUTCOME_COMPRESSION", "snappy")  # as written before
+    store.append([], outcomes=first)
+    monkeypatch.undo()
+    second = [{"row": 2, "step": 2, "score": 0.75}]
+    v = store.append([], outcomes=second)
+    codecs = []
+    for version in (v - 1, v):
+        (entry,) = store.commit_record(version).outcomes["add"]
+        meta = pq.read_metadata(tmp_path / "s" / entry["path"])
+        codecs.append({meta.row_group(0).column(c).compression for c in range(meta.num_columns)})
+    assert codecs == [{"SNAPPY"}, {"LZ4"}]
+    fresh = Store.open(str(tmp_path / "s"))
+    assert fresh.outcome_records(v).to_pylist() == first + second
+    assert_stats(
+        fresh.outcome_stats(v),
+        reference(first + second, 4, DEFAULT_SUCCESS_ABOVE, DEFAULT_HALF_LIFE),
+    )
+
+
 def test_input_forms_empty_rounds_and_commit_staged(tmp_path: Path) -> None:
     store = Store.open(tmp_path / "s", create=True)
     store.append(rows(0, 3))
