@@ -271,13 +271,10 @@ class Store:
         self, shard: ShardRef, schema: pa.Schema | None = None, *, version: int | None = None
     ) -> pa.Table:
         """Read one shard, verified against its recorded size and checksum."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         from .rounds import conform
+        from .rowgroups import read_parquet
 
-        data = self.read_shard_bytes(shard, version=version)
-        table = pq.read_table(pa.BufferReader(data))
+        table = read_parquet(self.read_shard_bytes(shard, version=version))
         return conform(table, schema) if schema is not None else table
 
     def read_shard_bytes(self, shard: ShardRef, *, version: int | None = None) -> bytes:

@@ -9,6 +9,7 @@ import pickle
 import random
 import uuid
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -439,3 +440,22 @@ def test_a_huge_row_number_is_out_of_range_not_a_missing_version(tmp_path):
         assert not isinstance(caught.value, VersionNotFoundError)
         assert "len(dataset)" in str(caught.value)
     assert ds[encode_index(1, 1)]["x"] == 2  # a sampler's index still reads its version
+
+
+NUMERIC = [pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint32(), pa.uint64()]
+
+
+@pytest.mark.parametrize("t", [*NUMERIC, pa.float32(), pa.float64()], ids=str)
+def test_numeric_columns_read_through_numpy_give_arrows_values(t) -> None:
+    """The zero-copy numpy view a decoded shard reads numeric columns through (built from the
+    data buffer, not ``to_numpy``) gives Arrow's values, sliced arrays and empty ones too."""
+    from dynstate.loading.cache import _numpy_view
+
+    big = np.iinfo(t.to_pandas_dtype()).max if pa.types.is_integer(t) else 1.5e38
+    values = [0, 1, 7, big, 3, 2, 100]
+    array = pa.array(values, t)
+    for part in (array, array.slice(2), array.slice(3, 2), array.slice(7)):
+        view = _numpy_view(part)
+        assert view is not None and view.tolist() == part.to_pylist()
+        assert not view.flags.writeable
+    assert _numpy_view(pa.array([1, None], t)) is None  # nulls: read through Arrow

@@ -30,11 +30,16 @@ BUCKET_ONLY = (
     "http.client",
     "ftplib",
 )
+# What a read has no use for and pyarrow imports on first use of some of its calls
+# (``pa.array``, ``Array.to_numpy``, ``pq.read_table``): ~0.1-0.2 s of a fresh process's
+# first batch or command where pandas is installed, as datasets and verl install it.
+HEAVY = ("pandas", "pyarrow.dataset")
 CONSOLE_SCRIPT = Path(sys.executable).with_name("dynstate")
 
 # The console script's entry point (pyproject's [project.scripts]) run in a fresh interpreter,
 # then a report of the client libraries it imported on the way.
-PROBE = """
+PROBE = (
+    """
 import json, sys
 from dynstate.cli import main
 
@@ -45,9 +50,12 @@ except SystemExit as exc:
     if exc.code not in (0, None):
         raise
 print("IMPORTED " + json.dumps(sorted(
-    m for m in sys.modules if m.split(".")[0] in LIBRARIES or m in BUCKET_ONLY
+    m for m in sys.modules if m.split(".")[0] in LIBRARIES or m in BUCKET_ONLY or m in HEAVY
 )), file=sys.stderr)
-""".replace("LIBRARIES", repr(CLIENT_LIBRARIES)).replace("BUCKET_ONLY", repr(BUCKET_ONLY))
+""".replace("LIBRARIES", repr(CLIENT_LIBRARIES))
+    .replace("BUCKET_ONLY", repr(BUCKET_ONLY))
+    .replace("HEAVY", repr(HEAVY))
+)
 
 COMMANDS = [
     ["ls", "{url}", "--limit", "20"],
@@ -88,7 +96,9 @@ def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c[:1] + c[2:]))
-def test_reading_a_local_store_imports_no_fsspec(store_url: str, command: list[str]) -> None:
+def test_reading_a_local_store_imports_no_fsspec_nor_pandas(
+    store_url: str, command: list[str]
+) -> None:
     args = [a.format(url=store_url) for a in command]
     out, imported = _probe(args)
     assert imported == [], f"dynstate {' '.join(args)} imported {imported}"
@@ -110,6 +120,40 @@ def test_reading_a_local_store_imports_no_fsspec(store_url: str, command: list[s
         assert "task 0" in out and "task 9" in out  # the first rows
     else:
         assert "version 25" in out or "25" in out.split()
+
+
+READ = """
+import json, sys
+from dynstate import VersionedDataset
+
+url, fmt = sys.argv[1], sys.argv[2]
+ds = VersionedDataset(url, cache_dir=None, row_column="row" if fmt == "arrow" else None)
+batch = ds.read_batch([24, 3, 3, 17] * 4, fmt)  # 8 rows of one shard: an Arrow take
+rows = batch.to_pylist() if fmt == "arrow" else batch
+print(json.dumps(rows))
+print("IMPORTED " + json.dumps(sorted(m for m in sys.modules if m in HEAVY)), file=sys.stderr)
+""".replace("HEAVY", repr(HEAVY))
+
+
+@pytest.mark.parametrize("fmt", ["rows", "columns", "arrow"])
+def test_a_fresh_process_reads_a_batch_without_importing_pandas(store_url: str, fmt: str) -> None:
+    pytest.importorskip("pandas")  # else there is nothing it could import
+    done = subprocess.run(
+        [sys.executable, "-c", READ, store_url, fmt],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stderr.rpartition("IMPORTED ")[2]) == []
+    got = json.loads(done.stdout)
+    steps = [24, 3, 3, 17] * 4
+    if fmt == "columns":
+        assert got == {"prompt": [f"task {s}" for s in steps], "step": steps}
+    elif fmt == "rows":
+        assert got == [{"prompt": f"task {s}", "step": s} for s in steps]
+    else:
+        assert got == [{"prompt": f"task {s}", "step": s, "row": s} for s in steps]
 
 
 def test_file_url_and_options_import_no_fsspec(store_url: str) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..columns import int64_array
 from ..store import Store
 from .cache import ShardCache, _Shard
 from .ranged import group_starts
@@ -64,7 +65,7 @@ def _take(data: _Shard, column: int, local: np.ndarray) -> list[Any]:
     if len(local) <= _CELL_ROWS:
         return [array[i].as_py() for i in local.tolist()]
     # The compute function called directly: Array.take() adds ~5 µs of Python per call.
-    return _TAKE.call([array, pa.array(local)], _TAKE_OPTIONS).to_pylist()
+    return _TAKE.call([array, int64_array(local)], _TAKE_OPTIONS).to_pylist()
 
 
 def _rows(names: tuple[str, ...], values: list[list[Any]], n: int) -> list[dict[str, Any]]:
@@ -247,7 +248,7 @@ def arrow_batch(
             table = data.table
             if view.positions is not None:
                 table = table.select(view.positions)
-            tables.append(table.take(local))
+            tables.append(table.take(int64_array(local)))
             positions.append(batch_positions if where is None else batch_positions[where])
     if not tables:
         schema = empty.snap.schema if empty.snap.schema is not None else pa.schema([])
@@ -259,5 +260,5 @@ def arrow_batch(
     if not (order[1:] > order[:-1]).all():
         inverse = np.empty(n, dtype=np.int64)
         inverse[order] = np.arange(n)
-        table = table.take(inverse)
+        table = table.take(int64_array(inverse))
     return table.combine_chunks().to_batches()[0]

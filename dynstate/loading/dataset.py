@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 from torch.utils.data import Dataset
 
 from .. import manifest as m
+from ..columns import int64_array
 from ..errors import InvalidDataError, RowOutOfRangeError, VersionNotFoundError
 from ..snapshot import Snapshot
 from ..store import Store
@@ -383,7 +383,7 @@ class VersionedDataset(Dataset):
             batch = arrow_batch(self.cache, self.store, groups, len(indices), empty)
             if self.row_column is None:
                 return batch
-            numbers = pa.array(self._row_numbers(groups, len(indices)), pa.int64())
+            numbers = int64_array(self._row_numbers(groups, len(indices)))
             return batch.append_column(self.row_column, numbers)
         cache, store = self.cache, self.store
         parts = [

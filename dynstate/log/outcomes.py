@@ -53,6 +53,7 @@ from ..outcomes import (
     union,
     valid_ranges,
 )
+from ..rowgroups import read_parquet
 from ..threads import ProcessPool
 from .leases import shard_path
 
@@ -448,7 +449,7 @@ class Outcomes:
                 "store to a version that does not use it"
             ) from None
         try:
-            table = _read_parquet(data)
+            table = read_parquet(data)
         except (pa.ArrowException, OSError) as exc:
             raise CorruptStoreError(
                 f"outcome file {ref.path} of {where} is not readable Parquet ({exc})"
@@ -513,7 +514,7 @@ class Outcomes:
         if len(data) != ref.bytes or m.sha256(data) != ref.sha256:
             raise ChecksumMismatchError(f"{where} does not match its checksum; it was modified")
         try:
-            table = _read_parquet(data)
+            table = read_parquet(data)
         except (pa.ArrowException, OSError) as exc:
             raise CorruptStoreError(f"{where} is not readable Parquet ({exc})") from None
         return Aggregate.from_table(table, where)
@@ -905,12 +906,6 @@ def encode_outcome_file(table: pa.Table) -> pa.Buffer:
 
 def _checkpoint_thread_name(version: int) -> str:
     return f"dynstate-outcome-checkpoint-{version}"
-
-
-def _read_parquet(data: bytes) -> pa.Table:
-    # ParquetFile, not read_table: read_table goes through pyarrow.dataset, whose import
-    # (pandas included) costs seconds in a fresh process.
-    return pq.ParquetFile(pa.BufferReader(data)).read()
 
 
 def _steps(obj: dict[str, Any], where: str) -> Ranges:
