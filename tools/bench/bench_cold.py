@@ -8,9 +8,15 @@ the first batch's time and the bytes its shard reads fetched, against the store'
 
 Targets: cold open + first batch <= 2x HF and <= Lance; on S3 bytes read <= 5 % of the store.
 
+``--fresh N`` adds N rounds in which each contender's open + first batch is the first call of
+a fresh interpreter (its library imported before the clock starts): what the in-process
+rounds, which warm each contender up once, do not show — a lazy import or a first-use set-up
+on the read path (pyarrow imported pandas on dynstate's first batch until 2026-12-02).
+
     python tools/bench/bench_cold.py                              # 1M rows, 100 shards
     python tools/bench/bench_cold.py --row-groups 1024,4096,16384 # the row-group size sweep
     python tools/bench/bench_cold.py --rows 200000 --skip-s3      # quicker
+    python tools/bench/bench_cold.py --skip-s3 --fresh 9          # and in fresh processes
 
 Lance (``pylance``) and ``datasets`` are benchmark-only dependencies, never imported by the
 library.
@@ -22,6 +28,7 @@ import argparse
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -126,6 +133,53 @@ def rounds(cases: dict[str, Callable[[list[int]], Any]], n: int, repeats: int) -
     return {"times": times, "load": loads}
 
 
+# One contender's open + first batch as the first call of a fresh interpreter, its library
+# imported before the clock starts; prints the seconds it took.
+FRESH = """
+import sys, time
+import numpy as np
+kind, path, seed, n, batch = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+idx = np.random.default_rng(seed).choice(n, batch, replace=False).tolist()
+if kind == "dynstate columns":
+    from dynstate import VersionedDataset
+    def run():
+        return VersionedDataset(path, cache_dir=None).read_batch(idx, "columns")
+elif kind == "HF load_from_disk+ds[list]":
+    import datasets
+    def run():
+        return datasets.load_from_disk(path)[idx]
+else:
+    import lance
+    def run():
+        return lance.dataset(path).take(idx).to_pydict()
+t = time.perf_counter()
+run()
+print(time.perf_counter() - t)
+"""
+
+
+def fresh_rounds(root: Path, url: str, n: int, repeats: int) -> dict[str, Any]:
+    paths = {
+        "dynstate columns": url,
+        "HF load_from_disk+ds[list]": str(root / "hf"),
+        "Lance dataset+take": str(root / "lance"),
+    }
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    loads = []
+    for r in range(repeats):
+        names = list(paths) if r % 2 == 0 else list(paths)[::-1]
+        for name in names:
+            done = subprocess.run(
+                [sys.executable, "-c", FRESH, name, paths[name], str(1000 + r), str(n), str(BATCH)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            times[name].append(float(done.stdout.split()[-1]))
+        loads.append(os.getloadavg()[0])
+    return {"times": times, "load": loads}
+
+
 def report(label: str, result: dict[str, Any]) -> None:
     times = result["times"]
     print(
@@ -223,6 +277,9 @@ def main() -> None:
         help="comma-separated rows per row group to build and measure",
     )
     parser.add_argument("--dir", default=None, help="where to build (default: a temp folder)")
+    parser.add_argument(
+        "--fresh", type=int, default=0, help="rounds in fresh interpreters, after the others"
+    )
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument("--only-s3", action="store_true")
     parser.add_argument(
@@ -252,6 +309,9 @@ def main() -> None:
             cases = contenders(root, table, str(path))
             result = rounds(cases, args.rows, args.repeats)
             report(f"row groups of {size} rows, store {total / 2**20:.1f} MiB", result)
+            if args.fresh:
+                fresh = fresh_rounds(root, str(path), args.rows, args.fresh)
+                report(f"fresh interpreters, row groups of {size} rows", fresh)
         if not args.skip_s3:
             rowgroups.ROW_GROUP_ROWS = sizes[-1] if len(sizes) == 1 else sizes[0]
             bench_s3(table, args.shards, args.repeats, args.baseline)
