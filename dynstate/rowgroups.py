@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .columns import owned_buffer
 from .manifest import RowGroups
 
 log = logging.getLogger("dynstate")
@@ -242,11 +243,12 @@ def layout_matches(
     return True
 
 
-def read_parquet(data: bytes | pa.Buffer) -> pa.Table:
-    """A whole Parquet file's table from its bytes. Through ParquetFile, not read_table:
-    read_table goes through pyarrow.dataset, whose import (pandas with it, where installed)
-    costs ~0.15 s of a fresh process's first read."""
-    return pq.ParquetFile(pa.BufferReader(data)).read()
+def read_parquet(data: bytes | memoryview) -> pa.Table:
+    """A whole Parquet file's table from its bytes, decoded on pyarrow's threads from a copy
+    Arrow owns (:func:`~dynstate.columns.owned_buffer`: else a process may abort at exit).
+    Through ParquetFile, not read_table: read_table goes through pyarrow.dataset, whose
+    import (pandas with it, where installed) costs ~0.15 s of a fresh process's first read."""
+    return pq.ParquetFile(pa.BufferReader(owned_buffer(data))).read()
 
 
 def read_footer(footer: bytes | memoryview) -> pq.FileMetaData:
