@@ -75,14 +75,24 @@ class RowGroups(NamedTuple):
     verify only the ones it needs (docs/format.md, "Row groups"). The file is cut into
     consecutive byte segments: one per row group (the first also holds the leading magic),
     then the footer; ``bytes`` and ``sha256`` have one entry per segment, ``rows`` one per
-    row group."""
+    row group. ``template``: the digest of the footer template its row groups decode with
+    (:mod:`dynstate.footers`), or None (written before templates, or a schema without one):
+    then a reader needs the footer."""
 
     rows: tuple[int, ...]
     bytes: tuple[int, ...]
     sha256: str  # the segments' SHA-256s in hex, concatenated: one string parses fast
+    template: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"rows": list(self.rows), "bytes": list(self.bytes), "sha256": self.sha256}
+        obj: dict[str, Any] = {
+            "rows": list(self.rows),
+            "bytes": list(self.bytes),
+            "sha256": self.sha256,
+        }
+        if self.template is not None:
+            obj["template"] = self.template
+        return obj
 
     def digest(self, segment: int) -> str:
         return self.sha256[64 * segment : 64 * segment + 64]
@@ -94,7 +104,8 @@ class RowGroups(NamedTuple):
         shard, or a reader would verify the wrong bytes."""
         try:
             counts, sizes, digests = obj["rows"], obj["bytes"], obj["sha256"]
-        except (KeyError, TypeError):
+            template = obj.get("template")
+        except (KeyError, TypeError, AttributeError):
             raise CorruptStoreError(f"{where} has a malformed row group entry {obj!r}") from None
         if not (
             isinstance(counts, list)
@@ -105,12 +116,13 @@ class RowGroups(NamedTuple):
             and _counts(counts, rows)
             and _counts(sizes, nbytes)
             and paths.is_hex(digests)
+            and (template is None or paths.is_digest(template))
         ):
             raise CorruptStoreError(
                 f"{where} has a malformed row group entry for a shard of {rows} rows and "
                 f"{nbytes} bytes; the record is damaged — reset to a version without it"
             )
-        return cls(tuple(counts), tuple(sizes), digests)
+        return cls(tuple(counts), tuple(sizes), digests, template)
 
 
 _INT = {int}

@@ -34,7 +34,7 @@ from .log.leases import host_id, process_gone
 from .log.outcomes import Pending, outcomes_of
 from .manifest import Commit, ShardRef
 from .rounds import check_meta, conform_round, to_table
-from .rowgroups import write_shard
+from .rowgroups import group_rows, write_shard
 from .snapshot import Staged
 from .storage import DeferredSync
 from .threads import ProcessPool
@@ -578,7 +578,8 @@ class Writer:
                 part = table.slice(start, per_shard)
                 path = shard_path(lease)
                 with self.storage.new_shard(path, deferred=deferred) as sink:
-                    groups = write_shard(part, sink)
+                    rows = group_rows(part.num_rows, local=self.storage.local)
+                    groups = write_shard(part, sink, rows)
                 written.append(ShardRef(path, part.num_rows, sink.size, sink.sha256, groups))
             if sync:
                 self.storage.sync_dir(m.DATA_DIR)

@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
         "outcomes",
         "outcome_aggregate",
         "rowgroups",
+        "footers",
     ),
     ("log",),
     ("store", "writes", "snapshot", "history", "resume", "rollback", "outcome_views"),

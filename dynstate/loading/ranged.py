@@ -8,7 +8,7 @@ import hashlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 
 import numpy as np
@@ -17,12 +17,15 @@ import pyarrow.parquet as pq
 
 from .. import manifest as m
 from ..errors import ChecksumMismatchError, CorruptStoreError
+from ..footers import Template, mini_file, template_for
 from ..rowgroups import layout_matches
 from ..store import Store
 from ..threads import ProcessPool
 
 # Parsed footers kept per process; each is a few KB to a few tens of KB.
 _FOOTERS = 4096
+# pyarrow's names of the codecs in a footer -> the names its writers take
+_CODEC_NAMES = {"LZ4": "lz4", "SNAPPY": "snappy", "ZSTD": "zstd", "GZIP": "gzip"}
 # Threads that decode the shards of one read, and the fewest shards worth handing to them
 # (a hand-off costs ~50 µs, a shard's decode ~0.3-0.5 ms). Only on machines with more than
 # two cores: on the 2-core VM the benchmarks run on, with other jobs holding the cores, a
@@ -59,12 +62,37 @@ class Footer:
 
 class Footers:
     """Parsed, verified footers by the row-group entry they match (:func:`footer_key`),
-    least recently used first out."""
+    least recently used first out; and the footer templates (:mod:`dynstate.footers`) those
+    footers proved, by digest, with which the row groups of other shards naming the same
+    digest are decoded without their footers."""
 
     def __init__(self, limit: int = _FOOTERS):
         self._items: OrderedDict[m.RowGroups, Footer] = OrderedDict()
+        self._templates: dict[str, Template] = {}
         self._lock = threading.Lock()
         self._limit = limit
+
+    def template(self, groups: m.RowGroups) -> Template | None:
+        if groups.template is None:
+            return None
+        with self._lock:
+            return self._templates.get(groups.template)
+
+    def learn(self, groups: m.RowGroups, meta: pq.FileMetaData) -> None:
+        """Keep the template a verified footer implies when it is the one its shard's
+        record names (a record naming another decodes nothing with it)."""
+        if groups.template is None or meta.num_row_groups == 0:
+            return
+        with self._lock:
+            if groups.template in self._templates:
+                return
+        compression = _CODEC_NAMES.get(meta.row_group(0).column(0).compression)
+        template = None
+        if compression is not None:
+            template = template_for(meta.schema.to_arrow_schema(), compression)
+        if template is not None and template.digest == groups.template:
+            with self._lock:
+                self._templates[template.digest] = template
 
     def get(self, digest: m.RowGroups) -> Footer | None:
         with self._lock:
@@ -111,26 +139,47 @@ def read_groups(
     wanted: Sequence[tuple[m.ShardRef, Sequence[int]]],
     version: int | None,
     footers: Footers,
+    *,
+    templates_ok: bool = True,
 ) -> list[pa.Table]:
     """The row groups ``wanted`` (shard, sorted group numbers) decoded, one table per shard
     holding its groups in that order.
     One storage call fetches every range the batch lacks; adjacent segments travel as one
     range and are verified one by one. Raises ChecksumMismatchError naming the shard and
-    segment when bytes differ from their record."""
+    segment when bytes differ from their record. ``templates_ok`` False: every shard's
+    footer is used (fetched unless cached), no template."""
     where = _where(store, version)
     ranges: list[tuple[str, int, int]] = []
     # Per range: (index into wanted, first segment, last segment + 1)
     spans: list[tuple[int, int, int]] = []
-    # The footer each shard's read uses, looked up once: fetched with its groups if None.
+    # The footer each shard's read uses, looked up once: fetched with its groups if None
+    # and no template decodes them. Templates only on object stores, where a footer costs
+    # its bytes and often a request of its own; a local footer is one read, parsed faster
+    # by pyarrow than its groups' footers are built here.
+    # A template not known yet is learned from the footer of the first shard naming it,
+    # fetched in this batch: the other shards naming it wait for it (``waiting``).
     known: list[Footer | None] = []
+    templates: list[Template | None] = []
+    waiting: list[int] = []
+    learning: set[str] = set()
     all_bounds: list[list[int]] = []
+    footerless = templates_ok and not store.storage.local
     for k, (shard, groups) in enumerate(wanted):
         assert shard.groups is not None  # callers pick whole-shard reads for the others
         bounds = segment_bounds(shard.groups)
         all_bounds.append(bounds)
         segments = list(groups)
         known.append(footers.get(footer_key(shard.groups)))
-        if known[-1] is None:
+        digest = shard.groups.template
+        templates.append(None)
+        if footerless and known[-1] is None and digest is not None:
+            templates[-1] = footers.template(shard.groups)
+            if templates[-1] is None:
+                if digest in learning:
+                    waiting.append(k)
+                else:
+                    learning.add(digest)
+        if known[-1] is None and templates[-1] is None and (not waiting or waiting[-1] != k):
             segments.append(len(shard.groups.rows))  # the footer: the last segment
         if not segments:
             continue
@@ -186,13 +235,81 @@ def read_groups(
 
     def decode(k: int) -> pa.Table:
         shard, groups = wanted[k]
-        return _decode(shard, groups, got, k, all_bounds[k], known[k], footers, where)
+        info = shard.groups
+        assert info is not None
+        template = templates[k] if k not in late else footers.template(info)
+        if template is not None:
+            return _decode_footerless(shard, groups, got, k, all_bounds[k], template, where)
+        table = _decode(shard, groups, got, k, all_bounds[k], known[k], footers, where)
+        if footerless and known[k] is None:
+            footer = footers.get(footer_key(info))
+            if footer is not None:
+                footers.learn(info, footer.meta)
+        return table
 
-    if len(wanted) < _PARALLEL_SHARDS:
-        return [decode(k) for k in range(len(wanted))]
+    late = set(waiting)
+    now = [k for k in range(len(wanted)) if k not in late]
+    out: dict[int, pa.Table] = dict(zip(now, _map(decode, now), strict=True))
+    if late:
+        # The footers fetched above taught their templates; a shard whose template did
+        # not come (the footer naming it implies another) is read again, with its footer.
+        ready = [k for k in waiting if footers.template(_groups(wanted[k][0])) is not None]
+        out.update(zip(ready, _map(decode, ready), strict=True))
+        rest = [k for k in waiting if k not in out]
+        if rest:
+            again = read_groups(
+                store, [wanted[k] for k in rest], version, footers, templates_ok=False
+            )
+            out.update(zip(rest, again, strict=True))
+    return [out[k] for k in range(len(wanted))]
+
+
+def _groups(shard: m.ShardRef) -> m.RowGroups:
+    assert shard.groups is not None
+    return shard.groups
+
+
+def _map(fn: Callable[[int], pa.Table], items: list[int]) -> list[pa.Table]:
+    if len(items) < _PARALLEL_SHARDS:
+        return [fn(k) for k in items]
     # Parquet decodes with the GIL released: a cold batch spread over dozens of shards
     # decodes them on a few threads at once.
-    return list(_DECODE.executor(_DECODERS).map(decode, range(len(wanted))))
+    return list(_DECODE.executor(_DECODERS).map(fn, items))
+
+
+def _decode_footerless(
+    shard: m.ShardRef,
+    groups: Sequence[int],
+    got: dict[tuple[int, int], memoryview],
+    k: int,
+    bounds: list[int],
+    template: Template,
+    where: str,
+) -> pa.Table:
+    """The row groups ``groups`` of one shard, each decoded from its verified bytes with a
+    footer built from ``template`` and its pages (:func:`dynstate.footers.mini_file`)."""
+    info = shard.groups
+    assert info is not None
+    parts = []
+    try:
+        for g in groups:
+            # segment 0 also holds the file's leading magic
+            piece = got[(k, g)][4:] if g == 0 else got[(k, g)]
+            data = mini_file(template, piece, info.rows[g])
+            if data is None:
+                raise CorruptStoreError(
+                    f"row group {g} of shard {shard.path} of {where} does not hold the "
+                    f"{info.rows[g]} rows of columns its commit record says; the record "
+                    "is wrong — reset to a version without it"
+                )
+            small = pq.ParquetFile(pa.BufferReader(data), pre_buffer=False)
+            parts.append(small.read_row_group(0, use_threads=False))
+    except (pa.ArrowException, OSError) as exc:
+        raise CorruptStoreError(
+            f"shard {shard.path} of {where} is not a readable Parquet file ({exc}); restore it "
+            "or reset to a version without it"
+        ) from None
+    return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
 
 
 def _decode(

@@ -20,8 +20,8 @@ asked for, draws the same first batch as ``bench_cold.py``'s S3 run, checks that
 group it touches decodes, through a synthesized footer, to exactly what pyarrow reads with
 the real footer, and reports what the batch would fetch with and without footers (bytes and
 ranged requests, computed from the recorded segments: the "with" figure is what the loopback
-S3 run measures), and the decode time per group both ways. Nothing here is used by the
-library; it is the measurement behind the design proposed in docs/benchmarks.md.
+S3 run measures), and the decode time per group both ways. It measures the library's own
+:mod:`dynstate.footers` (docs/format.md, "Footer templates") on the bytes of a local store.
 
     python tools/bench/bench_footerless.py --row-groups 128,256 --dir /tmp/bfl
 """
@@ -31,12 +31,10 @@ from __future__ import annotations
 import argparse
 import bisect
 import statistics
-import struct
 import sys
 import time
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -49,282 +47,7 @@ from bench_resume import rows_table
 
 import dynstate.rowgroups as rowgroups
 from dynstate import Store
-
-# -- Thrift compact protocol: just enough to read a footer and page headers ------------------
-
-STOP, TRUE, FALSE, BYTE, I16, I32, I64, DOUBLE, BINARY, LIST, SET, MAP, STRUCT = range(13)
-Fields = list[tuple[int, int, Any]]  # (field id, type, value) in the order read
-
-
-def _varint(b: Any, i: int) -> tuple[int, int]:
-    shift = out = 0
-    while True:
-        x = b[i]
-        i += 1
-        out |= (x & 0x7F) << shift
-        if x < 0x80:
-            return out, i
-        shift += 7
-
-
-def _unzigzag(n: int) -> int:
-    return (n >> 1) ^ -(n & 1)
-
-
-def _read_value(b: Any, i: int, t: int) -> tuple[Any, int]:
-    if t in (TRUE, FALSE):  # a bool inside a list: one byte
-        return b[i] == 1, i + 1
-    if t == BYTE:
-        return b[i], i + 1
-    if t in (I16, I32, I64):
-        v, i = _varint(b, i)
-        return _unzigzag(v), i
-    if t == DOUBLE:
-        return bytes(b[i : i + 8]), i + 8
-    if t == BINARY:
-        n, i = _varint(b, i)
-        return bytes(b[i : i + n]), i + n
-    if t in (LIST, SET):
-        head = b[i]
-        i += 1
-        n, elem = head >> 4, head & 0xF
-        if n == 15:
-            n, i = _varint(b, i)
-        items = []
-        for _ in range(n):
-            v, i = _read_value(b, i, elem)
-            items.append(v)
-        return (elem, items), i
-    if t == STRUCT:
-        return read_struct(b, i)
-    raise ValueError(f"Thrift type {t} does not occur in Parquet metadata")
-
-
-def read_struct(b: Any, i: int) -> tuple[Fields, int]:
-    fields: Fields = []
-    last = 0
-    while True:
-        head = b[i]
-        i += 1
-        if head == STOP:
-            return fields, i
-        t, delta = head & 0xF, head >> 4
-        if delta:
-            fid = last + delta
-        else:
-            v, i = _varint(b, i)
-            fid = _unzigzag(v)
-        if t in (TRUE, FALSE):
-            fields.append((fid, TRUE, t == TRUE))
-        else:
-            v, i = _read_value(b, i, t)
-            fields.append((fid, t, v))
-        last = fid
-
-
-def _put_varint(out: bytearray, n: int) -> None:
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-
-
-def _put_int(out: bytearray, n: int) -> None:
-    _put_varint(out, (n << 1) ^ (n >> 63))
-
-
-def _write_value(out: bytearray, t: int, v: Any) -> None:
-    if t == BYTE:
-        out.append(v & 0xFF)
-    elif t in (I16, I32, I64):
-        _put_int(out, v)
-    elif t == DOUBLE:
-        out += v
-    elif t == BINARY:
-        _put_varint(out, len(v))
-        out += v
-    elif t in (LIST, SET):
-        elem, items = v
-        if len(items) < 15:
-            out.append((len(items) << 4) | elem)
-        else:
-            out.append(0xF0 | elem)
-            _put_varint(out, len(items))
-        for x in items:
-            if elem in (TRUE, FALSE):
-                out.append(1 if x else 2)
-            else:
-                _write_value(out, elem, x)
-    elif t == STRUCT:
-        out += write_fields(v, 0) + b"\x00"
-    else:
-        raise ValueError(f"Thrift type {t}")
-
-
-def write_fields(fields: Fields, last: int) -> bytes:
-    """The fields' encoding, field ids delta-coded from ``last``, without the stop byte."""
-    out = bytearray()
-    for fid, t, v in fields:
-        wire = (TRUE if v else FALSE) if t == TRUE else t
-        delta = fid - last
-        if 0 < delta <= 15:
-            out.append((delta << 4) | wire)
-        else:
-            out.append(wire)
-            _put_int(out, fid)
-        if t != TRUE:
-            _write_value(out, t, v)
-        last = fid
-    return bytes(out)
-
-
-def field(fields: Fields, fid: int, default: Any = None) -> Any:
-    for f, _, v in fields:
-        if f == fid:
-            return v
-    return default
-
-
-# -- page headers ----------------------------------------------------------------------------
-
-DATA_PAGE, DICTIONARY_PAGE, DATA_PAGE_V2 = 0, 2, 3
-RLE = 3
-
-
-def page_header(b: Any, i: int) -> tuple[int, int, int, int, int | None, tuple[Any, ...], int]:
-    """(page type, uncompressed size, compressed size, values, rows (v2 pages) or None,
-    encodings, where the page's data starts)."""
-    header, end = read_struct(b, i)
-    ptype, usize, csize = field(header, 1), field(header, 2), field(header, 3)
-    if ptype == DATA_PAGE:
-        sub = field(header, 5)
-        return (
-            ptype,
-            usize,
-            csize,
-            field(sub, 1),
-            None,
-            tuple(field(sub, k) for k in (2, 3, 4)),
-            end,
-        )
-    if ptype == DICTIONARY_PAGE:
-        sub = field(header, 7)
-        return ptype, usize, csize, field(sub, 1), None, (field(sub, 2),), end
-    if ptype == DATA_PAGE_V2:
-        sub = field(header, 8)
-        return ptype, usize, csize, field(sub, 1), field(sub, 3), (field(sub, 4), RLE), end
-    return ptype, usize, csize, 0, None, (), end
-
-
-# -- the footer of one row group, from a template and the group's pages ---------------------
-
-
-class Template:
-    """What every footer of one schema and writer shares, taken from one real footer: the
-    bytes before and after its row groups and, per column, the fields that do not depend on
-    the data (type, path, codec). Which leaf columns repeat (lists): their v1 data pages
-    count values, not rows, so their chunk ends cannot be found from the pages alone."""
-
-    def __init__(self, footer: bytes):
-        meta, end = read_struct(footer, 0)
-        assert end == len(footer)
-        self.prefix = write_fields([f for f in meta if f[0] in (1, 2)], 0)
-        self.suffix = write_fields([f for f in meta if f[0] > 4], 4) + b"\x00"
-        columns = field(field(meta, 4)[1][0], 1)[1]
-        self.columns = []
-        for chunk in columns:
-            cmeta = field(chunk, 3)
-            self.columns.append(
-                (
-                    write_fields([f for f in cmeta if f[0] == 1], 0),
-                    write_fields([f for f in cmeta if f[0] in (3, 4)], 2),
-                )
-            )
-        n = len(columns)
-        self.list_head = bytes([(n << 4) | STRUCT]) if n < 15 else bytes([0xF0 | STRUCT, n])
-        self.repeated = _repeated_leaves(field(meta, 2)[1])
-
-
-def _repeated_leaves(schema: list[Fields]) -> list[bool]:
-    out: list[bool] = []
-
-    def walk(i: int, repeated: bool) -> int:
-        element = schema[i]
-        repeated = repeated or field(element, 3) == 2  # repetition_type REPEATED
-        children = field(element, 5, 0)
-        if not children:
-            out.append(repeated)
-            return i + 1
-        j = i + 1
-        for _ in range(children):
-            j = walk(j, repeated)
-        return j
-
-    j = 1
-    for _ in range(field(schema[0], 5, 0)):
-        j = walk(j, False)
-    return out
-
-
-def mini_file(template: Template, group: Any, rows: int) -> bytes | None:
-    """A Parquet file holding ``group`` (one row group's bytes, without the leading magic)
-    and a footer describing it, or None when its pages do not say where each column ends."""
-    at = 4  # the group follows the leading magic
-    foot = bytearray(template.prefix)
-    foot += b"\x16"  # num_rows
-    _put_int(foot, rows)
-    foot += b"\x19\x1c\x19"  # row_groups: a list of one struct; its columns: a list
-    foot += template.list_head
-    i, n, total = 0, len(group), 0
-    for (type_field, path_codec), repeated in zip(template.columns, template.repeated, strict=True):
-        start, seen, values, uncompressed = i, 0, 0, 0
-        encodings: set[int] = set()
-        dictionary = data = None
-        while seen < rows:
-            if i >= n:
-                return None
-            ptype, usize, csize, nvalues, nrows, encs, end = page_header(group, i)
-            uncompressed += end - i + usize
-            if ptype == DICTIONARY_PAGE:
-                dictionary = i
-            elif ptype in (DATA_PAGE, DATA_PAGE_V2):
-                data = i if data is None else data
-                if nrows is None and repeated:
-                    return None
-                seen += nvalues if nrows is None else nrows
-                values += nvalues
-            else:
-                return None
-            encodings.update(e for e in encs if e is not None)
-            i = end + csize
-        if seen != rows or data is None:
-            return None
-        total += uncompressed
-        foot += b"\x26\x00\x1c"  # file_offset 0, then meta_data
-        foot += type_field
-        foot += b"\x19"
-        foot.append((len(encodings) << 4) | I32)
-        for e in sorted(encodings):
-            _put_int(foot, e)
-        foot += path_codec
-        for value in (values, uncompressed, i - start):
-            foot += b"\x16"
-            _put_int(foot, value)
-        foot += b"\x26"
-        _put_int(foot, data + at)
-        if dictionary is not None:
-            foot += b"\x26"
-            _put_int(foot, dictionary + at)
-        foot += b"\x00\x00"
-    if i != n:
-        return None
-    for delta_type, value in ((b"\x16", total), (b"\x16", rows), (b"\x26", at), (b"\x16", n)):
-        foot += delta_type
-        _put_int(foot, value)
-    foot += b"\x00"
-    foot += template.suffix
-    return b"PAR1" + bytes(group) + bytes(foot) + struct.pack("<I", len(foot)) + b"PAR1"
-
+from dynstate.footers import Template, mini_file, template_for
 
 # -- the measurement -------------------------------------------------------------------------
 
@@ -363,7 +86,10 @@ def measure(store: Store, root: Path, num_rows: int, repeats: int) -> None:
         without_requests += _ranges(picked)
         data = (root / shard.path).read_bytes()
         if template is None:  # the one footer a process fetches: the first shard's
-            template = Template(data[bounds[footer_at] : -8])
+            # as the reader learns it: rebuilt from the footer's schema, kept if the record names it
+            template = template_for(pq.ParquetFile(pa.BufferReader(data)).schema_arrow, "lz4")
+            if template is None or template.digest != info.template:
+                raise SystemExit(f"shard {shard.path}: its footer does not imply its template")
             without_bytes += info.bytes[footer_at]
             without_requests += 1
         # segment 0 holds the leading magic
@@ -435,7 +161,7 @@ def main() -> None:
         if path.exists():
             store = Store.open(str(path))
         else:
-            rowgroups.ROW_GROUP_ROWS = size
+            rowgroups.ROW_GROUP_ROWS = rowgroups.OBJECT_STORE_GROUP_ROWS = size
             store = build(str(path), table, args.shards)
         print(f"row groups of {size} rows ({args.rows:,} rows, {args.shards} shards):")
         measure(store, path, args.rows, args.repeats)
