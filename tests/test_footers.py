@@ -147,6 +147,27 @@ def test_a_record_whose_template_its_footer_does_not_imply_is_read_with_the_foot
     assert sorted(_footer_reads(counted, store)) == sorted(s.path for s in shards)
 
 
+def test_a_template_no_footer_implies_is_not_waited_for_again():
+    """A store whose records name a template this reader cannot rebuild (written by another
+    pyarrow, say): once one footer taught nothing, later batches read its shards with their
+    footers in one pass, each row group fetched once, not after waiting on another footer."""
+    store, table = _build(f"memory://footers/{uuid.uuid4().hex}", shards=3)
+    bogus = "cd" * 32
+    doctored = [
+        s._replace(groups=s.groups._replace(template=bogus))
+        for s in store.snapshot().shards
+        if s.groups is not None
+    ]
+    footers = Footers()
+    read_groups(store, [(doctored[0], [1])], store.head, footers)
+    counted = _Counted(store.storage)
+    got = read_groups(store, [(s, [2]) for s in doctored[1:]], store.head, footers)
+    for k, part in enumerate(got, start=1):
+        assert part.equals(table.slice(ROWS * k + 2 * G, G))
+    fetched = [(path, start) for path, start, _ in counted.ranges]
+    assert len(fetched) == len(set(fetched)) == 4  # each shard's group and its footer, once
+
+
 def test_shards_of_two_codecs_each_decode_with_their_own_template(monkeypatch):
     """Shards written with Snappy (as dynstate did before LZ4) beside LZ4 ones: their records
     name different templates, each learned from a footer of its own codec."""

@@ -69,6 +69,10 @@ class Footers:
     def __init__(self, limit: int = _FOOTERS):
         self._items: OrderedDict[m.RowGroups, Footer] = OrderedDict()
         self._templates: dict[str, Template] = {}
+        # Digests a verified footer naming them did not imply (written by another pyarrow,
+        # say): their shards are read with their footers from then on, not first made to
+        # wait for a footer that teaches nothing and then read again.
+        self._refused: set[str] = set()
         self._lock = threading.Lock()
         self._limit = limit
 
@@ -77,6 +81,10 @@ class Footers:
             return None
         with self._lock:
             return self._templates.get(groups.template)
+
+    def refused(self, digest: str) -> bool:
+        with self._lock:
+            return digest in self._refused
 
     def learn(self, groups: m.RowGroups, meta: pq.FileMetaData) -> None:
         """Keep the template a verified footer implies when it is the one its shard's
@@ -90,9 +98,11 @@ class Footers:
         template = None
         if compression is not None:
             template = template_for(meta.schema.to_arrow_schema(), compression)
-        if template is not None and template.digest == groups.template:
-            with self._lock:
+        with self._lock:
+            if template is not None and template.digest == groups.template:
                 self._templates[template.digest] = template
+            else:
+                self._refused.add(groups.template)
 
     def get(self, digest: m.RowGroups) -> Footer | None:
         with self._lock:
@@ -172,7 +182,7 @@ def read_groups(
         known.append(footers.get(footer_key(shard.groups)))
         digest = shard.groups.template
         templates.append(None)
-        if footerless and known[-1] is None and digest is not None:
+        if footerless and known[-1] is None and digest is not None and not footers.refused(digest):
             templates[-1] = footers.template(shard.groups)
             if templates[-1] is None:
                 if digest in learning:
