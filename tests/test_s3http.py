@@ -341,9 +341,14 @@ class _FakeS3:
         fake = self
         self.mode = mode
         self.requests: list[str] = []
+        self.connections = 0
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:  # once per connection accepted
+                fake.connections += 1
+                super().setup()
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -442,6 +447,41 @@ def test_a_connection_the_server_closed_while_idle_is_replaced(fake_s3):
     for _ in range(4):  # one attempt each: a stale connection must not cost it
         assert reader.get("bucket/key") == b"the body"
     assert len(fake_s3.requests) == 4
+
+
+@pytest.mark.parametrize("fake_s3", ["plain"], indirect=True)
+def test_threads_share_keep_alive_connections_one_request_at_a_time(fake_s3):
+    """``dynstate serve`` answers each request on a thread of its own: those threads take
+    the connection the last one left instead of each opening (on HTTPS, handshaking) its
+    own; threads reading at once never share one."""
+    import threading
+
+    reader = _fake_reader(fake_s3.url)
+    got: list[bytes] = []
+    for _ in range(8):  # one short-lived thread per request, one after the other
+        thread = threading.Thread(target=lambda: got.append(reader.get("bucket/key")))
+        thread.start()
+        thread.join()
+    assert got == [b"the body"] * 8
+    assert fake_s3.connections == 1
+
+    errors: list[BaseException] = []
+
+    def many() -> None:
+        try:
+            for _ in range(25):
+                assert reader.get("bucket/key") == b"the body"
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=many) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert len(fake_s3.requests) == 8 + 6 * 25
+    assert fake_s3.connections <= 1 + 6  # at most one more per thread reading at once
 
 
 def _self_signed(tmp_path) -> tuple[str, str]:

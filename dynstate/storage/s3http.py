@@ -38,7 +38,6 @@ import http.client
 import logging
 import os
 import ssl
-import threading
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -95,6 +94,9 @@ _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 DEFAULT_CONNECT_TIMEOUT_S = 60.0
 DEFAULT_READ_TIMEOUT_S = 60.0
 DEFAULT_ATTEMPTS = 3
+# Idle keep-alive connections kept per host: more than the read pool's threads
+# (objectstore.max_parallel_reads) and a server's request threads use at once.
+_IDLE_PER_HOST = 32
 
 
 class S3ResponseError(Exception):
@@ -244,12 +246,17 @@ def _hmac(key: bytes, text: str) -> bytes:
 
 
 class S3Reader:
-    """GETs, HEADs and listings of one endpoint; safe to share between threads (each keeps
-    its own keep-alive connection) and across a fork (a child opens its own)."""
+    """GETs, HEADs and listings of one endpoint; safe to share between threads and across a
+    fork (a child opens its own connections). Keep-alive connections are shared by every
+    thread through an idle pool: one request holds a connection at a time, and a thread
+    that lives for one request (``dynstate serve``'s) takes a warm one instead of opening,
+    and on HTTPS handshaking, its own."""
 
     def __init__(self, config: S3Config) -> None:
         self.config = config
-        self._local = threading.local()
+        # (pid, host -> idle connections); replaced whole in a forked child, without a lock
+        # a fork could leave held (list pop and append are atomic).
+        self._idle: tuple[int, dict[str, list[http.client.HTTPConnection]]] = (os.getpid(), {})
         self._signing_keys: dict[tuple[str, str], bytes] = {}
         self._tls_context: ssl.SSLContext | None = None
         # What S3 told us: a bucket's region when it is not the configured one (botocore
@@ -324,21 +331,36 @@ class S3Reader:
             return host, "/" + quote(bucket + ("/" + key if key else ""), safe="/~")
         return f"{bucket}.{host}", "/" + quote(key, safe="/~")
 
-    def _connection(self, host: str) -> http.client.HTTPConnection:
-        pid = os.getpid()
-        found = getattr(self._local, "conns", None)
-        if found is None or found[0] != pid:  # a forked child never uses its parent's socket
-            found = self._local.conns = (pid, {})
-        conns: dict[str, http.client.HTTPConnection] = found[1]
-        conn = conns.get(host)
-        if conn is None:
-            timeout = self.config.connect_timeout
-            if self.config.scheme == "https":
-                conn = http.client.HTTPSConnection(host, timeout=timeout, context=self._tls())
-            else:
-                conn = http.client.HTTPConnection(host, timeout=timeout)
-            conns[host] = conn
-        return conn
+    def _pool(self) -> dict[str, list[http.client.HTTPConnection]]:
+        pid, pool = self._idle
+        if pid != os.getpid():  # a forked child never uses its parent's sockets
+            pool = {}
+            self._idle = (os.getpid(), pool)
+        return pool
+
+    def _checkout(self, host: str) -> http.client.HTTPConnection:
+        """An idle connection to ``host``, this caller's alone until :meth:`_checkin`, or a
+        new one (not yet connected)."""
+        idle = self._pool().get(host)
+        while idle:
+            try:
+                return idle.pop()
+            except IndexError:  # another thread took the last one
+                break
+        return self._new(host)
+
+    def _new(self, host: str) -> http.client.HTTPConnection:
+        timeout = self.config.connect_timeout
+        if self.config.scheme == "https":
+            return http.client.HTTPSConnection(host, timeout=timeout, context=self._tls())
+        return http.client.HTTPConnection(host, timeout=timeout)
+
+    def _checkin(self, host: str, conn: http.client.HTTPConnection) -> None:
+        idle = self._pool().setdefault(host, [])
+        if conn.sock is not None and len(idle) < _IDLE_PER_HOST:
+            idle.append(conn)
+        else:
+            conn.close()
 
     def _tls(self) -> ssl.SSLContext:
         if self._tls_context is None:
@@ -353,13 +375,6 @@ class S3Reader:
             self._tls_context = ssl.create_default_context(cafile=cafile)
         return self._tls_context
 
-    def _drop(self, host: str) -> None:
-        found = getattr(self._local, "conns", None)
-        if found is not None and found[0] == os.getpid():
-            conn = found[1].pop(host, None)
-            if conn is not None:
-                conn.close()
-
     def _once(
         self,
         method: str,
@@ -373,7 +388,7 @@ class S3Reader:
         headers = self.signed_headers(method, host, uri, query, now, region)
         headers.update(extra)
         target = uri + ("?" + _query_string(query) if query else "")
-        conn = self._connection(host)
+        conn = self._checkout(host)
         try:
             reused = conn.sock is not None
             try:
@@ -386,28 +401,31 @@ class S3Reader:
                 if not reused:
                     raise
                 # A kept-alive connection the server closed while idle: no request reached
-                # it on that connection (and reads repeat safely). A new one, not an attempt.
-                self._drop(host)
-                conn = self._connection(host)
+                # it on that connection (and reads repeat safely). A new one, not an attempt
+                # (nor another idle one: the server may have closed those as well).
+                conn.close()
+                conn = self._new(host)
                 conn.connect()
                 conn.sock.settimeout(self.config.read_timeout)
                 conn.request(method, target, headers=headers)
                 response = conn.getresponse()
             body = response.read()
         except http.client.IncompleteRead as exc:
-            self._drop(host)
+            conn.close()
             raise ConnectionError(
                 f"the reply was cut short ({len(exc.partial)} bytes of "
                 f"{len(exc.partial) + (exc.expected or 0)})"
             ) from None
         except http.client.HTTPException as exc:
-            self._drop(host)  # a reply that is not HTTP: the connection is unusable
+            conn.close()  # a reply that is not HTTP: the connection is unusable
             raise ConnectionError(f"unreadable reply: {type(exc).__name__}: {exc}") from None
-        except OSError:
-            self._drop(host)
+        except BaseException:  # a timeout, a reset, an interrupt mid-reply: never reused
+            conn.close()
             raise
         if response.will_close:
-            self._drop(host)
+            conn.close()
+        else:
+            self._checkin(host, conn)
         return response.status, response, body
 
     def _request(
