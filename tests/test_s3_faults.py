@@ -273,6 +273,35 @@ def test_truncated_shard_bodies_are_fetched_again(proxy):
     assert proxy.counts["GET"] == 4  # three cut bodies, then the whole one
 
 
+def test_random_batches_decode_row_groups_without_footers_under_faults(proxy):
+    """Footer templates (docs/format.md) on S3 with dropped and cut replies and 503s: every
+    random batch is exactly its rows, decoded from a template learned from one footer."""
+    import numpy as np
+
+    import dynstate.rowgroups as rowgroups
+    from dynstate import VersionedDataset
+
+    url = s3_url()
+    store = Store.open(url, create=True, storage_options=_options(proxy))
+    rows = 60 * rowgroups.OBJECT_STORE_GROUP_ROWS + 5  # a batch reads a few groups a shard
+    for k in range(3):
+        ids = range(k * rows, (k + 1) * rows)
+        store.append(pa.table({"id": list(ids), "text": [f"row {i} " * (i % 7) for i in ids]}))
+    shards = store.snapshot().shards
+    assert all(s.groups is not None and s.groups.template for s in shards)
+    proxy.rate = FAULT_RATE
+    dataset = VersionedDataset(url, storage_options=_options(proxy), cache_dir=None)
+    rng = np.random.default_rng(7)
+    for _ in range(16):
+        wanted = rng.choice(3 * rows, 12, replace=False).tolist()
+        got = dataset.read_batch(wanted, "columns")
+        assert got["id"] == wanted
+        assert got["text"] == [f"row {i} " * (i % 7) for i in wanted]
+    assert shards[0].groups is not None
+    assert dataset.cache.footers.template(shards[0].groups) is not None  # templates were used
+    assert sum(proxy.faults.values()) >= 5, proxy.faults
+
+
 _WRITER = textwrap.dedent(
     """
     import json, sys
