@@ -18,6 +18,7 @@ Never part of the tests; the store is built once under ``--dir`` and grown from 
     python tools/bench/outcomes.py --dir /tmp/bench-outcomes
     python tools/bench/outcomes.py --rows 100000 --steps 300,3000   # a quicker, smaller run
     python tools/bench/outcomes.py --commit-steps 300 --steps 0     # part 1 only
+    python tools/bench/outcomes.py --commit-steps 300 --steps 0 --round-rows 1024
 """
 
 from __future__ import annotations
@@ -91,7 +92,12 @@ def grow(store: object, until_step: int, outcomes: int, rng: np.random.Generator
 
 
 def bench_recording(
-    plain_store: object, store: object, steps: int, outcomes: int, rng: np.random.Generator
+    plain_store: object,
+    store: object,
+    steps: int,
+    outcomes: int,
+    rng: np.random.Generator,
+    round_rows: int = 64,
 ) -> None:
     """The same rounds into two stores of the same size, one without and one with outcomes,
     alternated step by step: each store's upkeep (the outcome aggregate every 100th version
@@ -108,10 +114,10 @@ def bench_recording(
         for which in (0, 1) if step % 2 else (1, 0):
             t0 = time.perf_counter()
             if which == 0:
-                plain_store.append(round_table(step), meta={"step": step})  # type: ignore[attr-defined]
+                plain_store.append(round_table(step, round_rows), meta={"step": step})  # type: ignore[attr-defined]
                 plain.append(time.perf_counter() - t0)
             else:
-                store.append(round_table(step), meta={"step": step}, outcomes=table)  # type: ignore[attr-defined]
+                store.append(round_table(step, round_rows), meta={"step": step}, outcomes=table)  # type: ignore[attr-defined]
                 with_outcomes.append(time.perf_counter() - t0)
     for name, fn in (("median", statistics.median), ("mean", statistics.fmean), ("max", max)):
         a, b = fn(plain), fn(with_outcomes)
@@ -168,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outcomes", type=int, default=2048)
     parser.add_argument("--steps", default="1000,10000", help="0: skip part 2")
     parser.add_argument("--commit-steps", type=int, default=200, help="0: skip part 1")
+    parser.add_argument(
+        "--round-rows", type=int, default=64, help="rows of each step's round in part 1"
+    )
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     base = Path(args.dir)
@@ -175,10 +184,13 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     if args.commit_steps:
-        print(f"1. recording {args.outcomes:,} outcomes per step ({args.commit_steps} steps)")
+        print(
+            f"1. recording {args.outcomes:,} outcomes per step with a round of "
+            f"{args.round_rows:,} rows ({args.commit_steps} steps)"
+        )
         plain = open_or_build(base / f"record-plain-{args.rows}", args.rows)
         store = open_or_build(base / f"record-{args.rows}", args.rows)
-        bench_recording(plain, store, args.commit_steps, args.outcomes, rng)
+        bench_recording(plain, store, args.commit_steps, args.outcomes, rng, args.round_rows)
 
     steps_list = [int(s) for s in args.steps.split(",") if int(s) > 0]
     if not steps_list:
