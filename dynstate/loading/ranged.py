@@ -149,15 +149,14 @@ def read_groups(
     wanted: Sequence[tuple[m.ShardRef, Sequence[int]]],
     version: int | None,
     footers: Footers,
-    *,
-    templates_ok: bool = True,
 ) -> list[pa.Table]:
     """The row groups ``wanted`` (shard, sorted group numbers) decoded, one table per shard
     holding its groups in that order.
     One storage call fetches every range the batch lacks; adjacent segments travel as one
     range and are verified one by one. Raises ChecksumMismatchError naming the shard and
-    segment when bytes differ from their record. ``templates_ok`` False: every shard's
-    footer is used (fetched unless cached), no template."""
+    segment when bytes differ from their record. On an object store, shards whose record
+    names a footer template this process holds are decoded without their footers; one that
+    waited for a template no footer taught fetches its footer in a second call."""
     where = _where(store, version)
     ranges: list[tuple[str, int, int]] = []
     # Per range: (index into wanted, first segment, last segment + 1)
@@ -173,7 +172,7 @@ def read_groups(
     waiting: list[int] = []
     learning: set[str] = set()
     all_bounds: list[list[int]] = []
-    footerless = templates_ok and not store.storage.local
+    footerless = not store.storage.local
     for k, (shard, groups) in enumerate(wanted):
         assert shard.groups is not None  # callers pick whole-shard reads for the others
         bounds = segment_bounds(shard.groups)
@@ -203,9 +202,57 @@ def read_groups(
             if seg is not None:
                 first = prev = seg
     got: dict[tuple[int, int], memoryview] = {}
+    _fetch(store, wanted, all_bounds, ranges, spans, got, version, where)
+
+    def decode(k: int) -> pa.Table:
+        shard, groups = wanted[k]
+        info = shard.groups
+        assert info is not None
+        template = templates[k] if k not in late else footers.template(info)
+        if template is not None:
+            return _decode_footerless(shard, groups, got, k, all_bounds[k], template, where)
+        table = _decode(shard, groups, got, k, all_bounds[k], known[k], footers, where)
+        if footerless and known[k] is None:
+            footer = footers.get(footer_key(info))
+            if footer is not None:
+                footers.learn(info, footer.meta)
+        return table
+
+    late = set(waiting)
+    now = [k for k in range(len(wanted)) if k not in late]
+    out: dict[int, pa.Table] = dict(zip(now, _map(decode, now), strict=True))
+    if late:
+        # The footers fetched above taught their templates; a shard whose template did
+        # not come (the footer naming it implies another) needs its footer after all: only
+        # that is fetched, its groups are in ``got`` already.
+        ready = [k for k in waiting if footers.template(_groups(wanted[k][0])) is not None]
+        out.update(zip(ready, _map(decode, ready), strict=True))
+        rest = [k for k in waiting if k not in out]
+        if rest:
+            spans = [(k, len(_groups(wanted[k][0]).rows), len(all_bounds[k]) - 1) for k in rest]
+            ranges = [
+                (wanted[k][0].path, all_bounds[k][lo], all_bounds[k][hi]) for k, lo, hi in spans
+            ]
+            _fetch(store, wanted, all_bounds, ranges, spans, got, version, where)
+            out.update(zip(rest, _map(decode, rest), strict=True))
+    return [out[k] for k in range(len(wanted))]
+
+
+def _fetch(
+    store: Store,
+    wanted: Sequence[tuple[m.ShardRef, Sequence[int]]],
+    all_bounds: list[list[int]],
+    ranges: list[tuple[str, int, int]],
+    spans: list[tuple[int, int, int]],
+    got: dict[tuple[int, int], memoryview],
+    version: int | None,
+    where: str,
+) -> None:
+    """Fetch ``ranges`` in one storage call and put each of their segments, once its
+    SHA-256 equals its record, in ``got`` by (index into wanted, segment). ``spans``: per
+    range, (index into wanted, first segment, last segment + 1)."""
 
     def check(data: list[bytes]) -> None:
-        got.clear()
         for (k, lo, hi), blob in zip(spans, data, strict=True):
             shard = wanted[k][0]
             groups = shard.groups
@@ -242,36 +289,6 @@ def read_groups(
                 # The one home of the "missing" and "collected" errors raises them.
                 store.read_shard_bytes(shard, version=version)
         raise missing
-
-    def decode(k: int) -> pa.Table:
-        shard, groups = wanted[k]
-        info = shard.groups
-        assert info is not None
-        template = templates[k] if k not in late else footers.template(info)
-        if template is not None:
-            return _decode_footerless(shard, groups, got, k, all_bounds[k], template, where)
-        table = _decode(shard, groups, got, k, all_bounds[k], known[k], footers, where)
-        if footerless and known[k] is None:
-            footer = footers.get(footer_key(info))
-            if footer is not None:
-                footers.learn(info, footer.meta)
-        return table
-
-    late = set(waiting)
-    now = [k for k in range(len(wanted)) if k not in late]
-    out: dict[int, pa.Table] = dict(zip(now, _map(decode, now), strict=True))
-    if late:
-        # The footers fetched above taught their templates; a shard whose template did
-        # not come (the footer naming it implies another) is read again, with its footer.
-        ready = [k for k in waiting if footers.template(_groups(wanted[k][0])) is not None]
-        out.update(zip(ready, _map(decode, ready), strict=True))
-        rest = [k for k in waiting if k not in out]
-        if rest:
-            again = read_groups(
-                store, [wanted[k] for k in rest], version, footers, templates_ok=False
-            )
-            out.update(zip(rest, again, strict=True))
-    return [out[k] for k in range(len(wanted))]
 
 
 def _groups(shard: m.ShardRef) -> m.RowGroups:
