@@ -274,6 +274,21 @@ def template_for(schema: pa.Schema, compression: str) -> Template | None:
     return template
 
 
+# pyarrow's names of the codecs in a footer -> the names its writers take (CODECS' keys)
+_CODEC_NAMES = {"LZ4": "lz4", "SNAPPY": "snappy", "ZSTD": "zstd", "GZIP": "gzip"}
+
+
+def implied_template(meta: pq.FileMetaData) -> Template | None:
+    """The template the shard of footer ``meta`` was written with, as this pyarrow would
+    write it (its digest is compared to the record's before use), or None."""
+    if meta.num_row_groups == 0:
+        return None
+    compression = _CODEC_NAMES.get(meta.row_group(0).column(0).compression)
+    if compression is None:
+        return None
+    return template_for(meta.schema.to_arrow_schema(), compression)
+
+
 def shard_template(schema: pa.Schema, compression: str) -> str | None:
     """The digest a shard's record names (``groups.template``), or None."""
     template = template_for(schema, compression)

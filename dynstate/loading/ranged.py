@@ -17,15 +17,13 @@ import pyarrow.parquet as pq
 
 from .. import manifest as m
 from ..errors import ChecksumMismatchError, CorruptStoreError
-from ..footers import Template, mini_file, template_for
+from ..footers import Template, implied_template, mini_file
 from ..rowgroups import layout_matches
 from ..store import Store
 from ..threads import ProcessPool
 
 # Parsed footers kept per process; each is a few KB to a few tens of KB.
 _FOOTERS = 4096
-# pyarrow's names of the codecs in a footer -> the names its writers take
-_CODEC_NAMES = {"LZ4": "lz4", "SNAPPY": "snappy", "ZSTD": "zstd", "GZIP": "gzip"}
 # Threads that decode the shards of one read, and the fewest shards worth handing to them
 # (a hand-off costs ~50 µs, a shard's decode ~0.3-0.5 ms). Only on machines with more than
 # two cores: on the 2-core VM the benchmarks run on, with other jobs holding the cores, a
@@ -94,10 +92,7 @@ class Footers:
         with self._lock:
             if groups.template in self._templates:
                 return
-        compression = _CODEC_NAMES.get(meta.row_group(0).column(0).compression)
-        template = None
-        if compression is not None:
-            template = template_for(meta.schema.to_arrow_schema(), compression)
+        template = implied_template(meta)
         with self._lock:
             if template is not None and template.digest == groups.template:
                 self._templates[template.digest] = template
@@ -180,15 +175,16 @@ def read_groups(
         segments = list(groups)
         known.append(footers.get(footer_key(shard.groups)))
         digest = shard.groups.template
-        templates.append(None)
+        template, waits = None, False
         if footerless and known[-1] is None and digest is not None and not footers.refused(digest):
-            templates[-1] = footers.template(shard.groups)
-            if templates[-1] is None:
-                if digest in learning:
+            template = footers.template(shard.groups)
+            if template is None:
+                waits = digest in learning
+                learning.add(digest)
+                if waits:
                     waiting.append(k)
-                else:
-                    learning.add(digest)
-        if known[-1] is None and templates[-1] is None and (not waiting or waiting[-1] != k):
+        templates.append(template)
+        if known[-1] is None and template is None and not waits:
             segments.append(len(shard.groups.rows))  # the footer: the last segment
         if not segments:
             continue
