@@ -19,6 +19,10 @@ Never part of the tests; the store is built once under ``--dir`` and grown from 
     python tools/bench/outcomes.py --rows 100000 --steps 300,3000   # a quicker, smaller run
     python tools/bench/outcomes.py --commit-steps 300 --steps 0     # part 1 only
     python tools/bench/outcomes.py --commit-steps 300 --steps 0 --round-rows 1024
+    python tools/bench/outcomes.py --commit-steps 100 --steps 0 --rows 100000 --s3  # loopback S3
+
+``--s3``: part 1 on stores in the loopback S3 server (moto, ``tools/loopback_s3.py``) instead of
+``--dir``: there the outcome file is one more PUT, sent while the round's shard is.
 """
 
 from __future__ import annotations
@@ -54,10 +58,10 @@ def outcome_table(step: int, num_rows: int, n: int, rng: np.random.Generator) ->
     )
 
 
-def open_or_build(path: Path, rows: int) -> object:
+def open_or_build(path: Path | str, rows: int, **options: object) -> object:
     from dynstate import Store
 
-    store = Store.open(str(path), create=True)
+    store = Store.open(str(path), create=True, **options)
     if store.head == 0:
         started = time.perf_counter()
         store.append(
@@ -125,13 +129,40 @@ def bench_recording(
             f"  {name}: round {a * 1e3:.1f} ms, round + {outcomes:,} outcomes {b * 1e3:.1f} ms "
             f"(+{(b - a) * 1e3:.2f} ms, +{(b - a) / a:.0%})"
         )
+    # What no storage layout saves: the records' check and their Parquet encode, in series
+    # on this thread with nothing else running, for the last step's records.
+    from dynstate.log.outcomes import encode_outcome_file, outcomes_of
+
+    head = store.commit_record(store.head)  # type: ignore[attr-defined]
+    step += 1
+    table = outcome_table(step, head.num_rows, outcomes, rng)
+    floor = []
+    for _ in range(100):
+        t0 = time.perf_counter()
+        pending = outcomes_of(store.log).check(table, None, head)  # type: ignore[attr-defined]
+        encode_outcome_file(pending.table)
+        floor.append(time.perf_counter() - t0)
+    a, f = statistics.median(plain), statistics.median(floor)
+    print(f"  check + encode alone: median {f * 1e3:.2f} ms ({f / a:.0%} of the plain round)")
     # the outcome checkpoint (every 100th version) is written in the background: how long
     # until it lands after the commit returned, waited for here once the steps are timed
-    from dynstate.log.outcomes import outcomes_of
 
     t0 = time.perf_counter()
     outcomes_of(store.log).flush()  # type: ignore[attr-defined]
     print(f"  outcome checkpoint still in flight at the end: {time.perf_counter() - t0:.3f} s")
+
+
+def bench_recording_s3(args: argparse.Namespace, rng: np.random.Generator) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/: loopback_s3
+    from loopback_s3 import loopback_s3
+
+    with loopback_s3("bench-outcomes") as server:
+        options = {"storage_options": {"endpoint_url": server.endpoint}}
+        plain = open_or_build("s3://bench-outcomes/plain", args.rows, **options)
+        store = open_or_build("s3://bench-outcomes/outcomes", args.rows, **options)
+        bench_recording(plain, store, args.commit_steps, args.outcomes, rng, args.round_rows)
 
 
 def bench_stats(url: str, outcomes: int, rng: np.random.Generator) -> float:
@@ -177,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--round-rows", type=int, default=64, help="rows of each step's round in part 1"
     )
+    parser.add_argument("--s3", action="store_true", help="part 1 on loopback S3")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     base = Path(args.dir)
@@ -188,9 +220,12 @@ def main(argv: list[str] | None = None) -> int:
             f"1. recording {args.outcomes:,} outcomes per step with a round of "
             f"{args.round_rows:,} rows ({args.commit_steps} steps)"
         )
-        plain = open_or_build(base / f"record-plain-{args.rows}", args.rows)
-        store = open_or_build(base / f"record-{args.rows}", args.rows)
-        bench_recording(plain, store, args.commit_steps, args.outcomes, rng, args.round_rows)
+        if args.s3:
+            bench_recording_s3(args, rng)
+        else:
+            plain = open_or_build(base / f"record-plain-{args.rows}", args.rows)
+            store = open_or_build(base / f"record-{args.rows}", args.rows)
+            bench_recording(plain, store, args.commit_steps, args.outcomes, rng, args.round_rows)
 
     steps_list = [int(s) for s in args.steps.split(",") if int(s) > 0]
     if not steps_list:
