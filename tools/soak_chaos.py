@@ -23,9 +23,10 @@ returned (the acknowledgement) to its own log file, unbuffered, before anything 
 auditor thread reads each acknowledged version back (all rows, checksums checked; a round's
 outcome files hold exactly the outcomes it sent, its outcome lineage is its parent's plus
 those, a reset's and a compaction's that of their source, the generator state is the one
-committed last; every 25th version (more sparsely once a lineage is long: ``stats_due``) and the head, the statistics equal the raw records')
-right after its ack, and at the end every acknowledged version is read again. Exit status 1 on any
-acknowledged version that is lost or unreadable (unless gc's retention collected it, which
+committed last; every 25th version (more sparsely once a lineage is long: ``stats_due``)
+and the head, the statistics equal the raw records') right after its ack, and at the end
+every acknowledged version is read again. Exit status 1 on any acknowledged version that is
+lost or unreadable (unless gc's retention collected it, which
 this soak never asks for: it runs gc without ``keep``), 0 otherwise.
 
     python tools/soak_chaos.py --seconds 600               # local directory
