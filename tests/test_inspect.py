@@ -125,15 +125,16 @@ def test_inspect_names_a_remote_store_and_opens_it_only_when_asked(tmp_path):
         assert server.requests == []
         lines = out.splitlines()
         assert lines[0] == f"checkpoint:       {folder / 'data.pt'}"
-        assert lines[1:5] == [
+        assert lines[1:6] == [
             "training step:    7 (folder global_step_7)",
             f"store:            {server.url} (id {state['store_id']}), recorded; not opened",
             f"sampler:          mode epoch, seed 1, pinned version {state['version']}, "
             f"base rows {state['base_rows']:,}",
             f"sampler counters: epoch 0, position {state['position']:,}, "
             f"batches handed out {state['step']:,}",
+            "selection:        none (every row drawn uniformly)",
         ]
-        assert lines[5] == (
+        assert lines[6] == (
             f"note: {server.url} is not on this machine, so it was not opened: a checkpoint from "
             "elsewhere may name any server or bucket, which opening would read with your "
             "credentials; pass --open-store to open it, or --store URL to name the store yourself"

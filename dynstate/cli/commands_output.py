@@ -213,6 +213,7 @@ def inspect_cmd(
             f"epoch {info['epoch']}, position {info['position']:,}, "
             f"batches handed out {info['step']:,}",
         ),
+        ("selection", _policy_line(info)),
         (
             "next batch",
             f"epoch {info['next_epoch']}, version {info['next_version']}, "
@@ -243,6 +244,14 @@ def _step_line(info: dict[str, Any]) -> str:
     return f"{step} (folder {folder})"
 
 
+def _policy_line(info: dict[str, Any]) -> str:
+    select = info.get("select")
+    if select is None:
+        return "none (every row drawn uniformly)"
+    params = ", ".join(f"{k}={v!r}" for k, v in select["params"].items())
+    return f"{select['policy']} ({params})" if params else select["policy"]
+
+
 def _inspect_unopened(info: dict[str, Any]) -> None:
     """What the checkpoint itself says, when its store was not opened."""
     pairs = [
@@ -259,6 +268,7 @@ def _inspect_unopened(info: dict[str, Any]) -> None:
             f"epoch {info['epoch']}, position {info['position']:,}, "
             f"batches handed out {info['step']:,}",
         ),
+        ("selection", _policy_line(info)),
     ]
     for line in r.fields(pairs):
         r.echo(line)

@@ -13,6 +13,7 @@ from typing import Any
 from ..errors import CheckpointNotFoundError, InvalidDataError, StateMismatchError
 from .dataset import VersionedDataset, decode_index
 from .sampler import VersionedSampler
+from .selection import FunctionPolicy, Policy, as_policy
 from .state import check_state, find_sampler_state
 
 _GLOBAL_STEP = re.compile(r"global_step_(\d+)")
@@ -72,7 +73,56 @@ def _recorded(file: str, checked: dict[str, Any], shown_url: str) -> dict[str, A
         **{k: checked[k] for k in ("mode", "epoch", "version", "position", "base_rows", "step")},
         "seed": checked["seed"],
         "batch_size": checked["batch_size"],
+        "select": checked["select"],
     }
+
+
+def _unloaded_function(name: str) -> Any:
+    def fn(stats: Any, step: int) -> Any:
+        raise InvalidDataError(
+            f"the checkpoint's selection policy is the user function {name!r}, which inspect "
+            "does not import (a checkpoint from elsewhere may name any code); the next batch "
+            "is drawn by that function in the run itself"
+        )
+
+    return fn
+
+
+def policy_of_state(select: dict[str, Any] | None, file: str) -> Policy | None:
+    """The selection policy a (checked) sampler state records, rebuilt so that the state
+    loads into a sampler: a built-in from its name and parameters; a user function as a
+    stand-in with the recorded identity that refuses to draw (its code is never imported
+    from what a checkpoint names)."""
+    if select is None:
+        return None
+    params = select["params"]
+    if select["policy"] == FunctionPolicy.name:
+        name, user_params = params.get("name"), params.get("params")
+        if not isinstance(name, str) or not isinstance(user_params, dict):
+            raise StateMismatchError(
+                f"{file}: the sampler state records a function policy without a name and "
+                f"params ({params!r}); it is damaged — pass the data.pt the run wrote"
+            )
+        policy: Policy = FunctionPolicy(
+            _unloaded_function(name),
+            name=name,
+            params=user_params,
+            uses_step=bool(params.get("uses_step", True)),
+        )
+    else:
+        try:
+            policy = as_policy({**params, "policy": select["policy"]})  # type: ignore[assignment]
+        except InvalidDataError as exc:
+            raise StateMismatchError(
+                f"{file}: the sampler state's selection policy cannot be rebuilt ({exc}); "
+                "it was written by another dynstate version, or is damaged"
+            ) from None
+    if policy.identity() != select:
+        raise StateMismatchError(
+            f"{file}: the sampler state's selection policy {select!r} rebuilds as "
+            f"{policy.identity()!r}; it was written by another dynstate version, or is damaged"
+        )
+    return policy
 
 
 def _unopened(file: str, state: dict[str, Any], shown_url: str) -> dict[str, Any]:
@@ -167,6 +217,7 @@ def describe_checkpoint(
         drop_last=checked["drop_last"],
         wait_timeout=5.0,
         prefetch=False,
+        select=policy_of_state(checked["select"], file),
     )
     sampler.load_state_dict(state)  # checks that the version still exists, with its rows
     info["head"] = dataset.store.head
