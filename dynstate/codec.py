@@ -12,7 +12,12 @@ import re
 from datetime import datetime, timezone
 from typing import Any
 
-from .errors import ChecksumMismatchError, CorruptStoreError, UnsupportedFormatError
+from .errors import (
+    ChecksumMismatchError,
+    CorruptStoreError,
+    InvalidDataError,
+    UnsupportedFormatError,
+)
 
 # The highest store format this dynstate reads (dynstate.manifest writes 1, and 2 for records
 # and stores that hold outcomes or a generator state).
@@ -37,7 +42,22 @@ def encode(obj: dict[str, Any]) -> bytes:
     C's encoder writes ~8x faster than an indented file and :func:`decode` verifies without
     re-encoding what it parsed."""
     body = {k: v for k, v in obj.items() if k != "checksum"}
-    return canonical({**body, "checksum": sha256(canonical(body))})
+    try:
+        text = canonical(body)
+    except ValueError as exc:  # an int past this process's sys.set_int_max_str_digits
+        raise InvalidDataError(
+            f"a record cannot be written: {exc}; nothing was written — keep integers within "
+            f"{MAX_INT_DIGITS:,} digits"
+        ) from exc
+    # A process whose int limit is lifted writes what every other reader refuses (the
+    # inputs were checked already, naming the value: check_int; this is the last line).
+    if _LONG_RUN in text.translate(_DIGITS_ONLY) and _longest_int(text) > MAX_INT_DIGITS:
+        raise InvalidDataError(
+            f"a record would hold an integer of {_longest_int(text):,} digits, over the "
+            f"{MAX_INT_DIGITS:,} every reader of the store accepts; nothing was written — "
+            "store such a value as a string"
+        )
+    return canonical({**body, "checksum": sha256(text)})
 
 
 def _canonical_file_matches(data: bytes, expected: str) -> bool:
@@ -62,10 +82,16 @@ def _canonical_file_matches(data: bytes, expected: str) -> bool:
 
 
 # Bounds on what any store file may hold. Records nest a few levels around a ``meta`` of at
-# most 32 (rounds.MAX_META_DEPTH); Python refuses to print ints longer than 4,300 digits by
-# default, so no writer produced one.
+# most 32 (rounds.MAX_META_DEPTH). Integers: at most 4,300 digits, Python's default limit —
+# but a process may lift that limit (PYTHONINTMAXSTRDIGITS=0) or lower it (to 640 at least),
+# so neither side asks it: writers compare magnitudes (check_int, encode) and readers count
+# digits and convert without it (_bounded_int).
 MAX_JSON_DEPTH = 64
 MAX_INT_DIGITS = 4300
+# The largest magnitude of MAX_INT_DIGITS digits, compared as an int (no str conversion).
+MAX_INT = 10**MAX_INT_DIGITS - 1
+# The lowest limit sys.set_int_max_str_digits accepts: shorter runs convert in any process.
+_SAFE_DIGITS = 640
 # The largest count, version or size a record may name: what Arrow's int64 offsets can hold.
 MAX_COUNT = 2**63 - 1
 
@@ -75,6 +101,24 @@ _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 # substring search, a twentieth of what a regex scan costs on a 80 KB chunk of shard entries.
 _DIGITS_ONLY = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
 _LONG_RUN = b"0" * (MAX_INT_DIGITS + 1)
+_SAFE_RUN = b"0" * (_SAFE_DIGITS + 1)
+
+
+def int_fits(value: int) -> bool:
+    """Whether every reader parses ``value`` back (:data:`MAX_INT_DIGITS` digits at most),
+    decided by magnitude: the same answer whatever this process's int string limit."""
+    return -MAX_INT <= value <= MAX_INT
+
+
+def check_int(value: int, what: str) -> None:
+    """InvalidDataError unless :func:`int_fits` ``value``; ``what`` says whose value and
+    where (``"meta for URL ... at meta['x']"``)."""
+    if not int_fits(value):
+        raise InvalidDataError(
+            f"{what} is an integer of {value.bit_length():,} bits, over the "
+            f"{MAX_INT_DIGITS:,} decimal digits every reader of the store accepts (whatever "
+            "this process's sys.set_int_max_str_digits); store it as a string"
+        )
 
 
 def _damaged(where: str, why: str) -> CorruptStoreError:
@@ -122,11 +166,32 @@ def _depth(obj: Any) -> int:
 _CONTAINERS = frozenset((dict, list))
 
 
+def _longest_int(text: bytes) -> int:
+    """The most digits of any integer in the JSON ``text`` (digit runs in strings are not
+    integers), counted without converting one."""
+    longest = 0
+
+    def count(number: str) -> int:
+        nonlocal longest
+        longest = max(longest, len(number.lstrip("-")))
+        return 0
+
+    json.loads(text, parse_int=count)
+    return longest
+
+
 def _bounded_int(where: str) -> Any:
     def parse(text: str) -> int:
-        if len(text.lstrip("-")) > MAX_INT_DIGITS:
-            raise _damaged(where, f"holds an integer of {len(text):,} digits")
-        return int(text)
+        digits = len(text.lstrip("-"))
+        if digits > MAX_INT_DIGITS:
+            raise _damaged(where, f"holds an integer of {digits:,} digits")
+        if digits <= _SAFE_DIGITS:
+            return int(text)
+        # int(str) obeys this process's limit, which may be as low as 640 digits: a Decimal
+        # converts to int without it, so every process reads what the bound lets through.
+        from decimal import Decimal
+
+        return int(Decimal(text))
 
     return parse
 
@@ -138,7 +203,7 @@ def load_json(data: bytes | str, where: str) -> Any:
     raw = data.encode() if isinstance(data, str) else bytes(data)
     deep = _damaged(where, f"nests deeper than {MAX_JSON_DEPTH} levels")
     # The per-integer hook costs a call per number: only files with a long digit run pay it.
-    parse_int = _bounded_int(where) if _LONG_RUN in raw.translate(_DIGITS_ONLY) else None
+    parse_int = _bounded_int(where) if _SAFE_RUN in raw.translate(_DIGITS_ONLY) else None
     try:
         # The C parser guards its own recursion (a file of 200,000 "[" is a RecursionError,
         # not a crash), so the depth is checked on what it returns: walking the parsed

@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .codec import check_int
 from .errors import InvalidDataError
 
 # The parameters the stored aggregates are built with: statistics with this half-life are
@@ -266,6 +267,8 @@ def _check_plain(value: Any, url: str, where: str, budget: int) -> None:
     elif type(value) is list:
         for i, item in enumerate(value):
             _check_plain(item, url, f"{where}[{i}]", budget - 1)
+    elif type(value) is int:
+        check_int(value, f"generator_state for {url} at {at}")
     elif type(value) is float:
         if not math.isfinite(value):
             raise InvalidDataError(f"generator_state for {url} holds {value} at {at}")

@@ -4,7 +4,8 @@ round fixes the schema; later rounds must match, or add nullable columns when al
 Everything here runs before a round writes anything, so a refused round leaves the store as it
 was. What its columns may hold is checked in :mod:`dynstate.columns`. ``meta`` nests at most
 :data:`MAX_META_DEPTH` levels and encodes to at most :data:`MAX_META_BYTES` bytes of JSON: it
-is read back with every commit record.
+is read back with every commit record; its integers are within the bound every reader
+applies (:func:`dynstate.codec.check_int`), whatever this process's int string limit.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import pyarrow as pa
 
 from . import manifest as m
+from .codec import check_int
 from .columns import (
     check_names,
     check_required,
@@ -77,6 +79,8 @@ def _check_meta_value(value: Any, url: str, where: str, budget: int) -> None:
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             _check_meta_value(item, url, f"{where}[{i}]", budget - 1)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        check_int(value, f"meta for {url} at {at}")
     elif isinstance(value, float) and not math.isfinite(value):
         raise InvalidDataError(
             f"meta for {url} holds {value} at {at}, which JSON cannot hold; use None or a string"
