@@ -45,6 +45,11 @@ MAX_EXTRA_COLUMNS = 32
 MAX_STEP = 2**53  # steps and rows must survive a round trip through JSON and float64
 MAX_STATE_BYTES = 2**20
 MAX_STATE_DEPTH = 32
+# |score| at most this, checked when written (and by readers of outcome files): a row's
+# sum of scores, its EWMA numerator and any mean of them stay finite over up to 2**63
+# outcomes (1e250 * 2**63 ~ 9e268, far below float64's 1.8e308, with room for sums over
+# rows), so no statistic overflows to inf. Real scores are rewards, many orders smaller.
+MAX_SCORE = 1e250
 
 
 def as_numpy(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
@@ -181,6 +186,14 @@ def check_outcomes(data: Any, url: str, num_rows: int, version: int) -> pa.Table
             "(the round's own new rows have not been trained on yet)"
         )
     columns["score"] = _numeric(table.column("score"), "score", url, nulls=False)
+    scores = as_numpy(columns["score"])
+    if not (np.abs(scores) <= MAX_SCORE).all():
+        worst = int(np.argmax(np.abs(scores)))
+        raise InvalidDataError(
+            f"outcomes for {url}: column 'score' holds {float(scores[worst])!r} (record {worst}), "
+            f"beyond the bound |score| <= {MAX_SCORE:g} that keeps sums and means of scores "
+            "finite; rescale the scores"
+        )
     for name in extras:
         columns[name] = _numeric(table.column(name), name, url, nulls=True)
     return pa.table(columns)
