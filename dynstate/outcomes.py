@@ -388,6 +388,17 @@ def check_stats_params(success_above: Any, half_life: Any, url: str) -> tuple[fl
     return float(success_above), float(half_life)
 
 
+def check_rows_version(value: Any, url: str) -> int:
+    """``rows_version=``: the version the outcomes' rows were read at (their row numbers mean
+    that version's rows), a version number."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidDataError(
+            f"rows_version for {url} must be the version number the outcomes' rows were read "
+            f"at (an int >= 0), not {value!r}"
+        )
+    return value
+
+
 def summarize(stats: pa.Table, *, bins: int = 10, top: int = 10) -> dict[str, Any]:
     """What ``dynstate stats`` shows, from a statistics table (:meth:`Store.outcome_stats`):
     how many rows were trained, a histogram of pass rates (successes / attempts, ``bins``
