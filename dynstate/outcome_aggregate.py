@@ -5,6 +5,31 @@
 Besides the sums for the aggregate's own ``success_above`` and ``half_life``, it keeps a
 per-row histogram of the distinct scores (while there are at most :data:`MAX_SCORE_VALUES`),
 so successes above any other threshold need no records.
+
+The fold (the one order every statistic of a version is computed in): the records of the
+version's lineage in lineage order (its outcome files oldest commit first, each file's
+records as committed, which is :meth:`Store.outcome_records`' order), one record at a time.
+Per row, starting from ``score_sum = ewma_num = ewma_den = 0.0`` and ``last_step = -1``, a
+record ``(step, score)`` does, in IEEE double arithmetic, each operation rounded alone::
+
+    score_sum = score_sum + score
+    if step > last_step:       # a "lead": the row's new latest step
+        scale = np.exp2((last_step - step) / half_life)
+        ewma_num = ewma_num * scale + score
+        ewma_den = ewma_den * scale + 1.0
+        last_step = step
+    else:
+        weight = np.exp2((step - last_step) / half_life)
+        ewma_num = ewma_num + score * weight
+        ewma_den = ewma_den + weight
+
+and ``mean_score = score_sum / attempts``, ``ewma_score = ewma_num / ewma_den``. A left fold
+record by record continues from any prefix exactly, so a stored aggregate plus the files
+after it, one handle's cached aggregate plus newer files, and ``pending=`` (the committed
+version plus the step in progress) give bit-identical floats to a fold of every record
+from scratch (tests/test_stats_oracle.py checks all of them against this recurrence in
+plain Python). Summing a batch per row first and adding the sum would round differently
+depending on where the batches begin, which is what a handle's cache decides.
 """
 
 from __future__ import annotations
@@ -107,37 +132,83 @@ class Aggregate:
         return wider
 
     def fold(self, table: pa.Table) -> None:
-        """Add the records of an outcome table (rows within range), in place. The work is
-        over the rows the records name, not over every row of the version."""
+        """Add the records of an outcome table (rows within range), in place, one record at
+        a time in the table's order (the module docstring's fold): folding a lineage's files
+        in one table, file by file, or from a stored aggregate on gives the same floats. The
+        work is over the rows the records name, not over every row of the version."""
         if table.num_rows == 0:
             return
-        rows = as_numpy(table.column("row"))
-        steps = as_numpy(table.column("step"))
-        scores = as_numpy(table.column("score"))
+        rows = as_numpy(table.column("row")).astype(np.int64, copy=False)
+        steps = as_numpy(table.column("step")).astype(np.int64, copy=False)
+        scores = as_numpy(table.column("score")).astype(np.float64, copy=False)
         hit, inv = _group(rows, self.num_rows)
         k = len(hit)
-        passed = (scores > self.success_above).astype(np.float64)
         first = np.full(k, np.iinfo(np.int64).max, np.int64)
         np.minimum.at(first, inv, steps)
         last = np.full(k, -1, np.int64)
         np.maximum.at(last, inv, steps)
-        # the batch's own EWMA state, relative to each row's latest step in the batch
-        weight = np.exp2((steps - last[inv]) / self.half_life)
-        num = np.bincount(inv, weights=weight * scores, minlength=k)
-        den = np.bincount(inv, weights=weight, minlength=k)
         old_last = self.last_step[hit]
         old = old_last >= 0
-        latest = np.maximum(old_last, last)
-        scale_old = np.where(old, np.exp2((old_last - latest) / self.half_life), 0.0)
-        scale_new = np.exp2((last - latest) / self.half_life)
         self.attempts[hit] += np.bincount(inv, minlength=k)
-        self.score_sum[hit] += np.bincount(inv, weights=scores, minlength=k)
-        self.successes[hit] += np.bincount(inv, weights=passed, minlength=k).astype(np.int64)
+        self.successes[hit] += np.bincount(inv[scores > self.success_above], minlength=k)
         self.first_step[hit] = np.where(old, np.minimum(self.first_step[hit], first), first)
-        self.ewma_num[hit] = self.ewma_num[hit] * scale_old + num * scale_new
-        self.ewma_den[hit] = self.ewma_den[hit] * scale_old + den * scale_new
-        self.last_step[hit] = latest
+        # One rounding per record, in record order: ufunc.at is unbuffered and goes through
+        # the indices in order (a per-row sum added at once would round differently).
+        np.add.at(self.score_sum, rows, scores)
+        self._fold_ewma(hit, inv, steps, scores)
+        self.last_step[hit] = np.maximum(old_last, last)
         self._fold_histogram(rows, scores, hit)
+
+    def _fold_ewma(
+        self, hit: np.ndarray, inv: np.ndarray, steps: np.ndarray, scores: np.ndarray
+    ) -> None:
+        """The EWMA recurrence of the module docstring over the records, row by row in record
+        order, before ``last_step`` takes them in. Vectorised over rows in phases: phase j of
+        a row is its j-th record of a new latest step (a "lead", which rescales the state)
+        and the records after it up to the next lead (plain additions). So the loop runs as
+        many times as a row of the batch has leads at most (one per step a commit holds)."""
+        order = np.argsort(inv, kind="stable")  # row by row, each row's in record order
+        g, s, x = inv[order], steps[order], scores[order]
+        n = len(order)
+        starts = np.ones(n, dtype=bool)
+        starts[1:] = g[1:] != g[:-1]
+        # Each record's prior latest step: the row's stored one or that of its earlier
+        # records here. A running maximum per row: over step ranks offset by the row's group
+        # (groups ascend, so the maximum never crosses into the next row). The ranks are the
+        # steps less the least while that fits in int64 (a few steps: no sort), else dense.
+        low = int(s.min())
+        width = int(s.max()) - low + 1
+        if width * len(hit) < 2**62:
+            offset = g * width
+            running = np.maximum.accumulate(offset + (s - low)) - offset + low
+        else:
+            distinct, rank = np.unique(s, return_inverse=True)
+            offset = g * (len(distinct) + 1)
+            running = distinct[np.maximum.accumulate(offset + rank) - offset]
+        prior = np.empty(n, np.int64)
+        prior[0] = -1
+        prior[1:] = running[:-1]
+        prior[starts] = -1
+        prior = np.maximum(prior, self.last_step[hit][g])
+        lead = s > prior
+        # lead: the state's scale to the new latest step; else the record's weight (<= 1)
+        factor = np.exp2(np.where(lead, prior - s, s - prior) / self.half_life)
+        leads = np.cumsum(lead)
+        phase = leads - (leads - lead)[starts][np.cumsum(starts) - 1]
+        by_phase = np.argsort(phase, kind="stable")  # keeps each row's records in order
+        bounds = np.searchsorted(phase[by_phase], np.arange(int(phase.max()) + 2))
+        num, den = self.ewma_num, self.ewma_den
+        for j in range(len(bounds) - 1):
+            at = by_phase[bounds[j] : bounds[j + 1]]
+            if j:  # first in the phase: its row's lead
+                first = at[lead[at]]
+                r = hit[g[first]]
+                num[r] = num[r] * factor[first] + x[first]
+                den[r] = den[r] * factor[first] + 1.0
+                at = at[~lead[at]]
+            r = hit[g[at]]
+            np.add.at(num, r, x[at] * factor[at])
+            np.add.at(den, r, factor[at])
 
     def _fold_histogram(self, rows: np.ndarray, scores: np.ndarray, hit: np.ndarray) -> None:
         if self.values is None or self.counts is None:

@@ -364,7 +364,8 @@ class OutcomeViews:
                 won = int((part > self.success_above).sum())
                 attempts += len(part)
                 successes += won
-                total += float(part.sum())
+                for score in part.tolist():  # one by one, as the aggregate's fold adds them
+                    total += score
                 history.append(
                     {
                         "step": int(part_steps[0]),
