@@ -45,6 +45,9 @@ SORT_KEYS = (
 NO_OUTCOMES = "no outcomes recorded"
 # Band counts of single versions kept (a few charts' worth of points).
 _BANDS_CACHED = 4096
+# Above this many steps a band series is folded at the steps it keeps only (_fold_at): the
+# per-step fold keeps every step's counts, which a lineage of 10**6 steps cannot afford.
+_FOLD_STEPS = 10_000
 
 
 def outcome_records_count(store: Store, version: int) -> int:
@@ -379,6 +382,73 @@ class OutcomeViews:
         summary = row_stats(self.stats(version), [row])[0]
         return {"success_above": self.success_above, **summary, "steps": history}
 
+    def row_steps(
+        self,
+        version: int,
+        row: int,
+        *,
+        limit: int = 200,
+        before: int | None = None,
+        points: int = 240,
+        scores: int = 100,
+    ) -> dict[str, Any] | None:
+        """:meth:`row_history` bounded by what a page shows, whatever the row's history: the
+        row's statistics; ``steps``, the latest ``limit`` steps it was trained at below step
+        ``before`` (None: all), ascending, each with at most ``scores`` of its scores (the
+        first, as recorded; ``attempts`` counts them all) and the same figures as
+        :meth:`row_history`; ``steps_total``, how many steps the row has; ``next_before``,
+        the ``before`` of the next older page (None on the oldest); and ``chart``, at most
+        ``points`` of the steps, evenly spaced with the last kept (``step``, ``attempts``,
+        ``successes``, ``pass_rate`` through it). Pages walked with ``next_before`` concatenate
+        to :meth:`row_history`'s steps. Per-step figures are running sums over the row's
+        records in the order row_history folds them (``np.cumsum`` adds one by one, so the
+        means are bit-identical); nothing per step is built outside the page and the chart.
+        None when the lineage holds no outcomes."""
+        if not outcome_records_count(self.store, version):
+            return None
+        by_row = self._records_by_row(version)
+        lo, hi = np.searchsorted(by_row.rows, [row, row + 1])
+        steps, values = by_row.steps[lo:hi], by_row.scores[lo:hi]
+        starts = np.flatnonzero(np.diff(steps, prepend=-1))  # each step's first record
+        ends = np.append(starts[1:], len(steps)).astype(np.int64)
+        at = steps[starts]
+        won = np.cumsum(values > self.success_above)
+        total = np.cumsum(values)
+
+        def figures(i: int) -> dict[str, Any]:
+            a, b = int(starts[i]), int(ends[i])
+            through = int(won[b - 1])
+            return {
+                "step": int(at[i]),
+                "attempts": b - a,
+                "successes": through - (int(won[a - 1]) if a else 0),
+                "pass_rate": through / b,
+                "mean_score": float(total[b - 1]) / b,
+            }
+
+        stop = len(at) if before is None else int(np.searchsorted(at, before))
+        first = max(stop - limit, 0)
+        page = []
+        for i in range(first, stop):
+            entry = figures(i)
+            a = int(starts[i])
+            shown = values[a : min(int(ends[i]), a + scores)].tolist()
+            page.append({"step": entry.pop("step"), "scores": shown, **entry})
+        chart = []
+        for i in _picked(len(at), points):
+            entry = figures(i)
+            del entry["mean_score"]
+            chart.append(entry)
+        summary = row_stats(self.stats(version), [row])[0]
+        return {
+            "success_above": self.success_above,
+            **summary,
+            "steps": page,
+            "steps_total": len(at),
+            "next_before": int(at[first]) if first else None,
+            "chart": chart,
+        }
+
     # -- rows per pass-rate band, per step -------------------------------------------------
 
     def band_series(self, version: int, *, bins: int = 10, points: int | None = None) -> dict:
@@ -412,7 +482,9 @@ class OutcomeViews:
             self._fold_base(version, bins) is None  # a cached fold reads only the files since
         ):
             plan = self._step_versions(version)
-        if plan is None:
+        if plan is None and steps_held > _FOLD_STEPS:
+            kept_steps, kept_counts, recorded = self._fold_at(version, bins, points)
+        elif plan is None:
             series = self._fold(version, bins)
             steps, counts = series.steps, series.counts
             picked = _picked(len(steps), points)
@@ -477,6 +549,44 @@ class OutcomeViews:
             while len(self._bands) > _BANDS_CACHED:
                 self._bands.popitem(last=False)
         return found
+
+    def _fold_at(
+        self, version: int, bins: int, points: int | None
+    ) -> tuple[list[int], list[list[int]], int]:
+        """The steps :func:`_picked` keeps of ``version``'s lineage, their band counts (as
+        :meth:`_fold` gives them) and how many steps it holds, folding every record once but
+        counting bands at the kept steps only: the records between two kept steps are added
+        together (a row's band depends only on its totals through a step). Nothing is
+        cached, and its memory is the records' columns, not the steps'."""
+        outcomes = outcomes_of(self.store.log)
+        num_rows = self.store.commit_record(version).num_rows
+        rows, steps, scores = _columns([outcomes.records(version)])
+        order = np.argsort(steps, kind="stable")
+        rows, steps = rows[order], steps[order]
+        won = (scores[order] > self.success_above).astype(np.int64)
+        del scores, order
+        starts = np.flatnonzero(np.diff(steps, prepend=-1))
+        kept = [int(steps[starts[i]]) for i in _picked(len(starts), points)]
+        cuts = np.searchsorted(steps, kept, side="right")
+        attempts = np.zeros(num_rows, np.int64)
+        successes = np.zeros(num_rows, np.int64)
+        current = np.zeros(bins, np.int64)
+        counts: list[list[int]] = []
+        a = 0
+        for b in cuts.tolist():
+            hit, inv = np.unique(rows[a:b], return_inverse=True)
+            before = attempts[hit] > 0
+            if before.any():
+                old = band_of(successes[hit][before], attempts[hit][before], bins)
+                current -= np.bincount(old, minlength=bins)
+            attempts[hit] += np.bincount(inv, minlength=len(hit))
+            successes[hit] += np.bincount(inv, weights=won[a:b], minlength=len(hit)).astype(
+                np.int64
+            )
+            current += np.bincount(band_of(successes[hit], attempts[hit], bins), minlength=bins)
+            counts.append(current.tolist())
+            a = b
+        return kept, counts, len(starts)
 
     def _fold(self, version: int, bins: int) -> _Series:
         outcomes = outcomes_of(self.store.log)
