@@ -25,6 +25,7 @@ by default: the statistics are read with the store's defaults, which are increme
 from __future__ import annotations
 
 import importlib
+import inspect
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -295,6 +296,7 @@ class FunctionPolicy(Policy):
             name = f"{fn.__module__}.{qual}"
         if not isinstance(name, str) or not name:
             raise InvalidDataError(f"a policy name must be a non-empty string, not {name!r}")
+        _check_signature(fn, name)
         self.fn, self.user_name = fn, name
         self.user_params = _plain(params or {}, f"params of policy {name!r}")
         self.uses_step = bool(uses_step)
@@ -320,6 +322,24 @@ class FunctionPolicy(Policy):
                 )
             self._checked = True
         return [(1.0, weights)]
+
+
+def _check_signature(fn: Callable[..., Any], name: str) -> None:
+    """Refuse a function that cannot be called as ``fn(stats, step)`` now, with the policy's
+    name, rather than with a raw TypeError at the first step (functions whose signature
+    Python cannot tell, some builtins, are let through)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, 0)
+    except TypeError as exc:
+        raise InvalidDataError(
+            f"selection policy {name!r} has the signature {name.rpartition(':')[2]}"
+            f"{signature}, which cannot be called as fn(stats, step) ({exc}); a policy "
+            "takes the statistics table and the step: def policy(stats, step) -> weights"
+        ) from None
 
 
 def _plain(value: Any, where: str) -> Any:
@@ -362,8 +382,14 @@ def _from_config(config: dict[str, Any]) -> Policy:
         module, _, attr = path.partition(":")
         try:
             fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
+        except (ImportError, AttributeError, ValueError) as exc:  # ValueError: ":fn"
             raise InvalidDataError(f"cannot import selection policy {path!r}: {exc}") from exc
+        unknown = sorted(set(args) - {"params", "uses_step"})
+        if unknown:
+            raise InvalidDataError(
+                f"function policy {path!r}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                "a function policy config takes policy, function, params and uses_step"
+            )
         return FunctionPolicy(fn, name=path, **args)
     if kind not in _BUILT_IN:
         raise InvalidDataError(

@@ -4,6 +4,7 @@ wherever torchdata nested it inside a StatefulDataLoader state."""
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -18,6 +19,13 @@ MODES = ("epoch", "mix")
 _MAX_ROWS = 2**40  # rows of one version; an index carries its row in 40 bits
 
 __all__ = ["Position", "check_state", "find_sampler_state"]
+
+
+# Values of a state quoted in messages: a few levels and items of them, never the whole
+# (a select nested 50,000 deep would overflow repr's recursion; a huge list, the message).
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxdict, _QUOTE.maxlist = 3, 4, 4
+_QUOTE.maxstring = _QUOTE.maxother = 60
 
 
 def _is_int(value: Any) -> bool:
@@ -93,8 +101,8 @@ def check_state(state: Any, store_id: str, url: str) -> dict[str, Any]:
     fmt = state.get("format")
     if type(fmt) is not int or fmt < 1:
         raise StateMismatchError(
-            f"sampler state for {url} has format={fmt!r} ({_type_name(fmt)}), not a valid "
-            "format number (a plain int >= 1); it was not written by VersionedSampler"
+            f"sampler state for {url} has format={_QUOTE.repr(fmt)} ({_type_name(fmt)}), not "
+            "a valid format number (a plain int >= 1); it was not written by VersionedSampler"
         )
     if fmt > STATE_FORMAT:
         raise UnsupportedFormatError(
@@ -112,8 +120,9 @@ def check_state(state: Any, store_id: str, url: str) -> dict[str, Any]:
         value = state[key]
         if not (value is None and nullable) and not _type_ok(value, kind):
             raise StateMismatchError(
-                f"sampler state for {url} has {key}={value!r} ({_type_name(value)}); expected "
-                f"a plain {kind}{' or None' if nullable else ''} — pass the dict "
+                f"sampler state for {url} has {key}={_QUOTE.repr(value)} "
+                f"({_type_name(value)}); expected a plain {kind}"
+                f"{' or None' if nullable else ''} — pass the dict "
                 "VersionedSampler.state_dict() returned, with plain Python values "
                 "(numpy values: .item())"
             )
@@ -139,9 +148,9 @@ def check_state(state: Any, store_id: str, url: str) -> dict[str, Any]:
             and isinstance(select.get("params"), dict)
         ):
             raise StateMismatchError(
-                f"sampler state for {url} has select={select!r}; expected None or "
-                '{"policy": str, "params": dict} of plain types, as VersionedSampler.'
-                "state_dict() writes it"
+                f"sampler state for {url} has select={_QUOTE.repr(select)}; expected None or "
+                '{"policy": str, "params": dict} of plain types at most 8 levels deep, as '
+                "VersionedSampler.state_dict() writes it"
             )
         out["select"] = select
     if fmt == 1:
@@ -191,19 +200,27 @@ def _check_ranges(s: dict[str, Any], url: str) -> None:
 
 def find_sampler_state(loader_state: Any) -> dict[str, Any] | None:
     """The VersionedSampler state inside a StatefulDataLoader state dict (e.g. verl's
-    ``data.pt``), wherever torchdata nested it; None if there is none."""
-    if isinstance(loader_state, dict):
-        if loader_state.get("kind") == STATE_KIND:
-            return loader_state
-        for value in loader_state.values():
-            found = find_sampler_state(value)
-            if found is not None:
-                return found
-    elif isinstance(loader_state, (list, tuple)):
-        for value in loader_state:
-            found = find_sampler_state(value)
-            if found is not None:
-                return found
+    ``data.pt``), wherever torchdata nested it; None if there is none. Looked for at most
+    32 levels down (torchdata nests it a few): a deeper, damaged state is not followed down
+    to Python's recursion limit."""
+    return _find_state(loader_state, 32)
+
+
+def _find_state(value: Any, depth: int) -> dict[str, Any] | None:
+    if depth < 0:
+        return None
+    if isinstance(value, dict):
+        if value.get("kind") == STATE_KIND:
+            return value
+        children: Any = value.values()
+    elif isinstance(value, (list, tuple)):
+        children = value
+    else:
+        return None
+    for child in children:
+        found = _find_state(child, depth - 1)
+        if found is not None:
+            return found
     return None
 
 

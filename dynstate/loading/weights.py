@@ -148,11 +148,12 @@ class CumulativeWeights:
         """Recompute the sums of the ``dirty`` blocks and the sum over all blocks."""
         blocks = -(-self.num_rows // BLOCK)
         rows = self._weights.reshape(-1, BLOCK)
-        if isinstance(dirty, slice):  # every block in use: summed where they lie, no copy
-            np.cumsum(rows[:blocks], axis=1, out=self._local[:blocks])
-        else:
-            self._local[dirty] = np.cumsum(rows[dirty], axis=1)
-        self._top = np.cumsum(self._local[:blocks, -1])
+        with np.errstate(over="ignore"):  # an infinite total is refused by Plan._check
+            if isinstance(dirty, slice):  # every block in use: summed where they lie, no copy
+                np.cumsum(rows[:blocks], axis=1, out=self._local[:blocks])
+            else:
+                self._local[dirty] = np.cumsum(rows[dirty], axis=1)
+            self._top = np.cumsum(self._local[:blocks, -1])
         self.total = float(self._top[-1]) if blocks else 0.0
         self._last_block = int(np.searchsorted(self._top, self.total, side="left"))
 
@@ -223,6 +224,17 @@ class Plan:
 
     def _check(self, where: str) -> None:
         num_rows = self.num_rows
+        for stratum in self.all_strata:
+            # Finite weights can still sum past the float range: u = U[0, 1) * inf is inf or
+            # NaN, and every draw would land on the last row. Refused rather than rescaled,
+            # so that a row's share is always its weight over the plain float64 total.
+            if not math.isfinite(stratum.weights.total):
+                raise InvalidDataError(
+                    f"{where} returned weights whose total overflows float64 (largest "
+                    f"{stratum.weights.weights.max():.6g} over {num_rows} rows); weights are "
+                    "relative: scale them down (e.g. divide by their maximum) so that they "
+                    "sum to a finite number"
+                )
         if num_rows and not self.strata:
             if len(self.all_strata) == 1:
                 raise InvalidDataError(all_zero(where, num_rows))
