@@ -733,7 +733,11 @@ class Writer:
                 )
 
             self.refresh()
-            version = self.log.commit(make, sources=sources, attempts=attempts)
+            # Without appends_after, make uses only the parent's number: a reset out of a
+            # store whose head record cannot be read is committed over it.
+            version = self.log.commit(
+                make, sources=sources, attempts=attempts, over_damaged=appends_after is None
+            )
         except BaseException as exc:
             landed = self._resolve_failed_commit(
                 parts,

@@ -287,6 +287,7 @@ def reset_cmd(url: str, version: str, as_json: bool, storage_options) -> None:
     Example:
       dynstate reset ./runs/run1 40
     """
+    from ..errors import CorruptStoreError
     from ..history import diff
 
     store = open_store(url, storage_options)
@@ -295,7 +296,11 @@ def reset_cmd(url: str, version: str, as_json: bool, storage_options) -> None:
     # Only versions with as many rows can hold the same rows: the lineage walk (which reads
     # the records back to where the two meet) is needed only then.
     same = False
-    if store.commit_record(head).num_rows == store.commit_record(target).num_rows:
+    try:
+        head_rows: int | None = store.commit_record(head).num_rows
+    except CorruptStoreError:
+        head_rows = None  # a head record that cannot be read: the reset is the way out
+    if head_rows == store.commit_record(target).num_rows:
         info = diff(store, head, target)
         same = info["same_rows"] and info["schema_change"] is None
     if same:

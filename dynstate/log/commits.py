@@ -169,17 +169,28 @@ class Log(Catalog):
                 log.warning("ignoring unreadable head hint in %s", self.display_url)
         # The start's record and the next name (usually missing: the head) in one round trip;
         # a name found missing by that read is not asked for again in this probe.
-        first = self.records((start, start + 1))
-        absent = {v for v, record in first.items() if record is None}
+        try:
+            first = self.records((start, start + 1))
+            absent = {v for v, record in first.items() if record is None}
+        except CorruptStoreError:
+            absent = set()  # a damaged record among them: probed one at a time below
 
         def exists(version: int) -> bool:
-            return version not in absent and self.record(version) is not None
+            if version in absent:
+                return False
+            try:
+                return self.record(version) is not None
+            except CorruptStoreError:
+                # Damaged, but its name is taken: the head is found past it, so the store
+                # still opens — older versions read and a reset to one of them can be
+                # committed; reading this version names the file (see commit).
+                return True
 
         if not exists(start):
             # Hints are advisory; fall back to the last version known to exist.
             start = max(self._head, self._floor)
             absent.clear()
-            if self.record(start) is None:
+            if not exists(start):
                 raise CorruptStoreError(
                     f"{self.display_url} has no commit record for version {start}; run "
                     "`dynstate verify` to see what is damaged"
@@ -360,29 +371,42 @@ class Log(Catalog):
         sources: Iterable[int] = (),
         attempts: list[Commit] | None = None,
         ready: Callable[[], None] | None = None,
+        over_damaged: bool = False,
     ) -> int:
         """Create the next version's record exclusively; on a lost race, rebase (``make`` is
         called with the new parent) and retry. ``sources`` are versions whose shards the
         record reuses (a reset's target, a compaction's base): each attempt re-reads the gc
         floor and refuses sources below it. Every record tried is appended to ``attempts``.
         ``ready`` waits for the files the record names to be durable; the create calls it
-        before the record's name appears."""
+        before the record's name appears. ``over_damaged``: ``make`` needs only the parent's
+        version (a reset), so a head whose record cannot be read is no obstacle — it is the
+        way out of such a store."""
         previous = getattr(_COMMITTING, "ready", None)
         _COMMITTING.ready = ready
         try:
-            return self._commit(make, list(sources), attempts)
+            return self._commit(make, list(sources), attempts, over_damaged)
         finally:
             _COMMITTING.ready = previous
 
     def _commit(
-        self, make: Callable[[Commit], Commit], sources: list[int], attempts: list[Commit] | None
+        self,
+        make: Callable[[Commit], Commit],
+        sources: list[int],
+        attempts: list[Commit] | None,
+        over_damaged: bool = False,
     ) -> int:
         for attempt in range(MAX_COMMIT_ATTEMPTS):
             floor = self.read_floor()
             for source in sources:
                 if source < floor:
                     raise self.collected(source)
-            parent = self.record(self._head)
+            try:
+                parent = self.record(self._head)
+            except CorruptStoreError:
+                if not over_damaged:
+                    raise
+                # Only its number is used (see commit): the name is taken, the next is free.
+                parent = Commit(self.store_id, self._head, None, "damaged", "", None, 0, 0, 0)
             if parent is None or parent.version + 1 < floor:
                 # A head from before a gc: the record names below the floor are free again
                 # (gc removed them), and a record created there would be invisible.

@@ -18,7 +18,7 @@ treat them exactly as shards. See docs/format.md, "Outcomes".
 
 from __future__ import annotations
 
-import json
+import copy
 import logging
 import os
 import threading
@@ -27,7 +27,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .. import manifest as m
@@ -44,6 +46,7 @@ from ..outcome_aggregate import Aggregate
 from ..outcomes import (
     DEFAULT_HALF_LIFE,
     DEFAULT_SUCCESS_ABOVE,
+    MAX_SCORE,
     Ranges,
     as_numpy,
     check_generator_state,
@@ -459,9 +462,56 @@ class Outcomes:
                 f"outcome file {ref.path} of {where} does not hold the {ref.rows} outcome "
                 "records its commit record names"
             )
+        if version is not None:
+            self._check_file(table, ref.path, version, where)
         if cache:
             self._cache_file(ref.path, table)
         return table
+
+    def _check_file(self, table: pa.Table, path: str, version: int, where: str) -> None:
+        """The writer's bounds (:func:`dynstate.outcomes.check_outcomes`), applied to a file
+        read back: bytes that match their checksum may still have been written by a tool
+        that knew no bounds, and statistics index rows and fold steps and scores with them.
+        Every file of ``version``'s lineage names rows of that version (rows only ever grow
+        along a lineage) and steps its records list; scores lie within ``MAX_SCORE`` and
+        float fields are finite (or null)."""
+
+        def damaged(why: str) -> CorruptStoreError:
+            return CorruptStoreError(
+                f"outcome file {path} of {where} {why}; the file is damaged — run `dynstate "
+                "verify`, and reset to a version without it"
+            )
+
+        for name, kind in zip(OUTCOME_SCHEMA.names, OUTCOME_SCHEMA.types, strict=True):
+            column = table.column(name)
+            if column.type != kind or column.null_count:
+                nulls = f" with {column.null_count} nulls" if column.null_count else ""
+                raise damaged(f"holds {name} as {column.type}{nulls}, not {kind} without nulls")
+        if not table.num_rows:
+            return
+        num_rows = self.log.commit_record(version).num_rows
+        rows = as_numpy(table.column("row"))
+        low, high = int(rows.min()), int(rows.max())
+        if low < 0 or high >= num_rows:
+            bad = low if low < 0 else high
+            raise damaged(f"names row {bad}, but version {version} has {num_rows} rows")
+        steps = as_numpy(table.column("step"))
+        outside = _outside(steps, self.lineage(version).steps)
+        if outside is not None:
+            raise damaged(
+                f"names step {outside}, which the commit records of version {version}'s "
+                "lineage do not list"
+            )
+        scores = as_numpy(table.column("score"))
+        if not (np.abs(scores) <= MAX_SCORE).all():  # NaN fails it too
+            worst = scores[np.argmax(~(np.abs(scores) <= MAX_SCORE))]
+            raise damaged(f"holds score {worst}, beyond |score| <= {MAX_SCORE:g}")
+        for name in table.column_names[3:]:
+            column = table.column(name)
+            if pa.types.is_floating(column.type):
+                finite = pc.is_finite(column)
+                if not pc.all(pc.fill_null(finite, True)).as_py():
+                    raise damaged(f"holds NaN or infinity in {name!r}")
 
     def _cache_file(self, path: str, table: pa.Table) -> None:
         with self._files_lock:
@@ -608,7 +658,9 @@ class Outcomes:
 
     def generator_state(self, version: int) -> Any:
         state = self.lineage(version).state
-        return None if state is None else json.loads(json.dumps(state))
+        # A copy the caller may change; not through json: a process whose int string limit
+        # is lower than the store's bound (640 digits at least) reads the state all the same.
+        return None if state is None else copy.deepcopy(state)
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -902,6 +954,23 @@ def encode_outcome_file(table: pa.Table) -> pa.Buffer:
         table, out, use_dictionary=False, write_statistics=False, compression=OUTCOME_COMPRESSION
     )
     return out.getvalue()
+
+
+def _outside(steps: Any, ranges: tuple[tuple[int, int], ...]) -> int | None:
+    """A step of ``steps`` (a numpy array) outside the sorted ``ranges``, or None. A file
+    usually holds one step, or a few in one range: its least and greatest settle it."""
+    if not ranges:
+        return int(steps[0]) if len(steps) else None
+    firsts = np.array([a for a, _ in ranges], dtype=np.int64)
+    lasts = np.array([b for _, b in ranges], dtype=np.int64)
+    low, high = steps.min(), steps.max()
+    at = int(np.searchsorted(firsts, low, side="right")) - 1
+    if at >= 0 and high <= lasts[at]:
+        return None  # both in one range, so everything between them is too
+    distinct = np.unique(steps)
+    at_each = np.searchsorted(firsts, distinct, side="right") - 1
+    inside = (at_each >= 0) & (distinct <= lasts[np.maximum(at_each, 0)])
+    return None if inside.all() else int(distinct[np.argmin(inside)])
 
 
 def _checkpoint_thread_name(version: int) -> str:
