@@ -115,7 +115,7 @@ class Store:
             first = storage.read_many(ROOT_FILES)
         store_id = m.store_identity(raw, f"{storage.display_url}/{paths.STORE_FILE}")
         store = cls(storage, store_id, single_writer=single_writer, lease_ttl_s=lease_ttl_s)
-        store.log.refresh(read=(first[0], first[1]))
+        store.log.seen = store.log.refresh(read=(first[0], first[1]))
         return store
 
     @staticmethod
@@ -147,8 +147,11 @@ class Store:
         return f"Store({self.display_url!r}, head={self.head})"
 
     def refresh(self) -> int:
-        """Look for versions committed by other processes (and a new gc floor); the head."""
-        return self.log.refresh()
+        """Look for versions committed by other processes (and a new gc floor); the head.
+        Outcomes this handle commits without ``rows_version`` bind to the head seen here
+        (:meth:`append`)."""
+        self.log.seen = head = self.log.refresh()
+        return head
 
     @property
     def writer(self) -> Writer:
@@ -312,6 +315,7 @@ class Store:
         shard_bytes: int | None = None,
         outcomes: Any = None,
         generator_state: Any = None,
+        rows_version: int | None = None,
     ) -> int:
         """Commit ``data`` (a pyarrow Table, a list of dicts, a pandas DataFrame or a
         ``datasets.Dataset``) as one new version; returns its number. An empty round is a
@@ -323,7 +327,16 @@ class Store:
         ``score`` and optional numeric columns — committed in the same version as the round
         (one record: never one without the other). ``generator_state``: plain JSON types, the
         generator's state after this round (:meth:`generator_state` reads it back). Both are
-        checked before anything is written (:class:`InvalidDataError`)."""
+        checked before anything is written (:class:`InvalidDataError`).
+
+        ``rows_version``: the version the outcomes' rows were read at (a snapshot's or a
+        sampler's version); None means the head this handle last looked at (:meth:`open`,
+        :meth:`refresh`, a read of the head), moved on by its own commits while no reset
+        came between — right for a writer that reads and commits through this handle. The
+        outcomes are refused (:class:`CommitConflictError`, naming both versions, nothing
+        written) if that version is not on the lineage of the version they would be
+        committed on — a reset since the rows were read — also when another writer commits
+        meanwhile (docs/outcomes.md, "Outcomes bind to the rows they were scored on")."""
         return self.writer.append(
             data,
             meta=meta,
@@ -331,6 +344,7 @@ class Store:
             shard_bytes=_shard_bytes(shard_bytes),
             outcomes=outcomes,
             generator_state=generator_state,
+            rows_version=rows_version,
         )
 
     def stage(
@@ -358,15 +372,20 @@ class Store:
         meta: dict[str, Any] | None = None,
         outcomes: Any = None,
         generator_state: Any = None,
+        rows_version: int | None = None,
     ) -> int:
         """Commit staged parts, in the given order, as one new version; returns its number.
         Staged files gc collected (their writer died or stalled past the lease) make this
         raise :class:`LeaseExpiredError`. A commit whose outcome is unknown (a lost reply, an
         interrupt during the write) is resolved by reading the record back; when nothing was
-        committed the parts' shards are removed. ``outcomes`` and ``generator_state`` as for
-        :meth:`append`, in the same record."""
+        committed the parts' shards are removed. ``outcomes``, ``generator_state`` and
+        ``rows_version`` as for :meth:`append`, in the same record."""
         return self.writer.commit_staged(
-            parts, meta=meta, outcomes=outcomes, generator_state=generator_state
+            parts,
+            meta=meta,
+            outcomes=outcomes,
+            generator_state=generator_state,
+            rows_version=rows_version,
         )
 
     # -- outcomes ----------------------------------------------------------------------------
@@ -378,6 +397,7 @@ class Store:
         success_above: float | None = None,
         half_life: float | None = None,
         pending: Any = None,
+        rows_version: int | None = None,
     ) -> pa.Table:
         """Per-row statistics of ``version``'s outcomes (a number, a tag, None for the head):
         one row per store row — ``row``, ``attempts``, ``successes`` (scores above
@@ -385,21 +405,43 @@ class Store:
         steps back from the row's latest), ``first_step``, ``last_step`` (null for rows never
         trained). Only outcomes of the version's lineage count: after a reset or rollback to
         N these are N's. ``pending``: outcomes of a step in progress (any form ``append``
-        takes), counted as if committed on top of ``version`` — nothing is written. Bounded
+        takes), counted as if committed on top of ``version`` — nothing is written; their
+        rows bind as a commit's do (:meth:`append`): ``rows_version``, the version they were
+        read at, must be on ``version``'s lineage (else :class:`CommitConflictError`); None
+        means ``version`` when one is named, else the head this handle saw last. Bounded
         (an aggregate plus the outcome files since) for the default ``half_life`` at any
         ``success_above`` while scores take at most 16 distinct values; another half-life reads
         every outcome record of the lineage (docs/outcomes.md, "Cost"). None for either
         means its default, ``DEFAULT_SUCCESS_ABOVE`` (0.5) and ``DEFAULT_HALF_LIFE`` (10.0)
         of :mod:`dynstate.outcomes`."""
         from .log.outcomes import outcomes_of
-        from .outcomes import DEFAULT_HALF_LIFE, DEFAULT_SUCCESS_ABOVE, check_stats_params
+        from .outcomes import (
+            DEFAULT_HALF_LIFE,
+            DEFAULT_SUCCESS_ABOVE,
+            check_outcomes,
+            check_rows_version,
+            check_stats_params,
+        )
 
         above, half = check_stats_params(
             DEFAULT_SUCCESS_ABOVE if success_above is None else success_above,
             DEFAULT_HALF_LIFE if half_life is None else half_life,
             self.display_url,
         )
-        return outcomes_of(self.log).stats(self.resolve(version), above, half, pending)
+        seen = self.log.seen  # before resolve(None) looks again, as append's default
+        number = self.resolve(version)
+        if pending is not None:
+            if rows_version is not None:
+                read_at = check_rows_version(rows_version, self.display_url)
+            else:
+                read_at = min(seen, number) if version is None and seen is not None else number
+            if read_at != number:
+                self.log.require_on_lineage(read_at, number, "pending outcomes")
+                if rows_version is not None:
+                    # their rows must be rows of the version they were read at
+                    at = self.log.commit_record(read_at)
+                    pending = check_outcomes(pending, self.display_url, at.num_rows, read_at)
+        return outcomes_of(self.log).stats(number, above, half, pending)
 
     def outcome_records(self, version: int | str | None = None) -> pa.Table:
         """Every outcome record of ``version``'s lineage (``row``, ``step``, ``score`` and the

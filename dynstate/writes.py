@@ -33,6 +33,7 @@ from .log import Log, shard_path
 from .log.leases import host_id, process_gone
 from .log.outcomes import Pending, outcomes_of
 from .manifest import Commit, ShardRef
+from .outcomes import as_numpy, check_rows_version
 from .rounds import check_meta, conform_round, to_table
 from .rowgroups import group_rows, write_shard
 from .snapshot import Staged
@@ -99,27 +100,35 @@ class Writer:
         shard_bytes: int = DEFAULT_SHARD_BYTES,
         outcomes: Any = None,
         generator_state: Any = None,
+        rows_version: int | None = None,
     ) -> int:
         """:meth:`Store.append`: check the round, its outcomes and state against one head,
         then write the round's shards and its outcome file under one lease in one pass (the
         two files fsynced at once, one ``data/`` sync for both) and commit them as one
-        version. Nothing is written before every check passed."""
+        version. Nothing is written before every check passed. ``rows_version``: the version
+        the outcomes' rows were read at (None: the head this handle saw last, see
+        :meth:`_check_outcomes`)."""
         self._check_shard_bytes(shard_bytes)
         meta = check_meta(meta, self.display_url)
         table = to_table(data, self.display_url)
         self.log.require_writable()
+        seen = self.log.seen
         head = self.log.record(self.refresh())
         assert head is not None
         table, schema = self._conform_round(table, head, allow_new_columns)
-        checked = None
+        checked, read_at = None, None
         if outcomes is not None or generator_state is not None:
-            checked = outcomes_of(self.log).check(outcomes, generator_state, head)
+            checked, read_at = self._check_outcomes(
+                outcomes, generator_state, head, rows_version, seen
+            )
         if checked is not None:
             outcomes_of(self.log).mark_store()
         has_outcomes = checked is not None and checked.table is not None
         if not table.num_rows and not has_outcomes:
             staged = Staged((), schema, head.schema, None, self.store_id)
-            return self.commit_staged([staged], meta=meta, private=True, checked=checked)
+            return self.commit_staged(
+                [staged], meta=meta, private=True, checked=checked, rows_version=read_at
+            )
         lease = self.log.leases.acquire()
         try:
             shards, checked, ready = self._write_round(table, shard_bytes, lease, checked)
@@ -129,7 +138,51 @@ class Writer:
         staged = Staged(
             tuple(shards), schema, head.schema, lease if shards else None, self.store_id
         )
-        return self.commit_staged([staged], meta=meta, private=True, checked=checked, ready=ready)
+        return self.commit_staged(
+            [staged], meta=meta, private=True, checked=checked, ready=ready, rows_version=read_at
+        )
+
+    def _check_outcomes(
+        self,
+        outcomes: Any,
+        generator_state: Any,
+        head: Commit,
+        rows_version: int | None,
+        seen: int | None,
+    ) -> tuple[Pending | None, int | None]:
+        """Outcomes and state checked against ``head`` (:meth:`Outcomes.check`), and the
+        version their rows were read at (None: no outcome rows to bind), refused
+        (:meth:`Log.require_on_lineage`) unless it is on ``head``'s lineage. ``rows_version``
+        names it; None means ``seen`` (:attr:`Log.seen`: the head the handle's user last
+        looked at, moved on by its own commits while no reset came between), where a writer
+        that reads and commits through one handle read its rows (a reset by another process
+        since is caught; a look after the rows were read hides it — pass rows_version). Rows
+        named must exist at ``rows_version`` (at ``head`` for the default: a handle older than
+        the rows' reader may commit outcomes of rows added since)."""
+        if rows_version is None:
+            read_at = head.version if seen is None else min(seen, head.version)
+        else:
+            read_at = check_rows_version(rows_version, self.display_url)
+        try:
+            checked = outcomes_of(self.log).check(outcomes, generator_state, head)
+        except InvalidDataError:
+            if outcomes is not None:
+                # rows out of range of the head after a reset: the reset is the cause to name
+                self.log.require_on_lineage(read_at, head.version, "outcomes")
+            raise
+        if checked is None or checked.table is None:
+            return checked, None
+        self.log.require_on_lineage(read_at, head.version, "outcomes")
+        if rows_version is not None and read_at != head.version:
+            top = int(as_numpy(checked.table.column("row")).max())
+            num_rows = self.log.commit_record(read_at).num_rows
+            if top >= num_rows:
+                raise InvalidDataError(
+                    f"outcomes for {self.display_url} name row {top}, but version {read_at} "
+                    f"(rows_version, where their rows were read) has {num_rows} rows; nothing "
+                    "was committed"
+                )
+        return checked, read_at
 
     def _write_round(
         self, table: pa.Table, shard_bytes: int, lease: str, pending: Pending | None
@@ -202,10 +255,14 @@ class Writer:
         generator_state: Any = None,
         checked: Pending | None = None,
         ready: Callable[[], None] | None = None,
+        rows_version: int | None = None,
     ) -> int:
         """Commit staged parts, in the given order, as one new version; returns its number.
         ``outcomes`` and ``generator_state`` are committed in the same record (see
-        :mod:`dynstate.log.outcomes`); ``checked``: both, validated already (``append``).
+        :mod:`dynstate.log.outcomes`); ``checked``: both, validated already (``append``, which
+        passes the version their rows were read at as ``rows_version``). The record is
+        refused (:class:`CommitConflictError`) on any parent whose lineage lacks the version
+        the outcomes' rows were read at (``rows_version``, see :meth:`_check_outcomes`).
         Staged files gc collected (their writer died or stalled past the lease) make this
         raise :class:`LeaseExpiredError`. A commit whose outcome is unknown (a lost reply, an
         interrupt during the write) is resolved by reading the record back; when nothing was
@@ -219,13 +276,17 @@ class Writer:
         nonce = uuid.uuid4().hex
         pending: Pending | None = None
         claimed = False
+        elsewhere = False  # another call holds the parts' leases (not a refusal before)
         try:
             meta = check_meta(meta, self.display_url)
             if checked is None and (outcomes is not None or generator_state is not None):
                 self.log.require_writable()
+                seen = self.log.seen
                 head = self.log.record(self.refresh())
                 assert head is not None
-                checked = outcomes_of(self.log).check(outcomes, generator_state, head)
+                checked, rows_version = self._check_outcomes(
+                    outcomes, generator_state, head, rows_version, seen
+                )
             if checked is not None:
                 pending = outcomes_of(self.log).write(checked)
                 if pending.lease:
@@ -243,12 +304,13 @@ class Writer:
                 self.log.leases.adopt(leases)
                 self.log.leases.claim(leases, nonce, head=self.log.head)
             except CommitConflictError as exc:
+                elsewhere = True
                 raise self._claimed_elsewhere(exc, parts) from None
             claimed = True
             self._check_unleased(parts)
             version = self.log.commit(
                 lambda parent: self._append_record(
-                    parent, shards, schema, validated, meta, pending
+                    parent, shards, schema, validated, meta, pending, rows_version
                 ),
                 attempts=attempts,
                 ready=ready,
@@ -257,7 +319,15 @@ class Writer:
             if pending is not None and pending.ref is not None:
                 parts = _with_outcome_file(parts, pending, self.store_id)
             landed = self._resolve_failed_commit(
-                parts, leases, attempts, exc, nonce, private=private, claimed=claimed
+                parts,
+                leases,
+                attempts,
+                exc,
+                nonce,
+                private=private,
+                # a conflict before the claim (outcomes bound to an abandoned version) is a
+                # refusal like any other: the parts go, as for bad outcomes
+                claimed=claimed or not elsewhere,
             )
             if landed is not None and isinstance(exc, Exception):
                 return landed  # the reply was lost, the commit was not
@@ -525,7 +595,18 @@ class Writer:
         validated: str | None,
         meta: dict[str, Any],
         pending: Pending | None = None,
+        read_at: int | None = None,
     ) -> Commit:
+        if (
+            read_at is not None
+            and pending is not None
+            and pending.table is not None
+            and parent.version != pending.checked_at
+        ):
+            # Another writer committed after the outcomes were checked: a reset (followed by
+            # appends or not) may have put other rows at their numbers, which the row count
+            # alone cannot tell (Log.require_on_lineage).
+            self.log.require_on_lineage(read_at, parent.version, "outcomes")
         fp = m.schema_fingerprint(schema) if schema is not None else parent.schema
         if parent.schema != validated and schema is not None:
             # Another writer changed the schema after we checked: only a round whose written

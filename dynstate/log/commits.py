@@ -73,6 +73,12 @@ class Log(Catalog):
         self._records: dict[int, Commit] = {}
         self._head = 0
         self._floor = 0
+        # The head as of the handle user's last look (Store.open, Store.refresh, a read of
+        # the head), moved on by the handle's own commits while its lineage holds it, never
+        # by a write's own refresh: the version outcomes committed through this handle are
+        # taken to be scored on unless they name one (see require_on_lineage). None: no look
+        # yet (a Log made without Store.open), and the head is taken then.
+        self.seen: int | None = None
 
     @property
     def head(self) -> int:
@@ -315,6 +321,62 @@ class Log(Catalog):
                 self.records(range(v, max(self._floor, v - left + 1) - 1, -1), strict=False)
             v = self.predecessor(self.commit_record(v))
 
+    def on_lineage(self, ancestor: int, version: int) -> bool | None:
+        """Whether ``ancestor`` is on ``version``'s lineage; None when the walk met the gc
+        floor above it (nothing can tell)."""
+        if ancestor >= version:
+            return ancestor == version
+        # Every step of a lineage goes to a lower version (a parent, a reset's target), so
+        # the walk stops at the first version at or below the ancestor; the records on the
+        # way are read together (one round trip on an object store), each once per handle.
+        for v in self.lineage(version, ahead=version - ancestor + 1):
+            if v <= ancestor:
+                return v == ancestor
+        return None if ancestor < self._floor else False
+
+    def require_on_lineage(self, read_at: int, version: int, what: str) -> None:
+        """Refuse ``what`` (outcomes to be committed on, or counted at, ``version``) whose
+        rows were read at ``read_at``, unless ``read_at`` is on ``version``'s lineage: only
+        then is row ``i`` of ``read_at`` row ``i`` of ``version`` (appends and compactions keep
+        rows; a reset after ``read_at``, followed by appends or not, may put other rows at the
+        same numbers). :class:`CommitConflictError` names both versions;
+        :class:`VersionCollectedError` when gc removed ``read_at`` (nothing can tell then)."""
+        found = self.on_lineage(read_at, version)
+        if found:
+            return
+        if found is None:
+            raise VersionCollectedError(
+                f"{what} for {self.display_url}: their rows were read at version {read_at}, "
+                f"which gc removed (oldest kept is {self._floor}), so nothing can tell whether "
+                f"version {version} holds the same rows; nothing was written — read the rows "
+                "again and score them at a kept version, or pass the version they were read "
+                "at as rows_version="
+            )
+        if read_at < version:
+            why = f"a reset after version {read_at} left it, so row numbers may name other rows"
+        else:
+            why = "the rows are newer than it"
+        raise CommitConflictError(
+            f"{what} for {self.display_url}: their rows were read at version {read_at}, which "
+            f"is not on the lineage of version {version} ({why}); nothing was written — read "
+            f"the rows again at version {version} or later and score them there, or pass the "
+            "version they were read at as rows_version="
+        )
+
+    def advance_seen(self, record: Commit) -> None:
+        """After this handle committed ``record``: rows read at :attr:`seen` are rows of
+        ``record``'s version too while its lineage holds ``seen`` (no reset came between),
+        so outcomes of them bind there; otherwise ``seen`` stays, and such outcomes are
+        refused. A walk only when another writer committed since (usually none)."""
+        seen = self.seen
+        if seen is None or seen >= record.version:
+            return
+        try:
+            if self.predecessor(record) == seen or self.on_lineage(seen, record.version):
+                self.seen = record.version
+        except DynstateError as exc:  # the commit stands; seen stays, which only refuses more
+            log.debug("lineage of version %d not walked: %s", record.version, exc)
+
     def lineage_cut(self, oldest: int) -> bool:
         """Whether a lineage ending at ``oldest`` was cut by the floor (its predecessor was
         collected) rather than reaching the store's creation."""
@@ -442,6 +504,7 @@ class Log(Catalog):
         self.restore_named(record)
         self.recheck_sources(record, sources)
         self._upkeep(record)
+        self.advance_seen(record)
 
     def _stray(self, record: Commit, sources: list[int]) -> bool:
         """Whether ``record``, just created, lies below the gc floor where no reader looks.
