@@ -25,7 +25,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     Chromium, Ray) are built once, as in a serial run, and tests/test_verl_v1.py's drivers run
     one at a time. The modules with the most ``slow`` test functions (parameters not counted:
     a sweep of short trials is not a long test) go first, so the longest ones start at once
-    instead of ending the run on one worker. A serial run keeps pytest's order."""
+    instead of ending the run on one worker. A serial run keeps pytest's order.
+
+    Every case that reaches the loopback S3 server is marked ``s3`` here, so that
+    ``-m "not s3"`` deselects all of them: those asking for its fixtures, directly or
+    through a backend parameter (``store_url``/``durable_url`` = "s3", or any parameter
+    named so)."""
+    for item in items:
+        if _needs_s3(item) and item.get_closest_marker("s3") is None:
+            item.add_marker(pytest.mark.s3)
     if getattr(config, "workerinput", None) is None:
         return
     modules: dict[str, list[pytest.Item]] = {}
@@ -39,6 +47,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     ordered = sorted(modules.values(), key=lambda m: -slow_functions(m))  # stable on ties
     items[:] = [item for module in ordered for item in module]
+
+
+_S3_FIXTURES = frozenset({"s3_server", "s3_endpoint"})
+
+
+def _needs_s3(item: pytest.Item) -> bool:
+    if _S3_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return False
+    return any(isinstance(v, str) and v == "s3" for v in callspec.params.values())
 
 
 @pytest.fixture(scope="session")
