@@ -428,8 +428,13 @@ class Store:
             DEFAULT_HALF_LIFE if half_life is None else half_life,
             self.display_url,
         )
-        seen = self.log.seen  # before resolve(None) looks again, as append's default
-        number = self.resolve(version)
+        seen = self.log.seen
+        if pending is not None and version is None:
+            # The head, refreshed without counting as a look: outcomes refused here are
+            # refused again when asked again (as append's default, see Log.seen).
+            number = self.log.refresh()
+        else:
+            number = self.resolve(version)
         if pending is not None:
             if rows_version is not None:
                 read_at = check_rows_version(rows_version, self.display_url)
