@@ -9,6 +9,7 @@ reads every integer the bound lets through."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,16 @@ from pathlib import Path
 import pytest
 from test_cli import console_script
 
-from dynstate import CorruptStoreError, InvalidDataError, Store, codec
+from dynstate import (
+    CorruptStoreError,
+    FunctionPolicy,
+    InvalidDataError,
+    StateMismatchError,
+    Store,
+    VersionedDataset,
+    VersionedSampler,
+    codec,
+)
 from dynstate import manifest as m
 from dynstate.maintenance.verify import verify_store
 
@@ -174,3 +184,60 @@ def test_a_store_an_old_writer_damaged_stays_recoverable(tmp_path, where) -> Non
     # The damaged record stays named until gc collects it.
     problems = verify_store(Store.open(url)).problems
     assert len(problems) == 1 and record in problems[0], problems
+
+
+# -- sampler state ---------------------------------------------------------------------------
+
+
+def _weights(stats, step):  # a module-level policy: its name goes into the state
+    return [1.0] * stats.num_rows
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        ({"seed": BIG}, "seed=<an int of 16,610 bits> is past the integers"),
+        ({"seed": -BIG}, "seed=<an int of 16,610 bits>"),
+        ({"batch_size": 2**40}, f"batch_size={2**40} is out of range"),
+        ({"first_step": 2**40}, f"step={2**40} is out of range"),
+        ({"num_replicas": 2**40, "rank": 0}, "num_replicas"),
+        ({"mode": "mix", "batch_size": 2, "lag": 2**62}, "lag="),
+        ({"select": FunctionPolicy(_weights, params={"k": [BIG]})}, "identity"),
+        ({"select": FunctionPolicy(_weights, params={"k": [[[[[[[[[1]]]]]]]]]})}, "8 levels"),
+    ],
+)
+def test_a_sampler_refuses_settings_its_state_could_not_load(tmp_path, settings, says) -> None:
+    url = str(tmp_path / "store")
+    _store(url)
+    with pytest.raises(InvalidDataError, match=re.escape(says)):
+        VersionedSampler(VersionedDataset(url), **settings)
+
+
+def test_a_sampler_state_past_the_bounds_is_refused_by_name(tmp_path) -> None:
+    url = str(tmp_path / "store")
+    _store(url)
+    sampler = VersionedSampler(VersionedDataset(url), seed=3, batch_size=2)
+    list(sampler)
+    state = sampler.state_dict()
+    VersionedSampler(VersionedDataset(url), seed=3, batch_size=2).load_state_dict(state)
+    limit = 10**codec.MAX_INT_DIGITS
+    bad = {
+        "seed": limit,
+        "epoch": BIG,
+        "version": 2**63,
+        "fresh_version": -1,
+        "lag": 0,
+        "batch_size": 2**41,
+        "num_replicas": BIG,
+    }
+    for key, value in bad.items():
+        with pytest.raises(StateMismatchError, match=f"{key}=") as info:
+            VersionedSampler(VersionedDataset(url), seed=3).load_state_dict({**state, key: value})
+        assert "out of range" in str(info.value) or "past the integers" in str(info.value)
+    policy = FunctionPolicy(_weights, params={"k": 1})
+    sampler = VersionedSampler(VersionedDataset(url), seed=3, batch_size=2, select=policy)
+    state = sampler.state_dict()
+    select = state["select"]
+    damaged = {**select, "params": {**select["params"], "params": {"k": BIG}}}
+    with pytest.raises(StateMismatchError, match="select="):
+        sampler.load_state_dict({**state, "select": damaged})

@@ -37,7 +37,15 @@ from .batching import Batching, check_lag, drawing_batcher
 from .dataset import VersionedDataset, encode_index
 from .permutation import EpochOrder, FeistelPermutation
 from .selection import Policy, as_policy
-from .state import MODES, SELECT_FORMAT, STATE_KIND, Position, _is_int, check_state
+from .state import (
+    MODES,
+    SELECT_FORMAT,
+    STATE_KIND,
+    Position,
+    _is_int,
+    check_settings,
+    check_state,
+)
 from .weights import Selector, step_rng
 
 log = logging.getLogger("dynstate")
@@ -146,6 +154,18 @@ class VersionedSampler(Sampler[int]):
             raise InvalidDataError(f"num_replicas must be a positive int, not {num_replicas!r}")
         if not _is_int(rank) or not 0 <= rank < num_replicas:
             raise InvalidDataError(f"rank must be in [0, {num_replicas}), not {rank!r}")
+        policy = as_policy(select)
+        settings = {
+            "seed": seed,
+            "batch_size": batch_size,
+            "num_replicas": num_replicas,
+            "lag": lag if _is_int(lag) else None,  # epoch mode leaves it unchecked above
+            "step": first_step,
+        }
+        check_settings(
+            {k: None if v is None else int(v) for k, v in settings.items()},
+            None if policy is None else policy.identity(),
+        )
         self.dataset = dataset
         self.shuffle = shuffle
         self.seed = int(seed)
@@ -159,7 +179,7 @@ class VersionedSampler(Sampler[int]):
         self.wait_timeout = wait_timeout
         self.prefetch = prefetch
         self.first_step = int(first_step)
-        self.select: Policy | None = as_policy(select)
+        self.select: Policy | None = policy
         self._selector = None if self.select is None else Selector(self.select)
         self.pos = Position(step=self.first_step)
         self._order = EpochOrder(shuffle, self.seed, _BLOCK)

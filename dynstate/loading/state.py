@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import StateMismatchError, UnsupportedFormatError
+from ..codec import MAX_COUNT, int_fits
+from ..errors import InvalidDataError, StateMismatchError, UnsupportedFormatError
 
 STATE_FORMAT = 3  # written only by a sampler with a selection policy; else 2
 SELECT_FORMAT = 3
@@ -23,9 +24,29 @@ __all__ = ["Position", "check_state", "find_sampler_state"]
 
 # Values of a state quoted in messages: a few levels and items of them, never the whole
 # (a select nested 50,000 deep would overflow repr's recursion; a huge list, the message).
-_QUOTE = reprlib.Repr()
+class _Quote(reprlib.Repr):
+    def repr_int(self, x: int, level: int) -> str:
+        # repr() of an int past this process's int string limit raises ValueError
+        if x.bit_length() > 2000:
+            return f"<an int of {x.bit_length():,} bits>"
+        return super().repr_int(x, level)
+
+
+_QUOTE = _Quote()
 _QUOTE.maxlevel, _QUOTE.maxdict, _QUOTE.maxlist = 3, 4, 4
 _QUOTE.maxstring = _QUOTE.maxother = 60
+
+# The range of every int field of a state (seed: any int every reader of the store parses,
+# dynstate.codec.int_fits). The sampler's constructor (check_settings) and check_state apply
+# the same table, so every state a sampler writes loads, whatever the writing process's
+# settings, and nothing larger reaches the sampler's arithmetic or a JSON view of a state.
+_RANGES: dict[str, tuple[int, int]] = {
+    **dict.fromkeys(("batch_size", "lag", "num_replicas"), (1, _MAX_ROWS - 1)),
+    **dict.fromkeys(("version", "fresh_version"), (0, MAX_COUNT)),
+    **dict.fromkeys(
+        ("epoch", "base_rows", "position", "base_next", "step", "fresh_next"), (0, _MAX_ROWS - 1)
+    ),
+}
 
 
 def _is_int(value: Any) -> bool:
@@ -61,8 +82,10 @@ def _plain(value: Any, depth: int = 0) -> bool:
     """Plain JSON-like types only (what a policy's identity may hold)."""
     if depth > 8:
         return False
-    if value is None or type(value) in (bool, int, str):
+    if value is None or type(value) in (bool, str):
         return True
+    if type(value) is int:
+        return int_fits(value)
     if type(value) is float:
         return value == value and value not in (float("inf"), float("-inf"))
     if type(value) is list:
@@ -168,10 +191,44 @@ def check_state(state: Any, store_id: str, url: str) -> dict[str, Any]:
     return out
 
 
+def _out_of_range(key: str, value: Any) -> str | None:
+    """What is wrong with an int field's ``value`` (not None) of a state, or None."""
+    if key == "seed":
+        if int_fits(value):
+            return None
+        return f"seed={_QUOTE.repr(value)} is past the integers a store's readers parse"
+    low, high = _RANGES[key]
+    if low <= value <= high:
+        return None
+    return f"{key}={_QUOTE.repr(value)} is out of range [{low}, {high}]"
+
+
+def check_settings(values: dict[str, Any], select: Any) -> None:
+    """InvalidDataError unless the settings a :class:`VersionedSampler` writes into its state
+    (``values``: seed, batch_size, lag, num_replicas — None where unset — and its policy's
+    identity ``select``) lie within the bounds :func:`check_state` applies when the state is
+    loaded: a sampler refuses at construction what no resume could accept."""
+    for key, value in values.items():
+        problem = None if value is None else _out_of_range(key, value)
+        if problem is not None:
+            raise InvalidDataError(f"{problem}; a sampler state must load in any process")
+    if select is not None and not _plain(select):
+        raise InvalidDataError(
+            f"the selection policy's identity {_QUOTE.repr(select)} is not plain data of "
+            "at most 8 levels with integers every reader parses; it goes into the sampler "
+            "state — give the policy plainer params"
+        )
+
+
 def _check_ranges(s: dict[str, Any], url: str) -> None:
     def bad(what: str) -> StateMismatchError:
         return StateMismatchError(f"sampler state for {url} is inconsistent: {what}")
 
+    # First the bounds of every int field (messages below print the values)
+    for key in ("seed", *_RANGES):
+        problem = None if s[key] is None else _out_of_range(key, s[key])
+        if problem is not None:
+            raise bad(problem)
     if s["mode"] not in MODES:
         raise bad(f"mode={s['mode']!r} is not one of {MODES}")
     if s["batch_size"] is not None and s["batch_size"] < 1:
