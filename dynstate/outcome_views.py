@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .errors import InvalidDataError
 from .log.outcomes import outcomes_of
@@ -403,12 +404,21 @@ class OutcomeViews:
         to :meth:`row_history`'s steps. Per-step figures are running sums over the row's
         records in the order row_history folds them (``np.cumsum`` adds one by one, so the
         means are bit-identical); nothing per step is built outside the page and the chart.
-        None when the lineage holds no outcomes."""
+        Each call scans the lineage's outcome records for the row (the handle's cache of
+        outcome files keeps the newest 512 decoded; older ones are read again) and keeps no
+        sorted copy of them, unlike row_history. None when the lineage holds no outcomes."""
         if not outcome_records_count(self.store, version):
             return None
-        by_row = self._records_by_row(version)
-        lo, hi = np.searchsorted(by_row.rows, [row, row + 1])
-        steps, values = by_row.steps[lo:hi], by_row.scores[lo:hi]
+        # Only this row's records, in lineage order, then by step (ties as recorded: the
+        # order row_history folds): the lineage's records are scanned, never copied or
+        # kept, so memory follows the row and the page, not the history.
+        records = outcomes_of(self.store.log).records(version)
+        mine = records.filter(pc.equal(records.column("row"), row))
+        del records
+        order = np.argsort(as_numpy(mine.column("step")), kind="stable")
+        steps = as_numpy(mine.column("step")).astype(np.int64)[order]
+        values = as_numpy(mine.column("score")).astype(np.float64)[order]
+        del mine, order
         starts = np.flatnonzero(np.diff(steps, prepend=-1))  # each step's first record
         ends = np.append(starts[1:], len(steps)).astype(np.int64)
         at = steps[starts]
@@ -560,11 +570,13 @@ class OutcomeViews:
         cached, and its memory is the records' columns, not the steps'."""
         outcomes = outcomes_of(self.store.log)
         num_rows = self.store.commit_record(version).num_rows
-        rows, steps, scores = _columns([outcomes.records(version)])
+        records = outcomes.records(version)
+        steps = as_numpy(records.column("step")).astype(np.int64, copy=False)
         order = np.argsort(steps, kind="stable")
-        rows, steps = rows[order], steps[order]
-        won = (scores[order] > self.success_above).astype(np.int64)
-        del scores, order
+        steps = steps[order]
+        rows = as_numpy(records.column("row")).astype(np.int64, copy=False)[order]
+        won = (as_numpy(records.column("score")) > self.success_above)[order]
+        del records, order
         starts = np.flatnonzero(np.diff(steps, prepend=-1))
         kept = [int(steps[starts[i]]) for i in _picked(len(starts), points)]
         cuts = np.searchsorted(steps, kept, side="right")
@@ -580,9 +592,7 @@ class OutcomeViews:
                 old = band_of(successes[hit][before], attempts[hit][before], bins)
                 current -= np.bincount(old, minlength=bins)
             attempts[hit] += np.bincount(inv, minlength=len(hit))
-            successes[hit] += np.bincount(inv, weights=won[a:b], minlength=len(hit)).astype(
-                np.int64
-            )
+            successes[hit] += np.bincount(inv[won[a:b]], minlength=len(hit))
             current += np.bincount(band_of(successes[hit], attempts[hit], bins), minlength=bins)
             counts.append(current.tolist())
             a = b
