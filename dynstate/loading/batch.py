@@ -205,8 +205,14 @@ def columns_at(cache: ShardCache, store: Store, view: _View, rows: np.ndarray) -
     if n == 0:
         return [[] for _ in cols]
     found = pieces(cache, store, view, rows)
-    if len(found) == 1:  # one block, shard or row group: already in order
-        data, _, local = found[0]
+    if len(found) == 1:
+        data, where, local = found[0]
+        if where is not None:
+            # One piece need not hold the rows in the order asked: row groups decoded
+            # together are one piece whose rows run group by group. Put them back.
+            ordered = np.empty(n, dtype=local.dtype)
+            ordered[where] = local
+            local = ordered
         return [_take(data, c, local) for c in cols]
     inverse: list[int] | None = None
     out = []

@@ -1,0 +1,476 @@
+"""Every read path of :class:`~dynstate.VersionedDataset` against a plain oracle (SPEC §3.16,
+issue 40): the version's shards, named by its manifest, read whole with ``pyarrow.parquet``
+(bytes fetched through fsspec, not through dynstate's storage layer), concatenated, then
+``take(indices)``.
+
+The paths: local disk, ``memory://`` and S3 (loopback moto; dynstate reads it with its own
+client, :mod:`dynstate.storage.s3http`, and with s3fs); a cold dataset, one whose footer
+templates were taught by an earlier read, one warm across many batches and one whose cache
+is too small to hold the store (evictions, row groups read again, the disk cache); an
+uncompacted version, its compacted successor and an older version with fewer columns, alone
+or mixed in one batch through the sampler's version-tagged indices; ``format`` ``"rows"``,
+``"columns"`` and ``"arrow"``; ``row_column``; ``__getitem__`` and ``__getitems__``; and a
+``StatefulDataLoader`` with 0 and 2 workers. Indices come from hypothesis: unsorted,
+repeated, spread over shards and row groups, or a few rows of one row group or one shard.
+
+``DYNSTATE_ORACLE_EXAMPLES`` sets the examples of each read test per backend and cache
+state (default 40; the loader tests take a share of it). ``python tools/oracle_long.py``
+runs the module with many more.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import accumulate, pairwise
+from typing import Any
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import s3_url
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dynstate import Store, VersionedDataset, compact
+from dynstate.loading.dataset import encode_index
+
+EXAMPLES = int(os.environ.get("DYNSTATE_ORACLE_EXAMPLES", "40"))
+ROW = "_dynstate_row"
+FORMATS = ("rows", "columns", "arrow")
+
+# (rows, a column added from this round on, shard_bytes): several shards per round for the
+# third, shards of one row group and of many (128 rows a group on object stores, 256 on a
+# local disk: the first round has 10 local groups, so that a local batch reads a few of them
+# together and not the whole shard).
+ROUNDS: list[tuple[int, bool, int | None]] = [
+    (2400, False, None),
+    (300, False, None),
+    (1000, False, 6000),
+    (130, False, None),
+    (40, False, None),
+    (520, True, None),
+    (260, True, None),
+    (3, True, None),
+]
+
+
+def _round(start: int, n: int, hint: bool) -> pa.Table:
+    """Rows ``start`` .. ``start + n``: null-free numbers (read through numpy views), a float
+    column with nulls and strings (read through Arrow), and, from the schema's second version
+    on, a nullable ``hint`` column that older rows lack."""
+    ids = np.arange(start, start + n)
+    columns = {
+        "id": pa.array(ids, pa.int64()),
+        "score": pa.array([None if i % 11 == 0 else (i % 7) / 7 for i in ids.tolist()]),
+        "text": pa.array([f"task {i} " + "x" * (i % 23) for i in ids.tolist()]),
+        "level": pa.array((ids % 5).astype(np.int32)),
+        "solved": pa.array((ids % 3 == 0).tolist()),
+    }
+    if hint:
+        columns["hint"] = pa.array([None if i % 4 == 0 else f"h{i}" for i in ids.tolist()])
+    return pa.table(columns)
+
+
+# -- the oracle ------------------------------------------------------------------------------
+
+
+def _file_bytes(url: str, path: str) -> bytes:
+    """A shard's bytes through fsspec (s3fs on S3): none of dynstate's readers."""
+    with fsspec.open(f"{url.rstrip('/')}/{path}", "rb") as f:
+        return f.read()
+
+
+class Oracle:
+    """The rows of a store's versions the plain way: each version's shards (its manifest's
+    list) read whole with pyarrow and concatenated in order."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.store = Store.open(url)
+        self.tables: dict[int, pa.Table] = {}
+
+    def table(self, version: int) -> pa.Table:
+        table = self.tables.get(version)
+        if table is None:
+            snap = self.store.snapshot(version)
+            assert snap.schema is not None
+            parts = [
+                pq.read_table(pa.BufferReader(_file_bytes(self.url, s.path))) for s in snap.shards
+            ]
+            # Shards written before a column was added lack it: null there.
+            table = pa.concat_tables(parts, promote_options="default").select(snap.schema.names)
+            assert table.num_rows == snap.num_rows
+            table = self.tables[version] = table
+        return table
+
+    def rows(self, entries: list[tuple[int, int]], row_column: str | None) -> list[dict]:
+        """One dict per (version, row), its version's columns (and the row's number)."""
+        out: list[dict | None] = [None] * len(entries)
+        for version in {v for v, _ in entries}:
+            at = [i for i, (v, _) in enumerate(entries) if v == version]
+            taken = self.table(version).take(pa.array([entries[i][1] for i in at], pa.int64()))
+            for i, row in zip(at, taken.to_pylist(), strict=True):
+                if row_column is not None:
+                    row[row_column] = entries[i][1]
+                out[i] = row
+        return out  # type: ignore[return-value]
+
+    def columns(self, entries: list[tuple[int, int]], row_column: str | None, pinned: int) -> dict:
+        """Column lists over the columns of every version the batch reads (None where a
+        row's version lacks one; an empty batch has the columns of the version the dataset
+        is ``pinned`` at), the row numbers last."""
+        names: list[str] = []
+        for version in sorted({v for v, _ in entries} or {pinned}):
+            names += [n for n in self.table(version).schema.names if n not in names]
+        rows = self.rows(entries, None)
+        out = {n: [row.get(n) for row in rows] for n in names}
+        if row_column is not None:
+            out[row_column] = [r for _, r in entries]
+        return out
+
+
+# -- stores, built once per backend ----------------------------------------------------------
+
+
+@dataclass
+class Layout:
+    """Where a version's rows lie, from its manifest: to aim indices at groups and shards."""
+
+    num_rows: int
+    shards: list[tuple[int, int]]  # [start, end) of each shard
+    groups: list[tuple[int, int]]  # [start, end) of each row group
+    # The row groups of each shard of several, as often as it has groups: a shard drawn
+    # from it is more likely one that a batch reads a few groups of, not all
+    several: list[list[tuple[int, int]]]
+    edges: list[int]  # the first and last rows of every shard and row group
+
+
+def _layout(store: Store, version: int) -> Layout:
+    snap = store.snapshot(version)
+    shards, groups, several = [], [], []
+    for start, shard in zip(snap.offsets, snap.shards, strict=False):
+        shards.append((start, start + shard.rows))
+        counts = shard.groups.rows if shard.groups is not None else (shard.rows,)
+        cuts = [start + c for c in accumulate(counts, initial=0)]
+        own = list(pairwise(cuts))
+        groups += own
+        if len(own) > 1:
+            several += [own] * len(own)
+    edges = sorted({r for lo, hi in groups for r in (lo, hi - 1)})
+    return Layout(snap.num_rows, shards, groups, several, edges)
+
+
+@dataclass
+class Built:
+    backend: str
+    url: str
+    versions: dict[str, int]  # "old" (fewer columns), "wide", "compacted"
+    layouts: dict[int, Layout]
+    oracle: Oracle
+    tmp: str  # disk cache folders go here
+    warm: dict[tuple[Any, ...], VersionedDataset] = field(default_factory=dict)
+
+
+def _build(url: str, backend: str, tmp: str) -> Built:
+    store = Store.open(url, create=True)
+    start = 0
+    old = 0
+    for rows, hint, shard_bytes in ROUNDS:
+        version = store.append(
+            _round(start, rows, hint), allow_new_columns=hint, shard_bytes=shard_bytes
+        )
+        start += rows
+        if not hint:
+            old = version
+    wide = store.head
+    compacted = compact(store, target_bytes=20_000)
+    assert compacted != wide
+    versions = {"old": old, "wide": wide, "compacted": compacted}
+    layouts = {v: _layout(store, v) for v in versions.values()}
+    # Several shards, and shards of several row groups, in every version.
+    assert all(
+        len(lay.shards) > 1 and len(lay.groups) > len(lay.shards) for lay in layouts.values()
+    )
+    return Built(backend, url, versions, layouts, Oracle(url), tmp)
+
+
+@pytest.fixture(
+    scope="module", params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)]
+)
+def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Built:
+    tmp = str(tmp_path_factory.mktemp(f"oracle-{request.param}"))
+    if request.param == "local":
+        url = os.path.join(tmp, "store")
+    elif request.param == "memory":
+        url = f"memory://dynstate-oracle/{uuid.uuid4().hex}"
+    else:
+        request.getfixturevalue("s3_endpoint")
+        url = s3_url()
+    return _build(url, request.param, tmp)
+
+
+@pytest.fixture
+def s3fs_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """dynstate's S3 reads through s3fs instead of its own client (what it does for
+    configurations that client does not understand)."""
+    monkeypatch.setenv("DYNSTATE_S3_CLIENT", "s3fs")
+    yield
+
+
+# -- indices ---------------------------------------------------------------------------------
+
+
+def _rows_in(draw: st.DrawFn, span: tuple[int, int], most: int) -> list[int]:
+    return draw(st.lists(st.integers(span[0], span[1] - 1), min_size=1, max_size=most))
+
+
+@st.composite
+def batches(draw: st.DrawFn, built: Built) -> tuple[bool, list[tuple[int, int]]]:
+    """(tagged, [(version, row)]): rows of one version (plain row numbers), or of several
+    (the version-tagged indices VersionedSampler yields; tagged is then True). The rows are
+    a few of one row group (the group read in part), several of one shard (a few of its
+    row groups read together), or parts of those kinds, first and last rows of shards and
+    groups, and rows anywhere; some repeated, and all shuffled."""
+    names = sorted(built.versions)
+    tagged = draw(st.integers(0, 3)) == 0
+    if tagged:
+        chosen = draw(st.lists(st.sampled_from(names), min_size=1, max_size=3, unique=True))
+    else:
+        chosen = [draw(st.sampled_from(names))]
+    shape = draw(st.sampled_from(["group", "shard", "parts", "parts"]))
+    entries: list[tuple[int, int]] = []
+    for _ in range(1 if shape != "parts" else draw(st.integers(1, 4))):
+        version = built.versions[draw(st.sampled_from(chosen))]
+        lay = built.layouts[version]
+        kind = (
+            shape
+            if shape != "parts"
+            else draw(st.sampled_from(["group", "shard", "edges", "anywhere"]))
+        )
+        if kind == "group":
+            rows = _rows_in(draw, draw(st.sampled_from(lay.groups)), 6)
+        elif kind == "shard":  # rows of two or three of its groups
+            own = draw(st.sampled_from(lay.several))
+            picked = draw(st.lists(st.sampled_from(own), min_size=2, max_size=3, unique=True))
+            rows = [r for span in picked for r in _rows_in(draw, span, 4)]
+        elif kind == "edges":
+            rows = draw(st.lists(st.sampled_from(lay.edges), min_size=1, max_size=8))
+        else:
+            rows = draw(st.lists(st.integers(0, lay.num_rows - 1), max_size=16))
+        entries += [(version, r) for r in rows]
+    if entries:
+        entries += draw(st.lists(st.sampled_from(entries), max_size=4))  # repeats
+    return tagged, draw(st.permutations(entries))
+
+
+def _indices(tagged: bool, entries: list[tuple[int, int]]) -> list[int]:
+    return [encode_index(v, r) if tagged else r for v, r in entries]
+
+
+# -- datasets in each cache state ------------------------------------------------------------
+
+MODES = ("cold", "taught", "warm", "small")
+SMALL_CACHE = 48 * 1024  # smaller than one version's decoded rows: evictions, reads again
+
+
+def _fresh(built: Built, version: int, **kwargs: Any) -> VersionedDataset:
+    # A disk cache of its own: a cold read must not find shards an earlier one left there.
+    return VersionedDataset(built.url, version, cache_dir=tempfile.mkdtemp(dir=built.tmp), **kwargs)
+
+
+def _teach(built: Built, ds: VersionedDataset, version: int) -> None:
+    """Read one row of the shard with the most row groups, in part: on an object store its
+    footer teaches the template every shard of the schema names."""
+    lay = built.layouts[version]
+
+    lo, _ = max(lay.several, key=len)[0]
+    ds.read_batch([encode_index(version, lo + 1)])
+
+
+def dataset(built: Built, mode: str, version: int, **kwargs: Any) -> VersionedDataset:
+    """A dataset pinned at ``version`` in cache state ``mode``: ``cold`` (fresh), ``taught``
+    (fresh but for one earlier read), ``warm`` and ``small`` (one per backend and settings,
+    kept across examples; ``small`` with a cache smaller than the store)."""
+    if mode in ("cold", "taught"):
+        ds = _fresh(built, version, **kwargs)
+        if mode == "taught":
+            _teach(built, ds, version)
+            if not ds.store.storage.local:
+                assert ds.cache.footers._templates, "the teaching read taught no template"
+    else:
+        key = (mode, *sorted(kwargs.items()))
+        ds = built.warm.get(key)
+        if ds is None:
+            size = {"cache_bytes": SMALL_CACHE} if mode == "small" else {}
+            ds = built.warm[key] = _fresh(built, version, **size, **kwargs)
+        ds.pin(version)
+    if built.backend == "s3":  # dynstate's own S3 client, unless a test turned it off
+        own = os.environ.get("DYNSTATE_S3_CLIENT", "") != "s3fs"
+        assert (ds.store.storage._reader is not None) == own  # type: ignore[attr-defined]
+    return ds
+
+
+# -- checks ----------------------------------------------------------------------------------
+
+
+def check_batch(
+    built: Built,
+    got: Any,
+    fmt: str,
+    entries: list[tuple[int, int]],
+    row_column: str | None,
+    pinned: int,
+) -> None:
+    """``got`` (a batch in format ``fmt`` from a dataset ``pinned`` at a version) holds
+    exactly the oracle's rows, in order."""
+    oracle = built.oracle
+    if fmt == "rows":
+        assert got == oracle.rows(entries, row_column)
+        return
+    want = oracle.columns(entries, row_column, pinned)
+    if fmt == "columns":
+        assert got == want
+        return
+    assert isinstance(got, pa.RecordBatch)
+    assert got.to_pydict() == want
+    versions = {v for v, _ in entries} or {pinned}
+    if len(versions) == 1:  # one version: its schema, its column order
+        table = oracle.table(versions.pop())
+        names = list(table.schema.names) + ([row_column] if row_column else [])
+        assert got.schema.names == names
+        for name in table.schema.names:
+            assert got.schema.field(name).type == table.schema.field(name).type
+    if row_column is not None:
+        assert got.schema.field(row_column).type == pa.int64()
+
+
+def _settings(examples: int) -> Any:
+    return settings(
+        max_examples=max(1, examples),
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
+# -- the differential tests ------------------------------------------------------------------
+
+
+def test_the_rows_of_one_shard_come_back_in_the_order_asked(store_url: str, tmp_path) -> None:
+    """Issue 40's batch: rows of a few row groups of one 5,120-row shard, unsorted. On object
+    stores they were read together as one piece, group by group, and came back sorted while
+    ``row_column`` labelled them in the order asked."""
+    store = Store.open(store_url, create=True)
+    store.append(
+        pa.table({"id": pa.array(range(5120), pa.int64()), "text": [str(i) for i in range(5120)]})
+    )
+    asked = [3167, 4342, 1064, 3642, 664]
+    ds = VersionedDataset(store_url, row_column=ROW, cache_dir=str(tmp_path / "cache"))
+    assert [row["id"] for row in ds.read_batch(asked)] == asked
+    assert [row[ROW] for row in ds.__getitems__(asked)] == asked
+    columns = ds.read_batch(asked, "columns")
+    assert columns["id"] == columns[ROW] == asked
+    assert columns["text"] == [str(i) for i in asked]
+    assert ds.read_batch(asked, "arrow").column("id").to_pylist() == asked
+    assert Oracle(store_url).rows([(store.head, r) for r in asked], None) == [
+        {"id": i, "text": str(i)} for i in asked
+    ]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@_settings(EXAMPLES)
+@given(data=st.data())
+def test_read_batch_matches_the_oracle(built: Built, mode: str, data: st.DataObject) -> None:
+    """read_batch in every format, and __getitems__ in the dataset's own, return the oracle's
+    rows in the order asked; the first read of a cold dataset is in a format drawn too."""
+    tagged, entries = data.draw(batches(built), "batch")
+    row_column = data.draw(st.sampled_from([None, ROW]), "row_column")
+    batch_format = data.draw(st.sampled_from(FORMATS), "batch_format")
+    pinned = entries[0][0] if entries and not tagged else built.versions["wide"]
+    ds = dataset(built, mode, pinned, row_column=row_column, batch_format=batch_format)
+    indices = _indices(tagged, entries)
+    order = data.draw(st.permutations([*FORMATS, "getitems"]), "order")
+    for what in order:
+        if what == "getitems":
+            got, fmt = ds.__getitems__(indices), batch_format
+        else:
+            got, fmt = ds.read_batch(indices, what), what
+        check_batch(built, got, fmt, entries, row_column, pinned)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@_settings(EXAMPLES // 2)
+@given(data=st.data())
+def test_getitem_matches_the_oracle(built: Built, mode: str, data: st.DataObject) -> None:
+    """ds[i] one at a time (the single-row path: a block, a shard or a row group)."""
+    tagged, entries = data.draw(batches(built), "batch")
+    row_column = data.draw(st.sampled_from([None, ROW]), "row_column")
+    pinned = entries[0][0] if entries and not tagged else built.versions["wide"]
+    ds = dataset(built, mode, pinned, row_column=row_column)
+    got = [ds[i] for i in _indices(tagged, entries)]
+    assert got == built.oracle.rows(entries, row_column)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("built", ["s3"], indirect=True)
+@settings(
+    max_examples=max(1, EXAMPLES // 2),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
+def test_s3_through_s3fs_matches_the_oracle(
+    s3fs_reads: None, built: Built, data: st.DataObject
+) -> None:
+    """The same reads on S3 through s3fs rather than dynstate's own read client."""
+    tagged, entries = data.draw(batches(built), "batch")
+    mode = data.draw(st.sampled_from(["cold", "taught"]), "mode")
+    pinned = entries[0][0] if entries and not tagged else built.versions["wide"]
+    ds = dataset(built, mode, pinned, row_column=ROW)
+    indices = _indices(tagged, entries)
+    for fmt in FORMATS:
+        check_batch(built, ds.read_batch(indices, fmt), fmt, entries, ROW, pinned)
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
+def check_loader(built: Built, workers: int, data: st.DataObject) -> None:
+    """A StatefulDataLoader over explicit batches (its batch_sampler, so the oracle knows
+    every index): each batch it hands out, from the main process or from workers that
+    reopen the store, holds the oracle's rows in the order asked."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    # With workers, a process start per example: fewer examples, more batches each.
+    drawn = data.draw(st.lists(batches(built), min_size=1 + 3 * workers, max_size=4 + 4 * workers))
+    fmt = data.draw(st.sampled_from(FORMATS), "batch_format")
+    row_column = data.draw(st.sampled_from([None, ROW]), "row_column")
+    ds = _fresh(built, built.versions["wide"], batch_format=fmt, row_column=row_column)
+    # Tagged indices throughout: the worker's copy reads the version each index names.
+    plan = [[encode_index(v, r) for v, r in entries] for _, entries in drawn]
+    loader = StatefulDataLoader(ds, batch_sampler=plan, num_workers=workers, collate_fn=_as_is)
+    got = list(loader)
+    assert len(got) == len(plan)
+    for batch, (_, entries) in zip(got, drawn, strict=True):
+        check_batch(built, batch, fmt, entries, row_column, ds.version)
+
+
+# torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+@_settings(EXAMPLES // 4)
+@given(data=st.data())
+def test_loader_in_process_matches_the_oracle(built: Built, data: st.DataObject) -> None:
+    check_loader(built, 0, data)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+@_settings(EXAMPLES // 10)
+@given(data=st.data())
+def test_loader_with_two_workers_matches_the_oracle(built: Built, data: st.DataObject) -> None:
+    check_loader(built, 2, data)
