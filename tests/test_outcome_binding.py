@@ -216,3 +216,52 @@ def test_pending_outcomes_bind_as_commits_do(store_url: str) -> None:
     assert stats.column("attempts").to_pylist()[41] == 1
     # an explicit version with no rows_version: its own rows
     assert w.outcome_stats(6, pending=scored(41, step=1)).equals(stats)
+
+
+# -- verl's round commit ---------------------------------------------------------------------
+
+
+def verl_batch(rows_read: list[int], versions: list[int]) -> Any:
+    """A scored batch as verl's trainers hand it to the round commit: the dataset's
+    ``dynstate_row`` / ``dynstate_version`` per item and verl's ``token_level_scores``."""
+    import numpy as np
+    import torch
+    from verl import DataProto
+
+    return DataProto.from_dict(
+        tensors={"token_level_scores": torch.ones(len(rows_read), 3)},
+        non_tensors={
+            "dynstate_row": np.array(rows_read, dtype=object),
+            "dynstate_version": np.array(versions, dtype=object),
+        },
+    )
+
+
+def test_verl_batches_bind_their_outcomes_to_the_version_the_sampler_read(
+    tmp_path: Any,
+) -> None:
+    """What DynstateRLDataset.commit_round passes: the batch's outcomes with the newest
+    version its items were read at. A batch read before a reset (fresh rows of a newer
+    version among them or not) is refused; one read over plain appends commits."""
+    from dynstate.verl.outcomes import batch_outcomes, batch_rows_version
+
+    url = str(tmp_path / "store")
+    w = at_v2(url)
+    Store.open(url).append(rows("plain", 2))  # version 3: rows of version 2 unchanged
+    batch = verl_batch([35, 41], [2, 3])
+    assert batch_rows_version(batch, w) == 3
+    w.refresh()  # the trainer's handle is at the head: only the batch knows its versions
+    assert w.append([], outcomes=batch_outcomes(batch, 1), rows_version=3) == 4
+
+    reset_then = Store.open(url)
+    reset_then.reset(2)
+    reset_then.append(rows("new", 10))  # version 6
+    stale = verl_batch([35], [4])
+    w.refresh()
+    before = state(url)
+    with pytest.raises(CommitConflictError, match=r"version 4\b.*version 6\b"):
+        w.append([], outcomes=batch_outcomes(stale, 2), rows_version=batch_rows_version(stale, w))
+    assert state(url) == before
+    # items read on both sides of the reset cannot share one step's commit
+    with pytest.raises(CommitConflictError, match=r"version 4\b.*version 6\b"):
+        batch_rows_version(verl_batch([35, 36], [4, 6]), w)

@@ -45,7 +45,13 @@ from .generator import (
     state_of,
 )
 from .loader_state import read_loader_state
-from .outcomes import SCORE_KEY, batch_outcomes, round_figures, selection_figures
+from .outcomes import (
+    SCORE_KEY,
+    batch_outcomes,
+    batch_rows_version,
+    round_figures,
+    selection_figures,
+)
 from .settings import Settings
 
 log = logging.getLogger("dynstate")
@@ -138,6 +144,7 @@ class DynstateRLDataset(RLHFDataset):
         self.settings = None if self.fixed else Settings.from_config(config)
         self._committed: tuple[Any, int, int] | None = None  # (batch, step, version)
         self._pending: dict[str, Any] | None = None  # the outcomes of the step being generated
+        self._pending_read_at: int | None = None  # the version their rows were read at
         self.last_metrics: dict[str, float] = {}  # the figures of the last committed round
         self._rows: VersionedDataset | None = None
         self._frame: StoreFrame | None = None
@@ -305,6 +312,8 @@ class DynstateRLDataset(RLHFDataset):
         the same figures the next version will have)."""
         assert self._rows is not None
         extra = self._pending if pending and version is None else None
+        if extra is not None:
+            options.setdefault("rows_version", self._pending_read_at)
         return self.store.outcome_stats(
             self._rows.version if version is None else version, pending=extra, **options
         )
@@ -363,8 +372,12 @@ class DynstateRLDataset(RLHFDataset):
         meta: dict[str, Any] = {"step": step, "generator": name}
         rows = None
         outcomes = batch_outcomes(batch, step)
+        # the version the batch's rows were read at: the outcomes bind to it (a reset since
+        # would credit the scores to other rows; the commit refuses it)
+        read_at = batch_rows_version(batch, self.store) if outcomes is not None else None
         if self.data_generator is not None:
             self._pending = outcomes  # for outcome_stats(pending=True) inside generate
+            self._pending_read_at = read_at
             try:
                 rows = run_generator(self.data_generator, batch, step, self)
             except Exception as exc:
@@ -376,7 +389,7 @@ class DynstateRLDataset(RLHFDataset):
                 )
                 meta["error"] = repr(exc)[:500]
             finally:
-                self._pending = None
+                self._pending, self._pending_read_at = None, None
         keep_source = isinstance(self.data_generator, DynstateGenerator)
         table = self._round_table(rows, keep_source)
         meta["rows"] = table.num_rows
@@ -393,6 +406,7 @@ class DynstateRLDataset(RLHFDataset):
             meta=meta,
             outcomes=outcomes,
             generator_state=state,
+            rows_version=read_at,
         )
         self._rows.refresh()
         self._committed = (batch, step, version)

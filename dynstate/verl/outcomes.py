@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..errors import InvalidDataError
+from ..errors import CommitConflictError, InvalidDataError
 from ..loading.selection import Policy, pass_rates
 from ..store import Store
 from .generator import ROW_KEY, VERSION_KEY
@@ -50,6 +50,36 @@ def batch_outcomes(batch: Any, step: int) -> dict[str, Any] | None:
     if "response_mask" in keys:
         out["response_length"] = tensors["response_mask"].sum(-1).double().cpu().numpy()
     return out
+
+
+def batch_rows_version(batch: Any, store: Store) -> int | None:
+    """The version the rows of a scored verl ``batch`` were read at, for the round commit's
+    ``rows_version`` (outcomes bind to the rows they were scored on): the newest of its items'
+    ``dynstate_version`` (the sampler pins each item's version). Items read at older
+    versions (mix mode's fresh rows come from newer ones) must be on its lineage, so every
+    row number means one row; else :class:`CommitConflictError` naming both versions. None
+    when the batch carries no versions (the commit then binds to the store handle's view)."""
+    non_tensors = getattr(batch, "non_tensor_batch", None) or {}
+    versions = non_tensors.get(VERSION_KEY)
+    if versions is None or not len(versions):
+        return None
+    distinct = sorted({int(v) for v in versions})
+    newest, oldest = distinct[-1], distinct[0]
+    if len(distinct) > 1:
+        on_lineage: set[int] = set()
+        for v in store.lineage(newest, ahead=newest - oldest + 1):
+            if v < oldest:
+                break
+            on_lineage.add(v)
+        off = [v for v in distinct if v not in on_lineage]
+        if off:
+            raise CommitConflictError(
+                f"the batch of {store.display_url} holds rows read at version {off[0]}, which "
+                f"is not on the lineage of version {newest} its other rows were read at (a "
+                "reset came between): their row numbers name different rows, so the step's "
+                "outcomes cannot be committed"
+            )
+    return newest
 
 
 def _band_names() -> list[str]:
