@@ -209,6 +209,11 @@ def _picked(n: int, points: int | None) -> list[int] | range:
     return sorted({round(i * (n - 1) / max(points - 1, 1)) for i in range(points)})
 
 
+def _end(starts: np.ndarray, i: int, n: int) -> int:
+    """Where group ``i`` of ``n`` records that begin at ``starts`` ends (exclusive)."""
+    return int(starts[i + 1]) if i + 1 < len(starts) else n
+
+
 @dataclass
 class _Series:
     """The band series folded so far over the first ``files`` files of a lineage."""
@@ -413,39 +418,48 @@ class OutcomeViews:
         # order row_history folds): the lineage's records are scanned, never copied or
         # kept, so memory follows the row and the page, not the history.
         records = outcomes_of(self.store.log).records(version)
-        mine = records.filter(pc.equal(records.column("row"), row))
-        del records
-        order = np.argsort(as_numpy(mine.column("step")), kind="stable")
-        steps = as_numpy(mine.column("step")).astype(np.int64)[order]
-        values = as_numpy(mine.column("score")).astype(np.float64)[order]
-        del mine, order
-        starts = np.flatnonzero(np.diff(steps, prepend=-1))  # each step's first record
-        ends = np.append(starts[1:], len(steps)).astype(np.int64)
-        at = steps[starts]
-        won = np.cumsum(values > self.success_above)
-        total = np.cumsum(values)
+        mask = pc.equal(records.column("row"), row)
+        steps = as_numpy(pc.filter(records.column("step"), mask)).astype(np.int64, copy=False)
+        order = np.argsort(steps, kind="stable")
+        steps = steps[order]
+        values = as_numpy(pc.filter(records.column("score"), mask))[order].astype(
+            np.float64, copy=False
+        )
+        del records, mask, order
+        n = len(steps)
+        change = np.ones(n, dtype=bool)
+        np.not_equal(steps[1:], steps[:-1], out=change[1:])
+        starts = np.flatnonzero(change)  # each step's first record
+        del change
+        count = len(starts)
+        stop = count if before is None else int(np.searchsorted(steps[starts], before))
+        first = max(stop - limit, 0)
+        shown = {
+            i: values[starts[i] : min(int(starts[i]) + scores, _end(starts, i, n))].tolist()
+            for i in range(first, stop)
+        }
+        # Running sums through each record, in place of the records (the page's scores are
+        # taken above): the figures of any step are read off them.
+        won = np.cumsum(values > self.success_above, dtype=np.int64)
+        total = np.cumsum(values, out=values)
 
         def figures(i: int) -> dict[str, Any]:
-            a, b = int(starts[i]), int(ends[i])
+            a, b = int(starts[i]), _end(starts, i, n)
             through = int(won[b - 1])
             return {
-                "step": int(at[i]),
+                "step": int(steps[a]),
                 "attempts": b - a,
                 "successes": through - (int(won[a - 1]) if a else 0),
                 "pass_rate": through / b,
                 "mean_score": float(total[b - 1]) / b,
             }
 
-        stop = len(at) if before is None else int(np.searchsorted(at, before))
-        first = max(stop - limit, 0)
         page = []
         for i in range(first, stop):
             entry = figures(i)
-            a = int(starts[i])
-            shown = values[a : min(int(ends[i]), a + scores)].tolist()
-            page.append({"step": entry.pop("step"), "scores": shown, **entry})
+            page.append({"step": entry.pop("step"), "scores": shown[i], **entry})
         chart = []
-        for i in _picked(len(at), points):
+        for i in _picked(count, points):
             entry = figures(i)
             del entry["mean_score"]
             chart.append(entry)
@@ -454,8 +468,8 @@ class OutcomeViews:
             "success_above": self.success_above,
             **summary,
             "steps": page,
-            "steps_total": len(at),
-            "next_before": int(at[first]) if first else None,
+            "steps_total": count,
+            "next_before": int(steps[starts[first]]) if first else None,
             "chart": chart,
         }
 

@@ -9,10 +9,13 @@ one version asked about, shard by shard, and stop once the page is full.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
+
+import pyarrow as pa
 
 from ..errors import DynstateError, VersionNotFoundError
 from ..history import describe, diff, growth, summary, version_rows
@@ -28,6 +31,11 @@ from .rows import MAX_LIMIT, RowQuery, int_param, jsonable
 log = logging.getLogger("dynstate")
 
 _DIFF_PREVIEW = 10
+# A row's outcome history per page: steps listed (default, most) and chart points.
+STEPS_PAGE = 200
+MAX_STEPS_PAGE = 5_000
+CHART_POINTS = 240
+MAX_CHART_POINTS = 5_000
 
 
 class RowNotFoundError(DynstateError, LookupError):
@@ -68,6 +76,10 @@ class StoreView:
         self._growth: tuple[int, dict[str, Any]] | None = None
         self._growth_lock = threading.Lock()
         self._checkpoint_info: dict[int, dict[str, Any]] = {}
+        # One scan of a lineage's outcome records at a time (a row's history, the band
+        # series): each is bounded by its page, but requests and the start-up thread at once
+        # would add their peaks up.
+        self._scan_lock = threading.Lock()
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -81,6 +93,16 @@ class StoreView:
         if version in (None, "", "head"):
             return self.store.refresh()
         return self.store.resolve(version)
+
+    @contextlib.contextmanager
+    def _scanning(self) -> Iterator[None]:
+        """Hold the scan lock; after the scan, hand the memory Arrow's allocator kept back
+        to the system (it keeps freed pages for reuse: a server idles at its peak else)."""
+        with self._scan_lock:
+            try:
+                yield
+            finally:
+                pa.default_memory_pool().release_unused()
 
     # -- store -------------------------------------------------------------------------------
 
@@ -213,17 +235,33 @@ class StoreView:
         }
         if not records:
             return {**info, "summary": None, "bands": None}
-        stats = self.outcomes.stats(v)
-        summary = summarize(stats, bins=n_bins, top=10)
-        series = self.outcomes.band_series(v, bins=n_bins, points=n_points)
+        with self._scanning():
+            stats = self.outcomes.stats(v)
+            summary = summarize(stats, bins=n_bins, top=10)
+            series = self.outcomes.band_series(v, bins=n_bins, points=n_points)
         return {**info, "summary": summary, "bands": series}
 
     # -- one row and its lineage -------------------------------------------------------------
 
-    def row_detail(self, version: int | str | None, row: int | str) -> dict[str, Any]:
+    def row_detail(
+        self,
+        version: int | str | None,
+        row: int | str,
+        *,
+        limit: str | None = None,
+        before: str | None = None,
+        points: str | None = None,
+    ) -> dict[str, Any]:
+        """One row: its values, round, lineage and outcome history. The history is one page
+        (:meth:`dynstate.outcome_views.OutcomeViews.row_steps`): the latest ``limit`` steps
+        below step ``before`` and a chart of at most ``points`` steps, so a row trained at
+        10**6 steps costs a page, not its history; ``outcome_steps.next_before`` pages on."""
         v = self.resolve(version)
         snap = self.store.snapshot(v)
         i = self._row_number(snap, row)
+        n = int_param(limit, "limit", STEPS_PAGE, 1, MAX_STEPS_PAGE)
+        below = None if before in (None, "") else int_param(before, "before", 0, 0, None)
+        n_points = int_param(points, "points", CHART_POINTS, 2, MAX_CHART_POINTS)
         rounds = self.lineage.rounds(v)
         values = self.rows.read(snap, [i])[0]
         seg = rounds.of_row(i)
@@ -234,6 +272,8 @@ class StoreView:
         up, up_edges = ancestors(snap, i, values, self.rows.read)
         index = self.lineage.index(v)
         down, down_edges = descendants(index, i)
+        with self._scanning():
+            history = self.outcomes.row_steps(v, i, limit=n, before=below, points=n_points)
         nodes = {n["row"]: n for n in [*up, *down]}
         previews = self.rows.read(snap, list(nodes)) if nodes else []
         for (r, node), vals in zip(nodes.items(), previews, strict=True):
@@ -251,7 +291,7 @@ class StoreView:
             "descendants": down,
             "edges": [*up_edges, *down_edges],
             "index": {"version": index.version, "rows": index.num_rows, "edges": index.edges},
-            "outcomes": self.outcomes.row_history(v, i),
+            **_outcome_page(history, n, below),
         }
 
     def _row_number(self, snap: Snapshot, row: int | str) -> int:
@@ -341,6 +381,22 @@ class StoreView:
                 info["version_rows"] = None
         self._checkpoint_info[number] = info
         return info
+
+
+def _outcome_page(history: dict[str, Any] | None, limit: int, before: int | None) -> dict[str, Any]:
+    """``outcomes`` (the row's statistics and its page of steps, the keys ``row_history``
+    has) and ``outcome_steps`` (where the page sits: ``total`` steps, ``limit``, ``before``,
+    ``next_before``, and the ``chart`` points), both None without outcomes."""
+    if history is None:
+        return {"outcomes": None, "outcome_steps": None}
+    place = {
+        "total": history.pop("steps_total"),
+        "limit": limit,
+        "before": before,
+        "next_before": history.pop("next_before"),
+        "chart": history.pop("chart"),
+    }
+    return {"outcomes": history, "outcome_steps": place}
 
 
 def _row_figures(stats: Any, rows: list[int]) -> list[dict[str, Any]]:

@@ -174,9 +174,14 @@ class Site:
     def api_rows(self, request: Request) -> Response:
         return self.json(self.rows(request))
 
+    def row(self, request: Request) -> dict[str, Any]:
+        p, q = request.path_params, request.query_params
+        return self.view.row_detail(
+            p["v"], p["i"], limit=q.get("limit"), before=q.get("before"), points=q.get("points")
+        )
+
     def api_row(self, request: Request) -> Response:
-        p = request.path_params
-        return self.json(self.view.row_detail(p["v"], p["i"]))
+        return self.json(self.row(request))
 
     def api_outcomes(self, request: Request) -> Response:
         return self.json(self.outcomes(request))
@@ -214,11 +219,12 @@ class Site:
         return self.page(request, "version.html", api_path, info=info, rows=rows)
 
     def row_page(self, request: Request) -> Response:
-        detail = self.view.row_detail(request.path_params["v"], request.path_params["i"])
+        detail = self.row(request)
         graph = graph_svg(detail, link=f"{_base(request)}/versions/{detail['version']}/rows/")
-        api_path = f"/api/versions/{detail['version']}/rows/{detail['row']}"
-        history = detail["outcomes"]
-        rate_chart = pass_rate_svg(history) if history else ""
+        query = qs(request) if request.query_params else ""
+        api_path = f"/api/versions/{detail['version']}/rows/{detail['row']}{query}"
+        place = detail["outcome_steps"]
+        rate_chart = pass_rate_svg(place["chart"], place["total"]) if place else ""
         return self.page(
             request, "row.html", api_path, detail=detail, graph=graph, rate_chart=rate_chart
         )

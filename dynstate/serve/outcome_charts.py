@@ -1,6 +1,6 @@
 """Outcome pictures of ``dynstate serve``, inline SVG like :mod:`.chart`: rows per pass-rate
 band after each step (from :meth:`dynstate.outcome_views.OutcomeViews.band_series`) and one
-row's pass rate over its steps (from ``row_history``). Markup only: the numbers are the
+row's pass rate over its steps (from ``row_steps``). Markup only: the numbers are the
 library's."""
 
 from __future__ import annotations
@@ -79,10 +79,11 @@ def band_svg(series: dict[str, Any], *, width: int = 960) -> str:
     return "".join(out)
 
 
-def pass_rate_svg(history: dict[str, Any], *, width: int = 720) -> str:
+def pass_rate_svg(points: list[dict[str, Any]], total: int, *, width: int = 720) -> str:
     """A row's pass rate through each step it was trained at (line) and each step's own
-    share of successes (dots)."""
-    points = history["steps"]
+    share of successes (dots): ``points`` are the steps drawn (``OutcomeViews.row_steps``'s
+    ``chart``: all of the row's ``total`` steps, or as many evenly spaced ones as a page
+    draws), so the picture's size is bounded whatever the history."""
     if not points:
         return ""
     left, right, top, plot_h = 48, 16, 10, 140
@@ -101,7 +102,13 @@ def pass_rate_svg(history: dict[str, Any], *, width: int = 720) -> str:
     out = [
         f'<svg class="pass-rate" role="img" viewBox="0 0 {width} {height}" width="{width}" '
         f'height="{height}" xmlns="http://www.w3.org/2000/svg">',
-        "<title>pass rate over the steps this row was trained at</title>",
+        "<title>pass rate over the steps this row was trained at"
+        + (
+            f" ({len(points):,} of its {total:,} steps, evenly spaced)"
+            if total > len(points)
+            else ""
+        )
+        + "</title>",
     ]
     for t in (0, 0.5, 1):
         y = sy(t)
