@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
 from typing import Any
@@ -38,6 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynstate import Store, VersionedDataset, compact
+from dynstate.loading import ranged
 from dynstate.loading.dataset import encode_index
 
 EXAMPLES = int(os.environ.get("DYNSTATE_ORACLE_EXAMPLES", "40"))
@@ -61,9 +61,10 @@ ROUNDS: list[tuple[int, bool, int | None]] = [
 
 
 def _round(start: int, n: int, hint: bool) -> pa.Table:
-    """Rows ``start`` .. ``start + n``: null-free numbers (read through numpy views), a float
-    column with nulls and strings (read through Arrow), and, from the schema's second version
-    on, a nullable ``hint`` column that older rows lack."""
+    """Rows ``start`` .. ``start + n`` in the kinds of flat column a round holds: null-free
+    numbers (read through numpy views), floats with nulls, strings (plain and
+    dictionary-encoded), bools, timestamps, binary, structs; and, from the schema's second
+    version on, a nullable ``hint`` column that older rows lack."""
     ids = np.arange(start, start + n)
     columns = {
         "id": pa.array(ids, pa.int64()),
@@ -71,6 +72,10 @@ def _round(start: int, n: int, hint: bool) -> pa.Table:
         "text": pa.array([f"task {i} " + "x" * (i % 23) for i in ids.tolist()]),
         "level": pa.array((ids % 5).astype(np.int32)),
         "solved": pa.array((ids % 3 == 0).tolist()),
+        "at": pa.array(ids.astype("datetime64[ms]")),
+        "blob": pa.array([bytes([i % 251]) * (i % 40) for i in ids.tolist()], pa.binary()),
+        "split": pa.array([("train", "dev")[i % 2] for i in ids.tolist()]).dictionary_encode(),
+        "meta": pa.array([{"k": int(i), "src": str(i % 5)} for i in ids.tolist()]),
     }
     if hint:
         columns["hint"] = pa.array([None if i % 4 == 0 else f"h{i}" for i in ids.tolist()])
@@ -86,9 +91,20 @@ def _file_bytes(url: str, path: str) -> bytes:
         return f.read()
 
 
+@dataclass
+class Asked:
+    """What a batch asks for: (version, row) per index, and the dataset's settings that
+    shape the answer."""
+
+    entries: list[tuple[int, int]]
+    pinned: int  # the dataset's version: an empty batch has its columns
+    columns: list[str] | None = None
+    row_column: str | None = None
+
+
 class Oracle:
     """The rows of a store's versions the plain way: each version's shards (its manifest's
-    list) read whole with pyarrow and concatenated in order."""
+    list) read whole with pyarrow and concatenated in order, then ``take``."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -109,29 +125,35 @@ class Oracle:
             table = self.tables[version] = table
         return table
 
-    def rows(self, entries: list[tuple[int, int]], row_column: str | None) -> list[dict]:
-        """One dict per (version, row), its version's columns (and the row's number)."""
+    def _names(self, version: int, asked: Asked) -> list[str]:
+        names = self.table(version).schema.names
+        return names if asked.columns is None else asked.columns
+
+    def rows(self, asked: Asked) -> list[dict]:
+        """One dict per (version, row): its version's columns (or those asked for), and the
+        row's number under ``row_column``."""
+        entries = asked.entries
         out: list[dict | None] = [None] * len(entries)
         for version in {v for v, _ in entries}:
             at = [i for i, (v, _) in enumerate(entries) if v == version]
-            taken = self.table(version).take(pa.array([entries[i][1] for i in at], pa.int64()))
+            table = self.table(version).select(self._names(version, asked))
+            taken = table.take(pa.array([entries[i][1] for i in at], pa.int64()))
             for i, row in zip(at, taken.to_pylist(), strict=True):
-                if row_column is not None:
-                    row[row_column] = entries[i][1]
+                if asked.row_column is not None:
+                    row[asked.row_column] = entries[i][1]
                 out[i] = row
         return out  # type: ignore[return-value]
 
-    def columns(self, entries: list[tuple[int, int]], row_column: str | None, pinned: int) -> dict:
+    def columns(self, asked: Asked) -> dict:
         """Column lists over the columns of every version the batch reads (None where a
-        row's version lacks one; an empty batch has the columns of the version the dataset
-        is ``pinned`` at), the row numbers last."""
+        row's version lacks one), the row numbers last."""
         names: list[str] = []
-        for version in sorted({v for v, _ in entries} or {pinned}):
-            names += [n for n in self.table(version).schema.names if n not in names]
-        rows = self.rows(entries, None)
+        for version in sorted({v for v, _ in asked.entries} or {asked.pinned}):
+            names += [n for n in self._names(version, asked) if n not in names]
+        rows = self.rows(Asked(asked.entries, asked.pinned, asked.columns))
         out = {n: [row.get(n) for row in rows] for n in names}
-        if row_column is not None:
-            out[row_column] = [r for _, r in entries]
+        if asked.row_column is not None:
+            out[asked.row_column] = [r for _, r in asked.entries]
         return out
 
 
@@ -215,14 +237,6 @@ def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return _build(url, request.param, tmp)
 
 
-@pytest.fixture
-def s3fs_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """dynstate's S3 reads through s3fs instead of its own client (what it does for
-    configurations that client does not understand)."""
-    monkeypatch.setenv("DYNSTATE_S3_CLIENT", "s3fs")
-    yield
-
-
 # -- indices ---------------------------------------------------------------------------------
 
 
@@ -304,7 +318,7 @@ def dataset(built: Built, mode: str, version: int, **kwargs: Any) -> VersionedDa
             if not ds.store.storage.local:
                 assert ds.cache.footers._templates, "the teaching read taught no template"
     else:
-        key = (mode, *sorted(kwargs.items()))
+        key = (mode, repr(sorted(kwargs.items())))
         ds = built.warm.get(key)
         if ds is None:
             size = {"cache_bytes": SMALL_CACHE} if mode == "small" else {}
@@ -319,35 +333,34 @@ def dataset(built: Built, mode: str, version: int, **kwargs: Any) -> VersionedDa
 # -- checks ----------------------------------------------------------------------------------
 
 
-def check_batch(
-    built: Built,
-    got: Any,
-    fmt: str,
-    entries: list[tuple[int, int]],
-    row_column: str | None,
-    pinned: int,
-) -> None:
-    """``got`` (a batch in format ``fmt`` from a dataset ``pinned`` at a version) holds
-    exactly the oracle's rows, in order."""
+def check_batch(built: Built, got: Any, fmt: str, asked: Asked) -> None:
+    """``got`` (a batch in format ``fmt``) holds exactly the oracle's rows, in order."""
     oracle = built.oracle
     if fmt == "rows":
-        assert got == oracle.rows(entries, row_column)
+        assert got == oracle.rows(asked)
         return
-    want = oracle.columns(entries, row_column, pinned)
+    want = oracle.columns(asked)
     if fmt == "columns":
         assert got == want
         return
     assert isinstance(got, pa.RecordBatch)
     assert got.to_pydict() == want
-    versions = {v for v, _ in entries} or {pinned}
+    row_column = asked.row_column
+    versions = {v for v, _ in asked.entries} or {asked.pinned}
     if len(versions) == 1:  # one version: its schema, its column order
         table = oracle.table(versions.pop())
+        if asked.columns is not None:
+            table = table.select(asked.columns)
         names = list(table.schema.names) + ([row_column] if row_column else [])
         assert got.schema.names == names
         for name in table.schema.names:
             assert got.schema.field(name).type == table.schema.field(name).type
     if row_column is not None:
         assert got.schema.field(row_column).type == pa.int64()
+
+
+def asked_of(ds: VersionedDataset, entries: list[tuple[int, int]]) -> Asked:
+    return Asked(entries, ds.version, ds.columns, ds.row_column)
 
 
 def _settings(examples: int) -> Any:
@@ -377,30 +390,50 @@ def test_the_rows_of_one_shard_come_back_in_the_order_asked(store_url: str, tmp_
     assert columns["id"] == columns[ROW] == asked
     assert columns["text"] == [str(i) for i in asked]
     assert ds.read_batch(asked, "arrow").column("id").to_pylist() == asked
-    assert Oracle(store_url).rows([(store.head, r) for r in asked], None) == [
+    assert Oracle(store_url).rows(Asked([(store.head, r) for r in asked], store.head)) == [
         {"id": i, "text": str(i)} for i in asked
     ]
+
+
+# What a dataset is asked to return besides a version's columns.
+SHAPES = st.fixed_dictionaries(
+    {
+        "row_column": st.sampled_from([None, ROW]),
+        "columns": st.sampled_from([None, None, ["text", "id"], ["meta", "score", "at", "split"]]),
+    }
+)
+
+
+def _pinned(built: Built, tagged: bool, entries: list[tuple[int, int]]) -> int:
+    """The version a dataset is pinned at: that of its plain row numbers."""
+    return entries[0][0] if entries and not tagged else built.versions["wide"]
+
+
+def check_reads(built: Built, mode: str, data: st.DataObject) -> None:
+    """read_batch in every format, and __getitems__ in the dataset's own, in an order drawn
+    (the first read of a cold dataset is in any format), after a prefetch or not."""
+    tagged, entries = data.draw(batches(built), "batch")
+    shape = data.draw(SHAPES, "shape")
+    batch_format = data.draw(st.sampled_from(FORMATS), "batch_format")
+    ds = dataset(built, mode, _pinned(built, tagged, entries), batch_format=batch_format, **shape)
+    if data.draw(st.booleans(), "prefetch"):  # remote shards downloaded to disk meanwhile
+        for version in {v for v, _ in entries}:
+            ds.prefetch(version, [r for v, r in entries if v == version])
+    indices = _indices(tagged, entries)
+    asked = asked_of(ds, entries)
+    for what in data.draw(st.permutations([*FORMATS, "getitems"]), "order"):
+        if what == "getitems":
+            got, fmt = ds.__getitems__(indices), batch_format
+        else:
+            got, fmt = ds.read_batch(indices, what), what
+        check_batch(built, got, fmt, asked)
 
 
 @pytest.mark.parametrize("mode", MODES)
 @_settings(EXAMPLES)
 @given(data=st.data())
 def test_read_batch_matches_the_oracle(built: Built, mode: str, data: st.DataObject) -> None:
-    """read_batch in every format, and __getitems__ in the dataset's own, return the oracle's
-    rows in the order asked; the first read of a cold dataset is in a format drawn too."""
-    tagged, entries = data.draw(batches(built), "batch")
-    row_column = data.draw(st.sampled_from([None, ROW]), "row_column")
-    batch_format = data.draw(st.sampled_from(FORMATS), "batch_format")
-    pinned = entries[0][0] if entries and not tagged else built.versions["wide"]
-    ds = dataset(built, mode, pinned, row_column=row_column, batch_format=batch_format)
-    indices = _indices(tagged, entries)
-    order = data.draw(st.permutations([*FORMATS, "getitems"]), "order")
-    for what in order:
-        if what == "getitems":
-            got, fmt = ds.__getitems__(indices), batch_format
-        else:
-            got, fmt = ds.read_batch(indices, what), what
-        check_batch(built, got, fmt, entries, row_column, pinned)
+    check_reads(built, mode, data)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -409,32 +442,47 @@ def test_read_batch_matches_the_oracle(built: Built, mode: str, data: st.DataObj
 def test_getitem_matches_the_oracle(built: Built, mode: str, data: st.DataObject) -> None:
     """ds[i] one at a time (the single-row path: a block, a shard or a row group)."""
     tagged, entries = data.draw(batches(built), "batch")
-    row_column = data.draw(st.sampled_from([None, ROW]), "row_column")
-    pinned = entries[0][0] if entries and not tagged else built.versions["wide"]
-    ds = dataset(built, mode, pinned, row_column=row_column)
+    shape = data.draw(SHAPES, "shape")
+    ds = dataset(built, mode, _pinned(built, tagged, entries), **shape)
     got = [ds[i] for i in _indices(tagged, entries)]
-    assert got == built.oracle.rows(entries, row_column)
+    assert got == built.oracle.rows(asked_of(ds, entries))
+
+
+def _patched_settings(examples: int) -> Any:
+    # The patch (a function-scoped fixture) holds for every example alike.
+    return settings(
+        max_examples=max(1, examples),
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
 
 
 @pytest.mark.s3
 @pytest.mark.parametrize("built", ["s3"], indirect=True)
-@settings(
-    max_examples=max(1, EXAMPLES // 2),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+@_patched_settings(EXAMPLES // 2)
 @given(data=st.data())
 def test_s3_through_s3fs_matches_the_oracle(
-    s3fs_reads: None, built: Built, data: st.DataObject
+    monkeypatch: pytest.MonkeyPatch, built: Built, data: st.DataObject
 ) -> None:
-    """The same reads on S3 through s3fs rather than dynstate's own read client."""
-    tagged, entries = data.draw(batches(built), "batch")
-    mode = data.draw(st.sampled_from(["cold", "taught"]), "mode")
-    pinned = entries[0][0] if entries and not tagged else built.versions["wide"]
-    ds = dataset(built, mode, pinned, row_column=ROW)
-    indices = _indices(tagged, entries)
-    for fmt in FORMATS:
-        check_batch(built, ds.read_batch(indices, fmt), fmt, entries, ROW, pinned)
+    """The same reads on S3 through s3fs (what dynstate reads with when its own client does
+    not know the configuration) rather than its own client."""
+    monkeypatch.setenv("DYNSTATE_S3_CLIENT", "s3fs")
+    check_reads(built, data.draw(st.sampled_from(["cold", "taught"]), "mode"), data)
+
+
+@pytest.mark.parametrize(
+    "built", ["memory", pytest.param("s3", marks=pytest.mark.s3)], indirect=True
+)
+@_patched_settings(EXAMPLES // 2)
+@given(data=st.data())
+def test_decoding_on_threads_matches_the_oracle(
+    monkeypatch: pytest.MonkeyPatch, built: Built, data: st.DataObject
+) -> None:
+    """The row groups of a cold batch decoded on several threads, shard by shard, as on a
+    machine of more than two cores (ranged._PARALLEL_SHARDS)."""
+    monkeypatch.setattr(ranged, "_DECODERS", 2)
+    monkeypatch.setattr(ranged, "_PARALLEL_SHARDS", 2)
+    check_reads(built, data.draw(st.sampled_from(["cold", "taught"]), "mode"), data)
 
 
 def _as_is(batch: Any) -> Any:
@@ -448,17 +496,19 @@ def check_loader(built: Built, workers: int, data: st.DataObject) -> None:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     # With workers, a process start per example: fewer examples, more batches each.
-    drawn = data.draw(st.lists(batches(built), min_size=1 + 3 * workers, max_size=4 + 4 * workers))
+    drawn = data.draw(
+        st.lists(batches(built), min_size=1 + 3 * workers, max_size=4 + 4 * workers), "batches"
+    )
     fmt = data.draw(st.sampled_from(FORMATS), "batch_format")
-    row_column = data.draw(st.sampled_from([None, ROW]), "row_column")
-    ds = _fresh(built, built.versions["wide"], batch_format=fmt, row_column=row_column)
+    shape = data.draw(SHAPES, "shape")
+    ds = _fresh(built, built.versions["wide"], batch_format=fmt, **shape)
     # Tagged indices throughout: the worker's copy reads the version each index names.
     plan = [[encode_index(v, r) for v, r in entries] for _, entries in drawn]
     loader = StatefulDataLoader(ds, batch_sampler=plan, num_workers=workers, collate_fn=_as_is)
     got = list(loader)
     assert len(got) == len(plan)
     for batch, (_, entries) in zip(got, drawn, strict=True):
-        check_batch(built, batch, fmt, entries, row_column, ds.version)
+        check_batch(built, batch, fmt, asked_of(ds, entries))
 
 
 # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates with a UserWarning.
