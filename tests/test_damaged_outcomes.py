@@ -110,8 +110,12 @@ def test_the_library_names_the_file(damaged) -> None:
             read(Store.open(url))
         assert path in str(info.value) and says in str(info.value)
         assert "damaged" in str(info.value)
-    # The version before the damaged file is untouched, and reads.
+    # The version before the damaged file is untouched, reads, and a reset to it is the way
+    # out (a reset carries the outcome list, it reads no file).
     assert Store.open(url).outcome_stats(2).column("attempts").to_pylist()[:5] == [1] * 5
+    store = Store.open(url)
+    assert store.reset(2) == 4
+    assert store.outcome_stats().column("attempts").to_pylist() == [1] * 5 + [0] * 5
 
 
 def test_verify_names_the_file(damaged) -> None:
@@ -210,3 +214,37 @@ def test_a_file_within_bounds_still_reads(tmp_path) -> None:
     assert stats.column("attempts").to_pylist() == [2, 2] + [1] * 7 + [2]
     assert verify_store(Store.open(url), all_versions=True).ok
     assert np.isfinite(Store.open(url).outcome_records().column("score").to_numpy()).all()
+
+
+def test_verify_of_every_version_holds_a_file_to_the_record_that_added_it(tmp_path) -> None:
+    """A row of the round's own new rows (the writer refuses them: not trained on yet) or a
+    step another commit lists is within what the lineage allows, so reads take the file;
+    ``verify --all`` reads the record that added it and names the file."""
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    store.append([{"i": i} for i in range(ROWS)])
+    store.append([{"i": 10}, {"i": 11}], outcomes=[{"row": 1, "step": 0, "score": 1.0}])
+    store.append([], outcomes=[{"row": 2, "step": 1, "score": 0.0}])
+    entry = json.loads(store.storage.read(m.log_path(2)))["outcomes"]["add"][0]["path"]
+    for column, value, says in (
+        ("row", 11, "names row 11, but version 1 (it was appended to) has 10 rows"),
+        ("step", 1, "names step 1, which the commit records of version 2"),
+    ):
+        obj = json.loads(store.storage.read(m.log_path(2)))
+        columns = read_parquet(store.storage.read(entry)).to_pydict()
+        columns[column][0] = value
+        data = encode_outcome_file(pa.table(columns)).to_pybytes()
+        _rewrite(store, entry, data)
+        obj["outcomes"]["add"][0].update(bytes=len(data), sha256=codec.sha256(data))
+        _rewrite(store, m.log_path(2), codec.encode(obj))
+        assert Store.open(url).outcome_stats().num_rows == 12  # within the lineage's bounds
+        problems = verify_store(Store.open(url), all_versions=True).problems
+        assert len(problems) == 1 and entry in problems[0] and says in problems[0], problems
+        proc = _dynstate("verify", url, "--all")
+        assert proc.returncode == 1 and says in proc.stdout, (proc.stdout, proc.stderr)
+        columns[column][0] = {"row": 1, "step": 0}[column]  # the next damage alone
+        data = encode_outcome_file(pa.table(columns)).to_pybytes()
+        _rewrite(store, entry, data)
+        obj["outcomes"]["add"][0].update(bytes=len(data), sha256=codec.sha256(data))
+        _rewrite(store, m.log_path(2), codec.encode(obj))
+    assert verify_store(Store.open(url), all_versions=True).ok

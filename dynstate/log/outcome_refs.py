@@ -11,6 +11,7 @@ from .. import manifest as m
 from .. import paths
 from ..errors import DynstateError
 from ..manifest import Commit, ShardRef
+from ..outcomes import Ranges
 from .outcomes import OUTCOME_DIR, AggregateRef, Lineage, outcomes_of
 
 if TYPE_CHECKING:
@@ -72,15 +73,23 @@ def verify(log_: Log, versions: Iterable[int], all_versions: bool) -> list[str]:
     problems: list[str] = []
     outcomes = outcomes_of(log_)
     files: dict[str, tuple[ShardRef, int]] = {}
+    # Files whose adding record was read: the bounds that record's writer checked, exactly
+    # (rows of the version it was appended to, the steps it lists), not only the lineage's.
+    added: dict[str, tuple[int, str, Ranges]] = {}
     aggregates: dict[str, AggregateRef] = {}
     for version in versions:
+        add: list[ShardRef]
         try:
             if all_versions:
                 record = log_.commit_record(version)
                 if record.base is not None or record.op != "append":
                     add, base = [], outcomes._base_of(record)
                 else:
-                    add, base = outcomes._add_of(record)[0], Lineage(version)
+                    add, steps, _ = outcomes._add_of(record)
+                    base = Lineage(version)
+                    parent = f"version {record.parent} (it was appended to)"
+                    for ref in add:
+                        added[ref.path] = (record.num_rows - record.rows_added, parent, steps)
                 named = [*outcomes.files(base), *add]
                 if version == log_.floor:
                     named.extend(outcomes.lineage_files(version))
@@ -109,7 +118,14 @@ def verify(log_: Log, versions: Iterable[int], all_versions: bool) -> list[str]:
     for ref, version in files.values():
         outcomes._files.pop(ref.path, None)  # read the bytes again, not this handle's copy
         try:
-            outcomes.read_file(ref, version)
+            table = outcomes.read_file(ref, version, cache=False)
+            if ref.path in added:
+                rows, parent, steps = added[ref.path]
+                where = f"{log_.display_url} (version {version})"
+                bounds = tuple((a, b) for a, b in steps)
+                outcomes._check_file(
+                    table, ref.path, version, where, rows=(rows, parent), steps=bounds
+                )
         except DynstateError as exc:
             problems.append(str(exc))
     for agg_ref in aggregates.values():

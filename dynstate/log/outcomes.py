@@ -77,6 +77,7 @@ aggregate_path = paths.aggregate_path
 # decodes them in 100 µs instead of 139 (a lineage walk decodes every file it reads).
 OUTCOME_COMPRESSION = "lz4"
 OUTCOME_SCHEMA = pa.schema([("row", pa.int64()), ("step", pa.int64()), ("score", pa.float64())])
+_OUTCOME_TYPES = list(OUTCOME_SCHEMA.types)
 
 
 @dataclass(frozen=True)
@@ -468,13 +469,24 @@ class Outcomes:
             self._cache_file(ref.path, table)
         return table
 
-    def _check_file(self, table: pa.Table, path: str, version: int, where: str) -> None:
+    def _check_file(
+        self,
+        table: pa.Table,
+        path: str,
+        version: int,
+        where: str,
+        *,
+        rows: tuple[int, str] | None = None,
+        steps: tuple[tuple[int, int], ...] | None = None,
+    ) -> None:
         """The writer's bounds (:func:`dynstate.outcomes.check_outcomes`), applied to a file
         read back: bytes that match their checksum may still have been written by a tool
         that knew no bounds, and statistics index rows and fold steps and scores with them.
         Every file of ``version``'s lineage names rows of that version (rows only ever grow
         along a lineage) and steps its records list; scores lie within ``MAX_SCORE`` and
-        float fields are finite (or null)."""
+        float fields are finite (or null). ``rows`` and ``steps`` narrow the first two where
+        the caller knows the record that added the file (verify): (the rows of the version it
+        was appended to, that version's name), and the steps that record lists."""
 
         def damaged(why: str) -> CorruptStoreError:
             return CorruptStoreError(
@@ -482,36 +494,39 @@ class Outcomes:
                 "verify`, and reset to a version without it"
             )
 
-        for name, kind in zip(OUTCOME_SCHEMA.names, OUTCOME_SCHEMA.types, strict=True):
-            column = table.column(name)
-            if column.type != kind or column.null_count:
-                nulls = f" with {column.null_count} nulls" if column.null_count else ""
-                raise damaged(f"holds {name} as {column.type}{nulls}, not {kind} without nulls")
+        # Each bound is one numpy reduction over a column (a file is read whole, once per
+        # handle): 2,048 records of four columns are checked in ~50 us, a quarter of the
+        # time their decoding takes (measured on a loaded 2-core machine: 51 us, 199 us).
+        columns = table.columns
+        if table.schema.types[:3] != _OUTCOME_TYPES or any(c.null_count for c in columns[:3]):
+            first = table.schema.remove_metadata()
+            raise damaged(f"has columns {first}, not {OUTCOME_SCHEMA} without nulls")
         if not table.num_rows:
             return
-        num_rows = self.log.commit_record(version).num_rows
-        rows = as_numpy(table.column("row"))
-        low, high = int(rows.min()), int(rows.max())
+        num_rows, of = rows or (self.log.commit_record(version).num_rows, f"version {version}")
+        values = as_numpy(columns[0])
+        low, high = int(values.min()), int(values.max())
         if low < 0 or high >= num_rows:
             bad = low if low < 0 else high
-            raise damaged(f"names row {bad}, but version {version} has {num_rows} rows")
-        steps = as_numpy(table.column("step"))
-        outside = _outside(steps, self.lineage(version).steps)
+            raise damaged(f"names row {bad}, but {of} has {num_rows} rows")
+        listed = self.lineage(version).steps if steps is None else steps
+        outside = _outside(as_numpy(columns[1]), listed)
         if outside is not None:
-            raise damaged(
-                f"names step {outside}, which the commit records of version {version}'s "
-                "lineage do not list"
-            )
-        scores = as_numpy(table.column("score"))
-        if not (np.abs(scores) <= MAX_SCORE).all():  # NaN fails it too
-            worst = scores[np.argmax(~(np.abs(scores) <= MAX_SCORE))]
+            whose = f"version {version}'s lineage" if steps is None else f"version {version}"
+            raise damaged(f"names step {outside}, which the commit records of {whose} do not list")
+        magnitude = np.abs(as_numpy(columns[2]))
+        if not magnitude.max() <= MAX_SCORE:  # NaN fails it too
+            worst = as_numpy(columns[2])[np.argmax(~(magnitude <= MAX_SCORE))]
             raise damaged(f"holds score {worst}, beyond |score| <= {MAX_SCORE:g}")
-        for name in table.column_names[3:]:
-            column = table.column(name)
-            if pa.types.is_floating(column.type):
-                finite = pc.is_finite(column)
-                if not pc.all(pc.fill_null(finite, True)).as_py():
-                    raise damaged(f"holds NaN or infinity in {name!r}")
+        for name, column in zip(table.column_names[3:], columns[3:], strict=True):
+            if not pa.types.is_floating(column.type):
+                continue
+            if column.null_count:
+                finite = pc.all(pc.fill_null(pc.is_finite(column), True)).as_py()
+            else:
+                finite = np.isfinite(as_numpy(column)).all()
+            if not finite:
+                raise damaged(f"holds NaN or infinity in {name!r}")
 
     def _cache_file(self, path: str, table: pa.Table) -> None:
         with self._files_lock:
