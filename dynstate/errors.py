@@ -16,7 +16,7 @@ also inherit a built-in exception so that ordinary ``except`` clauses keep worki
     │   ├── MissingShardError     (FileNotFoundError)  a committed file is gone
     │   └── UnsafePathError                            a record points outside the store root
     ├── UnsupportedFormatError                         written by a newer dynstate
-    ├── CommitConflictError                            lost too many commit races in a row
+    ├── CommitConflictError                            lost commit races; outcomes read off-lineage
     ├── LeaseExpiredError                              gc collected staged files before commit
     ├── RoundFailedError                               a part of a multi-worker round failed
     ├── RoundTimeoutError         (TimeoutError)       the round of a step did not appear in time
