@@ -15,6 +15,6 @@ stamp="$venv/.dynstate-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip
   python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e ".[test,s3,verl,ray,plot,serve]"
+  python -m pip install -q -e ".[test,s3,verl,ray,plot,serve,trl]"
   touch "$stamp"
 fi
