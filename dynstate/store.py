@@ -493,9 +493,13 @@ class Store:
         gc collected — as seen from any handle — raises :class:`VersionCollectedError`."""
         self.refresh()  # a stale handle must see the current gc floor
         snap = self.snapshot(version)
-        return self.commit_base(
+        new = self.commit_base(
             list(snap.shards), op="reset", schema=snap.schema, meta=meta, target=snap.version
         )
+        # The handle that resets has chosen the rows it goes on with (a rollback on resume
+        # reads its next batches there): outcomes it commits from now on bind to the new head.
+        self.log.seen = new
+        return new
 
 
 def _shard_bytes(value: int | None) -> int:

@@ -94,6 +94,21 @@ def test_a_reset_alone_is_refused_also_for_rows_it_kept(store_url: str) -> None:
     assert w.append([], outcomes=scored(5)) == 4
 
 
+def test_the_handles_own_reset_binds_its_later_outcomes_to_the_new_head(tmp_path) -> None:
+    """A rollback on resume: the handle resets, then scores rows of the version it reset to
+    (and rows appended since): accepted, and they land on the rows of the kept lineage. A
+    reset by another handle in between is still refused."""
+    url = str(tmp_path / "store")
+    w = at_v2(url)
+    assert w.reset(1) == 3
+    w.append([], meta={"step": 0}, outcomes=scored(5, 29))
+    assert Store.open(url).outcome_records().column("row").to_pylist() == [5, 29]
+    assert Store.open(url).reset(1) == 5  # another handle resets and appends
+    assert Store.open(url).append(rows("new", 10)) == 6
+    with pytest.raises(CommitConflictError, match="version 4"):
+        w.append([], meta={"step": 1}, outcomes=scored(5))
+
+
 def test_rebase_over_plain_appends_lands_scores_on_the_rows_read(store_url: str) -> None:
     w = at_v2(store_url)
     read = w.snapshot().to_arrow()
