@@ -84,6 +84,12 @@ calls = {
     "negative meta": lambda: store.append([{"i": 9}], meta={"n": -(10**4300)}),
     "generator_state": lambda: store.append([{"i": 9}], generator_state={"n": 10**5000}),
     "reset meta": lambda: store.reset(1, meta={"n": 10**5000}),
+    "outcome field": lambda: store.append(
+        [], outcomes=[{"row": 0, "step": 5, "score": 1.0, "n": 10**5000}]
+    ),
+    "outcome field 2**63": lambda: store.append(
+        [], outcomes=[{"row": 0, "step": 5, "score": 1.0, "n": 2**63}]
+    ),
 }
 for name, call in calls.items():
     try:
@@ -103,10 +109,12 @@ def test_a_writer_whatever_its_int_limit_is_refused_and_writes_nothing(tmp_path,
     proc = _run(NEW_WRITER, url, limit=limit)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert len(lines) == 4, proc.stdout
-    for line in lines:
+    assert len(lines) == 6, proc.stdout
+    for line in lines[:4]:
         assert "InvalidDataError" in line and "4,300 decimal digits" in line, line
     assert "meta['n'][0]" in lines[0] and "generator_state['n']" in lines[2]
+    for line in lines[4:]:  # outcome fields are int64 in Parquet
+        assert "InvalidDataError" in line and "column 'n'" in line, line
     assert _files(tmp_path / "store") == before  # not a file more, none changed
     assert Store.open(url).head == 2
 
