@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import s3_url
 from test_cli import console_script
 
 from dynstate import (
@@ -55,11 +56,12 @@ def _run(code: str, *args: str, limit: str = "0") -> subprocess.CompletedProcess
 
 
 def _dynstate(*args: str) -> subprocess.CompletedProcess[str]:
+    aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}  # the loopback S3
     return subprocess.run(
         [console_script(), *args],
         capture_output=True,
         text=True,
-        env={"COLUMNS": "100", "PATH": "/usr/bin:/bin"},
+        env={"COLUMNS": "100", "PATH": "/usr/bin:/bin", **aws},
         timeout=120,
     )
 
@@ -151,14 +153,20 @@ def test_a_reader_with_a_lower_int_limit_reads_what_the_bound_allows(tmp_path) -
     assert proc.stdout.split() == ["True", "True", "True"]
 
 
-@pytest.mark.parametrize("where", ["meta", "generator_state"])
-def test_a_store_an_old_writer_damaged_stays_recoverable(tmp_path, where) -> None:
-    url = str(tmp_path / "store")
+@pytest.mark.parametrize(
+    ("where", "backend"), [("meta", "local"), ("generator_state", "local"), ("meta", "s3")]
+)
+def test_a_store_an_old_writer_damaged_stays_recoverable(request, tmp_path, where, backend):
+    if backend == "s3":
+        request.getfixturevalue("s3_endpoint")
+        url = s3_url()
+    else:
+        url = str(tmp_path / "store")
     _store(url)
     proc = _run(OLD_WRITER, url, where)  # PYTHONINTMAXSTRDIGITS=0: the old writer's ack
     assert proc.returncode == 0 and proc.stdout.split() == ["3"], proc.stderr
-    record = f"{url}/{m.log_path(3)}"
-    assert b"0" * 5000 in (tmp_path / "store" / m.log_path(3)).read_bytes()
+    record = f"{Store.open(url).display_url}/{m.log_path(3)}"
+    assert b"0" * 5000 in Store.open(url).storage.read(m.log_path(3))
 
     store = Store.open(url)  # opens: the damaged head does not hide the versions below it
     assert store.head == 3
