@@ -26,11 +26,11 @@ from dynstate import DynstateError, Store, lineage
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
-# Where each example's commands are run. The verl example needs GPUs, vllm and a model
-# download; its generator and config run through verl's real trainer on CPU in test_verl.py.
+# Where each example's commands are run. The verl example's training commands need GPUs:
+# test_verl_commands.py runs them up to verl's GPU check, and the rest as written.
 COVERED = {
     "ddp": "test_ddp_readme_commands_kill_and_resume_at_another_world_size",
-    "verl": "tests/test_verl.py (GPU command, not run here)",
+    "verl": "tests/test_verl_commands.py",
 }
 
 

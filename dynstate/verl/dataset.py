@@ -52,7 +52,7 @@ from .outcomes import (
     round_figures,
     selection_figures,
 )
-from .settings import Settings
+from .settings import Settings, check_lag
 
 log = logging.getLogger("dynstate")
 
@@ -286,16 +286,9 @@ class DynstateRLDataset(RLHFDataset):
         keys a verl user sets; then :meth:`VersionedSampler.check_loader`."""
         workers = int(getattr(loader, "num_workers", 0) or 0)
         factor = int(getattr(loader, "prefetch_factor", None) or 0) if workers else 0
-        depth = workers * factor
-        if sampler.mode == "mix" and sampler.lag < depth + 1:
-            raise InvalidDataError(
-                f"data.dynstate.lag={sampler.lag} is too small for "
-                f"data.dataloader_num_workers={workers}: verl's train loader prepares "
-                f"{depth} batches ahead (num_workers * prefetch_factor {factor}), so the batch of "
-                f"step t is drawn while step t - {depth} trains, and the round of step t - lag "
-                f"it waits for cannot exist yet; set data.dynstate.lag={depth + 1} or more, or "
-                "lower data.dataloader_num_workers (lag 1 works without workers)"
-            )
+        if sampler.mode == "mix":
+            # the check main_ppo made before Ray started, now on the loader verl built
+            check_lag(sampler.lag, workers, factor)
         sampler.check_loader(loader)
 
     # -- one round per step ------------------------------------------------------------------

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 import hydra
 import verl
+
+from ..errors import DynstateError
 
 CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
 
@@ -81,16 +84,20 @@ def select_v1_trainer(config: Any) -> None:
     v1.check_config(config)
 
 
-def run(config: Any) -> None:
-    """What ``main`` does once Hydra has composed ``config``."""
-    from verl.trainer.main_ppo import run_ppo
+def check(config: Any) -> None:
+    """Everything checked before Ray starts: every ``data.dynstate`` setting, the selection
+    policy built as the train set builds it, and mix mode's ``lag`` against
+    ``data.dataloader_num_workers`` (:func:`~dynstate.verl.settings.check_settings`, with the
+    trainer's messages); then verl's own config checks and, for ``trainer.use_v1=true``, the
+    V1 modes (:func:`select_v1_trainer`)."""
+    from .settings import check_settings
+
+    check_settings(config)  # first: it needs none of verl's checks, and fails in seconds
+
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
-    from .settings import check_data_config
-
-    check_data_config(config.data)  # before Ray starts: settings a dynstate run would ignore
     auto_set_device(config)
     validate_config(
         config=config,
@@ -99,14 +106,34 @@ def run(config: Any) -> None:
     )
     if config.trainer.get("use_v1", True):
         select_v1_trainer(config)
+
+
+def _launch(config: Any) -> None:
+    from verl.trainer.main_ppo import run_ppo
+
+    if config.trainer.get("use_v1", True):
         run_ppo(config, task_runner_class=_task_runner_v1_class())
     else:
         run_ppo(config, task_runner_class=_task_runner_class())
 
 
+def run(config: Any) -> None:
+    """What ``main`` does once Hydra has composed ``config``: :func:`check`, then verl's
+    ``run_ppo`` (Ray, the TaskRunner actor) with dynstate's trainer."""
+    check(config)
+    _launch(config)
+
+
 @hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)
 def main(config: Any) -> None:
-    run(config)
+    try:
+        check(config)
+    except DynstateError as exc:
+        # A setting refused before Ray started: the key and what to do are the whole story,
+        # so one line instead of Hydra's traceback.
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    _launch(config)
 
 
 if __name__ == "__main__":

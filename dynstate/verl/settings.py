@@ -6,10 +6,16 @@ otherwise train with a default), and so is ``data.sampler.class_path``/``class_n
 <= 0.5's curriculum sampler, which verl 0.9 no longer reads: ``data.dynstate.select`` replaces
 it. ``select`` is turned into a :mod:`dynstate.loading.selection` policy here, so a bad policy
 is refused when verl builds the dataset, before any step.
+
+:func:`check_settings` runs the same reading in ``python -m dynstate.verl.main_ppo``'s driver,
+before Ray starts, together with mix mode's ``lag`` against the train loader's prefetch depth
+(:func:`check_lag`, which the trainers call again on the loader verl built): a typo costs
+seconds, not a Ray cluster's start-up and a traceback from its actor.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +24,10 @@ from omegaconf import OmegaConf
 
 from ..errors import InvalidDataError
 from ..loading.selection import FunctionPolicy, Policy, as_policy
+from ..loading.state import MODES
+
+# verl 0.9.1 builds both trainers' train loaders without a prefetch_factor: torch's default
+PREFETCH_FACTOR = 2
 
 SECTION_KEYS = (
     "url",
@@ -61,18 +71,20 @@ class Settings:
         """``config`` is verl's ``data`` section."""
         check_data_config(config)
         section = config.get("dynstate")
-        if section is None or not section.get("url"):
-            raise InvalidDataError(
-                "data.dynstate.url is not set; add e.g. +data.dynstate.url=/path/to/store (or "
-                "s3://bucket/run) so DynstateRLDataset knows where the training data lives"
-            )
-        plain = _plain(section)
+        plain = {} if section is None else _plain(section)
+        # unknown keys first: a misspelt url is named as the typo, not as a missing url
         unknown = sorted(set(plain) - set(SECTION_KEYS))
         if unknown:
             raise InvalidDataError(
                 f"data.dynstate.{unknown[0]} is not a dynstate setting; the keys of "
                 f"data.dynstate are {', '.join(SECTION_KEYS)} (see docs/verl.md)"
             )
+        if not plain.get("url"):
+            raise InvalidDataError(
+                "data.dynstate.url is not set; add e.g. +data.dynstate.url=/path/to/store (or "
+                "s3://bucket/run) so DynstateRLDataset knows where the training data lives"
+            )
+        mode, fresh_share, lag = _mix_settings(plain)
         on_error = plain.get("on_generator_error", "raise")
         if on_error not in ("raise", "skip"):
             raise InvalidDataError(
@@ -81,9 +93,9 @@ class Settings:
         return cls(
             url=str(plain["url"]),
             storage_options=dict(plain.get("storage_options") or {}),
-            mode=plain.get("mode", "epoch"),
-            fresh_share=float(plain.get("fresh_share", 0.25)),
-            lag=int(plain.get("lag", 1)),
+            mode=mode,
+            fresh_share=fresh_share,
+            lag=lag,
             on_generator_error=on_error,
             batch_size=int(config.get("gen_batch_size") or config.get("train_batch_size") or 1),
             shuffle=bool(config.get("shuffle", True)),
@@ -91,6 +103,26 @@ class Settings:
             checkpoint_mirror=plain.get("checkpoint_mirror"),
             select=select_policy(plain.get("select")),
         )
+
+
+def _mix_settings(plain: dict[str, Any]) -> tuple[str, float, int]:
+    """``mode``, ``fresh_share`` and ``lag``, refused here naming their keys (the sampler would
+    refuse them too, but only once the trainer builds it)."""
+    mode = plain.get("mode", "epoch")
+    if mode not in MODES:
+        raise InvalidDataError(
+            f"data.dynstate.mode must be one of {', '.join(MODES)}, not {mode!r} (epoch: each "
+            "epoch trains one version; mix: fresh rows join within data.dynstate.lag steps)"
+        )
+    share = plain.get("fresh_share", 0.25)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise InvalidDataError(
+            f"data.dynstate.fresh_share must be a number in (0, 1], not {share!r}"
+        )
+    lag = plain.get("lag", 1)
+    if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
+        raise InvalidDataError(f"data.dynstate.lag must be an int >= 1, not {lag!r}")
+    return str(mode), float(share), lag
 
 
 def _plain(section: Any) -> dict[str, Any]:
@@ -127,7 +159,11 @@ def select_policy(select: Any) -> Policy | None:
     function = kind != "function" and ":" in kind
     allowed = _FUNCTION_KEYS if function else SELECT_KEYS.get(kind)
     if allowed is None:
-        raise InvalidDataError(f"data.dynstate.select.policy={kind} names no policy; pick {names}")
+        close = difflib.get_close_matches(kind, SELECT_KEYS, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise InvalidDataError(
+            f"data.dynstate.select.policy={kind} names no policy; {hint}pick {names}"
+        )
     extra = sorted(set(args) - {"policy", *allowed})
     if extra:
         why = ""
@@ -195,3 +231,47 @@ def check_data_config(config: Any) -> None:
             "function (policy=package.module:fn, params, uses_step), e.g. "
             "+data.dynstate.select.policy=learnability; see docs/verl.md, 'Selecting tasks'"
         )
+
+
+def check_lag(lag: int, workers: int, factor: int) -> None:
+    """Mix mode's ``lag`` against a train loader of ``workers`` workers prefetching ``factor``
+    batches each, said in the config keys a verl user sets."""
+    depth = workers * factor if workers else 0
+    if lag < depth + 1:
+        raise InvalidDataError(
+            f"data.dynstate.lag={lag} is too small for "
+            f"data.dataloader_num_workers={workers}: verl's train loader prepares "
+            f"{depth} batches ahead (num_workers * prefetch_factor {factor}), so the batch of "
+            f"step t is drawn while step t - {depth} trains, and the round of step t - lag "
+            f"it waits for cannot exist yet; set data.dynstate.lag={depth + 1} or more, or "
+            "lower data.dataloader_num_workers (lag 1 works without workers)"
+        )
+
+
+def uses_dynstate(data: Any) -> bool:
+    """Whether verl's ``data`` config builds a dynstate train set (or configures one)."""
+    custom = data.get("custom_cls", None)
+    name = custom.get("name", None) if custom is not None and hasattr(custom, "get") else None
+    return name == "DynstateRLDataset" or data.get("dynstate", None) is not None
+
+
+def check_settings(config: Any) -> Settings | None:
+    """Check verl's whole ``config`` as the trainers will, without Ray: the ``data`` keys a
+    dynstate train set would ignore, every ``data.dynstate`` setting (the selection policy
+    built as the train set builds it) and, in mix mode, ``lag`` against verl's train loader
+    (``data.dataloader_num_workers`` workers, torch's prefetch factor). Returns the settings,
+    or None when the config builds no dynstate train set. Raises
+    :class:`~dynstate.InvalidDataError` with the messages the trainer would give."""
+    data = config.data
+    check_data_config(data)
+    if not uses_dynstate(data):
+        return None
+    settings = Settings.from_config(data)
+    if settings.mode == "mix":
+        workers = data.get("dataloader_num_workers", 0) or 0
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise InvalidDataError(
+                f"data.dataloader_num_workers must be an int >= 0, not {workers!r}"
+            )
+        check_lag(settings.lag, workers, PREFETCH_FACTOR)
+    return settings

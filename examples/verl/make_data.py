@@ -1,4 +1,6 @@
-"""Write arithmetic tasks in verl's parquet layout: ``python make_data.py ~/data/arith``."""
+"""Write arithmetic tasks in verl's parquet layout: ``python examples/verl/make_data.py data/arith``
+(from the repository root: ``arith.yaml`` reads ``data/arith/train.parquet`` and ``test.parquet``
+relative to where the run starts)."""
 
 from __future__ import annotations
 
@@ -21,4 +23,4 @@ def main(folder: str, n_train: int = 2000, n_val: int = 200) -> None:
 
 
 if __name__ == "__main__":
-    main(os.path.expanduser(sys.argv[1] if len(sys.argv) > 1 else "~/data/arith"))
+    main(os.path.expanduser(sys.argv[1] if len(sys.argv) > 1 else "data/arith"))
