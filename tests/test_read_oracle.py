@@ -44,17 +44,17 @@ EXAMPLES = int(os.environ.get("DYNSTATE_ORACLE_EXAMPLES", "40"))
 ROW = "_dynstate_row"
 FORMATS = ("rows", "columns", "arrow")
 
-# (rows, a column added from this round on, shard_bytes): several shards per round for the
-# third, shards of one row group and of many (128 rows a group on object stores, 256 on a
-# local disk: the first round has 10 local groups, so that a local batch reads a few of them
-# together and not the whole shard).
+# (rows, a column added from this round on, shard_bytes). Three large shards (11 to 19 row
+# groups of 128 rows on object stores, 6 to 10 of 256 on a local disk), so that a batch reads
+# a few groups of several shards together, with templates that other shards taught; a round
+# cut into many small shards (blocks of them); shards of one row group and of a few.
 ROUNDS: list[tuple[int, bool, int | None]] = [
     (2400, False, None),
-    (300, False, None),
+    (1600, False, None),
     (1000, False, 6000),
     (130, False, None),
     (40, False, None),
-    (520, True, None),
+    (1300, True, None),
     (260, True, None),
     (3, True, None),
 ]
@@ -249,24 +249,23 @@ def batches(draw: st.DrawFn, built: Built) -> tuple[bool, list[tuple[int, int]]]
     """(tagged, [(version, row)]): rows of one version (plain row numbers), or of several
     (the version-tagged indices VersionedSampler yields; tagged is then True). The rows are
     a few of one row group (the group read in part), several of one shard (a few of its
-    row groups read together), or parts of those kinds, first and last rows of shards and
-    groups, and rows anywhere; some repeated, and all shuffled."""
+    row groups read together), so of several shards (read in part together: templates
+    taught by one shard's footer decode the others), or parts of those kinds, first and
+    last rows of shards and groups, and rows anywhere; some repeated, and all shuffled."""
     names = sorted(built.versions)
     tagged = draw(st.integers(0, 3)) == 0
     if tagged:
         chosen = draw(st.lists(st.sampled_from(names), min_size=1, max_size=3, unique=True))
     else:
         chosen = [draw(st.sampled_from(names))]
-    shape = draw(st.sampled_from(["group", "shard", "parts", "parts"]))
+    shape = draw(st.sampled_from(["group", "shard", "shards", "parts", "parts"]))
     entries: list[tuple[int, int]] = []
-    for _ in range(1 if shape != "parts" else draw(st.integers(1, 4))):
+    parts = {"group": 1, "shard": 1, "shards": draw(st.integers(2, 4))}.get(shape)
+    for _ in range(parts or draw(st.integers(1, 4))):
         version = built.versions[draw(st.sampled_from(chosen))]
         lay = built.layouts[version]
-        kind = (
-            shape
-            if shape != "parts"
-            else draw(st.sampled_from(["group", "shard", "edges", "anywhere"]))
-        )
+        kind = shape if parts else draw(st.sampled_from(["group", "shard", "edges", "anywhere"]))
+        kind = "shard" if kind == "shards" else kind
         if kind == "group":
             rows = _rows_in(draw, draw(st.sampled_from(lay.groups)), 6)
         elif kind == "shard":  # rows of two or three of its groups
@@ -290,7 +289,7 @@ def _indices(tagged: bool, entries: list[tuple[int, int]]) -> list[int]:
 # -- datasets in each cache state ------------------------------------------------------------
 
 MODES = ("cold", "taught", "warm", "small")
-SMALL_CACHE = 48 * 1024  # smaller than one version's decoded rows: evictions, reads again
+SMALL_CACHE = 384 * 1024  # under a version decoded: evictions; large shards read in part
 
 
 def _fresh(built: Built, version: int, **kwargs: Any) -> VersionedDataset:
@@ -483,6 +482,28 @@ def test_decoding_on_threads_matches_the_oracle(
     monkeypatch.setattr(ranged, "_DECODERS", 2)
     monkeypatch.setattr(ranged, "_PARALLEL_SHARDS", 2)
     check_reads(built, data.draw(st.sampled_from(["cold", "taught"]), "mode"), data)
+
+
+@pytest.mark.parametrize("cache_bytes", [SMALL_CACHE, 64 * 2**20])
+@_settings(EXAMPLES // 8)
+@given(data=st.data())
+def test_an_epoch_in_order_matches_the_oracle(
+    built: Built, cache_bytes: int, data: st.DataObject
+) -> None:
+    """A version read from start to end in batches (an epoch of a loader without shuffle),
+    each batch shuffled: row groups read one after another are joined into their shard,
+    shards into blocks, and a small cache evicts as it goes."""
+    version = built.versions[data.draw(st.sampled_from(sorted(built.versions)), "version")]
+    size = data.draw(st.integers(40, 700), "batch size")
+    shape = data.draw(SHAPES, "shape")
+    fmt = data.draw(st.sampled_from(FORMATS), "format")
+    ds = _fresh(built, version, cache_bytes=cache_bytes, **shape)
+    shuffle = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), "seed")).permutation
+    num_rows = built.layouts[version].num_rows
+    for start in range(0, num_rows, size):
+        chunk = shuffle(np.arange(start, min(start + size, num_rows))).tolist()
+        got = ds.read_batch(chunk, fmt)
+        check_batch(built, got, fmt, asked_of(ds, [(version, r) for r in chunk]))
 
 
 def _as_is(batch: Any) -> Any:
