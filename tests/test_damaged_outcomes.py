@@ -191,13 +191,13 @@ def test_serve_answers_with_the_typed_message(tmp_path) -> None:
     with _served(url) as base:
         for page in ("/api/outcomes", "/api/versions/head/rows/0", "/api/versions/head/rows"):
             status, body = _get(base + page)
-            assert status == 500, (page, status, body[:300])
+            assert status == 422, (page, status, body[:300])
             error = json.loads(body)["error"]
             assert path in error and "names row -5" in error, (page, error)
             assert "could not be built" not in error  # not an unexpected failure
         for page in ("/outcomes", "/versions/head/rows/0"):
             status, body = _get(base + page)
-            assert status == 500 and path in body and "names row -5" in body, (page, body[:300])
+            assert status == 422 and path in body and "names row -5" in body, (page, body[:300])
             assert "Traceback" not in body
         # What does not need the damaged file still answers.
         assert _get(base + "/api/versions/2")[0] == 200

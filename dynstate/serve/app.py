@@ -23,6 +23,7 @@ from starlette.staticfiles import StaticFiles
 
 from ..errors import (
     CheckpointNotFoundError,
+    CorruptStoreError,
     DynstateError,
     InvalidDataError,
     StateMismatchError,
@@ -49,6 +50,10 @@ def _status(exc: DynstateError) -> int:
         return 400
     if isinstance(exc, StateMismatchError):
         return 409
+    if isinstance(exc, CorruptStoreError):
+        # A damaged record or file the page needs: the request is fine, the data it names
+        # cannot be served as it is (the message names the file; other pages still work).
+        return 422
     return 500
 
 
