@@ -13,6 +13,11 @@ Against one store, all at the same time:
 - gc at grace 0 in a tight loop, in a process whose clock is shifted by hours (``time.time``
   and ``datetime.now`` monkeypatched before dynstate is imported; the library has no hook for
   it: gc must judge every age by the storage's clock),
+- a loader: a ``StatefulDataLoader`` over ``VersionedDataset`` reading batches of
+  version-tagged indices (unsorted, repeated, of recent versions) with ``row_column``, in a
+  format drawn, its cache warm or fresh; every batch it hands out is checked against the
+  oracle, the version's shards (its manifest's list) read whole with pyarrow (on S3 from
+  the server directly, not through the faults) and ``take``,
 - random SIGKILLs of every kind of worker (the soak starts a fresh one in its place), and
   SIGSTOP pauses of writers,
 - on S3: a loopback moto server behind the fault proxy of ``tests/s3_faults.py`` (dropped
@@ -26,8 +31,9 @@ those, a reset's and a compaction's that of their source, the generator state is
 committed last; every 25th version (more sparsely once a lineage is long: ``stats_due``)
 and the head, the statistics equal the raw records') right after its ack, and at the end
 every acknowledged version is read again. Exit status 1 on any acknowledged version that is
-lost or unreadable (unless gc's retention collected it, which
-this soak never asks for: it runs gc without ``keep``), 0 otherwise.
+lost or unreadable (unless gc's retention collected it, which this soak never asks for: it
+runs gc without ``keep``) and on any batch the loader handed out that is not the oracle's
+rows, 0 otherwise.
 
     python tools/soak_chaos.py --seconds 600               # local directory
     python tools/soak_chaos.py --seconds 600 --s3          # loopback S3 with faults
@@ -185,6 +191,8 @@ def _worker(role: str, url: str, worker: int, workdir: Path, seed: int) -> None:
                 acks.ack(gc=1)
             except DynstateError as exc:  # S3 faults past the retries: the next run goes on
                 acks.error(exc)
+    if role == "loader":
+        _load_and_check(url, rng, acks)
     store = Store.open(url, lease_ttl_s=LEASE_TTL_S)
     k = 0
     while True:
@@ -224,8 +232,11 @@ def _worker(role: str, url: str, worker: int, workdir: Path, seed: int) -> None:
                 # fresh, so that compactions land too (a killed compactor's flag goes stale).
                 flag = workdir / "compacting"
                 flag.touch()
+                # Now and then large shards (~2,000 rows): row groups that the loader's
+                # batches read in part, through footer templates on S3.
+                target = SHARD_BYTES * rng.choice([8, 8, 64])
                 try:
-                    version = compact(store, target_bytes=SHARD_BYTES * 8, meta=meta)
+                    version = compact(store, target_bytes=target, meta=meta)
                 finally:
                     flag.unlink(missing_ok=True)
                 if store.commit_record(version).meta == meta:
@@ -304,6 +315,151 @@ def _take_over_and_commit(store: Any, rng: random.Random, acks: _Acks, spool: Pa
     acks.ack(v=version, kind="round", parts=meta["parts"], outcomes=outcomes, state=None)
 
 
+# -- the loader -----------------------------------------------------------------------------
+
+ROW = "_dynstate_row"
+
+
+class Oracle:
+    """A version's rows the plain way: the shards its manifest lists, read whole with pyarrow
+    (bytes through fsspec; on S3 from the server directly, ``SOAK_DIRECT_ENDPOINT``, so
+    that no fault and none of dynstate's readers stand between) and concatenated."""
+
+    def __init__(self, url: str) -> None:
+        import fsspec
+
+        direct = os.environ.get("SOAK_DIRECT_ENDPOINT")
+        if url.startswith("s3://"):
+            self.fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": direct})
+        else:
+            self.fs = fsspec.filesystem("file")
+        self.root = url.rstrip("/")
+        self._tables: dict[str, Any] = {}  # by shard path: shards never change
+
+    def table(self, snap: Any) -> Any:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        parts = []
+        for shard in snap.shards:
+            table = self._tables.get(shard.path)
+            if table is None:
+                data = self.fs.cat_file(f"{self.root}/{shard.path}")
+                table = pq.read_table(pa.BufferReader(data))
+                if len(self._tables) > 4096:
+                    self._tables.clear()
+                self._tables[shard.path] = table
+            parts.append(table)
+        return pa.concat_tables(parts, promote_options="default").select(snap.schema.names)
+
+    def rows(self, snaps: dict[int, Any], entries: list[tuple[int, int]]) -> list[dict]:
+        """(version, row) -> that row of that version, as a dict, in the order given."""
+        import pyarrow as pa
+
+        out: list[Any] = [None] * len(entries)
+        for version, snap in snaps.items():
+            at = [i for i, (v, _) in enumerate(entries) if v == version]
+            taken = self.table(snap).take(pa.array([entries[i][1] for i in at], pa.int64()))
+            for i, row in zip(at, taken.to_pylist(), strict=True):
+                out[i] = row
+        return out
+
+
+def _loader_plan(rng: random.Random, snaps: dict[int, Any]) -> list[list[tuple[int, int]]]:
+    """A few batches of (version, row): rows anywhere, a few of one shard, repeats, in
+    random order."""
+    batches = []
+    for _ in range(rng.randint(1, 4)):
+        entries: list[tuple[int, int]] = []
+        for _ in range(rng.randint(1, 3)):
+            version, snap = rng.choice(list(snaps.items()))
+            if rng.random() < 0.5:  # a few rows of one shard (of its row groups)
+                k = rng.randrange(len(snap.shards))
+                lo = snap.offsets[k]
+                rows = [
+                    rng.randrange(lo, lo + snap.shards[k].rows) for _ in range(rng.randint(1, 8))
+                ]
+            else:
+                rows = [rng.randrange(snap.num_rows) for _ in range(rng.randint(1, 16))]
+            entries += [(version, r) for r in rows]
+        entries += rng.choices(entries, k=rng.randint(0, 3))
+        rng.shuffle(entries)
+        batches.append(entries)
+    return batches
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
+def _load_and_check(url: str, rng: random.Random, acks: _Acks) -> None:
+    """The loader: batches of recent versions through a StatefulDataLoader (a dataset kept
+    warm across rounds, or a fresh one), each compared with the oracle's rows. Logs
+    ``batches`` (checked and right) or ``wrong`` (a batch that is not the oracle's), and
+    errors a read or the oracle raised."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from dynstate import DynstateError, Store, VersionedDataset
+    from dynstate.loading.dataset import encode_index
+
+    store = Store.open(url)
+    oracle = Oracle(url)
+    datasets: dict[str, Any] = {}
+    while True:
+        try:
+            head = store.refresh()
+            floor = store.log.read_floor()
+            versions = {rng.randint(max(floor, head - 6), head) for _ in range(rng.randint(1, 3))}
+            snaps = {v: store.snapshot(v) for v in versions}
+            snaps = {v: snap for v, snap in snaps.items() if snap.num_rows}
+            if not snaps:
+                time.sleep(0.1)
+                continue
+            fmt = rng.choice(["rows", "columns", "arrow"])
+            if fmt not in datasets or rng.random() < 0.1:  # now and then a cold cache
+                datasets[fmt] = VersionedDataset(url, batch_format=fmt, row_column=ROW)
+            plan = _loader_plan(rng, snaps)
+            indices = [[encode_index(v, r) for v, r in batch] for batch in plan]
+            loader = StatefulDataLoader(
+                datasets[fmt], batch_sampler=indices, num_workers=0, collate_fn=_as_is
+            )
+            got = list(loader)
+            wrong = []
+            for batch, entries in zip(got, plan, strict=True):
+                want = oracle.rows(snaps, entries)
+                if fmt == "arrow":
+                    batch = batch.to_pylist()
+                elif fmt == "columns":
+                    values = zip(*batch.values(), strict=True)
+                    batch = [dict(zip(batch, row, strict=True)) for row in values]
+                labels = [row.pop(ROW) for row in batch]
+                if batch != want or labels != [r for _, r in entries]:
+                    wrong.append(entries)
+            if len(got) != len(plan) or wrong:
+                acks.ack(wrong=f"format {fmt}: batches {wrong[:2]} are not the oracle's rows")
+            else:
+                multi = {
+                    s.path
+                    for snap in snaps.values()
+                    for s in snap.shards
+                    if s.groups is not None and len(s.groups.rows) > 1
+                }
+                acks.ack(
+                    batches=len(got),
+                    rows=sum(len(b) for b in plan),
+                    many_groups=sum(
+                        _shard_of(snaps[v], r).path in multi for b in plan for v, r in b
+                    ),
+                )
+        except (DynstateError, OSError) as exc:  # S3 faults past the retries, and the like
+            acks.error(exc)
+            time.sleep(0.05)
+
+
+def _shard_of(snap: Any, row: int) -> Any:
+    return snap.shards[snap.locate(row)[0]]
+
+
 # -- the auditor ----------------------------------------------------------------------------
 
 
@@ -355,6 +511,7 @@ class Audit:
     handovers: Counter[str] = field(default_factory=Counter)
     checked_after_ack: int = 0
     stats_checked: int = 0
+    loader: Counter[str] = field(default_factory=Counter)  # batches, rows checked
     _offsets: dict[str, int] = field(default_factory=dict)
     _verified: set[str] = field(default_factory=set)  # shards read back with their checksum
     _needed: dict[str, int] = field(default_factory=dict)  # shard -> an acked version's
@@ -383,6 +540,11 @@ class Audit:
                     self.gc_runs += 1
                 elif "handover" in entry:
                     self.handovers[entry["handover"]] += 1
+                elif "batches" in entry:
+                    self.loader.update(entry)
+                elif "wrong" in entry:
+                    self.loader["wrong"] += 1
+                    self.problems.append(f"the loader: {entry['wrong']}")
                 else:
                     entry["log"] = path.name
                     new.append(entry)
@@ -560,11 +722,27 @@ class Audit:
 
 # -- the orchestrator -----------------------------------------------------------------------
 
-ROLES = {"appender": 2, "stager": 2, "committer": 2, "compactor": 1, "resetter": 1, "gc": 1}
+ROLES = {
+    "appender": 2,
+    "stager": 2,
+    "committer": 2,
+    "compactor": 1,
+    "resetter": 1,
+    "gc": 1,
+    "loader": 1,
+}
 # On S3 a gc run reads every kept record through the faults (tens of seconds): two of them,
 # one ahead and one behind, so that gc judges as often as the writers commit.
 ROLES_S3 = {**ROLES, "gc": 2}
-KILL_WEIGHTS = {"appender": 4, "stager": 2, "committer": 3, "compactor": 1, "resetter": 1, "gc": 2}
+KILL_WEIGHTS = {
+    "appender": 4,
+    "stager": 2,
+    "committer": 3,
+    "compactor": 1,
+    "resetter": 1,
+    "gc": 2,
+    "loader": 1,
+}
 # SIGSTOP, for up to three lease ttls: writers lose their leases (their commits are refused),
 # a committer stopped after its claim must keep its shards, and gc stopped between judging
 # and deleting must delete nothing a commit names.
@@ -772,7 +950,8 @@ def soak(
                 AWS_DEFAULT_REGION="us-east-1",
                 AWS_ENDPOINT_URL=direct,
             )
-            env = {"AWS_ENDPOINT_URL": proxied}  # the workers meet the faults; the auditor not
+            # The workers meet the faults; the auditor and the loader's oracle not.
+            env = {"AWS_ENDPOINT_URL": proxied, "SOAK_DIRECT_ENDPOINT": direct}
             url = f"s3://dynstate-chaos/{uuid_hex(rng)}"
         else:
             url = str(workdir / "store")
@@ -808,6 +987,10 @@ def soak(
             "checked_after_ack": audit.checked_after_ack,
             "checked_at_end": audit.checked - audit.checked_after_ack,
             "statistics_checked": audit.stats_checked,
+            "loader_batches_checked": audit.loader["batches"],
+            "loader_rows_checked": audit.loader["rows"],
+            "loader_rows_in_shards_of_several_row_groups": audit.loader["many_groups"],
+            "loader_wrong_batches": audit.loader["wrong"],
             "refused_or_failed_calls": dict(audit.errors),
             **figures,
             **faults,
