@@ -1,0 +1,163 @@
+"""The train loader dynstate gives ``GRPOTrainer``, and its state in ``checkpoint-N/``.
+
+TRL's own loader is a ``RepeatSampler`` over a fixed ``datasets.Dataset``; the HF Trainer
+measures it once (``len(loader)``) and fixes every epoch's batches at the start, which would
+cut a growing store's epochs short. This loader instead:
+
+* draws prompts with a :class:`~dynstate.VersionedSampler` (its own seed: torch's global RNG,
+  which the Trainer restores from ``rng_state.pth`` and generation draws from, is never
+  touched; the ``StatefulDataLoader`` gets its own ``torch.Generator`` for the same reason);
+* repeats each prompt ``num_generations`` times in a row, as ``RepeatSampler`` does, so
+  TRL's groups are intact;
+* hands the Trainer an endless iterable without ``len()``: the Trainer then counts steps by
+  ``max_steps`` and never ends an epoch on its own, while the sampler moves from epoch to epoch
+  (each pinning the round of the step before it);
+* yields each loader batch ``gradient_accumulation_steps`` times: with
+  ``steps_per_generation == gradient_accumulation_steps`` (TRL's default) GRPO generates from
+  the first of them and reuses its buffer for the rest, so one loader batch is one
+  optimizer step, and the sampler's steps are the trainer's.
+
+The state in ``checkpoint-N/dynstate_state.pt`` (plain types, ``weights_only`` loadable):
+``{"format": 1, "kind": "dynstate.trl", "store_id", "store_url", "step", "version", "loader"}``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import CheckpointNotFoundError, InvalidDataError, StateMismatchError
+from ..loading.dataset import VersionedDataset, decode_index
+from ..loading.state import check_state, find_sampler_state
+from ..store import Store
+from .generator import SOURCE_COLUMN
+
+STATE_FILE = "dynstate_state.pt"
+STATE_KIND = "dynstate.trl"
+STATE_FORMAT = 1
+ROW_KEY = "dynstate_row"
+VERSION_KEY = "dynstate_version"
+
+
+class Items:
+    """The store's rows as TRL items: each row's columns plus ``dynstate_row`` and
+    ``dynstate_version`` (the version the sampler drew it from); ``_dynstate_source`` is
+    left out (lineage, not a prompt's input)."""
+
+    def __init__(self, dataset: VersionedDataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        version, row = decode_index(index)
+        item = self.dataset[index]
+        item.pop(SOURCE_COLUMN, None)
+        item[ROW_KEY] = row
+        item[VERSION_KEY] = version
+        return item
+
+
+class RepeatCollate:
+    """Each item ``times`` times in a row (GRPO's group of one prompt's responses)."""
+
+    def __init__(self, times: int):
+        self.times = times
+
+    def __call__(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [item for item in items for _ in range(self.times)]
+
+
+class EndlessBatches:
+    """The loader's batches, epoch after epoch, each ``repeat`` times; no ``__len__``."""
+
+    def __init__(self, loader: Any, repeat: int, url: str):
+        self.loader = loader
+        self.repeat = repeat
+        self.url = url
+
+    def __iter__(self) -> Iterator[Any]:
+        empty = 0
+        while True:
+            got = False
+            for batch in self.loader:
+                got = True
+                for _ in range(self.repeat):
+                    yield batch
+            empty = 0 if got else empty + 1
+            if empty >= 2:  # one empty pass may be a finished epoch restored from a checkpoint
+                raise InvalidDataError(
+                    f"the train loader over {self.url} yields no batches; the store has no "
+                    "rows to train on — append the first tasks before training"
+                )
+
+
+def checkpoint_state(loader: Any, store: Store, step: int, version: int) -> dict[str, Any]:
+    return {
+        "format": STATE_FORMAT,
+        "kind": STATE_KIND,
+        "store_id": store.store_id,
+        "store_url": store.display_url,
+        "step": int(step),
+        "version": int(version),
+        "loader": loader.state_dict(),
+    }
+
+
+def read_checkpoint_state(checkpoint_dir: str, store: Store) -> dict[str, Any]:
+    """The dynstate state of a TRL ``checkpoint-N`` folder, checked against ``store`` and the
+    folder's own step (``trainer_state.json``); raises before anything changes:
+    :class:`CheckpointNotFoundError` without the file, :class:`StateMismatchError` for a state
+    of another store, another step or a damaged one."""
+    import json
+
+    import torch
+
+    path = os.path.join(checkpoint_dir, STATE_FILE)
+    url = store.display_url
+    if not os.path.isfile(path):
+        raise CheckpointNotFoundError(
+            f"no dynstate state at {path}, so {checkpoint_dir} cannot resume {url} exactly: it "
+            "was not written by dynstate.trl.DynstateGRPOTrainer (which saves it in every "
+            "checkpoint); resume from one of its checkpoints, or start afresh"
+        )
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as exc:
+        raise StateMismatchError(
+            f"{path} is not a plain dynstate state (torch.load weights_only=True failed: {exc})"
+        ) from exc
+    if not isinstance(state, dict) or state.get("kind") != STATE_KIND:
+        raise StateMismatchError(f"{path} is not a dynstate.trl state; it cannot resume {url}")
+    if state.get("format") != STATE_FORMAT:
+        raise StateMismatchError(
+            f"{path} has format {state.get('format')!r}; this dynstate reads format "
+            f"{STATE_FORMAT} — resume with the dynstate that wrote it"
+        )
+    if state.get("store_id") != store.store_id:
+        raise StateMismatchError(
+            f"{path} belongs to the store {state.get('store_url')!r} (id "
+            f"{state.get('store_id')!r}), not to {url}; pass the store the run trained on"
+        )
+    sampler_state = find_sampler_state(state.get("loader"))
+    if sampler_state is None:
+        raise StateMismatchError(f"{path} holds no dynstate sampler state; it cannot resume {url}")
+    check_state(sampler_state, store.store_id, url)
+    step, version = state.get("step"), state.get("version")
+    if not isinstance(step, int) or not isinstance(version, int):
+        raise StateMismatchError(f"{path} lacks its step or version; it cannot resume {url}")
+    trainer_state = os.path.join(checkpoint_dir, "trainer_state.json")
+    try:
+        with open(trainer_state) as f:
+            global_step = json.load(f).get("global_step")
+    except (OSError, ValueError) as exc:
+        raise StateMismatchError(f"cannot read {trainer_state}: {exc}") from exc
+    if global_step != step:
+        raise StateMismatchError(
+            f"{path} holds the position after step {step}, but {checkpoint_dir} is a "
+            f"checkpoint of step {global_step}; it was copied from another checkpoint of {url} "
+            "— resume from that checkpoint itself, or restore this folder's own file"
+        )
+    return state
