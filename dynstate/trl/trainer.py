@@ -175,8 +175,16 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 "is unset: a growing store has no fixed epoch length, so the run is measured "
                 "in steps; set max_steps",
             )
-        if store.snapshot().num_rows == 0:
-            raise refuse("has no rows", "to train on; append the first tasks before training")
+        rows, per_step = (
+            store.snapshot().num_rows,
+            int(a.generation_batch_size) // int(a.num_generations),
+        )
+        if rows < per_step:
+            raise refuse(
+                f"has {rows} rows",
+                f"but each step trains {per_step} prompts (generation_batch_size / "
+                "num_generations); append at least that many tasks before training",
+            )
 
     def _make_loader(self) -> None:
         from torchdata.stateful_dataloader import StatefulDataLoader
@@ -193,11 +201,14 @@ class DynstateGRPOTrainer(GRPOTrainer):
             num_replicas=1,
             rank=0,
             first_step=FIRST_STEP,
+            # every step a whole generation batch: GRPO's groups and the step count stay whole
+            drop_last=True,
             select=s["select"],
         )
         loader = StatefulDataLoader(
             items,
             batch_size=self._prompts_per_batch,
+            drop_last=True,
             sampler=sampler,
             collate_fn=loader_mod.RepeatCollate(self._group),
             num_workers=0,

@@ -1,0 +1,284 @@
+"""dynstate.trl through TRL's real ``GRPOTrainer.train()`` with the example's tiny model
+(issue 43): the README's commands run as written, the run learns, a run killed with SIGKILL
+and rerun with the same command trains every step on the rows, and with the rewards, of the
+uninterrupted run (the exactness oracle); bad inputs refused at start-up with nothing changed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("trl")
+
+import dynstate
+from dynstate import (
+    CheckpointNotFoundError,
+    InvalidDataError,
+    StateMismatchError,
+    Store,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "examples" / "trl" / "README.md"
+TRAIN = ROOT / "examples" / "trl" / "train.py"
+
+pytestmark = pytest.mark.filterwarnings(
+    # transformers / trl on CPU: not ours to fix
+    "ignore::UserWarning",
+    "ignore::FutureWarning",
+)
+
+
+def _example() -> Any:
+    spec = importlib.util.spec_from_file_location("trl_example_train", TRAIN)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def readme_commands() -> list[str]:
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
+        for line in re.sub(r"\\\n\s*", "", block).splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                commands.append(line)
+    return commands
+
+
+def _argv(command: str, scratch: Path) -> list[str]:
+    argv = shlex.split(command.replace("/tmp/trl", str(scratch)))
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    local = Path(sys.executable).parent / argv[0]
+    return [str(local) if local.exists() else argv[0], *argv[1:]]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+
+
+def _trace(path: Path) -> dict[int, dict[str, Any]]:
+    """Each step's last line (a resumed run appends the steps it trains again)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        by_step[record["step"]] = record
+    return by_step
+
+
+def _mean(record: dict[str, Any]) -> float:
+    return sum(record["rewards"]) / len(record["rewards"])
+
+
+def test_readme_commands_learn_and_resume_exactly_after_sigkill(tmp_path) -> None:
+    commands = readme_commands()
+    train, again, ls = commands
+    assert train == again and "--steps 150" in train and ls.startswith("dynstate ls")
+
+    # the uninterrupted run, as written: the oracle, and the learning check
+    clean = tmp_path / "clean"
+    started = time.monotonic()
+    subprocess.run(_argv(train, clean), check=True, env=_env(), capture_output=True, timeout=600)
+    took = time.monotonic() - started
+    oracle = _trace(clean / "trace.jsonl")
+    assert sorted(oracle) == list(range(1, 151))
+    fifth = [_mean(oracle[s]) for s in range(1, 31)], [_mean(oracle[s]) for s in range(121, 151)]
+    first, last = (sum(x) / len(x) for x in fifth)
+    assert last > first + 0.1, (first, last)
+    for record in oracle.values():
+        assert len(record["rewards"]) == 8 * len(record["rows"]) == 32
+    print(f"uninterrupted: {took:.1f} s, mean reward {first:.3f} -> {last:.3f}")
+
+    # the same command, killed mid-run after a checkpoint, then run again as written
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(
+        _argv(train, run), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    trace = run / "trace.jsonl"
+    deadline = time.monotonic() + 300
+    while not (trace.exists() and len(trace.read_text().splitlines()) >= 65):
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = len(trace.read_text().splitlines())
+    assert killed_at < 150
+    store = Store.open(str(run / "store"))
+    head_before = store.refresh()
+    subprocess.run(_argv(again, run), check=True, env=_env(), capture_output=True, timeout=600)
+    resumed = _trace(run / "trace.jsonl")
+    assert sorted(resumed) == sorted(oracle)
+    assert [s for s in oracle if resumed[s] != oracle[s]] == []
+    # the steps after the checkpoint were trained twice, and the rounds the killed run
+    # committed after the checkpoint were rolled back (not reused)
+    steps = [json.loads(line)["step"] for line in trace.read_text().splitlines()]
+    assert len(steps) > 150
+    store.refresh()
+    assert store.commit_record(store.head).meta.get("step") == 150
+    assert any(
+        (store.commit_record(v).meta or {}).get("rollback_from") == head_before
+        for v in range(head_before + 1, store.head + 1)
+    )
+    # the final head holds the same rows as the uninterrupted run's
+    clean_store = Store.open(str(clean / "store"))
+    assert store.snapshot().to_arrow().equals(clean_store.snapshot().to_arrow())
+
+    out = subprocess.run(
+        _argv(ls, run), check=True, env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert "abandoned" in out.stdout or "reset" in out.stdout, out.stdout
+
+
+# -- bad input, in process ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def example() -> Any:
+    return _example()
+
+
+def _config(example: Any, out: Path, **over: Any) -> Any:
+    from trl import GRPOConfig
+
+    settings: dict[str, Any] = {
+        "output_dir": str(out),
+        "max_steps": 2,
+        "per_device_train_batch_size": 16,
+        "num_generations": 8,
+        "max_completion_length": 2,
+        "learning_rate": 1e-3,
+        "beta": 0.0,
+        "save_strategy": "steps",
+        "save_steps": 2,
+        "report_to": "none",
+        "use_cpu": True,
+        "bf16": False,
+        "disable_tqdm": True,
+        "logging_steps": 1,
+    }
+    settings.update(over)
+    return GRPOConfig(**settings)
+
+
+def _trainer(example: Any, store: Any, out: Path, **over: Any) -> Any:
+    from dynstate.trl import DynstateGRPOTrainer
+
+    tokenizer = example.build_tokenizer()
+    select = over.pop("select", None)
+    return DynstateGRPOTrainer(
+        model=example.build_model(tokenizer),
+        reward_funcs=[example.reward],
+        args=_config(example, out, **over.pop("config", {})),
+        processing_class=tokenizer,
+        train_dataset=store,
+        select=select,
+        **over,
+    )
+
+
+def _new_store(example: Any, path: Path) -> Store:
+    store = Store.open(str(path), create=True)
+    store.append(example.first_tasks(0, count=16))
+    return store
+
+
+@pytest.fixture(scope="module")
+def trained(example, tmp_path_factory) -> tuple[Store, Path]:
+    """A store and the checkpoint-2 of a 2-step run over it."""
+    base = tmp_path_factory.mktemp("trl")
+    store = _new_store(example, base / "store")
+    trainer = _trainer(example, dynstate.VersionedDataset(store), base / "out")
+    trainer.train()
+    checkpoint = base / "out" / "checkpoint-2"
+    assert (checkpoint / "dynstate_state.pt").is_file()
+    return store, checkpoint
+
+
+@pytest.mark.parametrize(
+    ("config", "setting"),
+    [
+        ({"num_iterations": 2}, "num_iterations=2"),
+        ({"steps_per_generation": 2}, "steps_per_generation=2"),
+        ({"dataloader_num_workers": 1}, "dataloader_num_workers=1"),
+        ({"max_steps": -1}, "max_steps=-1"),
+    ],
+)
+def test_settings_it_cannot_make_exact_are_refused_at_start(
+    example, tmp_path, config, setting
+) -> None:
+    store = _new_store(example, tmp_path / "store")
+    with pytest.raises(InvalidDataError, match=re.escape(setting)):
+        _trainer(example, store, tmp_path / "out", config=config)
+    assert store.refresh() == 1
+
+
+def test_train_dataset_that_is_not_the_store_is_refused(example, tmp_path) -> None:
+    import datasets
+
+    rows = datasets.Dataset.from_list(example.first_tasks(0, count=4))
+    with pytest.raises(InvalidDataError, match="VersionedDataset"):
+        _trainer(example, rows, tmp_path / "out")
+
+
+def test_checkpoint_without_dynstate_state_is_refused_unchanged(example, trained, tmp_path) -> None:
+    import shutil
+
+    store, checkpoint = trained
+    copy = tmp_path / "checkpoint-2"
+    shutil.copytree(checkpoint, copy)
+    (copy / "dynstate_state.pt").unlink()
+    head = store.refresh()
+    trainer = _trainer(example, store, tmp_path / "out")
+    with pytest.raises(CheckpointNotFoundError, match=r"dynstate_state\.pt"):
+        trainer.train(resume_from_checkpoint=str(copy))
+    assert store.refresh() == head
+
+
+def test_checkpoint_of_another_store_is_refused_unchanged(example, trained, tmp_path) -> None:
+    _, checkpoint = trained
+    other = _new_store(example, tmp_path / "other")
+    trainer = _trainer(example, other, tmp_path / "out")
+    with pytest.raises(StateMismatchError, match="belongs to the store"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert other.refresh() == 1
+
+
+def test_checkpoint_with_another_selection_is_refused_unchanged(example, trained, tmp_path) -> None:
+    store, checkpoint = trained
+    head = store.refresh()
+    trainer = _trainer(example, store, tmp_path / "out", select=dynstate.Learnability())
+    with pytest.raises(StateMismatchError, match="select"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert store.refresh() == head
+
+
+def test_fresh_run_on_a_store_with_rounds_is_refused(example, trained, tmp_path) -> None:
+    store, _ = trained
+    head = store.refresh()
+    trainer = _trainer(example, store, tmp_path / "out")
+    with pytest.raises(StateMismatchError, match="rollback"):
+        trainer.train()
+    assert store.refresh() == head
+
+
+def test_rounds_carry_outcomes_per_response(trained) -> None:
+    store, _ = trained
+    records = store.outcome_records()
+    assert sorted(set(records.column("step").to_pylist())) == [1, 2]
+    assert records.num_rows == 2 * 16  # two steps, 2 prompts x 8 responses
+    assert store.commit_record(store.head).meta["step"] == 2
