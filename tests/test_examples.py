@@ -30,6 +30,7 @@ EXAMPLES = ROOT / "examples"
 # test_verl_commands.py runs them up to verl's GPU check, and the rest as written.
 COVERED = {
     "ddp": "test_ddp_readme_commands_kill_and_resume_at_another_world_size",
+    "trl": "tests/test_trl.py",
     "verl": "tests/test_verl_commands.py",
 }
 
