@@ -417,7 +417,12 @@ def _load_and_check(url: str, rng: random.Random, acks: _Acks) -> None:
                 continue
             fmt = rng.choice(["rows", "columns", "arrow"])
             if fmt not in datasets or rng.random() < 0.1:  # now and then a cold cache
-                datasets[fmt] = VersionedDataset(url, batch_format=fmt, row_column=ROW)
+                # A small cache reads shards of a few KiB a row group at a time (the
+                # ranged path, footer templates on S3), a large one reads them whole.
+                size = rng.choice([64 * 1024, 512 * 2**20])
+                datasets[fmt] = VersionedDataset(
+                    url, batch_format=fmt, row_column=ROW, cache_bytes=size
+                )
             plan = _loader_plan(rng, snaps)
             indices = [[encode_index(v, r) for v, r in batch] for batch in plan]
             loader = StatefulDataLoader(
