@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("store", "writes", "snapshot", "history", "resume", "rollback", "outcome_views"),
     ("maintenance",),
     ("loading",),
-    ("verl", "ray"),
+    ("verl", "ray", "trl"),
     ("cli", "serve"),
 ]
 
@@ -117,7 +117,7 @@ def _package(module: str) -> str:
     return module.split(".")[0] if "." in module or module in _SUBPACKAGES else ""
 
 
-_SUBPACKAGES = {"storage", "log", "maintenance", "loading", "verl", "cli", "serve"}
+_SUBPACKAGES = {"storage", "log", "maintenance", "loading", "verl", "trl", "cli", "serve"}
 
 
 def test_no_private_name_crosses_packages() -> None:

@@ -27,11 +27,11 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOTrainer
 
+from .. import rollback, version_at_step
 from ..errors import InvalidDataError, StateMismatchError
 from ..loading.dataset import VersionedDataset
 from ..loading.sampler import VersionedSampler
 from ..loading.selection import pass_rates
-from ..resume import rollback, version_at_step
 from ..store import Store
 from . import loader as loader_mod
 from .generator import (
