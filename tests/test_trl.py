@@ -176,8 +176,11 @@ def _config(example: Any, out: Path, **over: Any) -> Any:
 
 
 def _trainer(example: Any, store: Any, out: Path, **over: Any) -> Any:
+    from transformers import set_seed
+
     from dynstate.trl import DynstateGRPOTrainer
 
+    set_seed(0)  # the same initial weights in every run of a test
     tokenizer = example.build_tokenizer()
     select = over.pop("select", None)
     return DynstateGRPOTrainer(
@@ -282,3 +285,82 @@ def test_rounds_carry_outcomes_per_response(trained) -> None:
     assert sorted(set(records.column("step").to_pylist())) == [1, 2]
     assert records.num_rows == 2 * 16  # two steps, 2 prompts x 8 responses
     assert store.commit_record(store.head).meta["step"] == 2
+
+
+class _Crash(Exception):
+    pass
+
+
+def _rounds_run(
+    example: Any, base: Path, *, crash_after: int | None, resume: bool, ga: int
+) -> list[Any]:
+    """Rounds of a 4-step run with gradient accumulation ``ga`` (checkpoints every 2 steps), the
+    example's generator and selection; ``crash_after``: raise once that step is committed."""
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import get_last_checkpoint
+
+    store = Store.open(str(base / "store"), create=True)
+    if store.head == 0:
+        store.append(example.first_tasks(0, count=16))
+    rounds: list[Any] = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            rounds.append(trainer.dynstate_round)
+            if crash_after is not None and state.global_step == crash_after:
+                raise _Crash
+            return control
+
+    trainer = _trainer(
+        example,
+        store,
+        base / "out",
+        select=dynstate.Learnability(),
+        mode="mix",
+        generator=example.HardestVariations(seed=0),
+        config={
+            "max_steps": 4,
+            "gradient_accumulation_steps": ga,
+            "per_device_train_batch_size": 16 // ga,
+        },
+    )
+    trainer.add_callback(Record())
+    try:
+        trainer.train(
+            resume_from_checkpoint=get_last_checkpoint(str(base / "out")) if resume else None
+        )
+    except _Crash:
+        pass
+    return rounds
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_gradient_accumulation_resumes_exactly(example, tmp_path, ga) -> None:
+    """gradient_accumulation_steps 1 and 2 (steps_per_generation follows it): each step one
+    generation of 2 prompts x 8; a run stopped after the round of step 3 and resumed from
+    checkpoint-2 trains steps 3 and 4 as the uninterrupted run did, with step 3's first round
+    rolled back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the example: the same arithmetic in every run
+    try:
+        _check_gradient_accumulation(example, tmp_path, ga)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_gradient_accumulation(example: Any, tmp_path: Path, ga: int) -> None:
+    clean = _rounds_run(example, tmp_path / "clean", crash_after=None, resume=False, ga=ga)
+    assert [r.step for r in clean] == [1, 2, 3, 4]
+    assert all(len(r.rows) == 2 and len(r.rewards) == 16 for r in clean)
+    first = _rounds_run(example, tmp_path / "run", crash_after=3, resume=False, ga=ga)
+    assert [r.step for r in first] == [1, 2, 3]
+    assert [(r.rows, r.rewards) for r in first] == [(r.rows, r.rewards) for r in clean[:3]]
+    again = _rounds_run(example, tmp_path / "run", crash_after=None, resume=True, ga=ga)
+    assert [r.step for r in again] == [3, 4]
+    for mine, theirs in zip(again, clean[2:], strict=True):
+        assert (mine.rows, mine.rewards, mine.added) == (theirs.rows, theirs.rewards, theirs.added)
+    a = Store.open(str(tmp_path / "clean" / "store")).snapshot().to_arrow()
+    b = Store.open(str(tmp_path / "run" / "store")).snapshot().to_arrow()
+    assert a.equals(b)
