@@ -4,18 +4,21 @@ issue 40): the version's shards, named by its manifest, read whole with ``pyarro
 ``take(indices)``.
 
 The paths: local disk, ``memory://`` and S3 (loopback moto; dynstate reads it with its own
-client, :mod:`dynstate.storage.s3http`, and with s3fs); a cold dataset, one whose footer
-templates were taught by an earlier read, one warm across many batches and one whose cache
-is too small to hold the store (evictions, row groups read again, the disk cache); an
-uncompacted version, its compacted successor and an older version with fewer columns, alone
-or mixed in one batch through the sampler's version-tagged indices; ``format`` ``"rows"``,
-``"columns"`` and ``"arrow"``; ``row_column``; ``__getitem__`` and ``__getitems__``; and a
-``StatefulDataLoader`` with 0 and 2 workers. Indices come from hypothesis: unsorted,
-repeated, spread over shards and row groups, or a few rows of one row group or one shard.
+client, :mod:`dynstate.storage.s3http`, and with s3fs); a cold dataset (footer templates
+learned within the batch), one whose templates an earlier read taught, one warm across many
+batches and one whose cache is smaller than a version (evictions, large shards read a row
+group at a time, the disk cache); a prefetch or not; row groups decoded on one thread or
+several; an uncompacted version, its compacted successor and an older version with fewer
+columns, alone or mixed in one batch through the sampler's version-tagged indices; every
+column or a projection; ``format`` ``"rows"``, ``"columns"`` and ``"arrow"``;
+``row_column``; ``__getitem__`` and ``__getitems__``; a ``StatefulDataLoader`` with 0 and 2
+workers; and an epoch in order (row groups joined into their shard, shards into blocks).
+Indices come from hypothesis: unsorted, repeated, spread over shards and row groups, a few
+rows of one row group, or of a few groups of one shard or of several.
 
 ``DYNSTATE_ORACLE_EXAMPLES`` sets the examples of each read test per backend and cache
-state (default 40; the loader tests take a share of it). ``python tools/oracle_long.py``
-runs the module with many more.
+state (default 40, a few hundred per backend in all; the other tests take a share of it).
+``python tools/oracle_long.py`` runs the module with many more.
 """
 
 from __future__ import annotations
@@ -300,9 +303,7 @@ def _fresh(built: Built, version: int, **kwargs: Any) -> VersionedDataset:
 def _teach(built: Built, ds: VersionedDataset, version: int) -> None:
     """Read one row of the shard with the most row groups, in part: on an object store its
     footer teaches the template every shard of the schema names."""
-    lay = built.layouts[version]
-
-    lo, _ = max(lay.several, key=len)[0]
+    lo, _ = max(built.layouts[version].several, key=len)[0]
     ds.read_batch([encode_index(version, lo + 1)])
 
 
