@@ -33,8 +33,8 @@ from .errors import (
 # the loader classes import torch (~2 s), and `import dynstate` (the `dynstate --help` path)
 # should cost none of it. Name -> module that defines it.
 _LAZY = {
-    "Commit": "manifest",
-    "ShardRef": "manifest",
+    "Commit": "records.manifest",
+    "ShardRef": "records.manifest",
     "Snapshot": "snapshot",
     "Staged": "snapshot",
     "Store": "store",
@@ -44,9 +44,9 @@ _LAZY = {
     "FunctionPolicy": "loading.selection",
     "Learnability": "loading.selection",
     "PassRateBand": "loading.selection",
-    "lineage": "resume",
-    "rollback": "resume",
-    "version_at_step": "resume",
+    "lineage": "rewind",
+    "rollback": "rewind",
+    "version_at_step": "rewind",
     "decode_index": "loading.dataset",
     "encode_index": "loading.dataset",
     "find_sampler_state": "loading.state",
@@ -65,8 +65,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
     from .maintenance.export import export
     from .maintenance.gc import collect_garbage
     from .maintenance.verify import verify_store
-    from .manifest import Commit, ShardRef
-    from .resume import lineage, rollback, version_at_step
+    from .records.manifest import Commit, ShardRef
+    from .rewind import lineage, rollback, version_at_step
     from .snapshot import Snapshot, Staged
     from .store import Store
 

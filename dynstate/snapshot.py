@@ -13,9 +13,9 @@ import bisect
 from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
-from . import manifest as m
 from .errors import ChecksumMismatchError, CorruptStoreError, RowOutOfRangeError
-from .manifest import Commit, ShardRef
+from .records import manifest as m
+from .records.manifest import Commit, ShardRef
 
 if TYPE_CHECKING:
     # Counting a version's rows needs no Arrow: only reading them (and the schema) imports it.

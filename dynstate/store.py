@@ -1,6 +1,6 @@
 """Store: an append-only, versioned collection of Parquet shards — the facade users call.
 
-Record formats live in :mod:`dynstate.manifest`, the commit log (head, commits, floor,
+Record formats live in :mod:`dynstate.records.manifest`, the commit log (head, commits, floor,
 lineage, leases) in :mod:`dynstate.log`, the filesystem in :mod:`dynstate.storage`.
 
 One file, under 500 lines, because it is the facade users read first: every method is a
@@ -14,7 +14,6 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import manifest as m
 from . import paths
 from .errors import (
     CorruptStoreError,
@@ -27,7 +26,8 @@ from .errors import (
 )
 from .log import DEFAULT_TTL_S, Log, Tags
 from .log.commits import ROOT_FILES
-from .manifest import Commit, ShardRef
+from .records import manifest as m
+from .records.manifest import Commit, ShardRef
 from .storage import Storage, open_storage
 
 if TYPE_CHECKING:
@@ -274,8 +274,8 @@ class Store:
         self, shard: ShardRef, schema: pa.Schema | None = None, *, version: int | None = None
     ) -> pa.Table:
         """Read one shard, verified against its recorded size and checksum."""
-        from .rounds import conform
-        from .rowgroups import read_parquet
+        from .records.rounds import conform
+        from .records.rowgroups import read_parquet
 
         table = read_parquet(self.read_shard_bytes(shard, version=version))
         return conform(table, schema) if schema is not None else table
@@ -413,9 +413,9 @@ class Store:
         ``success_above`` while scores take at most 16 distinct values; another half-life reads
         every outcome record of the lineage (docs/outcomes.md, "Cost"). None for either
         means its default, ``DEFAULT_SUCCESS_ABOVE`` (0.5) and ``DEFAULT_HALF_LIFE`` (10.0)
-        of :mod:`dynstate.outcomes`."""
+        of :mod:`dynstate.records.outcomes`."""
         from .log.outcomes import outcomes_of
-        from .outcomes import (
+        from .records.outcomes import (
             DEFAULT_HALF_LIFE,
             DEFAULT_SUCCESS_ABOVE,
             check_outcomes,

@@ -17,7 +17,6 @@ from typing import Any
 
 import pyarrow as pa
 
-from . import manifest as m
 from .errors import (
     CommitConflictError,
     DynstateError,
@@ -32,10 +31,11 @@ from .errors import (
 from .log import Log, shard_path
 from .log.leases import host_id, process_gone
 from .log.outcomes import Pending, outcomes_of
-from .manifest import Commit, ShardRef
-from .outcomes import as_numpy, check_rows_version
-from .rounds import check_meta, conform_round, to_table
-from .rowgroups import group_rows, write_shard
+from .records import manifest as m
+from .records.manifest import Commit, ShardRef
+from .records.outcomes import as_numpy, check_rows_version
+from .records.rounds import check_meta, conform_round, to_table
+from .records.rowgroups import group_rows, write_shard
 from .snapshot import Staged
 from .storage import DeferredSync
 from .threads import ProcessPool

@@ -30,10 +30,10 @@ from dynstate import (
     Store,
     collect_garbage,
 )
-from dynstate import manifest as m
 from dynstate.log.outcomes import outcomes_of
 from dynstate.maintenance import gc as gc_module
 from dynstate.maintenance.verify import verify_store
+from dynstate.records import manifest as m
 
 
 def _rows(store: Store, version: int | None = None) -> list[dict]:

@@ -33,13 +33,13 @@ from dynstate import (
     Store,
     VersionedDataset,
     VersionedSampler,
-    codec,
 )
-from dynstate import manifest as m
 from dynstate.errors import DynstateError, StateMismatchError
 from dynstate.maintenance.gc import TOMBSTONE_S, collect_garbage
 from dynstate.maintenance.verify import verify_store
-from dynstate.rowgroups import ROW_GROUP_ROWS
+from dynstate.records import codec
+from dynstate.records import manifest as m
+from dynstate.records.rowgroups import ROW_GROUP_ROWS
 from dynstate.storage import open_storage
 from dynstate.storage.credentials import scrub
 

@@ -42,9 +42,9 @@ from dynstate import (
     VersionedSampler,
     VersionNotFoundError,
 )
-from dynstate import manifest as m
 from dynstate.cli import cli
 from dynstate.loading.checkpoint import describe_checkpoint
+from dynstate.records import manifest as m
 
 ROWS = [{"id": 0, "text": "a"}, {"id": 1, "text": "b"}, {"id": 2, "text": "c"}]
 

@@ -26,10 +26,10 @@ from dynstate import (
     Store,
     VersionedDataset,
     VersionedSampler,
-    codec,
 )
-from dynstate import manifest as m
 from dynstate.maintenance.verify import verify_store
+from dynstate.records import codec
+from dynstate.records import manifest as m
 
 BIG = 10**5000  # 5,001 digits: past every default reader's bound
 
@@ -37,9 +37,9 @@ BIG = 10**5000  # 5,001 digits: past every default reader's bound
 # the checks this test is about are taken out, the record written through the real commit.
 OLD_WRITER = """
 import sys
-import dynstate.codec, dynstate.outcomes, dynstate.rounds
-dynstate.codec._longest_int = lambda text: 0
-dynstate.rounds.check_int = dynstate.outcomes.check_int = lambda value, what: None
+import dynstate.records.codec, dynstate.records.outcomes, dynstate.records.rounds
+dynstate.records.codec._longest_int = lambda text: 0
+dynstate.records.rounds.check_int = dynstate.records.outcomes.check_int = lambda value, what: None
 from dynstate import Store
 store = Store.open(sys.argv[1])
 where = sys.argv[2]

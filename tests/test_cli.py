@@ -24,11 +24,11 @@ from click.testing import CliRunner
 from conftest import S3_BUCKET, s3_url
 
 from dynstate import Store
-from dynstate import manifest as m
 from dynstate.cli import cli
 from dynstate.cli.render import human_size
 from dynstate.maintenance.compact import compact
 from dynstate.maintenance.plot import abandoned_points, growth_points
+from dynstate.records import manifest as m
 
 COMMANDS = ["ls", "info", "show", "head", "diff", "tags", "verify", "gc", "tag", "reset",
             "compact", "export", "plot", "inspect"]  # fmt: skip

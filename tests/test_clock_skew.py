@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from dynstate import Store, VersionCollectedError
-from dynstate import manifest as m
 from dynstate.log.leases import LEASE_DIR, outcome_path
 from dynstate.maintenance.gc import TOMBSTONE_S, collect_garbage
 from dynstate.maintenance.verify import verify_store
+from dynstate.records import manifest as m
 
 TOOLS = str(Path(__file__).resolve().parent.parent / "tools")
 HOUR = 3600.0

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from dynstate import Store, codec
+from dynstate import Store
 from dynstate.errors import ChecksumMismatchError
+from dynstate.records import codec
 
 BODY = {
     "format": 1,

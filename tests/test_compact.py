@@ -28,11 +28,11 @@ from dynstate import (
     VersionCollectedError,
     collect_garbage,
 )
-from dynstate import manifest as m
 from dynstate.maintenance import compact as compaction
 from dynstate.maintenance.compact import compact, compact_if_needed, plan
 from dynstate.maintenance.verify import verify_store
-from dynstate.rowgroups import OBJECT_STORE_GROUP_ROWS
+from dynstate.records import manifest as m
+from dynstate.records.rowgroups import OBJECT_STORE_GROUP_ROWS
 
 SMALL = 16384  # target bytes: about 15 tiny (~1 KiB) shards per compacted shard
 

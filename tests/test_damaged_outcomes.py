@@ -21,11 +21,12 @@ import pyarrow as pa
 import pytest
 from test_cli import console_script
 
-from dynstate import CorruptStoreError, Store, codec
-from dynstate import manifest as m
+from dynstate import CorruptStoreError, Store
 from dynstate.log.outcomes import encode_outcome_file
 from dynstate.maintenance.verify import verify_store
-from dynstate.rowgroups import read_parquet
+from dynstate.records import codec
+from dynstate.records import manifest as m
+from dynstate.records.rowgroups import read_parquet
 
 ROWS = 10
 

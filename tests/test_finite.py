@@ -21,7 +21,7 @@ from dynstate import (
     VersionedSampler,
     find_sampler_state,
 )
-from dynstate.outcomes import MAX_SCORE
+from dynstate.records.outcomes import MAX_SCORE
 
 ROWS = 20
 

@@ -1,4 +1,4 @@
-"""Row groups decoded without their shard's footer on object stores (dynstate.footers,
+"""Row groups decoded without their shard's footer on object stores (dynstate.records.footers,
 docs/format.md "Footer templates"): a random batch fetches one footer per schema, decodes
 every other shard's row groups from their own verified bytes to exactly what the footer
 would give, falls back to the footers whenever a record's template is not the one its
@@ -16,11 +16,11 @@ import pytest
 from conftest import s3_url
 from test_rowgroups import _Counted, _flip
 
-import dynstate.rowgroups as rowgroups
+import dynstate.records.rowgroups as rowgroups
 from dynstate import ChecksumMismatchError, CorruptStoreError, Store, VersionedDataset
-from dynstate import manifest as m
-from dynstate.footers import Template, mini_file, shard_template
 from dynstate.loading.ranged import Footers, read_groups, segment_bounds
+from dynstate.records import manifest as m
+from dynstate.records.footers import Template, mini_file, shard_template
 
 G = rowgroups.OBJECT_STORE_GROUP_ROWS
 ROWS = 20 * G + 17  # 21 row groups a shard: a batch of two rows reads it in part
@@ -252,7 +252,7 @@ def test_a_malformed_template_in_a_record_is_a_corrupt_store():
 def test_a_template_is_byte_for_byte_the_shard_footer_around_its_row_groups(table):
     """What the digest promises: the fields the template takes from an empty file's footer
     are exactly those of the footer the writer wrote for a shard of that schema."""
-    from dynstate.footers import _halves, read_struct
+    from dynstate.records.footers import _halves, read_struct
 
     store = Store.open(f"memory://footers/{uuid.uuid4().hex}", create=True)
     store.append(table)

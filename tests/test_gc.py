@@ -18,9 +18,9 @@ import pytest
 from click.testing import CliRunner
 
 from dynstate import InvalidDataError, Store, VersionCollectedError
-from dynstate import manifest as m
 from dynstate.cli import cli
 from dynstate.maintenance.gc import collect_garbage, parse_duration
+from dynstate.records import manifest as m
 
 WRITER = textwrap.dedent(
     """

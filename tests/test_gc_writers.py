@@ -18,9 +18,9 @@ import time
 import pytest
 
 from dynstate import CommitConflictError, LeaseExpiredError, Store, VersionCollectedError
-from dynstate import manifest as m
 from dynstate.maintenance.gc import collect_garbage
 from dynstate.maintenance.verify import verify_store
+from dynstate.records import manifest as m
 
 WRITER = textwrap.dedent(
     """

@@ -23,11 +23,11 @@ import pytest
 from click.testing import CliRunner
 
 from dynstate import CorruptStoreError, SchemaMismatchError, Store, VersionedDataset
-from dynstate import manifest as m
 from dynstate.cli import cli
 from dynstate.log.leases import LEASE_DIR, host_id, lease_path
 from dynstate.maintenance.gc import collect_garbage
 from dynstate.maintenance.verify import verify_store
+from dynstate.records import manifest as m
 
 ROWS = [{"id": 0, "text": "a"}, {"id": 1, "text": "b"}, {"id": 2, "text": "c"}]
 RECORD = m.log_path(1)

@@ -16,19 +16,9 @@ LAYERS: list[tuple[str, ...]] = [
     # temporary files and probes with it (the records layer's, placed where storage reaches it)
     ("paths",),
     ("storage",),
-    (
-        "manifest",
-        "codec",
-        "layout",
-        "columns",
-        "rounds",
-        "outcomes",
-        "outcome_aggregate",
-        "rowgroups",
-        "footers",
-    ),
+    ("records",),
     ("log",),
-    ("store", "writes", "snapshot", "history", "resume", "rollback", "outcome_views"),
+    ("store", "writes", "snapshot", "history", "rewind"),
     ("maintenance",),
     ("loading",),
     ("verl", "ray", "trl"),
@@ -117,7 +107,18 @@ def _package(module: str) -> str:
     return module.split(".")[0] if "." in module or module in _SUBPACKAGES else ""
 
 
-_SUBPACKAGES = {"storage", "log", "maintenance", "loading", "verl", "trl", "cli", "serve"}
+_SUBPACKAGES = {
+    "storage",
+    "records",
+    "log",
+    "history",
+    "maintenance",
+    "loading",
+    "verl",
+    "trl",
+    "cli",
+    "serve",
+}
 
 
 def test_no_private_name_crosses_packages() -> None:

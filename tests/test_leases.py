@@ -128,7 +128,7 @@ def test_verify_flags_a_shard_listed_twice(tmp_path):
     import dataclasses
     import json
 
-    from dynstate import manifest as m
+    from dynstate.records import manifest as m
 
     url = str(tmp_path / "s")
     store = Store.open(url, create=True)

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 
 from dynstate import StorageError, Store
-from dynstate import manifest as m
+from dynstate.records import manifest as m
 from dynstate.storage import DeferredSync, open_storage
 
 

@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 import pytest
 
 from dynstate import CorruptStoreError, Store, VersionCollectedError
-from dynstate import manifest as m
 from dynstate.maintenance.compact import compact
 from dynstate.maintenance.gc import collect_garbage
+from dynstate.records import manifest as m
 from dynstate.storage import Storage
 
 T = TypeVar("T")

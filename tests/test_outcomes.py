@@ -31,9 +31,9 @@ from dynstate import (
     rollback,
     verify_store,
 )
-from dynstate import manifest as m
 from dynstate.log import outcomes as outcome_log
-from dynstate.outcomes import DEFAULT_HALF_LIFE, DEFAULT_SUCCESS_ABOVE
+from dynstate.records import manifest as m
+from dynstate.records.outcomes import DEFAULT_HALF_LIFE, DEFAULT_SUCCESS_ABOVE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -715,7 +715,7 @@ def test_a_bad_round_with_good_outcomes_changes_nothing(tmp_path: Path) -> None:
 
 
 def test_oversized_outcomes_and_deep_state(tmp_path: Path, monkeypatch) -> None:
-    from dynstate import outcomes as o
+    from dynstate.records import outcomes as o
 
     url = str(tmp_path / "s")
     store = Store.open(url, create=True)
@@ -735,7 +735,7 @@ def test_oversized_outcomes_and_deep_state(tmp_path: Path, monkeypatch) -> None:
 def test_checked_columns_of_every_integer_and_float_type_and_their_bounds() -> None:
     """The checks run in numpy over every input type: narrower and unsigned integers, float32,
     several chunks; each bound and each non-finite value is still refused."""
-    from dynstate.outcomes import check_outcomes
+    from dynstate.records.outcomes import check_outcomes
 
     def check(**columns: Any) -> pa.Table:
         return check_outcomes(pa.table(columns), "s", 10, 1)
@@ -813,7 +813,7 @@ def test_checked_columns_of_every_integer_and_float_type_and_their_bounds() -> N
 
 
 def test_step_sets_from_numpy_are_those_of_the_records() -> None:
-    from dynstate.outcomes import steps_of, to_ranges
+    from dynstate.records.outcomes import steps_of, to_ranges
 
     rng = random.Random(3)
     assert steps_of(pa.table({"step": pa.array([], pa.int64())})) == []
@@ -993,7 +993,15 @@ def old_dynstate(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("old")
     try:
         base = subprocess.run(
-            ["git", "log", "--format=%H", "-1", "--diff-filter=A", "--", "dynstate/outcomes.py"],
+            [
+                "git",
+                "log",
+                "--format=%H",
+                "-1",
+                "--diff-filter=A",
+                "--",
+                "dynstate/records/outcomes.py",
+            ],
             cwd=ROOT,
             capture_output=True,
             text=True,

@@ -183,7 +183,7 @@ class Checker:
 
 
 def m_ref(entry: dict[str, Any]) -> Any:
-    from dynstate.manifest import ShardRef
+    from dynstate.records.manifest import ShardRef
 
     return ShardRef.from_json(entry, "test")
 

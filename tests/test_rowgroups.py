@@ -16,8 +16,8 @@ from conftest import s3_url
 
 import dynstate.writes as writes_module
 from dynstate import ChecksumMismatchError, CorruptStoreError, Store, VersionedDataset
-from dynstate import manifest as m
-from dynstate.rowgroups import ROW_GROUP_ROWS, write_shard
+from dynstate.records import manifest as m
+from dynstate.records.rowgroups import ROW_GROUP_ROWS, write_shard
 
 ROWS = 4 * ROW_GROUP_ROWS + 100  # five row groups per shard
 
@@ -262,7 +262,7 @@ def test_write_shard_of_an_empty_table_records_only_the_footer():
 
 
 def test_a_large_shard_has_at_most_max_row_groups():
-    from dynstate.rowgroups import MAX_ROW_GROUPS
+    from dynstate.records.rowgroups import MAX_ROW_GROUPS
 
     class Sink:
         def __init__(self):
@@ -299,7 +299,7 @@ def test_a_missing_shard_read_in_part_is_a_missing_shard_error(store_url):
 def _rewrite_record(store: Store, version: int, change) -> None:
     """Change a commit record and give it a valid checksum again (what someone who can write
     the store can do)."""
-    from dynstate import codec
+    from dynstate.records import codec
 
     obj = json.loads(store.storage.read(m.log_path(version)))
     change(obj)
@@ -493,7 +493,7 @@ def test_row_groups_decoded_together_are_read_as_one_piece_in_any_order(tmp_path
 def test_new_shards_are_lz4_and_snappy_shards_of_older_stores_still_read(tmp_path, monkeypatch):
     """Shards are LZ4 (LZ4_RAW) for random access; a store whose earlier shards are Snappy,
     as dynstate wrote them before, reads both, by row group and whole, into the same rows."""
-    import dynstate.rowgroups as rowgroups
+    import dynstate.records.rowgroups as rowgroups
 
     url = str(tmp_path / "s")
     monkeypatch.setattr(rowgroups, "COMPRESSION", "snappy")  # as written before the change

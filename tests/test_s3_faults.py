@@ -278,7 +278,7 @@ def test_random_batches_decode_row_groups_without_footers_under_faults(proxy):
     random batch is exactly its rows, decoded from a template learned from one footer."""
     import numpy as np
 
-    import dynstate.rowgroups as rowgroups
+    import dynstate.records.rowgroups as rowgroups
     from dynstate import VersionedDataset
 
     url = s3_url()

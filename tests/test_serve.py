@@ -861,7 +861,7 @@ def scored(tmp_path_factory) -> Iterator[tuple[Store, Client]]:
 
 
 def test_outcomes_page_bands_per_step_and_hardest_rows(scored):
-    from dynstate.outcomes import summarize
+    from dynstate.records.outcomes import summarize
 
     store, client = scored
     data = client.json("/api/outcomes?bins=4")
@@ -1015,8 +1015,8 @@ def test_the_first_band_chart_reads_aggregates_not_every_outcome_file(tmp_path):
     """Issue 21: the first /outcomes of a long run costs, per point drawn, one stored
     aggregate and the outcome files committed since it (fewer than CHECKPOINT_INTERVAL),
     not every outcome file of the lineage — and draws the counts the full fold draws."""
-    from dynstate.manifest import CHECKPOINT_INTERVAL
-    from dynstate.outcome_views import band_of
+    from dynstate.history.outcomes import band_of
+    from dynstate.records.manifest import CHECKPOINT_INTERVAL
 
     url = str(tmp_path / "store")
     store = Store.open(url, create=True)

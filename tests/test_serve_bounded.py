@@ -8,7 +8,7 @@ pages through the rest (`before`/`limit`), its pages concatenating to the histor
 The stores are built cheaply but as a run leaves them: 100 commits of 10**4 steps each (a
 commit may carry several steps), so that, like a run's, the head's statistics are a stored
 outcome checkpoint's aggregate plus the files after it. Each commit lists its records newest
-step first: the statistics fold (``dynstate.outcome_aggregate``) then takes one lead per commit,
+step first: the statistics fold (``dynstate.records.aggregate``) then takes one lead per commit,
 where ascending records of one row in one commit would cost it one Python iteration per step
 (a cost of the writer's checkpoint and of a store without one, not of serve)."""
 
@@ -31,9 +31,9 @@ import pyarrow as pa
 import pytest
 
 from dynstate import Store
-from dynstate import outcome_views as views_module
+from dynstate.history import outcomes as views_module
+from dynstate.history.outcomes import OutcomeViews
 from dynstate.log.outcomes import outcomes_of
-from dynstate.outcome_views import OutcomeViews
 
 STEPS = 10**6
 COMMITS = 100

@@ -16,8 +16,8 @@ import pyarrow as pa
 import pytest
 
 from dynstate import Store
-from dynstate import manifest as m
-from dynstate.rowgroups import write_shard
+from dynstate.records import manifest as m
+from dynstate.records.rowgroups import write_shard
 from dynstate.storage import base
 
 WRITER = "dynstate-shard-writer"

@@ -1,6 +1,6 @@
 """`dynstate stats` and `dynstate head --sort/--min-*/--max-*` through the installed console
 script, exact output (table, --json, --jsonl); a store without outcomes says so and exits 0;
-and the library views they render (dynstate.outcome_views) against a brute-force reference
+and the library views they render (dynstate.history.outcomes) against a brute-force reference
 over a store that grows, rolls back and is compacted."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 from test_cli import console_script
 
 from dynstate import Store
+from dynstate.history.outcomes import OutcomeViews, RowSelection
 from dynstate.maintenance.compact import compact
-from dynstate.outcome_views import OutcomeViews, RowSelection
-from dynstate.outcomes import summarize
+from dynstate.records.outcomes import summarize
 
 
 def dynstate(*args: str, code: int = 0) -> subprocess.CompletedProcess[str]:

@@ -2,7 +2,7 @@
 a long-lived handle's ``outcome_stats(pending=...)`` before a commit, the same handle after
 it, a fresh handle at the committed version (from a stored aggregate plus the files since,
 or from every file) and an oracle that folds the raw records (``outcome_records()``) one by
-one in plain Python, by the recurrence documented in :mod:`dynstate.outcome_aggregate`.
+one in plain Python, by the recurrence documented in :mod:`dynstate.records.aggregate`.
 Compared as int64 bit patterns, not approximately."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynstate import Store
+from dynstate.history.outcomes import OutcomeViews
 from dynstate.log.outcomes import outcomes_of
-from dynstate.manifest import CHECKPOINT_INTERVAL
-from dynstate.outcome_views import OutcomeViews
-from dynstate.outcomes import MAX_SCORE
+from dynstate.records.manifest import CHECKPOINT_INTERVAL
+from dynstate.records.outcomes import MAX_SCORE
 
 ROWS = 6
 FLOATS = ("mean_score", "ewma_score")

@@ -17,7 +17,7 @@ from dynstate import (
     StoreNotFoundError,
     VersionNotFoundError,
 )
-from dynstate import manifest as m
+from dynstate.records import manifest as m
 
 
 def rows(start: int, n: int) -> list[dict]:

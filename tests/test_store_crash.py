@@ -15,7 +15,7 @@ import pytest
 from conftest import s3_url
 
 from dynstate import Store
-from dynstate import manifest as m
+from dynstate.records import manifest as m
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import soak_store

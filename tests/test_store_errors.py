@@ -33,7 +33,7 @@ from dynstate import (
     UnsafePathError,
     UnsupportedFormatError,
 )
-from dynstate import manifest as m
+from dynstate.records import manifest as m
 
 
 def listing(store_or_url: Store | str) -> dict[str, bytes]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from dynstate import CorruptStoreError, Store
-from dynstate import manifest as m
 from dynstate.maintenance.verify import verify_store
+from dynstate.records import manifest as m
 
 
 def _store(tmp_path, shards: int = 300) -> tuple[str, Store]:

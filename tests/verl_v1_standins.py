@@ -417,7 +417,7 @@ def read_log(path: str) -> dict[int, dict]:
 
 def store_summary(url: str, storage_options: dict | None = None) -> dict:
     """The head's rows and the rounds on its lineage (step, rows, generator), oldest first."""
-    from dynstate.resume import lineage
+    from dynstate.rewind import lineage
     from dynstate.store import Store
 
     store = Store.open(url, storage_options=storage_options or {})

@@ -645,7 +645,7 @@ class Audit:
     def check_stats(self, store: Any, version: int, record: Any) -> None:
         """The statistics of ``version`` (an outcome checkpoint's aggregate plus the files
         since) agree with its raw outcome records: attempts and successes per row."""
-        from dynstate.outcomes import DEFAULT_SUCCESS_ABOVE
+        from dynstate.records.outcomes import DEFAULT_SUCCESS_ABOVE
 
         records = _tuples(store.outcome_records(version))
         stats = store.outcome_stats(version)

@@ -99,7 +99,7 @@ def die_at(url: str, point: str, env: dict[str, str]) -> None:
     not yet updated) or ``checkpoint`` (record created, checkpoint not yet written)."""
     os.environ.update(env)
     from dynstate import Store
-    from dynstate import manifest as m
+    from dynstate.records import manifest as m
     from dynstate.storage import Storage
 
     prefix = {

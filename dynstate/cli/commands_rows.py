@@ -105,7 +105,7 @@ def _print_rows(
 
 
 def _check_sort(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    from ..outcome_views import SORT_KEYS
+    from ..history.outcomes import SORT_KEYS
 
     if value is not None and value.lstrip("-") not in SORT_KEYS:
         raise click.BadParameter(
@@ -205,8 +205,8 @@ def head_cmd(url, version, rows: int, offset: int, tail: bool, added: bool, colu
 def _head_by_stats(store: Any, snap: Any, picks: dict[str, Any], span: tuple[int, int],
                    window: tuple[int, int, bool], wanted: list[str], jsonl: bool,
                    as_json: bool) -> None:  # fmt: skip
-    """`head` with --sort / --min-* / --max-*: the rows dynstate.outcome_views selects."""
-    from ..outcome_views import NO_OUTCOMES, RowSelection, outcome_records_count, row_stats
+    """`head` with --sort / --min-* / --max-*: the rows dynstate.history.outcomes selects."""
+    from ..history.outcomes import NO_OUTCOMES, RowSelection, outcome_records_count, row_stats
 
     where = f"version {snap.version} of {store.display_url}"
     choice = RowSelection.parse(picks, where)

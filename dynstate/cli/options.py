@@ -65,7 +65,7 @@ def parse_storage_options(pairs: tuple[str, ...]) -> dict[str, Any]:
     store's bounds on nesting and number size), else the string itself. Bad shapes are usage
     errors (exit 2), checked by the storage package."""
     from ..errors import CorruptStoreError, InvalidDataError
-    from ..manifest import load_json
+    from ..records.manifest import load_json
     from ..storage.preflight import check_options
 
     out: dict[str, Any] = {}

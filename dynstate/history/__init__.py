@@ -8,8 +8,8 @@ import itertools
 import logging
 from typing import Any
 
-from .. import manifest as m
-from ..manifest import Commit
+from ..records import manifest as m
+from ..records.manifest import Commit
 from ..store import Store
 from .growth import ABANDONED_POINTS, growth
 

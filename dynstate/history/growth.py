@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import DynstateError
-from ..manifest import Commit
+from ..records.manifest import Commit
 from ..store import Store
 
 # Rounds of an abandoned branch read per reset (a far reset abandons many).

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..columns import int64_array
+from ..records.columns import int64_array
 from ..store import Store
 from .cache import ShardCache, _Shard
 from .ranged import group_starts

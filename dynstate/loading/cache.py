@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from .. import manifest as m
 from ..errors import DynstateError
-from ..rounds import conform
-from ..rowgroups import read_parquet
+from ..records import manifest as m
+from ..records.rounds import conform
+from ..records.rowgroups import read_parquet
 from ..snapshot import verify_shard_bytes
 from ..store import Store
 from .ranged import Footers, read_groups

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from .. import manifest as m
-from ..columns import int64_array
 from ..errors import InvalidDataError, RowOutOfRangeError, VersionNotFoundError
+from ..records import manifest as m
+from ..records.columns import int64_array
 from ..snapshot import Snapshot
 from ..store import Store
 from .batch import _merge_columns, _row_maker, _rows, arrow_batch, columns_at, row_source

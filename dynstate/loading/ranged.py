@@ -15,10 +15,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .. import manifest as m
 from ..errors import ChecksumMismatchError, CorruptStoreError
-from ..footers import Template, implied_template, mini_file
-from ..rowgroups import layout_matches
+from ..records import manifest as m
+from ..records.footers import Template, implied_template, mini_file
+from ..records.rowgroups import layout_matches
 from ..store import Store
 from ..threads import ProcessPool
 
@@ -46,7 +46,7 @@ def group_starts(groups: m.RowGroups) -> np.ndarray:
 
 class Footer:
     """A parsed footer that matched its shard's record, and how much of its layout has been
-    checked against the record so far (:func:`~dynstate.rowgroups.layout_matches`): the
+    checked against the record so far (:func:`~dynstate.records.rowgroups.layout_matches`): the
     counts of the first ``counted`` row groups and the byte ranges of the groups in
     ``placed``. A read checks only what it relies on, once per footer and process."""
 
@@ -60,7 +60,7 @@ class Footer:
 
 class Footers:
     """Parsed, verified footers by the row-group entry they match (:func:`footer_key`),
-    least recently used first out; and the footer templates (:mod:`dynstate.footers`) those
+    least recently used first out; and the footer templates (:mod:`dynstate.records.footers`) those
     footers proved, by digest, with which the row groups of other shards naming the same
     digest are decoded without their footers."""
 
@@ -310,7 +310,7 @@ def _decode_footerless(
     where: str,
 ) -> pa.Table:
     """The row groups ``groups`` of one shard, each decoded from its verified bytes with a
-    footer built from ``template`` and its pages (:func:`dynstate.footers.mini_file`)."""
+    footer built from ``template`` and its pages (:func:`dynstate.records.footers.mini_file`)."""
     info = shard.groups
     assert info is not None
     parts = []

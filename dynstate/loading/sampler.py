@@ -37,15 +37,7 @@ from .batching import Batching, check_lag, drawing_batcher
 from .dataset import VersionedDataset, encode_index
 from .permutation import EpochOrder, FeistelPermutation
 from .selection import Policy, as_policy
-from .state import (
-    MODES,
-    SELECT_FORMAT,
-    STATE_KIND,
-    Position,
-    _is_int,
-    check_settings,
-    check_state,
-)
+from .state import MODES, SELECT_FORMAT, STATE_KIND, Position, _is_int, check_settings, check_state
 from .weights import Selector, step_rng
 
 log = logging.getLogger("dynstate")

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ..codec import MAX_COUNT, int_fits
 from ..errors import InvalidDataError, StateMismatchError, UnsupportedFormatError
+from ..records.codec import MAX_COUNT, int_fits
 
 STATE_FORMAT = 3  # written only by a sampler with a selection policy; else 2
 SELECT_FORMAT = 3
@@ -37,7 +37,7 @@ _QUOTE.maxlevel, _QUOTE.maxdict, _QUOTE.maxlist = 3, 4, 4
 _QUOTE.maxstring = _QUOTE.maxother = 60
 
 # The range of every int field of a state (seed: any int every reader of the store parses,
-# dynstate.codec.int_fits). The sampler's constructor (check_settings) and check_state apply
+# dynstate.records.codec.int_fits). The sampler's constructor (check_settings) and check_state apply
 # the same table, so every state a sampler writes loads, whatever the writing process's
 # settings, and nothing larger reaches the sampler's arithmetic or a JSON view of a state.
 _RANGES: dict[str, tuple[int, int]] = {

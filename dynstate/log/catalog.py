@@ -7,14 +7,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from .. import manifest as m
 from .. import paths
 from ..errors import ChecksumMismatchError, CorruptStoreError
-from ..manifest import Commit, ShardRef
+from ..records import manifest as m
+from ..records.manifest import Commit, ShardRef
 from ..storage import Storage
 
 if TYPE_CHECKING:
-    import pyarrow as pa  # only schemas are Arrow objects, built by dynstate.manifest
+    import pyarrow as pa  # only schemas are Arrow objects, built by dynstate.records.manifest
 
 log = logging.getLogger("dynstate")
 

@@ -21,7 +21,6 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from .. import manifest as m
 from .. import paths
 from ..errors import (
     CommitConflictError,
@@ -31,7 +30,8 @@ from ..errors import (
     VersionCollectedError,
     VersionNotFoundError,
 )
-from ..manifest import Commit, ShardRef
+from ..records import manifest as m
+from ..records.manifest import Commit, ShardRef
 from ..storage import Storage
 from .catalog import Catalog, checkpoint_bytes
 from .leases import DEFAULT_TTL_S, Leases

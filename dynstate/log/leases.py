@@ -26,9 +26,9 @@ import socket
 import threading
 import time
 
-from .. import manifest as m
 from .. import paths
 from ..errors import CommitConflictError, DynstateError, InvalidDataError, LeaseExpiredError
+from ..records import manifest as m
 from ..storage import Storage
 
 log = logging.getLogger("dynstate")

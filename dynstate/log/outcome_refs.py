@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from .. import manifest as m
 from .. import paths
 from ..errors import DynstateError
-from ..manifest import Commit, ShardRef
-from ..outcomes import Ranges
+from ..records import manifest as m
+from ..records.manifest import Commit, ShardRef
+from ..records.outcomes import Ranges
 from .outcomes import OUTCOME_DIR, AggregateRef, Lineage, outcomes_of
 
 if TYPE_CHECKING:

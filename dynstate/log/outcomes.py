@@ -32,7 +32,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .. import manifest as m
 from .. import paths
 from ..errors import (
     ChecksumMismatchError,
@@ -41,9 +40,10 @@ from ..errors import (
     InvalidDataError,
     MissingShardError,
 )
-from ..manifest import Commit, ShardRef
-from ..outcome_aggregate import Aggregate
-from ..outcomes import (
+from ..records import manifest as m
+from ..records.aggregate import Aggregate
+from ..records.manifest import Commit, ShardRef
+from ..records.outcomes import (
     DEFAULT_HALF_LIFE,
     DEFAULT_SUCCESS_ABOVE,
     MAX_SCORE,
@@ -56,7 +56,7 @@ from ..outcomes import (
     union,
     valid_ranges,
 )
-from ..rowgroups import read_parquet
+from ..records.rowgroups import read_parquet
 from ..threads import ProcessPool
 from .leases import shard_path
 
@@ -479,7 +479,7 @@ class Outcomes:
         rows: tuple[int, str] | None = None,
         steps: tuple[tuple[int, int], ...] | None = None,
     ) -> None:
-        """The writer's bounds (:func:`dynstate.outcomes.check_outcomes`), applied to a file
+        """The writer's bounds (:func:`dynstate.records.outcomes.check_outcomes`), applied to a file
         read back: bytes that match their checksum may still have been written by a tool
         that knew no bounds, and statistics index rows and fold steps and scores with them.
         Every file of ``version``'s lineage names rows of that version (rows only ever grow

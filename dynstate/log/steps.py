@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 
 from ..errors import RoundTimeoutError, VersionCollectedError
-from ..manifest import Commit
+from ..records.manifest import Commit
 from .commits import Log
 
 __all__ = [

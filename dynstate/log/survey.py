@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .. import manifest as m
 from .. import paths
 from ..errors import DynstateError
+from ..records import manifest as m
 from ..storage import Storage
 from .leases import DEFAULT_TTL_S, LEASE_DIR, host_id, process_gone, read_outcome
 

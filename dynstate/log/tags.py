@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 
-from .. import manifest as m
 from .. import paths
 from ..errors import CorruptStoreError, DynstateError, StoreExistsError, VersionNotFoundError
+from ..records import manifest as m
 from .commits import Log
 
 log = logging.getLogger("dynstate")

@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import InvalidDataError
-from ..manifest import ShardRef
-from ..rounds import check_meta
-from ..rowgroups import ShardWriter, group_rows
+from ..records.manifest import ShardRef
+from ..records.rounds import check_meta
+from ..records.rowgroups import ShardWriter, group_rows
 from ..snapshot import Snapshot
 from ..store import Store
 

@@ -18,8 +18,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .. import manifest as m
 from ..errors import InvalidDataError, MissingDependencyError, StoreExistsError
+from ..records import manifest as m
 from ..snapshot import Snapshot
 from ..storage import Location, open_location, redact
 

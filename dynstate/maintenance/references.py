@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import logging
 
-from .. import manifest as m
 from .. import paths
 from ..errors import CorruptStoreError
 from ..log import outcome_refs
+from ..records import manifest as m
 from ..store import Store
 
 log = logging.getLogger("dynstate")

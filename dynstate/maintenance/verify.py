@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from .. import paths
 from ..errors import DynstateError, VersionCollectedError
 from ..log.outcome_refs import verify as verify_outcomes
-from ..manifest import Commit, ShardRef
+from ..records.manifest import Commit, ShardRef
 from ..store import Store
 
 log = logging.getLogger("dynstate")

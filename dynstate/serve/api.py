@@ -19,8 +19,8 @@ import pyarrow as pa
 
 from ..errors import DynstateError, VersionNotFoundError
 from ..history import describe, diff, growth, summary, version_rows
-from ..outcome_views import NO_OUTCOMES, OutcomeViews, RowSelection, outcome_records_count
-from ..outcomes import summarize
+from ..history.outcomes import NO_OUTCOMES, OutcomeViews, RowSelection, outcome_records_count
+from ..records.outcomes import summarize
 from ..snapshot import Snapshot
 from ..storage.credentials import scrub, secrets_of
 from ..store import Store
@@ -185,7 +185,7 @@ class StoreView:
         :meth:`RowQuery.page`), and — where the version's lineage holds outcomes — each row's
         attempts and pass rate, sortable and filterable by them (``outcome``: ``sort``,
         ``min_pass_rate``, ``max_pass_rate``, ``min_attempts``, ``max_attempts``, as
-        :class:`dynstate.outcome_views.RowSelection` takes them)."""
+        :class:`dynstate.history.outcomes.RowSelection` takes them)."""
         v = self.resolve(version)
         where = f"version {v} of {self.store.display_url}"
         choice = RowSelection.parse(dict(outcome or {}), where)
@@ -253,7 +253,7 @@ class StoreView:
         points: str | None = None,
     ) -> dict[str, Any]:
         """One row: its values, round, lineage and outcome history. The history is one page
-        (:meth:`dynstate.outcome_views.OutcomeViews.row_steps`): the latest ``limit`` steps
+        (:meth:`dynstate.history.outcomes.OutcomeViews.row_steps`): the latest ``limit`` steps
         below step ``before`` and a chart of at most ``points`` steps, so a row trained at
         10**6 steps costs a page, not its history; ``outcome_steps.next_before`` pages on."""
         v = self.resolve(version)
@@ -400,7 +400,7 @@ def _outcome_page(history: dict[str, Any] | None, limit: int, before: int | None
 
 
 def _row_figures(stats: Any, rows: list[int]) -> list[dict[str, Any]]:
-    from ..outcome_views import row_stats
+    from ..history.outcomes import row_stats
 
     return (
         [

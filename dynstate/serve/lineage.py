@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..history import lineage
-from ..manifest import Commit
+from ..records.manifest import Commit
 from ..store import Store
 
 log = logging.getLogger("dynstate")

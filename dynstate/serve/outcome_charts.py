@@ -1,5 +1,5 @@
 """Outcome pictures of ``dynstate serve``, inline SVG like :mod:`.chart`: rows per pass-rate
-band after each step (from :meth:`dynstate.outcome_views.OutcomeViews.band_series`) and one
+band after each step (from :meth:`dynstate.history.outcomes.OutcomeViews.band_series`) and one
 row's pass rate over its steps (from ``row_steps``). Markup only: the numbers are the
 library's."""
 

@@ -28,7 +28,7 @@ from ..store import Store
 from .lineage import Rounds
 
 MAX_LIMIT = 500
-# Query parameters that choose rows by their outcome statistics (dynstate.outcome_views).
+# Query parameters that choose rows by their outcome statistics (dynstate.history.outcomes).
 OUTCOME_PARAMS = ("sort", "min_pass_rate", "max_pass_rate", "min_attempts", "max_attempts")
 RESERVED = frozenset({"offset", "limit", "q", *OUTCOME_PARAMS})
 # Filters that select rows by the round that wrote them, unless the data has such a column.

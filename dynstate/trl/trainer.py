@@ -34,14 +34,7 @@ from ..loading.sampler import VersionedSampler
 from ..loading.selection import pass_rates
 from ..store import Store
 from . import loader as loader_mod
-from .generator import (
-    RoundView,
-    StepBatch,
-    generator_name,
-    load_state,
-    run_generator,
-    state_of,
-)
+from .generator import RoundView, StepBatch, generator_name, load_state, run_generator, state_of
 
 log = logging.getLogger("dynstate")
 

@@ -29,8 +29,8 @@ from ..errors import InvalidDataError, StateMismatchError
 from ..loading.dataset import VersionedDataset, decode_index
 from ..loading.sampler import VersionedSampler
 from ..log import steps
-from ..resume import rollback
-from ..rounds import to_table
+from ..records.rounds import to_table
+from ..rewind import rollback
 from ..store import Store
 from . import loader_state
 from .generator import (

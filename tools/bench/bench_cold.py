@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/: loopb
 
 from bench_resume import rows_table
 
-import dynstate.rowgroups as rowgroups
+import dynstate.records.rowgroups as rowgroups
 from dynstate import Store, VersionedDataset
 
 BATCH = 256

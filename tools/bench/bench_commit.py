@@ -211,9 +211,10 @@ def profile(root: Path, commits: int) -> None:
     stats.sort_stats("tottime").print_stats(25)
     stats.sort_stats("cumulative").print_stats(40)
 
-    from dynstate import rounds, writes
+    from dynstate import writes
     from dynstate.log import catalog, leases
     from dynstate.log import commits as log_commits
+    from dynstate.records import rounds
     from dynstate.storage import base, local
 
     acc: dict[str, float] = collections.defaultdict(float)

@@ -21,7 +21,7 @@ group it touches decodes, through a synthesized footer, to exactly what pyarrow 
 the real footer, and reports what the batch would fetch with and without footers (bytes and
 ranged requests, computed from the recorded segments: the "with" figure is what the loopback
 S3 run measures), and the decode time per group both ways. It measures the library's own
-:mod:`dynstate.footers` (docs/format.md, "Footer templates") on the bytes of a local store.
+:mod:`dynstate.records.footers` (docs/format.md, "Footer templates") on the bytes of a local store.
 
     python tools/bench/bench_footerless.py --row-groups 128,256 --dir /tmp/bfl
 """
@@ -45,9 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cold import BATCH, build
 from bench_resume import rows_table
 
-import dynstate.rowgroups as rowgroups
+import dynstate.records.rowgroups as rowgroups
 from dynstate import Store
-from dynstate.footers import Template, mini_file, template_for
+from dynstate.records.footers import Template, mini_file, template_for
 
 # -- the measurement -------------------------------------------------------------------------
 

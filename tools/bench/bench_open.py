@@ -26,7 +26,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from dynstate import Store
-from dynstate import manifest as m
+from dynstate.records import manifest as m
 
 
 def small_round(k: int, rows: int = 64) -> pa.Table:
@@ -61,7 +61,7 @@ def build(root: Path, versions: int) -> tuple[str, str | None]:
 
 
 def _forget() -> None:
-    """What a fresh process has not decoded yet (the memos of dynstate.manifest; absent
+    """What a fresh process has not decoded yet (the memos of dynstate.records.manifest; absent
     before issue 23, so the same script times an older checkout)."""
     for memo in ("_DECODED", "_RECORDS"):
         getattr(m, memo, {}).clear()

@@ -51,7 +51,7 @@ from bench_store import _fsync_file as _fsync
 from bench_store import big_table
 
 from dynstate import Store
-from dynstate.rowgroups import dictionary_columns
+from dynstate.records.rowgroups import dictionary_columns
 from dynstate.storage import base as storage_base
 from dynstate.storage.base import ShardSink
 
@@ -239,7 +239,8 @@ def encodings(part: pa.Table, rows: int, repeats: int) -> None:
 def profile(base: Path, table: pa.Table, repeats: int) -> None:
     """Where one append of ``table`` spends its time, each step timed alone (fastest of
     ``repeats``), then a cProfile of one append."""
-    from dynstate import rowgroups, writes
+    from dynstate import writes
+    from dynstate.records import rowgroups
 
     shard_bytes = writes.DEFAULT_SHARD_BYTES
     per_shard = max(1, math.ceil(table.num_rows * shard_bytes / max(table.nbytes, 1)))

@@ -258,7 +258,7 @@ def build_outcomes(target: Path, steps: int, outcomes: int, rows: int) -> None:
 
 
 def bands(path: Path, repeats: int, points: int) -> None:
-    from dynstate.outcome_views import OutcomeViews
+    from dynstate.history.outcomes import OutcomeViews
 
     def timed(fn: object) -> float:
         store = Store.open(str(path))  # a fresh handle: nothing cached

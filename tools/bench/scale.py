@@ -24,8 +24,8 @@ from typing import Any
 import pyarrow as pa
 
 from dynstate import Store
-from dynstate import manifest as m
 from dynstate.maintenance.compact import compact
+from dynstate.records import manifest as m
 
 HERE = Path(__file__).resolve().parent
 

@@ -16,8 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..errors import InvalidDataError
 from . import manifest as m
-from .errors import InvalidDataError
 
 MAX_NESTING = 32
 

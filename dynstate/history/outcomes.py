@@ -5,7 +5,7 @@ history step by step, and how many rows sit in each pass-rate band after each st
 All of them are built from :meth:`Store.outcome_stats` (the incremental per-row statistics)
 or from the lineage's outcome files through :mod:`dynstate.log.outcomes`; the surfaces never
 compute a statistic themselves. The pass rate of a row is ``successes / attempts`` and its
-band is the one :func:`dynstate.outcomes.summarize` puts it in, so a chart's last step and
+band is the one :func:`dynstate.records.outcomes.summarize` puts it in, so a chart's last step and
 ``dynstate stats`` agree.
 
 One file past 400 lines for now: :class:`OutcomeViews` holds one lock and the caches its
@@ -25,13 +25,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .errors import InvalidDataError
-from .log.outcomes import outcomes_of
-from .manifest import CHECKPOINT_INTERVAL
-from .outcomes import DEFAULT_SUCCESS_ABOVE, as_numpy
+from ..errors import InvalidDataError
+from ..log.outcomes import outcomes_of
+from ..records.manifest import CHECKPOINT_INTERVAL
+from ..records.outcomes import DEFAULT_SUCCESS_ABOVE, as_numpy
 
 if TYPE_CHECKING:
-    from .store import Store
+    from ..store import Store
 
 # The statistics a row can be ordered by (the columns of Store.outcome_stats, and pass_rate).
 SORT_KEYS = (
@@ -186,7 +186,8 @@ def row_stats(stats: pa.Table, rows: Any) -> list[dict[str, Any]]:
 
 
 def band_of(successes: np.ndarray, attempts: np.ndarray, bins: int) -> np.ndarray:
-    """The pass-rate band of trained rows, as :func:`dynstate.outcomes.summarize` bins them."""
+    """The pass-rate band of trained rows, as :func:`dynstate.records.outcomes.summarize` bins
+    them."""
     rate = successes / attempts
     return np.minimum((rate * bins).astype(np.int64), bins - 1)
 
@@ -478,7 +479,7 @@ class OutcomeViews:
     def band_series(self, version: int, *, bins: int = 10, points: int | None = None) -> dict:
         """After each step of ``version``'s lineage, how many rows sit in each pass-rate band
         (their pass rate over every outcome up to and including that step), as
-        :func:`dynstate.outcomes.summarize` bins them; the last point equals its histogram.
+        :func:`dynstate.records.outcomes.summarize` bins them; the last point equals its histogram.
         ``points``: at most this many steps, evenly spaced, the last always kept (the counts
         are exact at the steps kept).
 
@@ -489,7 +490,7 @@ class OutcomeViews:
         * where every commit of the lineage that holds outcomes adds one step, later than the
           steps before it (what a training loop writes), the bands of
           :meth:`Store.outcome_stats` at the version that committed each step kept: one
-          stored aggregate plus fewer than :data:`~dynstate.manifest.CHECKPOINT_INTERVAL`
+          stored aggregate plus fewer than :data:`~dynstate.records.manifest.CHECKPOINT_INTERVAL`
           outcome files per point, whatever the length of the history. Chosen when that is
           estimated to read less than the fold (points x (rows + the records of the files
           since a checkpoint) < every record: a history long next to the points drawn), and

@@ -4,7 +4,7 @@ A store's metadata is a commit log (one record per version), periodic checkpoint
 materialize a version's shard list, and content-addressed chunks that hold runs of shard
 entries shared between checkpoints. ``docs/format.md`` is the prose form of this module; the
 names of the files are :mod:`dynstate.paths`', the checksummed JSON every file shares is
-:mod:`dynstate.codec`'s.
+:mod:`dynstate.records.codec`'s.
 
 One file, under 500 lines, because its types (row groups, shard entries, shard lists,
 commit records, schemas) are one format, checked field by field as docs/format.md reads.
@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import codec, paths
-from .errors import (
+from .. import paths
+from ..errors import (
     ChecksumMismatchError,
     CorruptStoreError,
     UnsafePathError,
     UnsupportedFormatError,
 )
+from . import codec
 
 if TYPE_CHECKING:
     # Only schema files need pyarrow at run time (schema_from_json imports it): listing and
@@ -57,7 +58,8 @@ checkpoint_path = paths.checkpoint_path
 chunk_path = paths.chunk_path
 schema_path = paths.schema_path
 tag_path = paths.tag_path
-# The encoding of every store file lives in dynstate.codec, re-exported for the same callers.
+# The encoding of every store file lives in dynstate.records.codec, re-exported for the same
+# callers.
 READ_FORMAT = codec.READ_FORMAT
 MAX_COUNT = codec.MAX_COUNT
 MAX_JSON_DEPTH = codec.MAX_JSON_DEPTH
@@ -76,7 +78,7 @@ class RowGroups(NamedTuple):
     consecutive byte segments: one per row group (the first also holds the leading magic),
     then the footer; ``bytes`` and ``sha256`` have one entry per segment, ``rows`` one per
     row group. ``template``: the digest of the footer template its row groups decode with
-    (:mod:`dynstate.footers`), or None (written before templates, or a schema without one):
+    (:mod:`dynstate.records.footers`), or None (written before templates, or a schema without one):
     then a reader needs the footer."""
 
     rows: tuple[int, ...]

@@ -1,5 +1,5 @@
 """The encoding every store file shares, apart from what the records hold
-(:mod:`dynstate.manifest`): JSON with a SHA-256 checksum over its canonical form
+(:mod:`dynstate.records.manifest`): JSON with a SHA-256 checksum over its canonical form
 (:func:`encode`, :func:`decode`), one bounded parser for any store file (:func:`load_json`),
 content hashes and timestamps. Pure: no I/O.
 """
@@ -12,15 +12,15 @@ import re
 from datetime import datetime, timezone
 from typing import Any
 
-from .errors import (
+from ..errors import (
     ChecksumMismatchError,
     CorruptStoreError,
     InvalidDataError,
     UnsupportedFormatError,
 )
 
-# The highest store format this dynstate reads (dynstate.manifest writes 1, and 2 for records
-# and stores that hold outcomes or a generator state).
+# The highest store format this dynstate reads (dynstate.records.manifest writes 1, and 2 for
+# records and stores that hold outcomes or a generator state).
 READ_FORMAT = 2
 
 

@@ -32,7 +32,7 @@ log = logging.getLogger("dynstate")
 # process. docs/format.md gives the figures behind the choice.
 ROW_GROUP_ROWS = 256
 # Rows per row group in stores on object stores (S3, memory://). There a reader fetches no
-# footer but the first of each schema (dynstate.footers), so a random batch's bytes are its
+# footer but the first of each schema (dynstate.records.footers), so a random batch's bytes are its
 # row groups alone, and halving them halves what it fetches (7.6 -> 3.2 % of the store for
 # 256 random rows of 1M); locally, where the footer is parsed per shard, 256 reads faster.
 OBJECT_STORE_GROUP_ROWS = 128
@@ -254,7 +254,7 @@ def layout_matches(
 
 def read_parquet(data: bytes | memoryview) -> pa.Table:
     """A whole Parquet file's table from its bytes, decoded on pyarrow's threads from a copy
-    Arrow owns (:func:`~dynstate.columns.owned_buffer`: else a process may abort at exit).
+    Arrow owns (:func:`~dynstate.records.columns.owned_buffer`: else a process may abort at exit).
     Through ParquetFile, not read_table: read_table goes through pyarrow.dataset, whose
     import (pandas with it, where installed) costs ~0.15 s of a fresh process's first read."""
     return pq.ParquetFile(pa.BufferReader(owned_buffer(data))).read()

@@ -1,4 +1,5 @@
-"""Rolling a store back to what a checkpoint saw (SPEC §3.6).
+"""Rolling a store back to what a checkpoint saw (SPEC §3.6). (Not ``rollback.py``: a module
+of that name would shadow the public function ``dynstate.rollback`` once imported.)
 
 A run that crashed after its last checkpoint may have committed rounds the resumed run will
 generate again. :func:`rollback` makes the checkpointed state the head again by a new ``reset``
@@ -8,7 +9,6 @@ commit; the abandoned versions stay listed and readable until gc.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 from .errors import InvalidDataError
@@ -18,16 +18,11 @@ from .store import Store
 log = logging.getLogger("dynstate")
 
 
-def walk_lineage(store: Store, version: int) -> Iterator[int]:
-    """Versions whose content makes up ``version``, newest first, down to the gc floor:
-    appends and compactions lead to their parent, a reset to its target. Abandoned versions
-    are never on the way (:meth:`dynstate.log.Log.lineage`)."""
-    return store.lineage(version)
-
-
 def lineage(store: Store, version: int | str | None = None) -> list[int]:
-    """:func:`walk_lineage` of ``version`` (default: the head) as a list, newest first."""
-    return list(walk_lineage(store, store.resolve(version)))
+    """Versions whose content makes up ``version`` (default: the head), newest first, down to
+    the gc floor (:meth:`Store.lineage`, the one walker: appends and compactions lead to their
+    parent, a reset to its target; abandoned versions are never on the way)."""
+    return list(store.lineage(store.resolve(version)))
 
 
 def version_at_step(store: Store, step: int) -> int:

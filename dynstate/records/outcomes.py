@@ -5,7 +5,7 @@ store row, the step, a score and optional numeric fields) and with its generator
 This module decides what such input may be (:func:`check_outcomes`,
 :func:`check_generator_state`), the Arrow schema outcome files have, the step sets a lineage
 holds (as sorted ranges) and the per-row aggregate from which statistics are computed
-(:class:`dynstate.outcome_aggregate.Aggregate`). Reading and writing the files is
+(:class:`dynstate.records.aggregate.Aggregate`). Reading and writing the files is
 :mod:`dynstate.log.outcomes`.
 
 Statistics of a row (over every outcome of the version's lineage that names it):
@@ -29,8 +29,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..errors import InvalidDataError
 from .codec import check_int
-from .errors import InvalidDataError
 
 # The parameters the stored aggregates are built with: statistics with this half-life are
 # incremental (at any threshold while the aggregate keeps its score histogram); with another

@@ -1,5 +1,5 @@
 """The per-row aggregate of outcome records, from which every statistic is computed
-(:mod:`dynstate.outcomes` says what each one means). Pure: no I/O; stored and read by
+(:mod:`dynstate.records.outcomes` says what each one means). Pure: no I/O; stored and read by
 :mod:`dynstate.log.outcomes` in the sparse form :meth:`Aggregate.to_table` writes.
 
 Besides the sums for the aggregate's own ``success_above`` and ``half_life``, it keeps a
@@ -42,7 +42,7 @@ import pyarrow as pa
 
 from .outcomes import MAX_OUTCOMES, as_numpy
 
-_AGG_META = b"dynstate.outcomes.aggregate"
+_AGG_META = b"dynstate.records.outcomes.aggregate"
 # An aggregate keeps a per-row score histogram while the lineage's scores take at most this
 # many distinct values (pass/fail, graded rubrics): successes above any threshold then come
 # from it; past it, a threshold other than the aggregate's reads every record.
@@ -248,7 +248,7 @@ class Aggregate:
         return self.counts[:, self.values > threshold].sum(axis=1, dtype=np.int64)
 
     def stats(self, success_above: float | None = None) -> pa.Table:
-        """One row per store row: the statistics of :mod:`dynstate.outcomes`; successes
+        """One row per store row: the statistics of :mod:`dynstate.records.outcomes`; successes
         above ``success_above`` (from the histogram) if given, else above the aggregate's."""
         successes = self.successes
         if success_above is not None:
@@ -304,7 +304,7 @@ class Aggregate:
 
     @classmethod
     def from_table(cls, table: pa.Table, where: str) -> Aggregate:
-        from .errors import CorruptStoreError
+        from ..errors import CorruptStoreError
 
         try:
             params = json.loads((table.schema.metadata or {})[_AGG_META])

@@ -2,10 +2,10 @@
 round fixes the schema; later rounds must match, or add nullable columns when allowed).
 
 Everything here runs before a round writes anything, so a refused round leaves the store as it
-was. What its columns may hold is checked in :mod:`dynstate.columns`. ``meta`` nests at most
+was. What its columns may hold is checked in :mod:`dynstate.records.columns`. ``meta`` nests at most
 :data:`MAX_META_DEPTH` levels and encodes to at most :data:`MAX_META_BYTES` bytes of JSON: it
 is read back with every commit record; its integers are within the bound every reader
-applies (:func:`dynstate.codec.check_int`), whatever this process's int string limit.
+applies (:func:`dynstate.records.codec.check_int`), whatever this process's int string limit.
 """
 
 from __future__ import annotations
@@ -16,16 +16,10 @@ from typing import Any
 
 import pyarrow as pa
 
+from ..errors import DynstateError, InvalidDataError, SchemaMismatchError
 from . import manifest as m
 from .codec import check_int
-from .columns import (
-    check_names,
-    check_required,
-    check_row_depth,
-    check_table,
-    promote_schema,
-)
-from .errors import DynstateError, InvalidDataError, SchemaMismatchError
+from .columns import check_names, check_required, check_row_depth, check_table, promote_schema
 
 MAX_META_DEPTH = 32
 MAX_META_BYTES = 2**20
