@@ -1,28 +1,45 @@
-"""The import direction follows the layer map (docs/index.md, "Code layout"): a module imports
-only from its own layer or the layers below it, and a private name (``_x``) never crosses from
-one package to another. Function-level imports count too: a lazy import is still a dependency."""
+"""The import direction follows the map in docs/architecture.md, which this test reads: every
+module of the package is listed there once, a module imports only from its own layer or the
+layers below it, and a private name (``_x``) never crosses from one package to another.
+Function-level imports count too: a lazy import is still a dependency. Third-party clients stay
+behind their boundaries (object-store clients in ``storage/``, verl in ``verl/``, TRL in
+``trl/``, Ray in ``ray.py`` and ``verl/``)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "dynstate"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "dynstate"
+MAP = ROOT / "docs" / "architecture.md"
 
-# Bottom up. A module is placed by its longest matching prefix (a package or a module path).
+
+def _read_map() -> list[tuple[str, list[str]]]:
+    """(layer, module files relative to the package) per row of the map's table, bottom up."""
+    rows = []
+    for line in MAP.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not line.startswith("|") or cells[0] in ("layer", "---"):
+            continue
+        files = re.findall(r"`([\w/]+\.py)`", cells[1])
+        if files:
+            rows.append((cells[0], files))
+    return rows
+
+
+def _dotted(file: str) -> str:
+    parts = file[: -len(".py")].split("/")
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+# Bottom up; the facade (``__init__.py``, module "") re-exports everything and is not placed.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "_version", "threads"),
-    # the file-name grammar: pure and self-contained, below storage, whose backends name their
-    # temporary files and probes with it (the records layer's, placed where storage reaches it)
-    ("paths",),
-    ("storage",),
-    ("records",),
-    ("log",),
-    ("store", "writes", "snapshot", "history", "rewind"),
-    ("maintenance",),
-    ("loading",),
-    ("verl", "ray", "trl"),
-    ("cli", "serve"),
+    tuple(_dotted(f) for f in files if not f.endswith("__main__.py") and f != "__init__.py")
+    for _, files in _read_map()
 ]
 
 
@@ -142,3 +159,44 @@ def test_every_module_is_placed() -> None:
     for module in _modules():
         if module:
             _layer(module)
+
+
+def test_the_map_lists_every_module_once() -> None:
+    listed = [f for _, files in _read_map() for f in files]
+    on_disk = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py"))
+    twice = sorted({f for f in listed if listed.count(f) > 1})
+    assert not twice, f"docs/architecture.md lists these in more than one place: {twice}"
+    assert sorted(listed) == on_disk, (
+        "docs/architecture.md and dynstate/ disagree; "
+        f"not in the map: {sorted(set(on_disk) - set(listed))}, "
+        f"not on disk: {sorted(set(listed) - set(on_disk))}"
+    )
+
+
+# Third-party packages and the only places that may import them.
+_BOUNDARIES = {
+    ("fsspec", "s3fs", "botocore", "boto3", "aiobotocore", "obstore"): ("storage",),
+    ("verl", "omegaconf", "hydra"): ("verl",),
+    ("trl",): ("trl",),
+    ("ray",): ("ray", "verl"),
+}
+
+
+def test_third_party_clients_stay_behind_their_boundaries() -> None:
+    crossing = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                for packages, homes in _BOUNDARIES.items():
+                    inside = any(module == h or module.startswith(h + ".") for h in homes)
+                    if top in packages and not inside:
+                        where = f"dynstate/{path.relative_to(PACKAGE)}:{node.lineno}"
+                        crossing.append(f"{where} imports {name}")
+    assert not crossing, "third-party imports outside their boundary:\n" + "\n".join(crossing)
