@@ -861,7 +861,7 @@ def scored(tmp_path_factory) -> Iterator[tuple[Store, Client]]:
 
 
 def test_outcomes_page_bands_per_step_and_hardest_rows(scored):
-    from dynstate.records.outcomes import summarize
+    from dynstate.records.aggregate import summarize
 
     store, client = scored
     data = client.json("/api/outcomes?bins=4")

@@ -17,7 +17,7 @@ from test_cli import console_script
 from dynstate import Store
 from dynstate.history.outcomes import OutcomeViews, RowSelection
 from dynstate.maintenance.compact import compact
-from dynstate.records.outcomes import summarize
+from dynstate.records.aggregate import summarize
 
 
 def dynstate(*args: str, code: int = 0) -> subprocess.CompletedProcess[str]:

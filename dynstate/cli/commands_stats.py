@@ -1,6 +1,6 @@
 """`dynstate stats`: the per-row outcome statistics of a version — a pass-rate histogram, the
 rows never trained, the hardest and easiest rows. The numbers come from
-:meth:`dynstate.Store.outcome_stats` and :func:`dynstate.records.outcomes.summarize`; this
+:meth:`dynstate.Store.outcome_stats` and :func:`dynstate.records.aggregate.summarize`; this
 module only renders them."""
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def stats_cmd(
       dynstate stats ./runs/run1
       dynstate stats ./runs/run1 step40 --top 5 --threshold 0.9 --json
     """
-    from ..records.outcomes import DEFAULT_HALF_LIFE, DEFAULT_SUCCESS_ABOVE, summarize
+    from ..records.aggregate import summarize
+    from ..records.outcomes import DEFAULT_HALF_LIFE, DEFAULT_SUCCESS_ABOVE
 
     store = open_store(url, storage_options)
     number = store.resolve(version_arg(version))

@@ -4,9 +4,9 @@ history step by step, and how many rows sit in each pass-rate band after each st
 
 All of them are built from :meth:`Store.outcome_stats` (the incremental per-row statistics)
 or from the lineage's outcome files through :mod:`dynstate.log.outcomes`; the surfaces never
-compute a statistic themselves. The pass rate of a row is ``successes / attempts`` and its
-band is the one :func:`dynstate.records.outcomes.summarize` puts it in, so a chart's last step and
-``dynstate stats`` agree.
+compute a statistic themselves. A success, a pass rate and its band are
+:mod:`dynstate.records.aggregate`'s, the rules :func:`~dynstate.records.aggregate.summarize`
+applies, so a chart's last step and ``dynstate stats`` agree.
 
 One file past 400 lines for now: :class:`OutcomeViews` holds one lock and the caches its
 three views extend from each other's lineage prefixes; the band series (its largest part)
@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 
 from ..errors import InvalidDataError
 from ..log.outcomes import outcomes_of
+from ..records.aggregate import band_counts, band_of, pass_rate, pass_rates, succeeded, tally
 from ..records.manifest import CHECKPOINT_INTERVAL
 from ..records.outcomes import DEFAULT_SUCCESS_ABOVE, as_numpy
 
@@ -112,7 +113,7 @@ class RowSelection:
         """Row numbers of ``stats`` (one row per store row) that pass, in order."""
         attempts = as_numpy(stats.column("attempts"))
         keep = np.ones(len(attempts), dtype=bool)
-        rate = pass_rates(stats)
+        rate, _ = pass_rates(stats)
         if self.min_pass_rate is not None or self.max_pass_rate is not None:
             keep &= attempts > 0
             with np.errstate(invalid="ignore"):
@@ -167,29 +168,14 @@ def _whole(value: Any, name: str, where: str) -> int | None:
     return number
 
 
-def pass_rates(stats: pa.Table) -> np.ndarray:
-    """``successes / attempts`` per row, NaN for rows never trained."""
-    attempts = as_numpy(stats.column("attempts")).astype(np.float64)
-    successes = as_numpy(stats.column("successes"))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(attempts > 0, successes / attempts, np.nan)
-
-
 def row_stats(stats: pa.Table, rows: Any) -> list[dict[str, Any]]:
     """The statistics of ``rows`` as plain dicts (``pass_rate`` None when never trained)."""
     idx = pa.array(np.asarray(rows, dtype=np.int64))
     taken = stats.take(idx).to_pylist()
     for entry in taken:
-        attempts = entry["attempts"]
-        entry["pass_rate"] = entry["successes"] / attempts if attempts else None
+        rate = pass_rate(entry["successes"], entry["attempts"])
+        entry["pass_rate"] = float(rate) if entry["attempts"] else None
     return taken
-
-
-def band_of(successes: np.ndarray, attempts: np.ndarray, bins: int) -> np.ndarray:
-    """The pass-rate band of trained rows, as :func:`dynstate.records.outcomes.summarize` bins
-    them."""
-    rate = successes / attempts
-    return np.minimum((rate * bins).astype(np.int64), bins - 1)
 
 
 def _points_cheaper(records: int, steps: int, rows: int, points: int) -> bool:
@@ -371,7 +357,7 @@ class OutcomeViews:
             for part_steps, part in zip(
                 np.split(mine_steps, cuts), np.split(mine_scores, cuts), strict=True
             ):
-                won = int((part > self.success_above).sum())
+                won = int(succeeded(part, self.success_above).sum())
                 attempts += len(part)
                 successes += won
                 for score in part.tolist():  # one by one, as the aggregate's fold adds them
@@ -382,7 +368,7 @@ class OutcomeViews:
                         "scores": part.tolist(),
                         "attempts": len(part),
                         "successes": won,
-                        "pass_rate": successes / attempts,
+                        "pass_rate": float(pass_rate(successes, attempts)),
                         "mean_score": total / attempts,
                     }
                 )
@@ -441,7 +427,7 @@ class OutcomeViews:
         }
         # Running sums through each record, in place of the records (the page's scores are
         # taken above): the figures of any step are read off them.
-        won = np.cumsum(values > self.success_above, dtype=np.int64)
+        won = np.cumsum(succeeded(values, self.success_above), dtype=np.int64)
         total = np.cumsum(values, out=values)
 
         def figures(i: int) -> dict[str, Any]:
@@ -451,7 +437,7 @@ class OutcomeViews:
                 "step": int(steps[a]),
                 "attempts": b - a,
                 "successes": through - (int(won[a - 1]) if a else 0),
-                "pass_rate": through / b,
+                "pass_rate": float(pass_rate(through, b)),
                 "mean_score": float(total[b - 1]) / b,
             }
 
@@ -565,10 +551,7 @@ class OutcomeViews:
         stats = self.store.outcome_stats(version, success_above=self.success_above)
         attempts = as_numpy(stats.column("attempts")).astype(np.int64)
         successes = as_numpy(stats.column("successes")).astype(np.int64)
-        trained = attempts > 0
-        found = np.bincount(
-            band_of(successes[trained], attempts[trained], bins), minlength=bins
-        ).tolist()
+        found = band_counts(successes, attempts, bins).tolist()
         with self._lock:
             self._bands[key] = found
             while len(self._bands) > _BANDS_CACHED:
@@ -590,7 +573,7 @@ class OutcomeViews:
         order = np.argsort(steps, kind="stable")
         steps = steps[order]
         rows = as_numpy(records.column("row")).astype(np.int64, copy=False)[order]
-        won = (as_numpy(records.column("score")) > self.success_above)[order]
+        won = succeeded(as_numpy(records.column("score")), self.success_above)[order]
         del records, order
         starts = np.flatnonzero(np.diff(steps, prepend=-1))
         kept = [int(steps[starts[i]]) for i in _picked(len(starts), points)]
@@ -601,14 +584,7 @@ class OutcomeViews:
         counts: list[list[int]] = []
         a = 0
         for b in cuts.tolist():
-            hit, inv = np.unique(rows[a:b], return_inverse=True)
-            before = attempts[hit] > 0
-            if before.any():
-                old = band_of(successes[hit][before], attempts[hit][before], bins)
-                current -= np.bincount(old, minlength=bins)
-            attempts[hit] += np.bincount(inv, minlength=len(hit))
-            successes[hit] += np.bincount(inv[won[a:b]], minlength=len(hit))
-            current += np.bincount(band_of(successes[hit], attempts[hit], bins), minlength=bins)
+            current += _step_bands(attempts, successes, rows[a:b], won[a:b], bins)
             counts.append(current.tolist())
             a = b
         return kept, counts, len(starts)
@@ -687,29 +663,30 @@ class OutcomeViews:
     def _add(self, series: _Series, records: pa.Table, bins: int) -> None:
         rows = as_numpy(records.column("row")).astype(np.int64)
         steps = as_numpy(records.column("step")).astype(np.int64)
-        won = (as_numpy(records.column("score")) > self.success_above).astype(np.int64)
+        won = succeeded(as_numpy(records.column("score")), self.success_above)
         order = np.argsort(steps, kind="stable")
         rows, steps, won = rows[order], steps[order], won[order]
-        trained = series.attempts > 0
-        current = np.bincount(
-            band_of(series.successes[trained], series.attempts[trained], bins), minlength=bins
-        )
+        current = band_counts(series.successes, series.attempts, bins)
         cuts = np.flatnonzero(np.diff(steps)) + 1
         for step_rows, step_won, at in zip(
             np.split(rows, cuts), np.split(won, cuts), np.split(steps, cuts), strict=True
         ):
-            hit, inv = np.unique(step_rows, return_inverse=True)
-            before = series.attempts[hit] > 0
-            if before.any():
-                old = band_of(series.successes[hit][before], series.attempts[hit][before], bins)
-                current -= np.bincount(old, minlength=bins)
-            series.attempts[hit] += np.bincount(inv, minlength=len(hit))
-            series.successes[hit] += np.bincount(inv, weights=step_won, minlength=len(hit)).astype(
-                np.int64
-            )
-            current += np.bincount(
-                band_of(series.successes[hit], series.attempts[hit], bins), minlength=bins
-            )
+            current += _step_bands(series.attempts, series.successes, step_rows, step_won, bins)
             series.steps.append(int(at[0]))
             series.counts.append(current.tolist())
         series.last_step = series.steps[-1]
+
+
+def _step_bands(
+    attempts: np.ndarray, successes: np.ndarray, rows: np.ndarray, won: np.ndarray, bins: int
+) -> np.ndarray:
+    """Count one step's records in (:func:`~dynstate.records.aggregate.tally`) and return how
+    the band counts change: the rows it names leave their old band and join their new one."""
+    hit, inv = tally(attempts, successes, rows, won)
+    tried, passed = attempts[hit], successes[hit]
+    new = np.bincount(band_of(passed, tried, bins), minlength=bins)
+    # the rows' counts before the step: less what it added (exact integers)
+    tried = tried - np.bincount(inv, minlength=len(hit))
+    passed = passed - np.bincount(inv[won], minlength=len(hit))
+    before = tried > 0
+    return new - np.bincount(band_of(passed[before], tried[before], bins), minlength=bins)

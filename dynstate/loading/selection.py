@@ -18,8 +18,9 @@ Built-ins (plain, comparable parameters that go into the sampler state):
 * :class:`FunctionPolicy` — a user's pure function ``fn(stats, step)`` returning weights
   (floats) or eligibility (bools), identified in the state by its name.
 
-``pass_rate`` is ``successes / attempts`` (a success is a score above ``success_above``, 0.5
-by default: the statistics are read with the store's defaults, which are incremental).
+``pass_rate`` is :func:`dynstate.records.aggregate.pass_rate`'s (a success is a score above
+``success_above``, 0.5 by default: the statistics are read with the store's defaults, which
+are incremental).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidDataError
+from ..records.aggregate import pass_rates
 from .weights import Plan, Selector, check_weights, step_rng
 
 __all__ = [
@@ -50,17 +52,6 @@ __all__ = [
     "pass_rates",
     "step_rng",
 ]
-
-
-def pass_rates(stats: pa.Table) -> tuple[np.ndarray, np.ndarray]:
-    """``(pass_rate, tried)`` per row of a statistics table: ``successes / attempts`` (NaN
-    where a row was never tried) and whether it was."""
-    attempts = stats.column("attempts").to_numpy(zero_copy_only=False)
-    successes = stats.column("successes").to_numpy(zero_copy_only=False)
-    tried = attempts > 0
-    with np.errstate(invalid="ignore", divide="ignore"):
-        rate = np.divide(successes, attempts, dtype=np.float64)  # NaN where never tried
-    return rate, tried
 
 
 # -- policies ----------------------------------------------------------------------------

@@ -2,6 +2,12 @@
 (:mod:`dynstate.records.outcomes` says what each one means). Pure: no I/O; stored and read by
 :mod:`dynstate.log.outcomes` in the sparse form :meth:`Aggregate.to_table` writes.
 
+The one home of the outcome rules: what a success is (:func:`succeeded`), a pass rate
+(:func:`pass_rate`, :func:`pass_rates`), its band (:func:`band_of`, :func:`band_counts`,
+:func:`summarize`), how records are counted per row (:func:`tally`) and the fold below. The
+views, selection policies, ``dynstate stats`` and serve's charts ask these, so no two of them
+can disagree (``tests/test_one_home.py`` keeps a second copy out).
+
 Besides the sums for the aggregate's own ``success_above`` and ``half_life``, it keeps a
 per-row histogram of the distinct scores (while there are at most :data:`MAX_SCORE_VALUES`),
 so successes above any other threshold need no records.
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -48,6 +55,93 @@ _AGG_META = b"dynstate.records.outcomes.aggregate"
 # from it; past it, a threshold other than the aggregate's reads every record.
 MAX_SCORE_VALUES = 16
 _MAX_COUNT = 2**31 - MAX_OUTCOMES  # int32 counts: one more commit's records always fit
+
+
+# -- the rules: a success, a pass rate, its band ---------------------------------------------
+
+
+def succeeded(scores: Any, success_above: float) -> Any:
+    """Whether each score is a success: strictly above ``success_above``."""
+    return scores > success_above
+
+
+def pass_rate(successes: Any, attempts: Any) -> Any:
+    """``successes / attempts`` in float64 (arrays or numbers), NaN where a row was never
+    tried. Counts stay below 2**53, so this is the correctly rounded quotient Python's own
+    ``int / int`` gives."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.divide(successes, attempts, dtype=np.float64)
+
+
+def pass_rates(stats: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """``(pass_rate, tried)`` per row of a statistics table (:meth:`Store.outcome_stats`):
+    the pass rate (NaN where a row was never tried) and whether it was."""
+    attempts = as_numpy(stats.column("attempts"))
+    return pass_rate(as_numpy(stats.column("successes")), attempts), attempts > 0
+
+
+def band_of(successes: np.ndarray, attempts: np.ndarray, bins: int) -> np.ndarray:
+    """The pass-rate band of trained rows (``attempts > 0``): ``bins`` equal bands of
+    ``[0, 1]``, the last one closed."""
+    return np.minimum((pass_rate(successes, attempts) * bins).astype(np.int64), bins - 1)
+
+
+def band_counts(successes: np.ndarray, attempts: np.ndarray, bins: int) -> np.ndarray:
+    """How many of the rows sit in each pass-rate band (rows never trained in none)."""
+    trained = attempts > 0
+    return np.bincount(band_of(successes[trained], attempts[trained], bins), minlength=bins)
+
+
+def tally(
+    attempts: np.ndarray, successes: np.ndarray, rows: np.ndarray, won: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Count records in, in place: ``rows`` (with repeats) tried once per record, ``won``
+    whether each succeeded. Returns the distinct rows (sorted) and each record's index among
+    them (exact: integer counts, in any order)."""
+    hit, inv = _group(rows, len(attempts))
+    attempts[hit] += np.bincount(inv, minlength=len(hit))
+    successes[hit] += np.bincount(inv[won], minlength=len(hit))
+    return hit, inv
+
+
+def summarize(stats: pa.Table, *, bins: int = 10, top: int = 10) -> dict[str, Any]:
+    """What ``dynstate stats`` and serve show, from a statistics table
+    (:meth:`Store.outcome_stats`): how many rows were trained, a histogram of pass rates
+    (:func:`band_counts`), and the ``top`` hardest rows (lowest pass rate, then most
+    attempts) and easiest (highest, then most attempts) among the trained ones."""
+    attempts = as_numpy(stats.column("attempts"))
+    successes = as_numpy(stats.column("successes"))
+    trained = np.flatnonzero(attempts > 0)
+    rate = pass_rate(successes[trained], attempts[trained])
+    counts = band_counts(successes, attempts, bins)
+    histogram = [
+        {"low": i / bins, "high": (i + 1) / bins, "rows": int(counts[i])} for i in range(bins)
+    ]
+    columns = {n: stats.column(n).to_pylist() for n in ("mean_score", "ewma_score", "last_step")}
+
+    def entry(i: int) -> dict[str, Any]:
+        row = int(trained[i])
+        return {
+            "row": row,
+            "attempts": int(attempts[row]),
+            "successes": int(successes[row]),
+            "pass_rate": float(rate[i]),
+            **{name: values[row] for name, values in columns.items()},
+        }
+
+    hardest = np.lexsort((trained, -attempts[trained], rate))[:top]
+    easiest = np.lexsort((trained, -attempts[trained], -rate))[:top]
+    overall = pass_rate(successes.sum(), attempts.sum())
+    return {
+        "rows": stats.num_rows,
+        "trained": len(trained),
+        "never_trained": stats.num_rows - len(trained),
+        "records": int(attempts.sum()),
+        "pass_rate": float(overall) if len(trained) else None,
+        "histogram": histogram,
+        "hardest": [entry(i) for i in hardest],
+        "easiest": [entry(i) for i in easiest],
+    }
 
 
 @dataclass
@@ -141,7 +235,7 @@ class Aggregate:
         rows = as_numpy(table.column("row")).astype(np.int64, copy=False)
         steps = as_numpy(table.column("step")).astype(np.int64, copy=False)
         scores = as_numpy(table.column("score")).astype(np.float64, copy=False)
-        hit, inv = _group(rows, self.num_rows)
+        hit, inv = tally(self.attempts, self.successes, rows, succeeded(scores, self.success_above))
         k = len(hit)
         first = np.full(k, np.iinfo(np.int64).max, np.int64)
         np.minimum.at(first, inv, steps)
@@ -149,8 +243,6 @@ class Aggregate:
         np.maximum.at(last, inv, steps)
         old_last = self.last_step[hit]
         old = old_last >= 0
-        self.attempts[hit] += np.bincount(inv, minlength=k)
-        self.successes[hit] += np.bincount(inv[scores > self.success_above], minlength=k)
         self.first_step[hit] = np.where(old, np.minimum(self.first_step[hit], first), first)
         # One rounding per record, in record order: ufunc.at is unbuffered and goes through
         # the indices in order (a per-row sum added at once would round differently).
@@ -245,7 +337,7 @@ class Aggregate:
             return self.successes
         if self.values is None or self.counts is None:
             return None
-        return self.counts[:, self.values > threshold].sum(axis=1, dtype=np.int64)
+        return self.counts[:, succeeded(self.values, threshold)].sum(axis=1, dtype=np.int64)
 
     def stats(self, success_above: float | None = None) -> pa.Table:
         """One row per store row: the statistics of :mod:`dynstate.records.outcomes`; successes

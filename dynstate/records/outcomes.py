@@ -4,9 +4,9 @@ A round may be committed with the outcomes of one or more training steps (per sa
 store row, the step, a score and optional numeric fields) and with its generator's state.
 This module decides what such input may be (:func:`check_outcomes`,
 :func:`check_generator_state`), the Arrow schema outcome files have, the step sets a lineage
-holds (as sorted ranges) and the per-row aggregate from which statistics are computed
-(:class:`dynstate.records.aggregate.Aggregate`). Reading and writing the files is
-:mod:`dynstate.log.outcomes`.
+holds (as sorted ranges). The per-row aggregate from which statistics are computed, and the
+rules of a success, a pass rate and its band, are :mod:`dynstate.records.aggregate`. Reading
+and writing the files is :mod:`dynstate.log.outcomes`.
 
 Statistics of a row (over every outcome of the version's lineage that names it):
 
@@ -397,43 +397,3 @@ def check_rows_version(value: Any, url: str) -> int:
             f"at (an int >= 0), not {value!r}"
         )
     return value
-
-
-def summarize(stats: pa.Table, *, bins: int = 10, top: int = 10) -> dict[str, Any]:
-    """What ``dynstate stats`` shows, from a statistics table (:meth:`Store.outcome_stats`):
-    how many rows were trained, a histogram of pass rates (successes / attempts, ``bins``
-    equal bands, the last one closed), and the ``top`` hardest rows (lowest pass rate, then
-    most attempts) and easiest (highest, then most attempts) among the trained ones."""
-    attempts = as_numpy(stats.column("attempts"))
-    successes = as_numpy(stats.column("successes"))
-    trained = np.flatnonzero(attempts > 0)
-    rate = successes[trained] / attempts[trained]
-    band = np.minimum((rate * bins).astype(np.int64), bins - 1)
-    counts = np.bincount(band, minlength=bins)
-    histogram = [
-        {"low": i / bins, "high": (i + 1) / bins, "rows": int(counts[i])} for i in range(bins)
-    ]
-    columns = {n: stats.column(n).to_pylist() for n in ("mean_score", "ewma_score", "last_step")}
-
-    def entry(i: int) -> dict[str, Any]:
-        row = int(trained[i])
-        return {
-            "row": row,
-            "attempts": int(attempts[row]),
-            "successes": int(successes[row]),
-            "pass_rate": float(rate[i]),
-            **{name: values[row] for name, values in columns.items()},
-        }
-
-    hardest = np.lexsort((trained, -attempts[trained], rate))[:top]
-    easiest = np.lexsort((trained, -attempts[trained], -rate))[:top]
-    return {
-        "rows": stats.num_rows,
-        "trained": len(trained),
-        "never_trained": stats.num_rows - len(trained),
-        "records": int(attempts.sum()),
-        "pass_rate": float(successes.sum() / attempts.sum()) if len(trained) else None,
-        "histogram": histogram,
-        "hardest": [entry(i) for i in hardest],
-        "easiest": [entry(i) for i in easiest],
-    }

@@ -20,7 +20,7 @@ import pyarrow as pa
 from ..errors import DynstateError, VersionNotFoundError
 from ..history import describe, diff, growth, summary, version_rows
 from ..history.outcomes import NO_OUTCOMES, OutcomeViews, RowSelection, outcome_records_count
-from ..records.outcomes import summarize
+from ..records.aggregate import summarize
 from ..snapshot import Snapshot
 from ..storage.credentials import scrub, secrets_of
 from ..store import Store

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
+from ..records.aggregate import pass_rate
 from .svg import fmt, grid, ticks
 
 
@@ -121,7 +122,7 @@ def pass_rate_svg(points: list[dict[str, Any]], total: int, *, width: int = 720)
         f'<polyline class="rate" fill="none" stroke="#2e8b57" stroke-width="2" points="{line}"/>'
     )
     for p in points:
-        own = p["successes"] / p["attempts"]
+        own = float(pass_rate(p["successes"], p["attempts"]))
         tip = (
             f"step {p['step']}: {p['successes']}/{p['attempts']} passed; "
             f"pass rate so far {p['pass_rate']:.0%}"
