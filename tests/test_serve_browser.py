@@ -185,3 +185,58 @@ def test_outcomes_from_band_chart_to_sorted_rows_to_a_row_history(scored_page, s
     assert shot.stat().st_size > 10_000
     if os.environ.get("DYNSTATE_SERVE_OUTCOMES_SCREENSHOT"):  # docs/serve-row-outcomes.png
         shutil.copy(shot, os.environ["DYNSTATE_SERVE_OUTCOMES_SCREENSHOT"])
+
+
+@pytest.fixture(scope="module")
+def long_site(tmp_path_factory) -> Iterator[str]:
+    from test_serve_chart import long_run
+
+    store = long_run(str(tmp_path_factory.mktemp("long") / "store"))
+    with served(StoreView(store)) as base:
+        yield base
+
+
+def test_growth_chart_of_a_2000_round_store_renders_its_buckets(browser, long_site, tmp_path):
+    """The chart of a long run (more rounds than pixels) as a browser lays it out: bucket
+    bars inside the bars panel, standing on its axis, with a caption saying what they are,
+    and a bar's link to its last round's version page."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    foreign: list[str] = []
+    page.on("request", lambda r: None if r.url.startswith(long_site) else foreign.append(r.url))
+    try:
+        page.goto(long_site + "/")
+        chart = page.locator("svg.growth")
+        assert chart.is_visible() and chart.bounding_box()["width"] > 500
+        box = chart.bounding_box()
+        bars = page.locator("svg.growth rect.bar.bucket")
+        assert 100 < bars.count() <= 1000
+        heights = []
+        for k in (0, bars.count() // 2, bars.count() - 1):
+            b = bars.nth(k).bounding_box()
+            assert b is not None and b["height"] > 0 and b["width"] > 0
+            assert box["x"] <= b["x"] and b["x"] + b["width"] <= box["x"] + box["width"]
+            assert box["y"] <= b["y"] and b["y"] + b["height"] <= box["y"] + box["height"]
+            heights.append(b["height"])
+        caption = page.locator("svg.growth text.bars-caption")
+        c = caption.bounding_box()
+        assert (
+            c is not None and box["y"] <= c["y"] and c["x"] + c["width"] <= box["x"] + box["width"]
+        )
+        assert re.search(r"mean of the rounds in \d+ steps", caption.text_content() or "")
+        assert page.locator("svg.growth g.bars-axis text").all_text_contents() == [
+            "0",
+            "1",
+            "2",
+            "3",
+            "4",
+        ]
+        shot = tmp_path / "long.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000
+        last = bars.nth(bars.count() - 1).get_attribute("data-last")
+        page.locator("svg.growth a:has(rect.bar.bucket)").last.click()
+        page.wait_for_url(re.compile(rf"/versions/{last}$"))
+    finally:
+        context.close()
+    assert foreign == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -227,6 +228,44 @@ def _scale(points: list[dict[str, Any]], markers: list[dict[str, Any]]) -> dict[
     # so that rounds small next to it still show as steps of the line.
     lo = _nice_floor(lo, hi) if clipped and lo < hi else 0
     return {"bars": top, "clipped": clipped, "total": [lo, hi]}
+
+
+def buckets(model: dict[str, Any], slots: int) -> dict[str, Any]:
+    """The rounds of a growth model in at most ``slots`` bars, for a chart with more rounds
+    than room: the x axis cut into buckets of ``size`` whole steps (or versions), each bar
+    the **mean** rows added per round of the rounds in it, so that it reads on the same
+    rows-added-per-round axis as one bar per round (``scale["bars"]``; a mean never exceeds
+    the largest round). A sum would grow with the bucket's round count, which varies with
+    where the buckets fall. The import is not a round and stays its own bar; resets and
+    compactions hold no rounds. Each bucket: ``x_from``/``x_to`` (its x range, inclusive),
+    ``first``/``last`` (the versions of its first and last round), ``rounds``, ``rows``
+    (their sum) and ``mean``. Buckets without a round are left out."""
+    rounds = [p for p in model["points"] if p["op"] == "append" and p["kind"] != "import"]
+    if not rounds:
+        return {"size": 1, "buckets": []}
+    lo = math.floor(min(p["x"] for p in rounds))
+    hi = math.floor(max(p["x"] for p in rounds))
+    size = max(1, math.ceil((hi - lo + 1) / max(1, slots)))
+    out: dict[int, dict[str, Any]] = {}
+    for p in rounds:
+        k = (math.floor(p["x"]) - lo) // size
+        b = out.setdefault(
+            k,
+            {
+                "x_from": lo + k * size,
+                "x_to": lo + (k + 1) * size - 1,
+                "first": p["version"],
+                "last": p["version"],
+                "rounds": 0,
+                "rows": 0,
+            },
+        )
+        b["last"] = p["version"]
+        b["rounds"] += 1
+        b["rows"] += p["rows_added"]
+    for b in out.values():
+        b["mean"] = b["rows"] / b["rounds"]
+    return {"size": size, "buckets": [out[k] for k in sorted(out)]}
 
 
 def _nice_floor(lo: int, hi: int) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
+from ..history.growth import buckets
 from .svg import fmt, grid, ticks
 
 __all__ = ["COLORS", "growth_svg"]
@@ -54,7 +55,7 @@ def growth_svg(data: dict[str, Any], *, width: int = 960, link: str = "versions/
     if not points:
         return '<p class="empty">No rounds yet.</p>'
     axis, scale = data["axis"], data["scale"]
-    left, right, top, panel, gap = 64, 16, 12, 120, 26
+    left, right, top, panel, gap = 64, 16, 26, 120, 26
     plot_w = width - left - right
     height = top + 2 * panel + gap + 44
     ghosts = [(g, m) for m in data["markers"] for g in m.get("abandoned_points") or []]
@@ -83,12 +84,28 @@ def growth_svg(data: dict[str, Any], *, width: int = 960, link: str = "versions/
         f'height="{height}" xmlns="http://www.w3.org/2000/svg" data-axis="{escape(axis)}">',
         f"<title>growth over {escape(axis)}s</title>",
     ]
-    # Axes and grid.
-    for t in ticks(0, bar_top, 4):
+    # More rounds than pixels: bars of buckets of whole steps, each the mean of its rounds.
+    bucketed = buckets(data, plot_w // 3) if len(points) + len(ghosts) > plot_w // 2 else None
+    if bucketed is not None and bucketed["size"] > 1:
+        per = "step" if axis == "step" else "version"
+        caption = (
+            f"rows added per round: each bar the mean of the rounds in {bucketed['size']} "
+            f"{per}s (hover for the count)"
+        )
+    else:
+        caption = "rows added per round"
+    out.append(
+        f'<text class="axis-label bars-caption" x="{left}" y="{top - 8}">{escape(caption)}</text>'
+    )
+    # Axes and grid; the counts (rows, totals) take whole ticks only.
+    out.append('<g class="bars-axis">')
+    for t in ticks(0, bar_top, 4, whole=True):
         y = y_bars + panel - t / bar_top * panel
         out.append(grid(left, width - right, y, t))
-    for t in ticks(lo, hi, 5):
+    out.append('</g><g class="total-axis">')
+    for t in ticks(lo, hi, 5, whole=True):
         out.append(grid(left, width - right, sy_total(t), t))
+    out.append("</g>")
     for y0, label in ((y_bars, "rows added"), (y_line, "total rows")):
         out.append(
             f'<text class="axis-label" x="14" y="{y0 + panel / 2:.1f}" '
@@ -116,8 +133,8 @@ def growth_svg(data: dict[str, Any], *, width: int = 960, link: str = "versions/
     gaps = [b - a for a, b in itertools.pairwise(distinct) if b > a]
     unit = min(gaps) if gaps else 1
     bar_w = max(1.0, min(24.0, 0.8 * unit / (x1 - x0) * plot_w))
-    if len(points) + len(ghosts) > plot_w // 2:
-        out.extend(_bucket_bars(data, sx, x0, x1, plot_w, y_bars, panel, bar_top, link))
+    if bucketed is not None:
+        out.extend(_bucket_bars(data, bucketed, sx, y_bars, panel, bar_top, link))
     else:
         out.extend(_bars(data, ghosts, sx, bar_w, y_bars, panel, bar_top, link))
     # Total rows along the lineage.
@@ -210,50 +227,58 @@ def _bars(
 
 def _bucket_bars(
     data: dict[str, Any],
+    bucketed: dict[str, Any],
     sx: Callable[[float], float],
-    x0: float,
-    x1: float,
-    plot_w: int,
     y0: float,
     panel: int,
     bar_top: int,
     link: str,
 ) -> list[str]:
-    """More rounds than pixels: one bar per bucket of x, its height the bucket's rows against
-    the largest bucket (the cut import apart, drawn on its own)."""
-    clipped = set(data["scale"]["clipped"])
-    buckets = plot_w // 3
-    sums: dict[int, list[Any]] = {}
+    """More rounds than pixels: one bar per bucket of the model's :func:`buckets`, its height
+    the bucket's mean rows per round on the same axis as one bar per round; the import is
+    drawn on its own (cut when the model cuts it)."""
+    axis, clipped = data["axis"], set(data["scale"]["clipped"])
     out = []
     for p in data["points"]:
-        if p["version"] in clipped:
-            href = quoteattr(f"{link}{p['version']}")
+        if p["kind"] != "import" or p["rows_added"] <= 0:
+            continue
+        cut = p["version"] in clipped
+        h = panel if cut else max(1.0, min(1.0, p["rows_added"] / bar_top) * panel)
+        href = quoteattr(f"{link}{p['version']}")
+        out.append(
+            f'<a href={href}><rect class="bar import" x="{sx(p["x"]) - 1:.1f}" '
+            f'y="{y0 + panel - h:.1f}" width="2.4" height="{h:.1f}" fill="{COLORS["import"]}" '
+            f'data-version="{p["version"]}" data-rows="{p["rows_added"]}">'
+            f"<title>{escape(_tip(p, axis))}</title></rect></a>"
+        )
+        if cut:
             out.append(
-                f'<a href={href}><rect class="bar import" '
-                f'x="{sx(p["x"]) - 1:.1f}" y="{y0}" width="2.4" height="{panel}" '
-                f'fill="{COLORS["import"]}" data-version="{p["version"]}" '
-                f'data-rows="{p["rows_added"]}"><title>{escape(_tip(p, data["axis"]))}</title>'
-                f'</rect></a><text class="mark-label clip-label" x="{sx(p["x"]) + 4:.1f}" '
-                f'y="{y0 + 10}">'
+                f'<text class="mark-label clip-label" x="{sx(p["x"]) + 4:.1f}" y="{y0 + 10}">'
                 f"{p['rows_added']:,} rows (import, cut)</text>"
             )
+    size = bucketed["size"]
+    for b in bucketed["buckets"]:
+        if b["rows"] <= 0:
             continue
-        b = min(buckets - 1, int((p["x"] - x0) / (x1 - x0) * buckets))
-        entry = sums.setdefault(b, [0, 0, p["version"], p["version"]])
-        entry[0] += p["rows_added"]
-        entry[1] += 1
-        entry[3] = p["version"]
-    peak = max([1, *(e[0] for e in sums.values())])
-    for b, (added, rounds, first, last) in sorted(sums.items()):
-        if added <= 0:
-            continue
-        h = max(1.0, added / peak * panel)
-        x = x0 + (b + 0.5) / buckets * (x1 - x0)
-        tip = f"versions {first}-{last}: +{added:,} rows in {rounds} versions"
+        h = max(1.0, min(1.0, b["mean"] / bar_top) * panel)
+        a, z = b["x_from"], b["x_to"]
+        left, right = sx(a - 0.5), sx(z + 0.5)
+        w = max(1.0, 0.8 * (right - left))
+        span = f"{axis}s {a}-{z}" if z > a else f"{axis} {a}"
+        count = f"{b['rounds']} round{'s' if b['rounds'] != 1 else ''}"
+        tip = (
+            f"{span}: {b['mean']:,.4g} rows added per round, mean of {count} "
+            f"(+{b['rows']:,} rows; versions {b['first']}-{b['last']})"
+            if b["first"] != b["last"]
+            else f"{span}: +{b['rows']:,} rows in 1 round (version {b['first']})"
+        )
+        href = quoteattr(f"{link}{b['last']}")
         out.append(
-            f'<rect class="bar bucket" x="{sx(x) - 1:.1f}" y="{y0 + panel - h:.1f}" width="2.4" '
-            f'height="{h:.1f}" fill="{COLORS["bar"]}" data-rows="{added}">'
-            f"<title>{escape(tip)}</title></rect>"
+            f'<a href={href}><rect class="bar bucket" x="{(left + right - w) / 2:.1f}" '
+            f'y="{y0 + panel - h:.3f}" width="{w:.1f}" height="{h:.3f}" fill="{COLORS["bar"]}" '
+            f'data-first="{b["first"]}" data-last="{b["last"]}" data-rounds="{b["rounds"]}" '
+            f'data-rows="{b["rows"]}" data-mean="{b["mean"]:.6g}" data-size="{size}">'
+            f"<title>{escape(tip)}</title></rect></a>"
         )
     return out
 
