@@ -316,6 +316,7 @@ class Store:
         outcomes: Any = None,
         generator_state: Any = None,
         rows_version: int | None = None,
+        consumption: dict[str, Any] | None = None,
     ) -> int:
         """Commit ``data`` (a pyarrow Table, a list of dicts, a pandas DataFrame or a
         ``datasets.Dataset``) as one new version; returns its number. An empty round is a
@@ -336,7 +337,13 @@ class Store:
         outcomes are refused (:class:`CommitConflictError`, naming both versions, nothing
         written) if that version is not on the lineage of the version they would be
         committed on — a reset since the rows were read — also when another writer commits
-        meanwhile (docs/outcomes.md, "Outcomes bind to the rows they were scored on")."""
+        meanwhile (docs/outcomes.md, "Outcomes bind to the rows they were scored on").
+
+        ``consumption``: what the round's step drew, trained, filtered, dropped and carried
+        (``StepBatch.record`` of :class:`dynstate.DynamicSampling`), stored in the same record;
+        ``meta["step"]`` must be its step. Checked before anything is written: its shape and
+        bounds, each row exactly once, its rows bound like the outcomes'
+        (docs/dynamic-sampling.md)."""
         return self.writer.append(
             data,
             meta=meta,
@@ -345,6 +352,7 @@ class Store:
             outcomes=outcomes,
             generator_state=generator_state,
             rows_version=rows_version,
+            consumption=consumption,
         )
 
     def stage(

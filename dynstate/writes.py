@@ -23,6 +23,7 @@ from .errors import (
     InvalidDataError,
     LeaseExpiredError,
     MissingShardError,
+    RowOutOfRangeError,
     SchemaMismatchError,
     StateMismatchError,
     StorageError,
@@ -32,6 +33,7 @@ from .log import Log, shard_path
 from .log.leases import host_id, process_gone
 from .log.outcomes import Pending, outcomes_of
 from .records import manifest as m
+from .records.consumption import check_record, indices_of
 from .records.manifest import Commit, ShardRef
 from .records.outcomes import as_numpy, check_rows_version
 from .records.rounds import check_meta, conform_round, to_table
@@ -101,13 +103,16 @@ class Writer:
         outcomes: Any = None,
         generator_state: Any = None,
         rows_version: int | None = None,
+        consumption: dict[str, Any] | None = None,
     ) -> int:
         """:meth:`Store.append`: check the round, its outcomes and state against one head,
         then write the round's shards and its outcome file under one lease in one pass (the
         two files fsynced at once, one ``data/`` sync for both) and commit them as one
         version. Nothing is written before every check passed. ``rows_version``: the version
         the outcomes' rows were read at (None: the head this handle saw last, see
-        :meth:`_check_outcomes`)."""
+        :meth:`_check_outcomes`). ``consumption``: what the round's step consumed
+        (:mod:`dynstate.records.consumption`), checked here (:meth:`_check_consumption`) and
+        stored in the same record."""
         self._check_shard_bytes(shard_bytes)
         meta = check_meta(meta, self.display_url)
         table = to_table(data, self.display_url)
@@ -117,17 +122,23 @@ class Writer:
         assert head is not None
         table, schema = self._conform_round(table, head, allow_new_columns)
         checked, read_at = None, None
+        consumed = self._check_consumption(consumption, meta, head)
         if outcomes is not None or generator_state is not None:
             checked, read_at = self._check_outcomes(
                 outcomes, generator_state, head, rows_version, seen
             )
-        if checked is not None:
+        if checked is not None or consumed is not None:
             outcomes_of(self.log).mark_store()
         has_outcomes = checked is not None and checked.table is not None
         if not table.num_rows and not has_outcomes:
             staged = Staged((), schema, head.schema, None, self.store_id)
             return self.commit_staged(
-                [staged], meta=meta, private=True, checked=checked, rows_version=read_at
+                [staged],
+                meta=meta,
+                private=True,
+                checked=checked,
+                rows_version=read_at,
+                consumption=consumed,
             )
         lease = self.log.leases.acquire()
         try:
@@ -139,8 +150,49 @@ class Writer:
             tuple(shards), schema, head.schema, lease if shards else None, self.store_id
         )
         return self.commit_staged(
-            [staged], meta=meta, private=True, checked=checked, ready=ready, rows_version=read_at
+            [staged],
+            meta=meta,
+            private=True,
+            checked=checked,
+            ready=ready,
+            rows_version=read_at,
+            consumption=consumed,
         )
+
+    def _check_consumption(
+        self, consumption: Any, meta: dict[str, Any], head: Commit
+    ) -> tuple[dict[str, Any], int] | None:
+        """The consumption record checked (:func:`check_record`: shape, bounds, the step's
+        exactly-once equation, its step equal to ``meta["step"]``) and its rows bound to
+        ``head`` as outcomes' are: its ``rows_version`` on ``head``'s lineage, every row
+        below that version's row count. Returns (record, head version checked at)."""
+        if consumption is None:
+            return None
+        url = self.display_url
+        if "step" not in meta:
+            raise InvalidDataError(
+                f"consumption for {url} is what a step consumed: pass the step's number as "
+                "meta={'step': N} with it; nothing was committed"
+            )
+        record = check_record(consumption, url, meta["step"])
+        rows_version = record["rows_version"]
+        if rows_version is not None:
+            if rows_version > head.version:
+                raise InvalidDataError(
+                    f"consumption for {url} names rows_version {rows_version}, past the head "
+                    f"(version {head.version}); nothing was committed"
+                )
+            self.log.require_on_lineage(rows_version, head.version, "consumption")
+            top = max(indices_of(record), default=-1)
+            num_rows = self.log.commit_record(rows_version).num_rows
+            if top >= num_rows:
+                raise RowOutOfRangeError(
+                    f"consumption for {url} names row {top} (a group of step {record['step']}), "
+                    f"but version {rows_version} (its rows_version) has {num_rows} rows; "
+                    "nothing was committed — a group's row must be a row of the version it "
+                    "was drawn from"
+                )
+        return record, head.version
 
     def _check_outcomes(
         self,
@@ -256,6 +308,7 @@ class Writer:
         checked: Pending | None = None,
         ready: Callable[[], None] | None = None,
         rows_version: int | None = None,
+        consumption: tuple[dict[str, Any], int] | None = None,
     ) -> int:
         """Commit staged parts, in the given order, as one new version; returns its number.
         ``outcomes`` and ``generator_state`` are committed in the same record (see
@@ -268,7 +321,9 @@ class Writer:
         interrupt during the write) is resolved by reading the record back; when nothing was
         committed the parts' shards are removed. ``private``: the parts never left this
         call (``append``), so their leases need no tombstone. ``ready``: waits for the parts'
-        files to be durable (``append``'s deferred sync), called before the record appears."""
+        files to be durable (``append``'s deferred sync), called before the record appears.
+        ``consumption``: a record :meth:`_check_consumption` checked, with the head it was
+        checked at (``append``)."""
         self._check_parts(parts)
         shards = [s for part in parts for s in part.shards]
         leases = {p.lease for p in parts if p.lease}
@@ -310,7 +365,7 @@ class Writer:
             self._check_unleased(parts)
             version = self.log.commit(
                 lambda parent: self._append_record(
-                    parent, shards, schema, validated, meta, pending, rows_version
+                    parent, shards, schema, validated, meta, pending, rows_version, consumption
                 ),
                 attempts=attempts,
                 ready=ready,
@@ -596,6 +651,7 @@ class Writer:
         meta: dict[str, Any],
         pending: Pending | None = None,
         read_at: int | None = None,
+        consumption: tuple[dict[str, Any], int] | None = None,
     ) -> Commit:
         if (
             read_at is not None
@@ -607,6 +663,13 @@ class Writer:
             # appends or not) may have put other rows at their numbers, which the row count
             # alone cannot tell (Log.require_on_lineage).
             self.log.require_on_lineage(read_at, parent.version, "outcomes")
+        record = None
+        if consumption is not None:
+            record, checked_at = consumption
+            consumed_at = record["rows_version"]
+            if consumed_at is not None and parent.version != checked_at:
+                # the same rule as the outcomes': a reset since may have moved the rows
+                self.log.require_on_lineage(consumed_at, parent.version, "consumption")
         fp = m.schema_fingerprint(schema) if schema is not None else parent.schema
         if parent.schema != validated and schema is not None:
             # Another writer changed the schema after we checked: only a round whose written
@@ -641,6 +704,7 @@ class Writer:
             meta=meta,
             outcomes=outcomes,
             generator_state=state,
+            consumption=record,
         )
 
     def _write_shards(

@@ -330,6 +330,9 @@ class Commit:
     # record format 2.
     outcomes: dict[str, Any] | None = None
     generator_state: Any = None
+    # What the round's step consumed (an append only; dynstate.records.consumption): format
+    # 2 like outcomes, whose stores it needs anyway (a consuming loop records outcomes).
+    consumption: dict[str, Any] | None = None
 
     @property
     def rows_added(self) -> int:
@@ -358,7 +361,13 @@ class Commit:
             obj["outcomes"] = self.outcomes
         if self.generator_state is not None:
             obj["generator_state"] = self.generator_state
-        if self.outcomes is not None or self.generator_state is not None:
+        if self.consumption is not None:
+            obj["consumption"] = self.consumption
+        if (
+            self.outcomes is not None
+            or self.generator_state is not None
+            or self.consumption is not None
+        ):
             obj["format"] = OUTCOMES_FORMAT
         return obj
 
@@ -394,6 +403,7 @@ class Commit:
                 meta=dict(meta or {}),
                 outcomes=_outcomes_field(obj, where),
                 generator_state=obj.get("generator_state"),
+                consumption=_object_field(obj, "consumption", where),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptStoreError(
@@ -406,6 +416,13 @@ def _outcomes_field(obj: dict[str, Any], where: str) -> dict[str, Any] | None:
     value = obj.get("outcomes")
     if value is not None and not isinstance(value, dict):
         raise _wrong(where, "outcomes", value, "an object")
+    return value
+
+
+def _object_field(obj: dict[str, Any], name: str, where: str) -> dict[str, Any] | None:
+    value = obj.get(name)
+    if value is not None and not isinstance(value, dict):
+        raise _wrong(where, name, value, "an object")
     return value
 
 

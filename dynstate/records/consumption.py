@@ -1,0 +1,181 @@
+"""What a training step consumed, as a record (pure, no I/O): the rows it drew, the groups it
+trained, filtered out or dropped (with the reason) and the accepted groups it carries to the
+next step with their scores, plus the sampler position after its draws and the settings that
+produced it. The record is stored in the commit record of the step's round
+(docs/format.md, "Consumption"); :mod:`dynstate.loading.consumption` makes it,
+:mod:`dynstate.log.consumption` finds it again.
+
+Rows are plain row numbers of the record's ``rows_version``, the newest version the step's rows
+were drawn from: row ``r`` of a version is row ``r`` of every later version of its lineage
+(SPEC §3.4), so rows drawn in an epoch that pinned an older version keep their numbers.
+
+The check is also the exactly-once equation of one step: the groups carried in plus the rows
+drawn are, as a multiset, the groups trained plus filtered plus dropped plus carried out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from typing import Any
+
+from ..errors import InvalidDataError
+from . import codec
+from .outcomes import check_generator_state
+
+CONSUMPTION_FORMAT = 1
+# The record lives in the commit record, which every lineage walk may read: 1 MiB of JSON is
+# ~40,000 drawn rows or a carry of 2,048 groups of 16 scores, far beyond a step's batch.
+MAX_RECORD_BYTES = 2**20
+MAX_GROUPS = 2**16  # per list of one step
+MAX_SCORES = 4096  # responses per group
+# Why a row drawn was not trained and not carried (filtered rows have their own list).
+DROP_REASONS = ("surplus", "stale")
+KEYS = (
+    "format",
+    "step",
+    "rows_version",
+    "settings",
+    "carried_in",
+    "drawn",
+    "gen_batches",
+    "trained",
+    "filtered",
+    "dropped",
+    "carry",
+    "sampler",
+)
+
+
+def _bad(url: str, why: str) -> InvalidDataError:
+    return InvalidDataError(
+        f"consumption for {url}: {why}; nothing was committed — pass the record "
+        "DynamicSampling.next_batch returned (StepBatch.record), unchanged"
+    )
+
+
+def _index(value: Any, url: str, where: str) -> int:
+    if type(value) is not int or not 0 <= value <= codec.MAX_COUNT:
+        raise _bad(url, f"{where} holds {value!r}, not a row number (an int >= 0)")
+    return value
+
+
+def _indices(value: Any, url: str, where: str) -> list[int]:
+    if type(value) is not list:
+        raise _bad(url, f"{where} must be a list, not {type(value).__name__}")
+    if len(value) > MAX_GROUPS:
+        raise _bad(url, f"{where} lists {len(value):,} groups, over the limit of {MAX_GROUPS:,}")
+    return [_index(v, url, f"{where}[{i}]") for i, v in enumerate(value)]
+
+
+def check_scores(value: Any, url: str, where: str) -> list[float]:
+    """A group's scores as stored: a non-empty list of finite numbers (bools refused)."""
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__len__"):
+        raise InvalidDataError(
+            f"{where} for {url} must be a list of a group's scores, not {type(value).__name__}"
+        )
+    if not 0 < len(value) <= MAX_SCORES:
+        raise InvalidDataError(
+            f"{where} for {url} holds {len(value)} scores; a group has 1 to {MAX_SCORES}"
+        )
+    out = []
+    for s in value:
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(float(s)):
+            raise InvalidDataError(f"{where} for {url} holds {s!r}, not a finite number")
+        out.append(float(s))
+    return out
+
+
+def _pairs(value: Any, url: str, where: str, second: str) -> list[list[Any]]:
+    if type(value) is not list:
+        raise _bad(url, f"{where} must be a list, not {type(value).__name__}")
+    if len(value) > MAX_GROUPS:
+        raise _bad(url, f"{where} lists {len(value):,} groups, over the limit of {MAX_GROUPS:,}")
+    out = []
+    for i, pair in enumerate(value):
+        if type(pair) is not list or len(pair) != 2:
+            raise _bad(url, f"{where}[{i}] must be [index, {second}], not {pair!r}")
+        out.append([_index(pair[0], url, f"{where}[{i}][0]"), pair[1]])
+    return out
+
+
+def check_record(record: Any, url: str, step: Any = None) -> dict[str, Any]:
+    """``record`` as stored (a copy through JSON), or :class:`InvalidDataError`: every key of
+    :data:`KEYS`, each of its type and bound, and the step's exactly-once equation.
+    ``step``: the round's ``meta["step"]``, which the record's step must equal."""
+    if type(record) is not dict:
+        raise _bad(url, f"the record must be a dict, not {type(record).__name__}")
+    if set(record) != set(KEYS):
+        missing, extra = set(KEYS) - set(record), set(record) - set(KEYS)
+        raise _bad(url, f"keys missing {sorted(missing)}, unknown {sorted(extra)}")
+    if record["format"] != CONSUMPTION_FORMAT or type(record["format"]) is not int:
+        raise _bad(url, f"format {record['format']!r} is not {CONSUMPTION_FORMAT}")
+    own = record["step"]
+    if type(own) is not int or own < 0:
+        raise _bad(url, f"step {own!r} is not an int >= 0")
+    if step is not None and step != own:
+        raise _bad(url, f"the record is of step {own} but the round's meta['step'] is {step!r}")
+    rows_version = record["rows_version"]
+    if rows_version is not None and (type(rows_version) is not int or rows_version < 0):
+        raise _bad(url, f"rows_version {rows_version!r} is not a version (an int >= 0) or None")
+    if type(record["gen_batches"]) is not int or record["gen_batches"] < 0:
+        raise _bad(url, f"gen_batches {record['gen_batches']!r} is not an int >= 0")
+    if type(record["settings"]) is not dict or type(record["sampler"]) is not dict:
+        raise _bad(url, "settings and sampler must be dicts of plain types")
+    carried_in = _indices(record["carried_in"], url, "carried_in")
+    drawn = _indices(record["drawn"], url, "drawn")
+    trained = _indices(record["trained"], url, "trained")
+    filtered = _pairs(record["filtered"], url, "filtered", "spread")
+    for i, (_, spread) in enumerate(filtered):
+        if isinstance(spread, bool) or not isinstance(spread, (int, float)):
+            raise _bad(url, f"filtered[{i}][1] is {spread!r}, not a number (the group's std)")
+        if not math.isfinite(float(spread)):
+            raise _bad(url, f"filtered[{i}][1] is {spread!r}, not finite")
+    dropped = _pairs(record["dropped"], url, "dropped", "reason")
+    for i, (_, reason) in enumerate(dropped):
+        if reason not in DROP_REASONS:
+            raise _bad(url, f"dropped[{i}][1] is {reason!r}, not one of {DROP_REASONS}")
+    carry = _pairs(record["carry"], url, "carry", "scores")
+    for i, pair in enumerate(carry):
+        pair[1] = check_scores(pair[1], url, f"consumption carry[{i}][1]")
+    into = Counter(carried_in) + Counter(drawn)
+    out = Counter(trained) + Counter(i for i, _ in filtered) + Counter(i for i, _ in dropped)
+    out += Counter(i for i, _ in carry)
+    if into != out:
+        lost, extra = sorted((into - out).elements())[:8], sorted((out - into).elements())[:8]
+        raise _bad(
+            url,
+            "carried_in + drawn must equal trained + filtered + dropped + carry (each row "
+            f"exactly once); missing from the outcome {lost}, not drawn {extra}",
+        )
+    try:
+        plain = check_generator_state(
+            {"settings": record["settings"], "sampler": record["sampler"]}, url
+        )
+        text = json.dumps(record, allow_nan=False)
+    except (InvalidDataError, TypeError, ValueError) as exc:
+        raise _bad(url, f"settings and sampler must be plain JSON types ({exc})") from exc
+    if len(text) > MAX_RECORD_BYTES:
+        raise _bad(
+            url,
+            f"the record is {len(text):,} bytes of JSON, over the limit of {MAX_RECORD_BYTES:,}"
+            " (fewer groups per step, or a smaller max_carry)",
+        )
+    if rows_version is None and indices_of(record):
+        raise _bad(url, "rows_version is None but the record names rows")
+    out_record = json.loads(text)
+    out_record.update(plain)
+    return dict(out_record)
+
+
+def indices_of(record: dict[str, Any]) -> list[int]:
+    """Every index a checked record names."""
+    return [
+        *record["carried_in"],
+        *record["drawn"],
+        *record["trained"],
+        *(i for i, _ in record["filtered"]),
+        *(i for i, _ in record["dropped"]),
+        *(i for i, _ in record["carry"]),
+    ]
