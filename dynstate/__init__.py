@@ -44,6 +44,12 @@ _LAZY = {
     "FunctionPolicy": "loading.selection",
     "Learnability": "loading.selection",
     "PassRateBand": "loading.selection",
+    "DynamicSampling": "loading.consumption",
+    "FilterRule": "loading.consumption",
+    "StdThreshold": "loading.consumption",
+    "StepBatch": "loading.consumption",
+    "ZeroVariance": "loading.consumption",
+    "consumption_records": "loading.consumption",
     "lineage": "rewind",
     "rollback": "rewind",
     "version_at_step": "rewind",
@@ -57,6 +63,14 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` loads these
+    from .loading.consumption import (
+        DynamicSampling,
+        FilterRule,
+        StdThreshold,
+        StepBatch,
+        ZeroVariance,
+        consumption_records,
+    )
     from .loading.dataset import VersionedDataset, decode_index, encode_index
     from .loading.sampler import VersionedSampler
     from .loading.selection import DifficultyPools, FunctionPolicy, Learnability, PassRateBand
@@ -94,7 +108,9 @@ __all__ = [
     "ConcurrencyUnsupportedError",
     "CorruptStoreError",
     "DifficultyPools",
+    "DynamicSampling",
     "DynstateError",
+    "FilterRule",
     "FunctionPolicy",
     "InvalidDataError",
     "Learnability",
@@ -110,6 +126,8 @@ __all__ = [
     "Snapshot",
     "Staged",
     "StateMismatchError",
+    "StdThreshold",
+    "StepBatch",
     "StorageError",
     "Store",
     "StoreExistsError",
@@ -120,9 +138,11 @@ __all__ = [
     "VersionNotFoundError",
     "VersionedDataset",
     "VersionedSampler",
+    "ZeroVariance",
     "__version__",
     "collect_garbage",
     "compact",
+    "consumption_records",
     "decode_index",
     "encode_index",
     "export",

@@ -26,15 +26,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidDataError, StateMismatchError
 from ..records.consumption import CONSUMPTION_FORMAT, check_scores
 from .dataset import VersionedDataset, decode_index, encode_index
 from .sampler import VersionedSampler
 
+if TYPE_CHECKING:
+    from ..store import Store
+
 __all__ = [
     "DynamicSampling",
+    "consumption_records",
     "FilterRule",
     "Group",
     "StdThreshold",
@@ -490,3 +494,13 @@ class DynamicSampling:
 def row(index: int) -> int:
     """The row number of a version-tagged index."""
     return decode_index(index)[1]
+
+
+def consumption_records(store: Store, version: int | str | None = None) -> list[dict[str, Any]]:
+    """Every consumption record of ``version``'s lineage (a number, a tag or None: the head),
+    oldest step first, each with ``"version"``: the version of its round. O(lineage): for
+    audits and views; a resume reads only the record of its step."""
+    from ..log.consumption import lineage_records
+
+    head = store.resolve(version)
+    return [{**record, "version": v} for v, record in lineage_records(store.log, head)]
