@@ -37,9 +37,9 @@ BIG = 10**5000  # 5,001 digits: past every default reader's bound
 # the checks this test is about are taken out, the record written through the real commit.
 OLD_WRITER = """
 import sys
-import dynstate.records.codec, dynstate.records.outcomes, dynstate.records.rounds
+import dynstate.records.codec, dynstate.records.inputs
 dynstate.records.codec._longest_int = lambda text: 0
-dynstate.records.rounds.check_int = dynstate.records.outcomes.check_int = lambda value, what: None
+dynstate.records.inputs.check_int = lambda value, what: None  # the one plain-value check
 from dynstate import Store
 store = Store.open(sys.argv[1])
 where = sys.argv[2]
@@ -218,8 +218,6 @@ def _weights(stats, step):  # a module-level policy: its name goes into the stat
         ({"first_step": 2**40}, f"step={2**40} is out of range"),
         ({"num_replicas": 2**40, "rank": 0}, "num_replicas"),
         ({"mode": "mix", "batch_size": 2, "lag": 2**62}, "lag="),
-        ({"select": FunctionPolicy(_weights, params={"k": [BIG]})}, "identity"),
-        ({"select": FunctionPolicy(_weights, params={"k": [[[[[[[[[1]]]]]]]]]})}, "8 levels"),
     ],
 )
 def test_a_sampler_refuses_settings_its_state_could_not_load(tmp_path, settings, says) -> None:
@@ -227,6 +225,20 @@ def test_a_sampler_refuses_settings_its_state_could_not_load(tmp_path, settings,
     _store(url)
     with pytest.raises(InvalidDataError, match=re.escape(says)):
         VersionedSampler(VersionedDataset(url), **settings)
+
+
+@pytest.mark.parametrize(
+    ("params", "says"),
+    [
+        ({"k": [BIG]}, "params of policy 'test_bounds._weights' at params['k'][0] is an integer"),
+        ({"k": [[[[[[[[[1]]]]]]]]]}, "nests deeper than 6 levels"),  # 8 with the identity's
+    ],
+)
+def test_a_policy_refuses_params_its_state_could_not_load(params, says) -> None:
+    """The one plain-value rule (records/inputs.py) at the policy's construction, before any
+    sampler writes its identity into a state."""
+    with pytest.raises(InvalidDataError, match=re.escape(says)):
+        FunctionPolicy(_weights, params=params)
 
 
 def test_a_sampler_state_past_the_bounds_is_refused_by_name(tmp_path) -> None:

@@ -37,6 +37,8 @@ import pyarrow as pa
 
 from ..errors import InvalidDataError
 from ..records.aggregate import pass_rates
+from ..records.inputs import check_plain
+from .state import MAX_SELECT_DEPTH
 from .weights import Plan, Selector, check_weights, step_rng
 
 __all__ = [
@@ -289,7 +291,16 @@ class FunctionPolicy(Policy):
             raise InvalidDataError(f"a policy name must be a non-empty string, not {name!r}")
         _check_signature(fn, name)
         self.fn, self.user_name = fn, name
-        self.user_params = _plain(params or {}, f"params of policy {name!r}")
+        # plain types: they go into the sampler state, two levels inside the policy's
+        # identity ({"policy", "params": {..., "params": these}}), which nests at most
+        # MAX_SELECT_DEPTH deep
+        self.user_params = check_plain(
+            params or {},
+            f"params of policy {name!r}",
+            "params",
+            depth=MAX_SELECT_DEPTH - 2,
+            tuples=True,
+        )
         self.uses_step = bool(uses_step)
         self._checked = False
 
@@ -331,23 +342,6 @@ def _check_signature(fn: Callable[..., Any], name: str) -> None:
             f"{signature}, which cannot be called as fn(stats, step) ({exc}); a policy "
             "takes the statistics table and the step: def policy(stats, step) -> weights"
         ) from None
-
-
-def _plain(value: Any, where: str) -> Any:
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise InvalidDataError(f"{where} hold {value!r}; use finite numbers")
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v, where) for v in value]
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {k: _plain(v, where) for k, v in value.items()}
-    raise InvalidDataError(
-        f"{where} hold {type(value).__name__}; use plain types (str, int, float, bool, None, "
-        "lists, dicts with str keys): they go into the sampler state"
-    )
 
 
 _BUILT_IN: dict[str, Callable[..., Policy]] = {

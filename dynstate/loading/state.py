@@ -12,6 +12,7 @@ import numpy as np
 
 from ..errors import InvalidDataError, StateMismatchError, UnsupportedFormatError
 from ..records.codec import MAX_COUNT, int_fits
+from ..records.inputs import check_plain
 
 STATE_FORMAT = 3  # written only by a sampler with a selection policy; else 2
 SELECT_FORMAT = 3
@@ -78,21 +79,18 @@ _FIELDS_2: dict[str, tuple[str, bool]] = {
 }
 
 
-def _plain(value: Any, depth: int = 0) -> bool:
-    """Plain JSON-like types only (what a policy's identity may hold)."""
-    if depth > 8:
+# How deep a selection policy's identity (the state's ``select``) may nest.
+MAX_SELECT_DEPTH = 8
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is plain data (what a policy's identity may hold), by the one rule
+    of :func:`dynstate.records.inputs.check_plain`."""
+    try:
+        check_plain(value, "select", "select", depth=MAX_SELECT_DEPTH)
+    except InvalidDataError:
         return False
-    if value is None or type(value) in (bool, str):
-        return True
-    if type(value) is int:
-        return int_fits(value)
-    if type(value) is float:
-        return value == value and value not in (float("inf"), float("-inf"))
-    if type(value) is list:
-        return all(_plain(v, depth + 1) for v in value)
-    if type(value) is dict:
-        return all(type(k) is str and _plain(v, depth + 1) for k, v in value.items())
-    return False
+    return True
 
 
 def _type_ok(value: Any, kind: str) -> bool:

@@ -20,7 +20,6 @@ Statistics of a row (over every outcome of the version's lineage that names it):
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -30,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import InvalidDataError
-from .codec import check_int
+from .inputs import plain_json
 
 # The parameters the stored aggregates are built with: statistics with this half-life are
 # incremental (at any threshold while the aggregate keeps its score histogram); with another
@@ -246,51 +245,14 @@ def check_generator_state(state: Any, url: str) -> Any:
     """``state`` as stored (a copy through JSON), or InvalidDataError: plain types only —
     dict with str keys, list, str, int, finite float, bool, None — at most 32 levels deep and
     1 MiB of JSON. ``None`` means no state; tuples are refused (they would come back lists)."""
-    _check_plain(state, url, "generator_state", MAX_STATE_DEPTH)
-    try:
-        text = json.dumps(state, allow_nan=False, ensure_ascii=False)
-        size = len(text.encode())
-    except (TypeError, ValueError, OverflowError, UnicodeEncodeError) as exc:
-        raise InvalidDataError(
-            f"generator_state for {url} must be plain JSON types (dict, list, str, numbers, "
-            f"bool, None): {exc}"
-        ) from exc
-    if size > MAX_STATE_BYTES:
-        raise InvalidDataError(
-            f"generator_state for {url} is {size:,} bytes of JSON, over the limit of "
-            f"{MAX_STATE_BYTES:,}; keep large state in the round's rows or beside the store"
-        )
-    return json.loads(text)
-
-
-def _check_plain(value: Any, url: str, where: str, budget: int) -> None:
-    at = where if len(where) <= 60 else where[:57] + "..."
-    if isinstance(value, (dict, list)) and budget == 0:
-        raise InvalidDataError(
-            f"generator_state for {url} nests deeper than {MAX_STATE_DEPTH} levels (at {at})"
-        )
-    if type(value) is dict:
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise InvalidDataError(
-                    f"generator_state for {url} has key {key!r} ({type(key).__name__}) at {at}; "
-                    "keys must be str"
-                )
-            _check_plain(item, url, f"{where}[{key!r}]", budget - 1)
-    elif type(value) is list:
-        for i, item in enumerate(value):
-            _check_plain(item, url, f"{where}[{i}]", budget - 1)
-    elif type(value) is int:
-        check_int(value, f"generator_state for {url} at {at}")
-    elif type(value) is float:
-        if not math.isfinite(value):
-            raise InvalidDataError(f"generator_state for {url} holds {value} at {at}")
-    elif value is not None and type(value) not in (str, int, bool):
-        raise InvalidDataError(
-            f"generator_state for {url} holds a {type(value).__name__} at {at}; use plain "
-            "types (dict, list, str, int, float, bool, None) — convert tensors and arrays "
-            "with .tolist()"
-        )
+    return plain_json(
+        state,
+        f"generator_state for {url}",
+        "generator_state",
+        depth=MAX_STATE_DEPTH,
+        max_bytes=MAX_STATE_BYTES,
+        advice="keep large state in the round's rows or beside the store",
+    )
 
 
 # -- step sets -------------------------------------------------------------------------------

@@ -10,16 +10,14 @@ applies (:func:`dynstate.records.codec.check_int`), whatever this process's int 
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Any
 
 import pyarrow as pa
 
 from ..errors import DynstateError, InvalidDataError, SchemaMismatchError
 from . import manifest as m
-from .codec import check_int
 from .columns import check_names, check_required, check_row_depth, check_table, promote_schema
+from .inputs import plain_json
 
 MAX_META_DEPTH = 32
 MAX_META_BYTES = 2**20
@@ -29,62 +27,21 @@ MAX_META_BYTES = 2**20
 
 
 def check_meta(meta: dict[str, Any] | None, url: str) -> dict[str, Any]:
-    """``meta`` as it will be stored (plain JSON types), or InvalidDataError."""
+    """``meta`` as it will be stored (plain JSON types; tuples become lists), or
+    InvalidDataError."""
     if meta is None:
         return {}
     if not isinstance(meta, dict):
         raise InvalidDataError(f"meta for {url} must be a dict, not {type(meta).__name__}")
-    _check_meta_value(meta, url, "meta", MAX_META_DEPTH)
-    try:
-        text = json.dumps(meta, allow_nan=False, ensure_ascii=False)
-        size = len(text.encode())
-    except (TypeError, ValueError, OverflowError) as exc:
-        # what the walk lets through and JSON still refuses: a lone surrogate in a str
-        raise InvalidDataError(
-            f"meta for {url} must be JSON-serializable (str, numbers, lists, dicts): {exc}"
-        ) from exc
-    if size > MAX_META_BYTES:
-        raise InvalidDataError(
-            f"meta for {url} is {size:,} bytes of JSON, over the limit of {MAX_META_BYTES:,}; "
-            "store large values as columns of the round or as files beside the store"
-        )
-    return json.loads(text)
-
-
-_JSON_SCALARS = (str, int, float, type(None))
-
-
-def _check_meta_value(value: Any, url: str, where: str, budget: int) -> None:
-    """Refuse what JSON would change or cannot hold, before json.dumps can recurse into it."""
-    at = where if len(where) <= 60 else where[:57] + "..."
-    if isinstance(value, (dict, list, tuple)) and budget == 0:
-        raise InvalidDataError(
-            f"meta for {url} nests deeper than {MAX_META_DEPTH} levels (at {at}); flatten it"
-        )
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                # JSON would turn 1 into "1" silently, and {1: a, "1": b} into a duplicate key
-                raise InvalidDataError(
-                    f"meta for {url} has a key {key!r} of type {type(key).__name__} at {at}; "
-                    "meta keys must be str"
-                )
-            _check_meta_value(item, url, f"{where}[{key!r}]", budget - 1)
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _check_meta_value(item, url, f"{where}[{i}]", budget - 1)
-    elif isinstance(value, int) and not isinstance(value, bool):
-        check_int(value, f"meta for {url} at {at}")
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise InvalidDataError(
-            f"meta for {url} holds {value} at {at}, which JSON cannot hold; use None or a string"
-        )
-    elif not isinstance(value, _JSON_SCALARS):
-        kind = f"{type(value).__module__.split('.')[0]}.{type(value).__name__}"
-        raise InvalidDataError(
-            f"meta for {url} holds a {kind} at {at}, which is not JSON-serializable; use str, "
-            "numbers, lists and dicts (numpy and torch values: .item() or .tolist())"
-        )
+    return plain_json(
+        meta,
+        f"meta for {url}",
+        "meta",
+        depth=MAX_META_DEPTH,
+        max_bytes=MAX_META_BYTES,
+        advice="store large values as columns of the round or as files beside the store",
+        tuples=True,
+    )
 
 
 # -- rounds ----------------------------------------------------------------------------------
