@@ -65,11 +65,13 @@ def read_rows_at(snap: Any, numbers: Any, wanted: list[str]) -> list[dict[str, A
 
 def preview_column(snap: Any) -> str | None:
     """The column a row is previewed by (stats' hardest/easiest rows): the first text or chat
-    column that is not dynstate's own, else the first column."""
+    column that is not dynstate's own, a usual prompt column (``prompt``, ``question``, ...)
+    before the others, else the first column."""
     import pyarrow as pa
 
     fields = [f for f in snap.schema or [] if not f.name.startswith("_dynstate")]
-    for f in fields:
+    by_name = {f.name: f for f in fields}
+    for f in (by_name[n] for n in r.preview_order(list(by_name))):
         t = f.type
         if pa.types.is_string(t) or pa.types.is_large_string(t):
             return str(f.name)

@@ -66,6 +66,18 @@ def count(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
+# Columns that hold what a row asks, in the order a preview prefers them: verl's rows begin
+# with ``data_source`` (the same short name on every row), and their prompt comes second.
+PREVIEW_NAMES = ("prompt", "question", "problem", "query", "instruction", "messages", "text")
+
+
+def preview_order(names: Sequence[str]) -> list[str]:
+    """``names`` with the usual prompt columns (:data:`PREVIEW_NAMES`) first, in that order,
+    then the others as they were: the order a row's preview looks for its text in."""
+    known = [n for n in PREVIEW_NAMES if n in names]
+    return known + [n for n in names if n not in known]
+
+
 def chat_text(value: Any) -> str | None:
     """A chat-format value (a list of ``{"role", "content"}`` messages, as verl's prompts
     are) as its content, ``user: ... | assistant: ...``; None for anything else."""

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
-from ..cli.render import chat_text
+from ..cli.render import chat_text, preview_order
 from ..snapshot import Snapshot
 from .lineage import SOURCE_COLUMN, DescendantIndex
 
@@ -84,8 +84,10 @@ def sources(values: Mapping[str, Any]) -> list[int]:
 
 
 def preview(values: Mapping[str, Any]) -> str:
-    """A row in a few words: its first text (or chat) column, else its first column."""
-    for name, value in values.items():
+    """A row in a few words: its first text (or chat) column, a usual prompt column first
+    (as the CLI's previews), else its first column."""
+    for name in preview_order(list(values)):
+        value = values[name]
         text = value if isinstance(value, str) else chat_text(value)
         if text is not None and not name.startswith("_dynstate"):
             return text[:80]

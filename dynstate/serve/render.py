@@ -79,6 +79,22 @@ def _cell(value: Any, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _messages(value: Any) -> list[dict[str, str]] | None:
+    """A chat-format value (what :func:`chat_text` accepts) as its messages, each with its
+    role and its content as text, for the row page to show as the CLI does; None otherwise."""
+    if chat_text(value) is None:
+        return None
+    return [
+        {
+            "role": str(m.get("role") or ""),
+            "content": m["content"]
+            if isinstance(m["content"], str)
+            else json.dumps(m["content"], ensure_ascii=False, default=str),
+        }
+        for m in value
+    ]
+
+
 def _scalar(value: Any) -> bool:
     return isinstance(value, (str, int, float, bool)) and not (
         isinstance(value, str) and len(value) > 80
@@ -94,7 +110,7 @@ def environment(templates: str) -> jinja2.Environment:
         lstrip_blocks=True,
         undefined=jinja2.StrictUndefined,
     )
-    env.filters.update(bytes=_fmt_bytes, num=_fmt_int, cell=_cell)
+    env.filters.update(bytes=_fmt_bytes, num=_fmt_int, cell=_cell, messages=_messages)
     env.globals.update(
         version=__version__, colors=COLORS, scalar=_scalar, source_column=SOURCE_COLUMN, qs=qs
     )

@@ -1,0 +1,87 @@
+"""Small things found trying dynstate as a verl user (issue 44.8), each checked through the
+surface the user saw: the `dynstate` CLI (click's CliRunner or the installed script) and
+`dynstate serve` on a real loopback server."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+
+import pytest
+from click.testing import CliRunner
+from test_serve import Client, served
+
+from dynstate import Store
+from dynstate.cli import cli
+from dynstate.serve.api import StoreView
+
+ROWS = 120
+
+
+def _verl_row(i: int, source: list[int] | None = None) -> dict:
+    """A row as dynstate's verl import writes it: ``data_source`` first, the same on every
+    row, then the prompt as chat messages."""
+    return {
+        "data_source": "arith",
+        "prompt": [
+            {"role": "system", "content": "Answer with a number."},
+            {"role": "user", "content": f"What is {i} + {i}?"},
+        ],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+        "_dynstate_source": source,
+    }
+
+
+@pytest.fixture(scope="module")
+def verl_store(tmp_path_factory) -> str:
+    url = str(tmp_path_factory.mktemp("verl") / "store")
+    store = Store.open(url, create=True)
+    store.append([_verl_row(i) for i in range(ROWS - 1)])
+    outcomes = [{"row": r, "step": 0, "score": float(r % 2)} for r in range(8)]
+    store.append([_verl_row(ROWS - 1, [3])], meta={"step": 1}, outcomes=outcomes)
+    return url
+
+
+@pytest.fixture(scope="module")
+def verl_site(verl_store) -> Iterator[Client]:
+    with served(StoreView(Store.open(verl_store))) as base:
+        yield Client(base)
+
+
+def test_stats_previews_a_verl_row_by_its_prompt(verl_store):
+    result = CliRunner().invoke(cli, ["stats", verl_store, "--json"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    assert info["preview_column"] == "prompt"  # was "data_source": "arith" on every row
+    result = CliRunner().invoke(cli, ["stats", verl_store])
+    assert result.exit_code == 0, result.output
+    assert "user: What is 0 + 0?" in result.output
+
+
+def test_serve_shows_a_chat_prompt_as_messages_not_json(verl_site):
+    status, body = verl_site.get("/versions/head/rows/3")
+    assert status == 200
+    assert '<span class="role">user</span><pre>What is 3 + 3?</pre>' in body
+    assert "&#34;role&#34;" not in body and '"role":' not in body
+    # The lineage preview of the child (row 119, derived from row 3) is its prompt too.
+    assert "arith</li>" not in body and "What is 119 + 119?" in body
+
+
+def test_serve_pager_counts_rows_as_the_row_column_does(verl_site):
+    status, body = verl_site.get("/versions/head?offset=50&limit=50")
+    assert status == 200
+    span = re.search(r'class="muted page-span">([^<]*)<', body).group(1)
+    assert span == "rows 50\u201399 of 120"  # was "rows 51-100", against row numbers 50-99
+    # Rows sorted by pass rate are no range of rows: the pager counts the matches from 1.
+    status, body = verl_site.get("/versions/head?sort=pass_rate&min_attempts=1")
+    span = re.search(r'class="muted page-span">([^<]*)<', body).group(1)
+    assert span == "matches 1\u20138 of 8"
+
+
+def test_serve_row_numbers_do_not_wrap(verl_site):
+    status, css = verl_site.get("/static/style.css")
+    assert status == 200
+    rule = re.search(r"td\.num, th\.num \{([^}]*)\}", css).group(1)
+    assert "white-space: nowrap" in rule  # "2010" showed as "201 / 0" beside a wide prompt
