@@ -8,6 +8,7 @@ import json
 import re
 from collections.abc import Iterator
 
+import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 from test_serve import Client, served
@@ -85,3 +86,37 @@ def test_serve_row_numbers_do_not_wrap(verl_site):
     assert status == 200
     rule = re.search(r"td\.num, th\.num \{([^}]*)\}", css).group(1)
     assert "white-space: nowrap" in rule  # "2010" showed as "201 / 0" beside a wide prompt
+
+
+def _two_rollbacks(url: str) -> Store:
+    """An import, then a run that crashed and resumed twice (rollbacks at steps 3 and 6)."""
+    from dynstate import rollback
+
+    store = Store.open(url, create=True)
+    store.append(pa.table({"x": list(range(20))}))
+    for first, last, back_to in ((0, 5, 3), (4, 8, 6), (7, 11, None)):
+        for step in range(first, last + 1):
+            store.append(pa.table({"x": [step, step]}), meta={"step": step})
+        if back_to is not None:
+            rollback(store, step=back_to)
+    return store
+
+
+def test_plot_legend_with_two_rollbacks_is_whole_and_ticks_are_whole(tmp_path):
+    from dynstate.maintenance.plot import growth_figure
+
+    store = _two_rollbacks(str(tmp_path / "store"))
+    fig, model = growth_figure(store)
+    assert sum(m.get("rollback", False) for m in model["markers"]) == 2
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (legend,) = fig.legends
+    box, page = legend.get_window_extent(renderer), fig.bbox
+    # Every entry (two rollbacks, two crashes: long texts) inside the image, left and right.
+    assert page.x0 <= box.x0 and box.x1 <= page.x1, (box, page)
+    assert page.y0 <= box.y0
+    for ax in fig.axes:  # rows are counts: no 0.5 ticks
+        assert all(float(t).is_integer() for t in ax.get_yticks())
+    # The CLI writes the whole picture.
+    result = CliRunner().invoke(cli, ["plot", store.url, str(tmp_path / "g.png")])
+    assert result.exit_code == 0, result.output

@@ -80,6 +80,9 @@ def abandoned_points(store: Store, points: list[dict[str, Any]] | None = None) -
     return out
 
 
+# Characters of small legend text across the figure's width, entry markers included.
+_LEGEND_CHARS = 140
+
 _STYLE = {
     "rollback": {"color": "tab:red", "linestyle": "--"},
     "reset": {"color": "tab:orange", "linestyle": "--"},
@@ -88,9 +91,10 @@ _STYLE = {
 }
 
 
-def _draw(fig: Any, title: str, model: dict[str, Any]) -> None:
+def _draw(fig: Any, title: str, model: dict[str, Any]) -> int:
     """The growth model on two axes: rows added per round (bars, on the model's scale: a large
-    import is cut, with its number) and total rows (line), markers on both."""
+    import is cut, with its number) and total rows (line), markers on both; returns the
+    number of lines the legend under them takes."""
     from matplotlib.ticker import MaxNLocator
 
     top, bottom = fig.subplots(2, 1, sharex=True)
@@ -131,6 +135,8 @@ def _draw(fig: Any, title: str, model: dict[str, Any]) -> None:
         top.bar(lost[0], lost[1], width=lost[2], color="none", edgecolor="tab:red", hatch="//",
                 label="abandoned rounds (rolled back or reset)")  # fmt: skip
     top.set_ylim(0, ceiling)
+    # Rows are counts: whole ticks only (0, 1, 2, not 0.5 steps) on both axes.
+    top.yaxis.set_major_locator(MaxNLocator(integer=True))
     top.set_ylabel("rows added" + (" (import cut)" if scale["clipped"] else ""))
     top.set_title(f"{title}: growth")
     bottom.plot([p["x"] for p in points], [p["total_rows"] for p in points], marker="o",
@@ -139,6 +145,7 @@ def _draw(fig: Any, title: str, model: dict[str, Any]) -> None:
     lo, hi = scale["total"]
     bottom.set_ylim(lo, hi + max(1, hi - lo) * 0.05)
     bottom.set_ylabel("total rows")
+    bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.set_xlabel(model["axis"])
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     seen: set[str] = set()
@@ -185,7 +192,24 @@ def _draw(fig: Any, title: str, model: dict[str, Any]) -> None:
         handles += h
         labels += lab
     if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=3, fontsize="small", frameon=False)
+        # As many columns as the longest entry allows across the figure: a rollback's and a
+        # crash's entries say where, and three of them in a row ran off the image's edges.
+        longest = max(len(text) for text in labels)
+        ncol = max(1, min(3, _LEGEND_CHARS // (longest + 8)))
+        fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize="small",
+                   frameon=False)  # fmt: skip
+        return -(-len(labels) // ncol)
+    return 0
+
+
+def growth_figure(store: Store) -> tuple[Any, dict[str, Any]]:
+    """The growth plot of ``store`` as a laid-out matplotlib ``Figure``, and the growth model
+    it draws (what :func:`plot_growth` saves)."""
+    fig = _figure(figsize=(9, 6))
+    model = growth(store)
+    rows = _draw(fig, store.display_url, model)
+    fig.tight_layout(rect=(0, 0.035 * rows, 1, 1))
+    return fig, model
 
 
 def plot_growth(store: Store, out: str | os.PathLike[str], *, overwrite: bool = False) -> int:
@@ -202,14 +226,11 @@ def plot_growth(store: Store, out: str | os.PathLike[str], *, overwrite: bool = 
         raise StoreExistsError(
             f"{out} exists; choose another path or pass overwrite=True to replace it"
         )
-    fig = _figure(figsize=(9, 6))
-    model = growth(store)
-    _draw(fig, store.display_url, model)
-    rows = -(-len(fig.legends[0].get_texts()) // 3) if fig.legends else 0
-    fig.tight_layout(rect=(0, 0.035 * rows, 1, 1))
+    fig, model = growth_figure(store)
     tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{uuid.uuid4().hex}.png.tmp")
     try:
-        fig.savefig(tmp, format="png")
+        # "tight": whatever the legend holds, nothing of it is cut at the image's edges.
+        fig.savefig(tmp, format="png", bbox_inches="tight", pad_inches=0.1)
         os.replace(tmp, out)
     except OSError as exc:
         raise StorageError(f"cannot write the plot to {out}: {exc}") from exc
