@@ -38,12 +38,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DynamicSampling",
-    "consumption_records",
     "FilterRule",
     "Group",
     "StdThreshold",
     "StepBatch",
     "ZeroVariance",
+    "consumption_records",
 ]
 
 SURPLUS_MODES = ("carry", "drop")
@@ -293,7 +293,7 @@ class DynamicSampling:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         loader = StatefulDataLoader(
-            _Drawn(self.dataset),  # type: ignore[arg-type]
+            _Drawn(self.dataset),
             sampler=self.sampler,
             batch_size=self.gen_batch_size,
             drop_last=self.sampler.drop_last,

@@ -139,15 +139,21 @@ def check_record(record: Any, url: str, step: Any = None) -> dict[str, Any]:
     carry = _pairs(record["carry"], url, "carry", "scores")
     for i, pair in enumerate(carry):
         pair[1] = check_scores(pair[1], url, f"consumption carry[{i}][1]")
+    bound = record["settings"].get("max_carry")
+    if type(bound) is int and len(carry) > bound:
+        raise InvalidDataError(
+            f"consumption for {url}: step {own} carries {len(carry)} groups, over its "
+            f"max_carry={bound}; nothing was committed — raise max_carry or pass surplus='drop'"
+        )
     into = Counter(carried_in) + Counter(drawn)
     out = Counter(trained) + Counter(i for i, _ in filtered) + Counter(i for i, _ in dropped)
     out += Counter(i for i, _ in carry)
     if into != out:
-        lost, extra = sorted((into - out).elements())[:8], sorted((out - into).elements())[:8]
+        lost, unseen = sorted((into - out).elements())[:8], sorted((out - into).elements())[:8]
         raise _bad(
             url,
             "carried_in + drawn must equal trained + filtered + dropped + carry (each row "
-            f"exactly once); missing from the outcome {lost}, not drawn {extra}",
+            f"exactly once); missing from the outcome {lost}, not drawn {unseen}",
         )
     try:
         plain = check_generator_state(
