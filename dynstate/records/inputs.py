@@ -1,6 +1,6 @@
 """What user input may be, before anything is written: the one plain-value validator (a
 round's ``meta``, a generator's state, a selection policy's identity in the sampler state)
-and the one converter of rows and outcomes to Arrow. Pure: no I/O.
+and the one converter of rounds and outcomes to Arrow (:func:`to_arrow`). Pure: no I/O.
 
 Plain values are what JSON and ``torch.load(weights_only=True)`` give back unchanged: dicts
 with str keys, lists, str, int (within the bound every reader of a store applies,
@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..errors import InvalidDataError
+import pyarrow as pa
+
+from ..errors import DynstateError, InvalidDataError
 from .codec import check_int
+from .columns import check_names, check_row_depth
 
 
 def check_plain(value: Any, label: str, root: str, *, depth: int, tuples: bool = False) -> Any:
@@ -95,3 +99,162 @@ def plain_json(
             f"{label} is {size:,} bytes of JSON, over the limit of {max_bytes:,}; {advice}"
         )
     return json.loads(text)
+
+
+# -- user input to Arrow ---------------------------------------------------------------------
+
+
+def to_arrow(data: Any, url: str, *, outcomes: bool = False) -> pa.Table:
+    """User input as an Arrow table, or InvalidDataError: the one converter of a round
+    (a pyarrow Table or RecordBatch, a list of dicts, a pandas DataFrame or a
+    datasets.Dataset) and of outcomes (``outcomes=True``: also a dict of columns, and every
+    value a number — Python, numpy or 0-d torch — with 1-D numpy arrays and torch tensors
+    as columns, such as ``{"row": batch["_dynstate_row"], "score": scores}``). A round's
+    values are checked by :func:`dynstate.records.columns.check_table` after; outcomes' by
+    :func:`dynstate.records.outcomes.check_outcomes`."""
+    what = f"outcomes for {url}" if outcomes else f"this round for {url}"
+    try:
+        if isinstance(data, pa.Table):
+            return data
+        if isinstance(data, pa.RecordBatch):
+            return pa.Table.from_batches([data])
+        if outcomes and isinstance(data, Mapping):
+            return _from_columns(data, what)
+        if isinstance(data, list) or (
+            outcomes and isinstance(data, Sequence) and not isinstance(data, (str, bytes))
+        ):
+            return _from_rows(data, url, what, outcomes)
+        module = type(data).__module__.split(".")[0]
+        kind = type(data).__name__
+        if module == "pandas" and kind == "DataFrame":
+            return _from_frame(data, url, what)
+        if module == "datasets" and kind == "Dataset":
+            if getattr(data, "_indices", None) is not None:
+                data = data.flatten_indices()
+            return pa.table(data.data.table)
+    except (
+        pa.ArrowInvalid,
+        pa.ArrowTypeError,
+        pa.ArrowNotImplementedError,
+        OverflowError,
+        TypeError,
+        ValueError,
+    ) as exc:
+        if isinstance(exc, DynstateError):
+            raise
+        raise InvalidDataError(
+            f"cannot store {what}: Arrow cannot hold its values ({exc}); make each column one "
+            "type (str, int, float, bool, lists or dicts of those)"
+        ) from exc
+    if outcomes:
+        raise InvalidDataError(
+            f"outcomes for {url} must be a pyarrow Table, a list of dicts or a dict of columns "
+            f"with row, step and score, not {type(data).__name__}"
+        )
+    raise InvalidDataError(
+        f"cannot append a {type(data).__name__} to {url}; pass a pyarrow Table, a list of "
+        "dicts, a pandas DataFrame or a datasets.Dataset"
+    )
+
+
+def _from_rows(data: Sequence[Any], url: str, what: str, numbers: bool) -> pa.Table:
+    if not all(isinstance(row, Mapping if numbers else dict) for row in data):
+        raise InvalidDataError(
+            f"{what} given as a list must hold dicts"
+            + (" ({'row': 3, 'step': 7, 'score': 1.0}), one per sample" if numbers else "")
+        )
+    if numbers and not data:  # a step that trained on nothing
+        return pa.table({n: pa.array([], pa.int64()) for n in ("row", "step", "score")})
+    # Every key of every row, in order of appearance: a key a row lacks is a null there
+    # (pa.Table.from_pylist would take the first row's keys and drop later ones in silence).
+    names: dict[Any, None] = {}
+    for i, row in enumerate(data):
+        if not numbers:
+            check_row_depth(row, url, i)
+        names.update(dict.fromkeys(row))
+    if numbers and not all(isinstance(k, str) for k in names):
+        raise InvalidDataError(f"{what}: field names must be str")
+    if numbers:
+        table = pa.table({n: _numbers([row.get(n) for row in data], n, what) for n in names})
+    else:
+        table = pa.Table.from_pydict({n: [row.get(n) for row in data] for n in names})
+    _check_has_columns(len(data), table, what)
+    return table
+
+
+def _from_columns(data: Mapping[Any, Any], what: str) -> pa.Table:
+    if not all(isinstance(k, str) for k in data):
+        raise InvalidDataError(f"{what}: column names must be str")
+    columns = {name: _numbers(values, name, what) for name, values in data.items()}
+    if len({len(c) for c in columns.values()}) > 1:
+        raise InvalidDataError(
+            f"{what}: columns have different lengths "
+            + ", ".join(f"{k}={len(v)}" for k, v in columns.items())
+        )
+    return pa.table(columns)
+
+
+def _from_frame(data: Any, url: str, what: str) -> pa.Table:
+    named = [str(name) for name in data.index.names if name is not None]
+    if named:
+        # A named index (set_index("id")) is data; preserve_index=False would drop it.
+        check_names(named + [str(name) for name in data.columns], url)
+        data = data.reset_index()
+    check_names([str(name) for name in data.columns], url)
+    for pos, name in enumerate(data.columns):
+        column = data.iloc[:, pos]
+        if column.dtype == object:
+            for i, value in enumerate(column):
+                check_row_depth({name: value}, url, i)
+    table = pa.Table.from_pandas(data, preserve_index=False)
+    _check_has_columns(len(data), table, what)
+    return table
+
+
+def _check_has_columns(rows: int, table: pa.Table, what: str) -> None:
+    # Arrow counts no rows in a table without columns: the rows would vanish in silence.
+    if rows and table.num_columns == 0:
+        raise InvalidDataError(
+            f"the {rows} rows of {what} have no columns (empty dicts, or a frame without "
+            "columns); give the rows their values, or append an empty round"
+        )
+
+
+_REQUIRED = ("row", "step", "score")  # outcomes' columns, where a bool is not a number
+
+
+def _numbers(values: Any, name: str, what: str) -> pa.Array | pa.ChunkedArray:
+    """One outcome column: Arrow as it is; a 1-D numpy array or torch tensor (on any device)
+    by its values; else a list of numbers, numpy scalars and 0-d tensors among them."""
+    if isinstance(values, (pa.Array, pa.ChunkedArray)):
+        return values
+    ndim = getattr(values, "ndim", None)
+    if isinstance(ndim, int) and hasattr(values, "tolist"):  # numpy and torch
+        if ndim != 1:
+            raise InvalidDataError(
+                f"{what}: column {name!r} has {ndim} dimensions; an outcome column holds one "
+                "number per sample (flatten it, or give one column per number)"
+            )
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidDataError(f"{what}: column {name!r} must be a list of numbers")
+    values = [_scalar(v) for v in values]
+    for v in values:
+        if v is None or (isinstance(v, bool) and name not in _REQUIRED):
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise InvalidDataError(
+                f"{what}: column {name!r} holds {v!r} ({type(v).__name__}); outcome fields "
+                "must be numbers"
+            )
+    try:
+        return pa.array(values)
+    except (pa.ArrowException, OverflowError) as exc:
+        raise InvalidDataError(f"{what}: column {name!r}: {exc}") from exc
+
+
+def _scalar(value: Any) -> Any:
+    """A numpy scalar or a 0-d numpy array or torch tensor as its Python number."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        return value.item()
+    return value

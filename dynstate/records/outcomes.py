@@ -21,7 +21,7 @@ Statistics of a row (over every outcome of the version's lineage that names it):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import InvalidDataError
-from .inputs import plain_json
+from .inputs import plain_json, to_arrow
 
 # The parameters the stored aggregates are built with: statistics with this half-life are
 # incremental (at any threshold while the aggregate keeps its score histogram); with another
@@ -62,77 +62,11 @@ def as_numpy(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
 # -- input -----------------------------------------------------------------------------------
 
 
-def _as_table(data: Any, url: str) -> pa.Table:
-    if isinstance(data, pa.RecordBatch):
-        return pa.Table.from_batches([data])
-    if isinstance(data, pa.Table):
-        return data
-    if isinstance(data, Mapping):
-        if not all(isinstance(k, str) for k in data):
-            raise InvalidDataError(f"outcomes for {url}: column names must be str")
-        columns = {}
-        for name, values in data.items():
-            columns[name] = _array(values, name, url)
-        lengths = {len(c) for c in columns.values()}
-        if len(lengths) > 1:
-            raise InvalidDataError(
-                f"outcomes for {url}: columns have different lengths "
-                + ", ".join(f"{k}={len(v)}" for k, v in columns.items())
-            )
-        return pa.table(columns)
-    if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
-        if len(data) == 0:  # a step that trained on nothing
-            return pa.table({n: pa.array([], pa.int64()) for n in REQUIRED})
-        if not all(isinstance(r, Mapping) for r in data):
-            raise InvalidDataError(
-                f"outcomes for {url} as a list must hold dicts ({{'row': 3, 'step': 7, "
-                "'score': 1.0}}), one per sample"
-            )
-        names: dict[str, None] = {}
-        for r in data:
-            for k in r:
-                if not isinstance(k, str):
-                    raise InvalidDataError(f"outcomes for {url}: field names must be str")
-                names.setdefault(k, None)
-        return pa.table({n: _array([r.get(n) for r in data], n, url) for n in names})
-    if hasattr(data, "to_arrow") or type(data).__name__ == "DataFrame":
-        try:
-            return pa.Table.from_pandas(data, preserve_index=False)
-        except (TypeError, ValueError, pa.ArrowException) as exc:
-            raise InvalidDataError(f"outcomes for {url} cannot be read as a table: {exc}") from exc
-    raise InvalidDataError(
-        f"outcomes for {url} must be a pyarrow Table, a list of dicts or a dict of columns "
-        f"with row, step and score, not {type(data).__name__}"
-    )
-
-
-def _array(values: Any, name: str, url: str) -> pa.Array:
-    if isinstance(values, (pa.Array, pa.ChunkedArray)):
-        return values
-    if isinstance(values, np.ndarray):
-        values = values.tolist()
-    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise InvalidDataError(f"outcomes for {url}: column {name!r} must be a list of numbers")
-    values = list(values)
-    for v in values:
-        if v is None or (isinstance(v, bool) and name not in REQUIRED):
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise InvalidDataError(
-                f"outcomes for {url}: column {name!r} holds {v!r} "
-                f"({type(v).__name__}); outcome fields must be numbers"
-            )
-    try:
-        return pa.array(values)
-    except (pa.ArrowException, OverflowError) as exc:
-        raise InvalidDataError(f"outcomes for {url}: column {name!r}: {exc}") from exc
-
-
 def check_outcomes(data: Any, url: str, num_rows: int, version: int) -> pa.Table:
     """``data`` as the table an outcome file holds — ``row`` and ``step`` int64, ``score``
     float64, then the extra numeric columns in the caller's order — or InvalidDataError.
     Rows must exist in ``version`` (``num_rows`` rows)."""
-    table = _as_table(data, url)
+    table = to_arrow(data, url, outcomes=True)
     names = table.column_names
     if len(set(names)) != len(names) or any(not n for n in names):
         raise InvalidDataError(f"outcomes for {url}: column names must be unique and non-empty")

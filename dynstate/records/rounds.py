@@ -1,5 +1,6 @@
-"""What a round may be: conversion of user input to Arrow, and the schema policy (the first
-round fixes the schema; later rounds must match, or add nullable columns when allowed).
+"""What a round may be: its input as Arrow (converted by :func:`dynstate.records.inputs.to_arrow`,
+the one converter) and the schema policy (the first round fixes the schema; later rounds
+must match, or add nullable columns when allowed).
 
 Everything here runs before a round writes anything, so a refused round leaves the store as it
 was. What its columns may hold is checked in :mod:`dynstate.records.columns`. ``meta`` nests at most
@@ -14,10 +15,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..errors import DynstateError, InvalidDataError, SchemaMismatchError
+from ..errors import InvalidDataError, SchemaMismatchError
 from . import manifest as m
-from .columns import check_names, check_required, check_row_depth, check_table, promote_schema
-from .inputs import plain_json
+from .columns import check_required, check_table, promote_schema
+from .inputs import plain_json, to_arrow
 
 MAX_META_DEPTH = 32
 MAX_META_BYTES = 2**20
@@ -50,80 +51,7 @@ def check_meta(meta: dict[str, Any] | None, url: str) -> dict[str, Any]:
 def to_table(data: Any, url: str) -> pa.Table:
     """The round ``data`` as a pyarrow Table that dynstate can store and read back, or
     InvalidDataError."""
-    return check_table(_convert(data, url), url)
-
-
-def _convert(data: Any, url: str) -> pa.Table:
-    try:
-        if isinstance(data, pa.Table):
-            return data
-        if isinstance(data, pa.RecordBatch):
-            return pa.Table.from_batches([data])
-        if isinstance(data, list):
-            if not all(isinstance(row, dict) for row in data):
-                raise InvalidDataError(f"a round for {url} given as a list must hold dicts")
-            first = data[0].keys() if data else None
-            ragged = False
-            for i, row in enumerate(data):
-                check_row_depth(row, url, i)
-                ragged = ragged or row.keys() != first
-            if ragged:
-                # from_pylist takes the columns from the first row only and silently drops
-                # keys that appear later; a key a row lacks is a null there.
-                names = list(dict.fromkeys(key for row in data for key in row))
-                table = pa.Table.from_pydict({n: [row.get(n) for row in data] for n in names})
-            else:
-                table = pa.Table.from_pylist(data)
-            _check_has_columns(len(data), table, url)
-            return table
-        module = type(data).__module__.split(".")[0]
-        kind = type(data).__name__
-        if module == "pandas" and kind == "DataFrame":
-            named = [str(name) for name in data.index.names if name is not None]
-            if named:
-                # A named index (set_index("id")) is data; preserve_index=False would drop it.
-                check_names(named + [str(name) for name in data.columns], url)
-                data = data.reset_index()
-            check_names([str(name) for name in data.columns], url)
-            for pos, name in enumerate(data.columns):
-                column = data.iloc[:, pos]
-                if column.dtype == object:
-                    for i, value in enumerate(column):
-                        check_row_depth({name: value}, url, i)
-            table = pa.Table.from_pandas(data, preserve_index=False)
-            _check_has_columns(len(data), table, url)
-            return table
-        if module == "datasets" and kind == "Dataset":
-            if getattr(data, "_indices", None) is not None:
-                data = data.flatten_indices()
-            return pa.table(data.data.table)
-    except (
-        pa.ArrowInvalid,
-        pa.ArrowTypeError,
-        pa.ArrowNotImplementedError,
-        OverflowError,
-        TypeError,
-        ValueError,
-    ) as exc:
-        if isinstance(exc, DynstateError):
-            raise
-        raise InvalidDataError(
-            f"cannot store this round in {url}: Arrow cannot hold its values ({exc}); make "
-            "each column one type (str, int, float, bool, lists or dicts of those)"
-        ) from exc
-    raise InvalidDataError(
-        f"cannot append a {type(data).__name__} to {url}; pass a pyarrow Table, a list of "
-        "dicts, a pandas DataFrame or a datasets.Dataset"
-    )
-
-
-def _check_has_columns(rows: int, table: pa.Table, url: str) -> None:
-    # Arrow counts no rows in a table without columns: the rows would vanish in silence.
-    if rows and table.num_columns == 0:
-        raise InvalidDataError(
-            f"the {rows} rows of this round for {url} have no columns (empty dicts, or a frame "
-            "without columns); give the rows their values, or append an empty round"
-        )
+    return check_table(to_arrow(data, url), url)
 
 
 # -- later rounds ----------------------------------------------------------------------------
