@@ -120,3 +120,33 @@ def test_plot_legend_with_two_rollbacks_is_whole_and_ticks_are_whole(tmp_path):
     # The CLI writes the whole picture.
     result = CliRunner().invoke(cli, ["plot", store.url, str(tmp_path / "g.png")])
     assert result.exit_code == 0, result.output
+
+
+def test_gc_says_the_young_files_are_the_collected_versions_outcome_files(tmp_path):
+    """A rollback abandons four rounds with outcomes; gc collecting them keeps their outcome
+    files for the grace period, and says that is what they are (not "4 orphans")."""
+    from dynstate import rollback
+
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    store.append([{"p": str(i)} for i in range(10)], meta={"step": 0})
+
+    def step(s: int) -> None:
+        scores = [{"row": r, "step": s - 1, "score": 1.0} for r in range(10)]
+        store.append([{"p": "new"}], meta={"step": s}, outcomes=scores)
+
+    for s in range(1, 8):
+        step(s)
+    rollback(store, step=3)
+    for s in range(4, 8):
+        step(s)
+    plan = CliRunner().invoke(cli, ["gc", url, "--keep", "2", "--dry-run", "--json"])
+    assert plan.exit_code == 0, plan.output
+    assert json.loads(plan.output)["kept_young_outcomes"] == 4
+    result = CliRunner().invoke(cli, ["gc", url, "--keep", "2", "--yes"])
+    assert result.exit_code == 0, result.output
+    assert "orphan" not in result.output
+    assert (
+        "kept until older than the grace period: 4 outcome files of the collected versions "
+        "(rounds a reset or rollback abandoned; a later gc removes them)"
+    ) in " ".join(result.output.split())

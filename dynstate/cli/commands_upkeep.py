@@ -122,6 +122,21 @@ def _explain_lines(result: Any, store: Any) -> list[str]:
     return lines
 
 
+def _young(result: Any) -> str:
+    """What gc left because it is younger than the grace period, saying apart the outcome
+    files of the versions this run collected: they are not a killed writer's leftovers."""
+    outcomes = getattr(result, "kept_young_outcomes", 0)
+    if not outcomes:
+        return f"{r.count(result.kept_young, 'orphan')} younger than the grace period kept"
+    others = result.kept_young - outcomes
+    text = (
+        f"kept until older than the grace period: {r.count(outcomes, 'outcome file')} of "
+        f"the collected versions (rounds a reset or rollback abandoned; a later gc removes "
+        f"{'it' if outcomes == 1 else 'them'})"
+    )
+    return text + (f" and {r.count(others, 'orphan')}" if others else "")
+
+
 def _gc_lines(result: Any, verb: str, store: Any) -> list[str]:
     lines = [
         f"{verb} {removal.path} ({removal.reason}, {r.human_size(removal.bytes)})"
@@ -140,7 +155,7 @@ def _gc_lines(result: Any, verb: str, store: Any) -> list[str]:
     lines.append(
         f"{result.url}: {verb} {r.count(len(result.removed), 'file')} "
         f"({r.human_size(result.bytes_freed)}), {span} collected; "
-        f"{r.count(result.kept_young, 'orphan')} younger than the grace period kept"
+        + _young(result)
         + (
             f", {r.count(result.kept_leased, 'file')} of live writers kept"
             if getattr(result, "kept_leased", 0)

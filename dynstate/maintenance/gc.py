@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import paths
-from ..errors import CommitConflictError, InvalidDataError, StorageError
+from ..errors import CommitConflictError, DynstateError, InvalidDataError, StorageError
 from ..log import LeaseState, survey
 from ..store import Store
 from .references import References, references_below
@@ -81,6 +81,9 @@ class GcResult:
     floor_after: int
     removed: list[Removal] = field(default_factory=list)
     kept_young: int = 0  # orphans left alone because they are younger than the grace period
+    # Of those, outcome files that versions collected by this run added (a branch a reset or
+    # rollback abandoned): said apart, since they are not a writer's leftovers.
+    kept_young_outcomes: int = 0
     kept_leased: int = 0  # staged files of live writers
     foreign: list[str] = field(default_factory=list)  # names dynstate never writes: untouched
     retention: Retention | None = None  # what the rule asked for and what holds the floor
@@ -116,6 +119,7 @@ class GcResult:
             "files_removed": len(self.removed),
             "bytes_freed": self.bytes_freed,
             "kept_young": self.kept_young,
+            "kept_young_outcomes": self.kept_young_outcomes,
             "kept_leased": self.kept_leased,
             "foreign": self.foreign,
             "retention": self.retention.to_json(self.floor_after) if self.retention else None,
@@ -184,6 +188,7 @@ def collect_garbage(
     refs = References(store, floor)
     refs.add_versions(floor, head)
     collected = references_below(store, floor_before, floor)
+    outcome_files = _outcome_files_below(store, floor_before, floor)
     result = GcResult(store.display_url, dry_run, head, floor_before, floor, foreign=foreign,
                       retention=plan)  # fmt: skip
     for rel in files:
@@ -196,6 +201,7 @@ def collect_garbage(
         young = reason == "orphan" or _rewritten_by_commits(rel)
         if young and not _old_enough(store, rel, now, _min_age(rel, grace_s)):
             result.kept_young += 1
+            result.kept_young_outcomes += rel in outcome_files
             continue
         result.removed.append(Removal(rel, _size(store, rel), reason))
     result.removed += _lease_files(store, leases, now)
@@ -290,6 +296,23 @@ def _list_files(store: Store) -> tuple[list[str], list[str]]:
             elif directory != paths.TAG_DIR:
                 foreign.append(rel)  # not a name we write, or behind a link out of the root
     return ours, foreign
+
+
+def _outcome_files_below(store: Store, start: int, floor: int) -> set[str]:
+    """The outcome files versions ``start`` to ``floor - 1`` added, for gc's report only (a
+    record that cannot be read adds nothing: the report then counts its files as orphans)."""
+    from ..log.outcomes import outcomes_of
+
+    found: set[str] = set()
+    outcomes = outcomes_of(store.log)
+    for version in range(start, floor):
+        try:
+            record = store.log.record(version)
+            if record is not None:
+                found.update(f.path for f in outcomes.added(record))
+        except DynstateError:
+            continue
+    return found
 
 
 def _classify(
