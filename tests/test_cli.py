@@ -890,8 +890,8 @@ def test_errors_are_one_line_in_cli_terms(tmp_path) -> None:
     missing = run("ls", str(tmp_path / "nothing"), code=1)
     assert missing.stdout == ""
     assert missing.stderr == (
-        f"error: no dynstate store at {tmp_path / 'nothing'}; check the URL, or create one with "
-        "dynstate.Store.open(url, create=True)\n"
+        f"error: no dynstate store at {tmp_path / 'nothing'}; check the URL (a store is created "
+        "by the run that first writes to it; no dynstate command creates one)\n"
     )
     url = str(tmp_path / "store")
     build(url)

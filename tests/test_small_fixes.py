@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from collections.abc import Iterator
 
 import pyarrow as pa
@@ -150,3 +151,14 @@ def test_gc_says_the_young_files_are_the_collected_versions_outcome_files(tmp_pa
         "kept until older than the grace period: 4 outcome files of the collected versions "
         "(rounds a reset or rollback abandoned; a later gc removes them)"
     ) in " ".join(result.output.split())
+
+
+def test_a_missing_store_is_explained_in_command_line_terms(tmp_path):
+    missing = str(tmp_path / "nothing")
+    for args in (["ls", missing], ["stats", missing], ["gc", missing, "--keep", "1"]):
+        proc = subprocess.run(["dynstate", *args], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1
+        assert proc.stderr == (
+            f"error: no dynstate store at {missing}; check the URL (a store is created by the "
+            "run that first writes to it; no dynstate command creates one)\n"
+        )  # was "... or create one with dynstate.Store.open(url, create=True)"

@@ -17,8 +17,9 @@ _PHRASES = (
     (re.compile(r"pass overwrite=True \(--overwrite\)|pass overwrite=True"), "pass --overwrite"),
     (re.compile(r"pass version=None for the latest"), "`dynstate ls URL` lists them"),
     (
-        re.compile(r"or pass create=True to make a new store there"),
-        "or create one with dynstate.Store.open(url, create=True)",
+        re.compile(r", or pass create=True to make a new store there"),
+        # No command creates a store: the run that writes one does, on its first write.
+        " (a store is created by the run that first writes to it; no dynstate command creates one)",
     ),
     (re.compile(r"pass --steps"), "pass a larger --steps"),
     (
