@@ -56,6 +56,7 @@ _LAZY = {
     "decode_index": "loading.dataset",
     "encode_index": "loading.dataset",
     "find_sampler_state": "loading.state",
+    "load_loader_state": "loading.checkpoint",
     "collect_garbage": "maintenance.gc",
     "compact": "maintenance.compact",
     "export": "maintenance.export",
@@ -71,6 +72,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
         ZeroVariance,
         consumption_records,
     )
+    from .loading.checkpoint import load_loader_state
     from .loading.dataset import VersionedDataset, decode_index, encode_index
     from .loading.sampler import VersionedSampler
     from .loading.selection import DifficultyPools, FunctionPolicy, Learnability, PassRateBand
@@ -148,6 +150,7 @@ __all__ = [
     "export",
     "find_sampler_state",
     "lineage",
+    "load_loader_state",
     "rollback",
     "verify_store",
     "version_at_step",

@@ -162,3 +162,62 @@ def test_a_missing_store_is_explained_in_command_line_terms(tmp_path):
             f"error: no dynstate store at {missing}; check the URL (a store is created by the "
             "run that first writes to it; no dynstate command creates one)\n"
         )  # was "... or create one with dynstate.Store.open(url, create=True)"
+
+
+def _plain_loader(store: Store, workers: int, **options):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    import dynstate
+
+    ds = dynstate.VersionedDataset(store)
+    sampler = dynstate.VersionedSampler(ds, seed=3, batch_size=4, drop_last=True)
+    return StatefulDataLoader(ds, batch_size=4, drop_last=True, sampler=sampler,
+                              num_workers=workers, collate_fn=_xs, **options)  # fmt: skip
+
+
+def _xs(rows: list[dict]) -> list[int]:
+    return [r["x"] for r in rows]
+
+
+def _batches(loader, n: int) -> list[list[int]]:
+    out: list[list[int]] = []
+    while len(out) < n:
+        for batch in loader:
+            out.append(batch)
+            if len(out) == n:
+                break
+    return out
+
+
+def test_plain_resume_with_another_num_workers(tmp_path):
+    """A plain StatefulDataLoader user resuming with another num_workers: torchdata's own
+    load_state_dict fails with a bare AssertionError; dynstate.load_loader_state carries the
+    state over (the same batches follow) or refuses with a typed error naming both counts."""
+    import dynstate
+
+    store = Store.open(str(tmp_path / "s"), create=True)
+    store.append([{"x": i} for i in range(40)])
+    first = _plain_loader(store, 0)
+    seen = _batches(first, 3)
+    state = first.state_dict()
+    expected = _batches(first, 4)
+    assert len(seen) == 3
+
+    raw = _plain_loader(store, 2)
+    raw.load_state_dict(state)
+    with pytest.raises(AssertionError):  # what a plain user got: no type, no advice
+        _batches(raw, 1)
+
+    loader = _plain_loader(store, 2)
+    dynstate.load_loader_state(loader, state)
+    assert _batches(loader, 4) == expected
+
+    # A two-worker snapshot taken two batches before the last one: only two workers replay it.
+    old = _plain_loader(store, 2, snapshot_every_n_steps=3)
+    _batches(old, 5)
+    stale = old.state_dict()
+    with pytest.raises(dynstate.StateMismatchError) as err:
+        dynstate.load_loader_state(_plain_loader(store, 0), stale)
+    message = str(err.value)
+    assert "with 2 worker(s)" in message and "this loader has num_workers=0" in message
+    assert "build the loader with num_workers=2" in message

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, InvalidDataError, StateMismatchError
@@ -235,3 +236,143 @@ def describe_checkpoint(
     info["next_indices"] = [decode_index(i)[1] for i in indices]
     info["next_rows"] = dataset.__getitems__(indices) if indices else []
     return info
+
+
+# -- a StatefulDataLoader's state under another worker count ----------------------------------
+#
+# torchdata's state has one shape without workers (``_num_yielded`` at the top) and another
+# with them (``_snapshot`` holding the main process's sampler state and one entry per worker),
+# and refuses to load one shape into the other with a bare ``AssertionError`` (``State doesn't
+# contain key '_snapshot'``), or a snapshot of 2 workers into 4. The position itself is not
+# tied to workers: it is the dynstate sampler's state inside, and a VersionedDataset keeps no
+# per-worker state. So the state is rewritten into the new shape, the sampler state and
+# torchdata's counters carried over unchanged, and the resumed loader continues with exactly
+# the batches the old one would have produced. What cannot be carried (a snapshot older than
+# the last batch, per-worker dataset state, another torchdata layout) is refused.
+
+# torchdata 0.11's key names (torchdata/stateful_dataloader/stateful_dataloader.py)
+_INDEX_SAMPLER_STATE = "_index_sampler_state"
+_SAMPLER_ITER_STATE = "_sampler_iter_state"
+_SAMPLER_ITER_YIELDED = "_sampler_iter_yielded"
+_LEN_CALLED = "_IterableDataset_len_called"
+_SHARED_SEED = "_shared_seed"
+_FETCHER_STATE = "fetcher_state"
+_DATASET_STATE = "dataset_state"
+_FINISHED = "_iterator_finished"
+_NUM_YIELDED = "_num_yielded"  # single process only
+_SNAPSHOT = "_snapshot"  # multiprocess only, and everything below
+_STEPS_SINCE = "_steps_since_snapshot"
+_SNAPSHOT_STEP = "_snapshot_step"
+_LAST_WORKER = "_last_yielded_worker_id"
+_MAIN = "_main_snapshot"
+_WORKERS = "_worker_snapshots"
+_NUM_WORKERS = "_num_workers"
+_BASE_SEED = "_base_seed"
+
+_MAIN_KEYS = (_INDEX_SAMPLER_STATE, _SAMPLER_ITER_STATE, _SAMPLER_ITER_YIELDED, _LEN_CALLED)
+
+
+def saved_workers(state: Any) -> int | None:
+    """The ``num_workers`` of the loader that wrote ``state``; None for an unknown layout."""
+    if not isinstance(state, dict):
+        return None
+    if _NUM_YIELDED in state and _SNAPSHOT not in state:
+        return 0
+    main = state.get(_SNAPSHOT, {}).get(_MAIN) if isinstance(state.get(_SNAPSHOT), dict) else None
+    workers = main.get(_NUM_WORKERS) if isinstance(main, dict) else None
+    if isinstance(workers, int) and not isinstance(workers, bool) and workers > 0:
+        return workers
+    return None
+
+
+def carry_loader_state(
+    state: dict[str, Any], num_workers: int, refuse: Callable[[str], Exception]
+) -> dict[str, Any]:
+    """``state`` (written by a loader with any worker count) in the shape a ``StatefulDataLoader``
+    with ``num_workers`` workers loads; ``refuse(why)`` makes the error raised when it cannot
+    be carried over exactly (the caller names the setting its users change). Changes
+    nothing."""
+    saved = saved_workers(state)
+    if saved == num_workers:
+        return state
+    if saved is None:
+        raise refuse("its layout is not one torchdata 0.11 writes")
+    try:
+        if saved == 0:
+            main = {k: state[k] for k in _MAIN_KEYS}
+            main[_SHARED_SEED] = state[_SHARED_SEED]
+            yielded = state[_NUM_YIELDED]
+            dataset_states = [state[_DATASET_STATE]]
+            base_seed = None
+        else:
+            snapshot = state[_SNAPSHOT]
+            if state[_STEPS_SINCE] != 0:
+                raise refuse(
+                    f"its sampler state is {state[_STEPS_SINCE]} batch(es) older than the last "
+                    "one trained (snapshot_every_n_steps > 1), which only the same workers replay"
+                )
+            main = {k: snapshot[_MAIN][k] for k in _MAIN_KEYS}
+            main[_SHARED_SEED] = snapshot[_MAIN][_SHARED_SEED]
+            base_seed = snapshot[_MAIN][_BASE_SEED]
+            yielded = snapshot[_SNAPSHOT_STEP]
+            dataset_states = [
+                w.get(_DATASET_STATE) for w in (snapshot[_WORKERS] or {}).values() if w is not None
+            ]
+        finished = state[_FINISHED]
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise refuse(f"it lacks torchdata's {exc} entry") from exc
+    if any(s is not None for s in dataset_states):
+        raise refuse("its dataset keeps a per-worker state that cannot be split differently")
+    if num_workers == 0:
+        return {
+            **main,
+            _NUM_YIELDED: yielded,
+            _FETCHER_STATE: None,
+            _DATASET_STATE: None,
+            _FINISHED: finished,
+        }
+    if base_seed is not None:
+        main[_BASE_SEED] = base_seed
+    else:
+        # A loader without workers has no worker seed; draw one as torch does for a new loader.
+        import torch
+
+        main[_BASE_SEED] = int(torch.empty((), dtype=torch.int64).random_().item())
+    main[_NUM_WORKERS] = num_workers
+    return {
+        _SNAPSHOT: {
+            _SNAPSHOT_STEP: yielded,
+            # the worker before the first: the next batch goes to worker 0, as on a new loader
+            _LAST_WORKER: num_workers - 1,
+            _MAIN: main,
+            _WORKERS: {},  # no per-worker state: each worker starts as on a new loader
+        },
+        _STEPS_SINCE: 0,
+        _FINISHED: finished,
+    }
+
+
+def load_loader_state(loader: Any, state: dict[str, Any]) -> None:
+    """Load ``state`` (a ``StatefulDataLoader.state_dict()``, e.g. from a checkpoint) into
+    ``loader``, whatever ``num_workers`` the loader that saved it had: the state is carried
+    into the shape ``loader``'s worker count loads (the same batches follow, see above), where
+    ``loader.load_state_dict(state)`` would fail with torchdata's bare ``AssertionError``.
+    What cannot be carried exactly raises :class:`StateMismatchError` naming both worker
+    counts, and ``loader`` is left unchanged."""
+    if not isinstance(state, dict):
+        raise StateMismatchError(
+            f"a loader state is the dict StatefulDataLoader.state_dict() returns, not "
+            f"{type(state).__name__}; pass what the checkpoint saved from it"
+        )
+    num_workers = int(getattr(loader, "num_workers", 0) or 0)
+    saved = saved_workers(state)
+
+    def refuse(why: str) -> StateMismatchError:
+        was = "an unknown number of" if saved is None else str(saved)
+        return StateMismatchError(
+            f"this loader state was saved by a StatefulDataLoader with {was} worker(s), "
+            f"this loader has num_workers={num_workers}, and {why}; build the loader with "
+            f"num_workers={saved if saved is not None else 'as when it was saved'}"
+        )
+
+    loader.load_state_dict(carry_loader_state(state, num_workers, refuse))
