@@ -1000,7 +1000,7 @@ def old_dynstate(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 "-1",
                 "--diff-filter=A",
                 "--",
-                "dynstate/records/outcomes.py",
+                "dynstate/outcomes.py",
             ],
             cwd=ROOT,
             capture_output=True,
