@@ -465,7 +465,7 @@ class OutcomeViews:
     def band_series(self, version: int, *, bins: int = 10, points: int | None = None) -> dict:
         """After each step of ``version``'s lineage, how many rows sit in each pass-rate band
         (their pass rate over every outcome up to and including that step), as
-        :func:`dynstate.records.outcomes.summarize` bins them; the last point equals its histogram.
+        :func:`dynstate.records.aggregate.summarize` bins them; the last point equals its histogram.
         ``points``: at most this many steps, evenly spaced, the last always kept (the counts
         are exact at the steps kept).
 
