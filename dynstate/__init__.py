@@ -64,6 +64,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` loads these
+    from .loading.checkpoint import load_loader_state
     from .loading.consumption import (
         DynamicSampling,
         FilterRule,
@@ -72,7 +73,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
         ZeroVariance,
         consumption_records,
     )
-    from .loading.checkpoint import load_loader_state
     from .loading.dataset import VersionedDataset, decode_index, encode_index
     from .loading.sampler import VersionedSampler
     from .loading.selection import DifficultyPools, FunctionPolicy, Learnability, PassRateBand

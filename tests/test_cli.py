@@ -429,7 +429,7 @@ def test_diff_exact(built) -> None:
     assert run("diff", url, "ckpt", "head").stdout.splitlines() == [
         f"{url}: version 2 -> 6",
         "rows:    6 -> 8: version 6 extends version 2",
-        "added:   2 rows (versions 6)",
+        "added:   2 rows (version 6)",
         "removed: 0 rows",
         "shared:  the first 6 rows (both lineages meet at version 2)",
         "schema:  unchanged",

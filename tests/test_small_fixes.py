@@ -221,3 +221,40 @@ def test_plain_resume_with_another_num_workers(tmp_path):
     message = str(err.value)
     assert "with 2 worker(s)" in message and "this loader has num_workers=0" in message
     assert "build the loader with num_workers=2" in message
+
+
+def test_ls_shows_rounds_without_rows_as_what_they_were(tmp_path):
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    store.append([{"p": str(i)} for i in range(5)], meta={"step": 0})
+    store.append([], meta={"step": 1}, outcomes=[{"row": 0, "step": 0, "score": 1.0}])
+    store.append([], meta={"step": 2})
+    store.append([{"p": "x"}], meta={"step": 3})
+    result = CliRunner().invoke(cli, ["ls", url, "--all"])
+    assert result.exit_code == 0, result.output
+    ops = {int(line.split()[0]): line.split()[1] for line in result.output.splitlines()[6:]}
+    # was "append" with 0 added for both
+    assert ops == {4: "append", 3: "empty", 2: "outcomes", 1: "append", 0: "create"}
+
+
+def test_one_version_and_one_shard_are_said_in_the_singular(tmp_path):
+    from dynstate.history import growth
+
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    for step in range(3):
+        store.append([{"p": str(step)}], meta={"step": step})  # versions 1-3
+    diff = CliRunner().invoke(cli, ["diff", url, "2", "3"])
+    assert diff.exit_code == 0, diff.output
+    assert "(version 3)" in diff.output and "(versions 3)" not in diff.output
+    reset = CliRunner().invoke(cli, ["reset", url, "2"])
+    assert reset.exit_code == 0, reset.output
+    assert "version 3 is abandoned until gc" in reset.output  # was "versions 3-3 are"
+    compacted = CliRunner().invoke(cli, ["compact", url])
+    assert compacted.exit_code == 0, compacted.output
+    labels = [m["label"] for m in growth(Store.open(url))["markers"]]
+    assert "compaction: 1 shard" in labels  # was "1 shards"
+    assert any(
+        label.startswith("reset to version 2; version 3 abandoned (1 row dropped)")
+        for label in labels
+    ), labels

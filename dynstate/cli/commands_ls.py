@@ -26,6 +26,16 @@ def _added(row: dict[str, Any]) -> str:
     return f"{row['rows_added']:,}"
 
 
+def _ls_op(row: dict[str, Any], store: Store) -> str:
+    """The op column: a round that added no rows says what it was instead of ``append`` with
+    0 added: ``outcomes`` when it recorded outcomes only (a step that generated nothing but
+    was scored), ``empty`` when it recorded nothing but its step."""
+    if row["op"] != "append" or row["rows_added"] or row.get("error"):
+        return _op(row)
+    # Read already: version_rows fetched the records shown, and the log keeps them.
+    return "outcomes" if store.commit_record(row["version"]).outcomes else "empty"
+
+
 def _status(row: dict[str, Any]) -> str:
     """ "head", "abandoned" and the version's tags, in one column: ``head, tag best``."""
     return ", ".join([*([row["status"]] if row["status"] else []),
@@ -51,8 +61,9 @@ def _tag_list(names: list[str], most: int = 4) -> str:
 @store_command
 def ls_cmd(url, show_all: bool, limit: int | None, reverse: bool, as_json: bool, storage_options):
     """List a store's versions, newest first, under a summary of the store. Status is "head"
-    for the head; with --all, versions a reset left behind are listed as "abandoned". Only
-    the records shown are read, so a long history costs nothing extra.
+    for the head; with --all, versions a reset left behind are listed as "abandoned". A round
+    that added no rows shows op "outcomes" (it recorded outcomes only) or "empty". Only the
+    records shown are read, so a long history costs nothing extra.
 
     \b
     Example:
@@ -88,7 +99,7 @@ def ls_cmd(url, show_all: bool, limit: int | None, reverse: bool, as_json: bool,
     cells = [
         [
             str(row["version"]),
-            _op(row),
+            _ls_op(row, store),
             _added(row),
             f"{row['total_rows']:,}",
             f"{row['shards']:,}",

@@ -134,7 +134,7 @@ def diff_cmd(url: str, v1: str, v2: str, with_shards: bool, with_rows: bool, row
     Example:
       dynstate diff ./runs/run1 ckpt head --rows -n 5
     """
-    from ..history import diff, ranges
+    from ..history import diff
 
     store = open_store(url, storage_options)
     info = diff(store, version_arg(v1), version_arg(v2), shards=with_shards)
@@ -162,9 +162,9 @@ def diff_cmd(url: str, v1: str, v2: str, with_shards: bool, with_rows: bool, row
         verdict = f"version {b} extends version {a}"
     else:
         verdict = f"version {b} does not contain all rows of version {a}"
-    added_from = f" (versions {ranges(info['added_versions'])})" if info["added_versions"] else ""
+    added_from = f" ({r.versions_text(info['added_versions'])})" if info["added_versions"] else ""
     removed_from = (
-        f" (versions {ranges(info['removed_versions'])})" if info["removed_versions"] else ""
+        f" ({r.versions_text(info['removed_versions'])})" if info["removed_versions"] else ""
     )
     common = info["common_version"]
     pairs = [

@@ -145,13 +145,7 @@ def _gc_lines(result: Any, verb: str, store: Any) -> list[str]:
     if len(result.removed) > PLAN_LINES:
         lines.append(f"... and {len(result.removed) - PLAN_LINES:,} more files (--json lists all)")
     collected = result.versions_collected
-    span = (
-        f"versions {collected[0]}-{collected[-1]}"
-        if len(collected) > 1
-        else f"version {collected[0]}"
-        if collected
-        else "no versions"
-    )
+    span = _span(collected[0], collected[-1]) if collected else "no versions"
     lines.append(
         f"{result.url}: {verb} {r.count(len(result.removed), 'file')} "
         f"({r.human_size(result.bytes_freed)}), {span} collected; "
@@ -329,8 +323,9 @@ def reset_cmd(url: str, version: str, as_json: bool, storage_options) -> None:
         out = {"url": store.display_url, "target": target, "head": new, "committed": new}
         text = (
             f"reset {store.display_url} to version {target}: new head is version {new} "
-            f"({r.count(store.commit_record(new).num_rows, 'row')}); versions "
-            f"{target + 1}-{new - 1} are abandoned until gc"
+            f"({r.count(store.commit_record(new).num_rows, 'row')}); "
+            f"{_span(target + 1, new - 1)} {'is' if new - 1 == target + 1 else 'are'} "
+            "abandoned until gc"
             if new - 1 > target
             else f"reset {store.display_url} to version {target}: new head is version {new}"
         )

@@ -71,6 +71,15 @@ def count(n: int, noun: str) -> str:
 PREVIEW_NAMES = ("prompt", "question", "problem", "query", "instruction", "messages", "text")
 
 
+def versions_text(versions: Sequence[int]) -> str:
+    """``[47]`` as ``"version 47"``, ``[3, 4, 5, 8]`` as ``"versions 3-5, 8"``: singular for
+    one version, runs of consecutive versions as ranges (never ``21-21``)."""
+    from ..history import ranges
+
+    unique = sorted(set(versions))
+    return f"version {unique[0]}" if len(unique) == 1 else f"versions {ranges(unique)}"
+
+
 def preview_order(names: Sequence[str]) -> list[str]:
     """``names`` with the usual prompt columns (:data:`PREVIEW_NAMES`) first, in that order,
     then the others as they were: the order a row's preview looks for its text in."""

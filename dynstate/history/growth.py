@@ -97,7 +97,8 @@ def growth(
             if crash is not None:
                 markers.append(crash)
         elif record.op == "compact":
-            label = f"compaction: {record.num_shards} shards"
+            shards = "shard" if record.num_shards == 1 else "shards"
+            label = f"compaction: {record.num_shards:,} {shards}"
             markers.append({"kind": "compact", "version": record.version, "x": x, "label": label})
         if isinstance(step, int) and record.op == "append":
             if isinstance(last_step, int) and step > last_step + 1:
@@ -161,9 +162,10 @@ def _reset_marker(store: Store, record: Commit, x: float, axis: str, floor: int)
     else:
         label = f"reset to version {target}"
     if abandoned and abandoned[0] <= abandoned[1]:
-        label += f"; versions {abandoned[0]}-{abandoned[1]} abandoned"
+        a, b = abandoned
+        label += f"; version {a} abandoned" if a == b else f"; versions {a}-{b} abandoned"
     if dropped:
-        label += f" ({dropped} rows dropped)"
+        label += f" ({dropped:,} row{'' if dropped == 1 else 's'} dropped)"
     return {
         "kind": "reset",
         "version": record.version,

@@ -43,7 +43,8 @@ def _tip(p: dict[str, Any], axis: str, extra: str = "") -> str:
     name = "import" if p["kind"] == "import" else f"version {p['version']}"
     if p["kind"] == "import":
         name += f" (version {p['version']})"
-    return f"{name}{extra}, {where}: +{p['rows_added']:,} rows{gen}"
+    rows = "row" if p["rows_added"] == 1 else "rows"
+    return f"{name}{extra}, {where}: +{p['rows_added']:,} {rows}{gen}"
 
 
 def growth_svg(data: dict[str, Any], *, width: int = 960, link: str = "versions/") -> str:
