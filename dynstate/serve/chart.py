@@ -254,7 +254,8 @@ def _bucket_bars(
         )
         if cut:
             out.append(
-                f'<text class="mark-label clip-label" x="{sx(p["x"]) + 4:.1f}" y="{y0 + 10}">'
+                f'<text class="mark-label clip-label" x="{sx(p["x"]) + 4:.1f}" y="{y0 + 10}" '
+                'stroke="white" stroke-width="3" paint-order="stroke">'
                 f"{p['rows_added']:,} rows (import, cut)</text>"
             )
     size = bucketed["size"]
