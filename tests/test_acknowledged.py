@@ -263,12 +263,14 @@ def test_outcome_only_append_collected_right_after_its_create_is_committed_once(
     assert verify_store(reader, all_versions=True).ok
 
 
-def test_outcome_only_append_created_below_a_new_floor_is_committed_above_it(
+def test_outcomes_whose_rows_gc_collected_while_their_writer_paused_are_refused(
     durable_url: str,
 ) -> None:
-    """The writer stops before creating version 2 (an empty round with outcomes); gc --keep 1
-    frees the name; its create lands below the floor, in no lineage: committed again above it,
-    its outcomes in the head exactly once."""
+    """The writer stops before creating version 2 (an empty round with outcomes of row 0 read
+    at version 1); gc --keep 1 collects versions 1-3 meanwhile. Nothing kept can tell whether a
+    reset came between version 1 and the new parent, so the outcomes are refused (issue 40.2:
+    outcomes bind to the rows they were scored on) with a typed error, and the store holds
+    nothing of them; before, they were committed above the floor on trust."""
     store = Store.open(durable_url, create=True)
     store.append([{"w": "base"}])
     proc = _writer(durable_url, "outcomes", {"row": [0], "step": [7], "score": [1]})
@@ -282,9 +284,10 @@ def test_outcome_only_append_created_below_a_new_floor_is_committed_above_it(
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert out == {"version": 5}, out
+    assert out["error"] == "VersionCollectedError", out
+    assert "read at version 1, which gc removed" in out["message"], out
     reader = _fresh(durable_url)
-    assert reader.head == 5 and _steps(reader) == [7] and _steps(reader, 4) == []
+    assert reader.head == 4 and _steps(reader) == []
     assert verify_store(reader, all_versions=True).ok
 
 
