@@ -364,3 +364,20 @@ def _check_gradient_accumulation(example: Any, tmp_path: Path, ga: int) -> None:
     a = Store.open(str(tmp_path / "clean" / "store")).snapshot().to_arrow()
     b = Store.open(str(tmp_path / "run" / "store")).snapshot().to_arrow()
     assert a.equals(b)
+
+
+def test_one_generator_class_serves_both_trainers():
+    """A generator written against dynstate.verl's interface is the same class TRL's
+    integration dispatches on (one home: dynstate.generators), so it runs under either."""
+    import dynstate.generators as g
+    import dynstate.trl as trl_side
+    import dynstate.verl as verl_side
+
+    assert verl_side.DynstateGenerator is trl_side.DynstateGenerator is g.DynstateGenerator
+    assert verl_side.AbstractDataGenerator is g.AbstractDataGenerator
+
+    class Variations(verl_side.DynstateGenerator):
+        def generate(self, batch, step, dataset):
+            return [{"step": step, "rows": list(batch)}]
+
+    assert g.run_generator(Variations(), [3, 4], 7, None) == [{"step": 7, "rows": [3, 4]}]

@@ -1,6 +1,8 @@
 """Generators under TRL: what writes a new round of tasks between training steps.
 
-The interfaces are verl's (docs/verl.md), so one generator class serves both trainers:
+The interfaces are verl's (docs/verl.md), defined once in :mod:`dynstate.generators`, so one
+generator class serves both trainers (its ``batch`` is a verl ``DataProto`` there, a
+:class:`StepBatch` here):
 
 * the old one: any object with ``generate(dataset)`` returning new rows (a
   ``datasets.Dataset``, a list of dicts, a pandas DataFrame or a pyarrow Table); ``dataset`` is
@@ -21,16 +23,22 @@ writes the same rows.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
 import datasets
 import pyarrow as pa
 
+from ..generators import (  # noqa: F401  (the one home of the interfaces, re-exported)
+    SOURCE_COLUMN,
+    AbstractDataGenerator,
+    DynstateGenerator,
+    generator_name,
+    load_state,
+    run_generator,
+    state_of,
+)
 from ..store import Store
-
-SOURCE_COLUMN = "_dynstate_source"
 
 
 @dataclass(frozen=True)
@@ -46,19 +54,6 @@ class StepBatch:
     rows_version: int
     prompts: list[Any]
     completions: list[Any]
-
-
-class DynstateGenerator(ABC):
-    """dynstate's generator interface: sees the step's scored batch and records lineage.
-
-    ``name`` goes into each round's commit meta (``dynstate ls`` shows it)."""
-
-    name: str = ""
-
-    @abstractmethod
-    def generate(self, batch: StepBatch, step: int, dataset: RoundView) -> Any:
-        """The new rows of ``step`` (possibly none: ``[]`` or None), with the store's columns
-        and optionally ``_dynstate_source``."""
 
 
 class RoundView:
@@ -95,25 +90,3 @@ class RoundView:
                 pending=self._pending, rows_version=self._rows_version, **kwargs
             )
         return self.store.outcome_stats(**kwargs)
-
-
-def generator_name(generator: Any) -> str:
-    return getattr(generator, "name", "") or type(generator).__name__
-
-
-def run_generator(generator: Any, batch: StepBatch, step: int, view: RoundView) -> Any:
-    """Call either interface; returns whatever rows the generator made."""
-    if isinstance(generator, DynstateGenerator):
-        return generator.generate(batch, step, view)
-    return generator.generate(view)
-
-
-def state_of(generator: Any) -> Any:
-    method = getattr(generator, "state_dict", None)
-    return method() if callable(method) else None
-
-
-def load_state(generator: Any, state: Any) -> None:
-    method = getattr(generator, "load_state_dict", None)
-    if callable(method) and state is not None:
-        method(state)

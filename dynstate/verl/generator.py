@@ -27,51 +27,28 @@ from __future__ import annotations
 import logging
 import sys
 import types
-from abc import ABC, abstractmethod
 from typing import Any
 
 from ..errors import InvalidDataError
 
+# The interfaces and how a trainer calls them live in one home for every integration;
+# re-exported here, where verl users have imported them from.
+from ..generators import (  # noqa: F401
+    SOURCE_COLUMN,
+    AbstractDataGenerator,
+    DynstateGenerator,
+    generator_name,
+    load_state,
+    run_generator,
+    state_of,
+)
+
 log = logging.getLogger("dynstate")
 
-SOURCE_COLUMN = "_dynstate_source"
 ROW_KEY = "dynstate_row"
 # the version an item was read from: with a selection policy, the one whose statistics drew it
 VERSION_KEY = "dynstate_version"
 _OLD_MODULE = "verl.experimental.dynamic_dataset.dynamicgen_dataset"
-
-
-class AbstractDataGenerator(ABC):
-    """verl's old generator interface (``verl.experimental.dynamic_dataset``), unchanged."""
-
-    def __init__(self, config: Any = None):
-        self.config = config
-
-    @abstractmethod
-    def generate(self, dataset: Any) -> Any:
-        """Return new rows (a ``datasets.Dataset``) given the train dataset."""
-
-
-class DynstateGenerator(ABC):
-    """dynstate's generator interface: sees the step's scored batch and records lineage.
-
-    ``name`` is written into each round's commit meta (``dynstate ls`` shows it)."""
-
-    name: str = ""
-
-    def __init__(self, config: Any = None):
-        self.config = config
-
-    @abstractmethod
-    def generate(self, batch: Any, step: int, dataset: Any) -> Any:
-        """Return the new rows for ``step``: a list of dicts, a ``datasets.Dataset``, a pandas
-        DataFrame or a pyarrow Table, with the store's columns and optionally
-        ``_dynstate_source`` (list of source row numbers, from ``batch``'s ``dynstate_row``).
-        ``dataset.outcome_stats()`` gives the per-row statistics of the earlier steps
-        (``pending=True``: and of this one)."""
-
-    # Optional (both interfaces): ``state_dict() -> plain JSON types`` and
-    # ``load_state_dict(state)``; see :func:`state_of` and :func:`load_state`.
 
 
 def _install_old_module_alias() -> None:
@@ -114,29 +91,3 @@ def load_generator(datagen_config: Any) -> AbstractDataGenerator | DynstateGener
             "generate() method (AbstractDataGenerator or DynstateGenerator)"
         )
     return cls(datagen_config)
-
-
-def generator_name(generator: Any) -> str:
-    return getattr(generator, "name", "") or type(generator).__name__
-
-
-def run_generator(generator: Any, batch: Any, step: int, dataset: Any) -> Any:
-    """Call either interface; returns whatever rows the generator made."""
-    if isinstance(generator, DynstateGenerator):
-        return generator.generate(batch, step, dataset)
-    return generator.generate(dataset)
-
-
-def state_of(generator: Any) -> Any:
-    """The generator's ``state_dict()`` (committed with its round), or None without one."""
-    method = getattr(generator, "state_dict", None)
-    return method() if callable(method) else None
-
-
-def load_state(generator: Any, state: Any) -> bool:
-    """Give ``state`` to the generator's ``load_state_dict``; False when it has none."""
-    method = getattr(generator, "load_state_dict", None)
-    if not callable(method):
-        return False
-    method(state)
-    return True

@@ -1,0 +1,96 @@
+"""Generators: what writes a new round of tasks between training steps, for every trainer
+integration (verl, TRL) — one home for the interfaces and for how a trainer calls them.
+
+Two interfaces are accepted, chosen by the class a generator derives from:
+
+* the old one, :class:`AbstractDataGenerator` (verl's experimental ``DynamicGenDataset``
+  interface, unchanged): ``__init__(config)`` and ``generate(dataset)`` returning new rows;
+  ``dataset.dataframe`` is a ``datasets.Dataset`` of the current rows. Any object with such a
+  ``generate(dataset)`` is called this way.
+* dynstate's richer one, :class:`DynstateGenerator`: ``generate(batch, step, dataset)`` also
+  receives the step's scored batch (a verl ``DataProto`` under verl, a
+  :class:`dynstate.trl.StepBatch` under TRL) and the step; a row's ``_dynstate_source`` (a list
+  of store row numbers) records the rows it was derived from.
+
+Both can read what the policy solves so far (``dataset.outcome_stats()``, and with
+``pending=True`` the step's own scores counted too) and may keep state: ``state_dict()``
+returning plain JSON types and ``load_state_dict(state)``. The integration commits the state
+with the generator's round and, on resume, loads the state of the checkpointed version. A
+generator must draw its randomness from its own state, never from the global generators the
+trainer owns, so that a resumed run writes the same rows.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+__all__ = [
+    "SOURCE_COLUMN",
+    "AbstractDataGenerator",
+    "DynstateGenerator",
+    "generator_name",
+    "load_state",
+    "run_generator",
+    "state_of",
+]
+
+# The column a generated row names its source rows in (a list of store row numbers).
+SOURCE_COLUMN = "_dynstate_source"
+
+
+class AbstractDataGenerator(ABC):
+    """verl's old generator interface (``verl.experimental.dynamic_dataset``), unchanged."""
+
+    def __init__(self, config: Any = None):
+        self.config = config
+
+    @abstractmethod
+    def generate(self, dataset: Any) -> Any:
+        """Return new rows (a ``datasets.Dataset``) given the train dataset."""
+
+
+class DynstateGenerator(ABC):
+    """dynstate's generator interface: sees the step's scored batch and records lineage.
+
+    ``name`` is written into each round's commit meta (``dynstate ls`` shows it)."""
+
+    name: str = ""
+
+    def __init__(self, config: Any = None):
+        self.config = config
+
+    @abstractmethod
+    def generate(self, batch: Any, step: int, dataset: Any) -> Any:
+        """Return the new rows for ``step``: a list of dicts, a ``datasets.Dataset``, a pandas
+        DataFrame or a pyarrow Table, with the store's columns and optionally
+        ``_dynstate_source``. ``dataset.outcome_stats()`` gives the per-row statistics of the
+        earlier steps (``pending=True``: and of this one)."""
+
+
+def generator_name(generator: Any) -> str:
+    """What a round's commit meta records as its generator."""
+    return getattr(generator, "name", "") or type(generator).__name__
+
+
+def run_generator(generator: Any, batch: Any, step: int, dataset: Any) -> Any:
+    """Call either interface; returns whatever rows the generator made."""
+    if isinstance(generator, DynstateGenerator):
+        return generator.generate(batch, step, dataset)
+    return generator.generate(dataset)
+
+
+def state_of(generator: Any) -> Any:
+    """The generator's ``state_dict()`` (committed with its round), or None without one."""
+    method = getattr(generator, "state_dict", None)
+    return method() if callable(method) else None
+
+
+def load_state(generator: Any, state: Any) -> bool:
+    """Give ``state`` to the generator's ``load_state_dict``; False when it has none (or
+    there is no state to give)."""
+    method = getattr(generator, "load_state_dict", None)
+    if not callable(method) or state is None:
+        return False
+    method(state)
+    return True
