@@ -57,9 +57,14 @@ def test_stats_previews_a_verl_row_by_its_prompt(verl_store):
     assert result.exit_code == 0, result.output
     info = json.loads(result.output)
     assert info["preview_column"] == "prompt"  # was "data_source": "arith" on every row
-    result = CliRunner().invoke(cli, ["stats", verl_store])
+    # The table is as wide as the terminal says (CI has none: 80 columns).
+    result = CliRunner().invoke(cli, ["stats", verl_store], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "user: What is 0 + 0?" in result.output
+    # A narrow cell leads with the task, not the system prompt every row shares.
+    narrow = CliRunner().invoke(cli, ["stats", verl_store], env={"COLUMNS": "80"})
+    assert narrow.exit_code == 0, narrow.output
+    assert "user: Wh" in narrow.output and "system:" not in narrow.output
 
 
 def test_serve_shows_a_chat_prompt_as_messages_not_json(verl_site):

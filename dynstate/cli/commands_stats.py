@@ -102,7 +102,7 @@ def stats_cmd(
     texts: dict[int, str] = {}
     if column is not None and listed:
         values = read_rows_at(snap, listed, [column])
-        texts = {row: r.cell(v[column]) for row, v in zip(listed, values, strict=True)}
+        texts = {row: r.preview(v[column]) for row, v in zip(listed, values, strict=True)}
     for entry in (*summary["hardest"], *summary["easiest"]):
         entry["preview"] = texts.get(entry["row"])
     out = {

@@ -87,13 +87,17 @@ def preview_order(names: Sequence[str]) -> list[str]:
     return known + [n for n in names if n not in known]
 
 
-def chat_text(value: Any) -> str | None:
+def chat_text(value: Any, *, task_first: bool = False) -> str | None:
     """A chat-format value (a list of ``{"role", "content"}`` messages, as verl's prompts
-    are) as its content, ``user: ... | assistant: ...``; None for anything else."""
+    are) as its content, ``user: ... | assistant: ...``; None for anything else.
+    ``task_first``: system messages last — a one-line cell cut to the terminal's width then
+    shows the task, not the system prompt every row shares."""
     if not isinstance(value, list) or not value:
         return None
     if not all(isinstance(m, dict) and "content" in m for m in value):
         return None
+    if task_first:
+        value = sorted(value, key=lambda m: m.get("role") == "system")  # stable
     parts = []
     for message in value:
         content = message["content"]
@@ -102,6 +106,14 @@ def chat_text(value: Any) -> str | None:
         role = message.get("role")
         parts.append(f"{role}: {content}" if role else content)
     return " | ".join(parts)
+
+
+def preview(value: Any) -> str:
+    """A value as a one-line preview of its row: :func:`cell`, but chat messages lead with
+    the task (system messages last), so a preview cut to the terminal's width names the
+    task, not the system prompt every row shares."""
+    chat = chat_text(value, task_first=True)
+    return cell(value) if chat is None else chat.replace("\n", "\\n")
 
 
 def cell(value: Any) -> str:
