@@ -130,25 +130,19 @@ class Writer:
         if checked is not None or consumed is not None:
             outcomes_of(self.log).mark_store()
         has_outcomes = checked is not None and checked.table is not None
+        ready: Callable[[], None] | None = None
         if not table.num_rows and not has_outcomes:
             staged = Staged((), schema, head.schema, None, self.store_id)
-            return self.commit_staged(
-                [staged],
-                meta=meta,
-                private=True,
-                checked=checked,
-                rows_version=read_at,
-                consumption=consumed,
+        else:
+            lease = self.log.leases.acquire()
+            try:
+                shards, checked, ready = self._write_round(table, shard_bytes, lease, checked)
+            except BaseException:
+                self.log.leases.end({lease}, committed=False, tombstone=False)
+                raise
+            staged = Staged(
+                tuple(shards), schema, head.schema, lease if shards else None, self.store_id
             )
-        lease = self.log.leases.acquire()
-        try:
-            shards, checked, ready = self._write_round(table, shard_bytes, lease, checked)
-        except BaseException:
-            self.log.leases.end({lease}, committed=False, tombstone=False)
-            raise
-        staged = Staged(
-            tuple(shards), schema, head.schema, lease if shards else None, self.store_id
-        )
         return self.commit_staged(
             [staged],
             meta=meta,
