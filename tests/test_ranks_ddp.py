@@ -247,3 +247,30 @@ def test_sigkill_and_resume_at_another_world_size(
             if i >= 100_000
         )
         assert sorted(fresh) == rounds[: len(fresh)]  # oldest first, each once
+
+
+def test_start_line_when_another_writer_moved_the_head(tmp_path):
+    """The start line reads what the rollback did from its commit record: another writer's
+    append between the two reads of the head is no rollback (this raised a TypeError in CI)."""
+    import argparse
+
+    from dynstate import rollback
+
+    example = _example()
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    store.append([{"id": i, "text": f"seed {i}"} for i in range(4)], meta={"import": True})
+    args = argparse.Namespace(store=url, steps=5)
+    before = store.refresh()
+    store.append([{"id": 99, "text": "another writer"}])  # lands between the two reads
+    line = example.start_line(args, None, "ckpt", 2, store.refresh(), before)
+    assert line == f"ddp example: fresh start at step 0 of 5, world size 2, store version 2, {url}"
+
+    for step in range(3):
+        example.commit_round(store, step, [{"id": 100 + step, "text": f"r{step}"}])
+    before = store.refresh()  # 5
+    head = rollback(store, step=0)  # drops the rounds of steps 1 and 2: versions 4-5
+    line = example.start_line(args, None, "ckpt", 2, head, before)
+    assert line.endswith(
+        f"store version 6 (rolled back to version 3, dropping versions 4-5), {url}"
+    )

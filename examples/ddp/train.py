@@ -78,9 +78,17 @@ def start_line(
 ) -> str:
     """What this start does, in one line: a user who killed the run sees where it resumed."""
     where = f"store version {head}"
-    if head != before:  # the killed run's rounds after its checkpoint: made again from here
-        back = dynstate.Store.open(args.store).commit_record(head).target
-        dropped = f"version {before}" if back + 1 == before else f"versions {back + 1}-{before}"
+    # Read what the rollback did from its own commit record, not from head != before: another
+    # writer may have committed between the two reads, and then the head moved with no reset.
+    record = dynstate.Store.open(args.store).commit_record(head)
+    dropped_to = record.meta.get("rollback_from") if head != before else None
+    if dropped_to is not None and record.target is not None:  # the killed run's later rounds
+        back = record.target
+        dropped = (
+            f"version {dropped_to}"
+            if back + 1 == dropped_to
+            else f"versions {back + 1}-{dropped_to}"
+        )
         where += f" (rolled back to version {back}, dropping {dropped})"
     where += f", {args.store}"
     if ckpt is None:
