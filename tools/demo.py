@@ -1,22 +1,30 @@
-"""The README's demo: a verl-style dynamic-datagen run that is killed with SIGKILL and resumed.
+"""The README's demo: a verl-style curriculum run with dynamic data generation that is killed
+with SIGKILL and resumed.
 
     python tools/demo.py --dir demo-out [--s3] [--steps N] [--seed S] [--workers N]
     bash tools/demo.sh                  # sets up .venv first, then runs this
 
 It runs from a checkout (it is not part of the installed package) and uses dynstate as a user
-would: the library for the training loop, the ``dynstate`` command for ``ls`` and ``plot``.
+would: the library for the training loop, the ``dynstate`` command for ``ls``, ``stats`` and
+``plot``.
 
-Arithmetic tasks go into a store; a simulated policy fails the tasks whose answer is above a
-threshold that grows with the step; a rule-based generator commits variations of the failed
-tasks as one round per step. The training loop uses torchdata's real ``StatefulDataLoader``
-with :class:`VersionedDataset` and :class:`VersionedSampler` and saves
-``{"loader": loader.state_dict(), "step": s}`` every few steps, as verl's ``data.pt``.
+Arithmetic tasks go into a store. A stand-in policy scores each task of a batch 1 or 0, solving
+a task with a probability that falls with its answer and rises with the step (a deterministic
+function of the seed, the row and the step, so a resumed run scores exactly as the
+uninterrupted one); the scores are committed per row as the round's outcomes, and the sampler
+draws rows by :class:`dynstate.Learnability` over them (the rows the policy solves
+sometimes, not always or never). A rule-based generator
+commits variations of the failed tasks as one round per step. The training loop uses
+torchdata's real ``StatefulDataLoader`` with :class:`VersionedDataset` and
+:class:`VersionedSampler` and saves ``{"loader": loader.state_dict(), "step": s}`` every few
+steps, as verl's ``data.pt``.
 
 The same loop runs in subprocesses: once uninterrupted on a reference store, once on the
 run's store until it is SIGKILLed at a seeded step, then resumed from its last checkpoint in a
-fresh process (``rollback`` + ``loader.load_state_dict``). The demo checks that the batches and
-the final head equal the reference's, and prints both runs' batches side by side for the steps
-after the checkpoint as evidence.
+fresh process (``rollback`` + ``loader.load_state_dict``). The demo checks that the batches,
+the outcomes and the final head equal the reference's, prints both runs' batches side by side
+for the steps after the checkpoint as evidence, then the pass rate per step and ``dynstate
+stats``.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -111,9 +120,18 @@ def _task(task_id: str, a: int, b: int, step: int, source: list[int] | None) -> 
             "origin_step": step, "_dynstate_source": source}  # fmt: skip
 
 
-def policy_solves(task: dict[str, Any], step: int) -> bool:
-    """The simulated policy: it solves every task up to a threshold that grows as it trains."""
-    return task["answer"] <= 40 + 2 * step
+def solve_chance(answer: int, step: int) -> float:
+    """The stand-in policy's skill: the chance it solves a task falls with the task's answer
+    and rises as it trains (even odds at 30 on step 0, at 120 on step 60)."""
+    return 1.0 / (1.0 + math.exp((answer - 30 - 1.5 * step) / 6.0))
+
+
+def score(task: dict[str, Any], step: int, cfg: DemoConfig) -> float:
+    """What the stand-in policy scores on a batch row at a step: 1.0 (solved) or 0.0. A pure
+    function of the seed, the row and the step, so that a resumed run scores every step as
+    the uninterrupted run did."""
+    draw = random.Random(f"policy-{cfg.seed}-{task[ROW_KEY]}-{step}").random()
+    return 1.0 if draw < solve_chance(task["answer"], step) else 0.0
 
 
 def generate(failed: list[dict[str, Any]], step: int, cfg: DemoConfig) -> pa.Table:
@@ -178,7 +196,7 @@ def train(
     import torch
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from dynstate import VersionedDataset, VersionedSampler
+    from dynstate import Learnability, VersionedDataset, VersionedSampler
 
     store = Store.open(url, storage_options=storage_options)
     ckpt_dir = os.path.join(workdir, "ckpt")
@@ -193,8 +211,16 @@ def train(
         rollback(store, step=ckpt_step, meta={"reason": "demo resume"})
         start, state = ckpt_step + 1, ckpt["loader"]
     dataset = VersionedDataset(store, row_column=ROW_KEY)
+    # The curriculum: rows weighted by p * (1 - p) of their pass rate p so far (untried rows
+    # at 0.25), from the statistics of the version each epoch pinned (in mix mode, of the
+    # round `lag` steps back): what the policy solves sometimes is drawn most.
     sampler = VersionedSampler(
-        dataset, seed=cfg.seed, mode=cfg.mode, batch_size=cfg.batch_size, lag=cfg.lag
+        dataset,
+        seed=cfg.seed,
+        mode=cfg.mode,
+        batch_size=cfg.batch_size,
+        lag=cfg.lag,
+        select=Learnability(),
     )
     loader = StatefulDataLoader(
         dataset,
@@ -211,17 +237,23 @@ def train(
     with open(os.path.join(workdir, name), "a") as stream:
         while step < cfg.steps:
             for batch in loader:
-                failed = [task for task in batch if not policy_solves(task, step)]
+                scores = [score(task, step, cfg) for task in batch]
+                failed = [task for task, s in zip(batch, scores, strict=True) if s == 0.0]
                 time.sleep(cfg.step_time)
                 new = generate(failed, step, cfg)
-                store.append(new, meta={"step": step, "generator": GENERATOR})
+                # The step's scores, one per sample, committed with its round (the README's
+                # recipe): the statistics the sampler's next weights come from.
+                outcomes = {"row": [task[ROW_KEY] for task in batch],
+                            "step": [step] * len(batch), "score": scores}  # fmt: skip
+                store.append(new, meta={"step": step, "generator": GENERATOR}, outcomes=outcomes)
                 if (step + 1) % cfg.ckpt_every == 0:
                     _save_checkpoint(ckpt_dir, step, loader)
                 # Versions the sampler has read from so far (it runs ahead by the prefetch).
                 read = sorted(
                     {v for v in (sampler.version, sampler.fresh_version) if v is not None}
                 )
-                line = {"step": step, "rows": batch, "versions": read, "new": new.num_rows}
+                line = {"step": step, "rows": batch, "scores": scores, "versions": read,
+                        "new": new.num_rows}  # fmt: skip
                 stream.write(json.dumps(line) + "\n")
                 stream.flush()
                 step += 1
@@ -324,6 +356,10 @@ def compare(
         if ours["rows"] != theirs["rows"]:
             ids = [r["id"] for r in ours["rows"]], [r["id"] for r in theirs["rows"]]
             return f"step {ours['step']}: batch {ids[0]} but the reference had {ids[1]}"
+        if ours.get("scores") != theirs.get("scores"):
+            return f"step {ours['step']}: scores {ours['scores']} but the reference had " + str(
+                theirs["scores"]
+            )
     return None
 
 
@@ -349,8 +385,10 @@ def run_demo(
         crash = pick_crash_step(cfg)
         console.print(
             f"dynstate demo: {cfg.initial_tasks} arithmetic tasks, {cfg.steps} steps of "
-            f"{cfg.batch_size},\n  sampler mode {cfg.mode!r}, DataLoader workers: {cfg.workers}, "
-            f"a checkpoint every {cfg.ckpt_every} steps\n  store:     {urls['run']}\n"
+            f"{cfg.batch_size},\n  sampler mode {cfg.mode!r}, drawing by "
+            "select=dynstate.Learnability() over the scores recorded as outcomes,\n"
+            f"  DataLoader workers: {cfg.workers}, a checkpoint every {cfg.ckpt_every} steps\n"
+            f"  store:     {urls['run']}\n"
             f"  reference: {urls['reference']}\n  the training run will be SIGKILLed "
             f"after step {crash}"
         )
@@ -362,8 +400,17 @@ def run_demo(
         ref_head = Store.open(urls["reference"], storage_options=options).snapshot()
         if problem is None and not head.to_arrow().equals(ref_head.to_arrow()):
             problem = f"head {head.num_rows} rows differs from the reference's {ref_head.num_rows}"
+        records = run_store.outcome_records()
+        ref_records = Store.open(urls["reference"], storage_options=options).outcome_records()
+        if problem is None and not records.equals(ref_records):
+            problem = (
+                f"the head's {records.num_rows} outcome records differ from the reference's "
+                f"{ref_records.num_rows}"
+            )
         _show_evidence(dirs, ckpt_step, crash, cfg, console)
         _show_store(urls["run"], os.path.join(out, "growth.png"), console, server)
+        _show_pass_rates(records, cfg, console)
+        _run_cli(["stats", urls["run"], "--top", "3"], console, server)
         s3_note = None
         if server is not None:
             # The server dies with the demo: keep byte-for-byte local copies that stay valid.
@@ -382,6 +429,11 @@ def run_demo(
         "s3": s3_note,
         "head_version": head.version,
         "head_rows": head.num_rows,
+        "outcome_records": records.num_rows,
+        "pass_rates": [
+            {"steps": [first, last], "pass_rate": rate}
+            for first, last, rate in pass_rates(records, cfg)
+        ],
         "config": asdict(cfg),
     }
     _write_atomic(os.path.join(out, "summary.json"), json.dumps(summary, indent=2))
@@ -389,12 +441,14 @@ def run_demo(
         console.print(f"resume exact: MISMATCH {problem}", markup=False)
         return False
     console.print(
-        f"resume exact: OK (steps {ckpt_step + 1}..{cfg.steps - 1} after the crash and the head, "
-        f"{head.num_rows} rows at version {head.version}, equal the uninterrupted run)",
+        f"resume exact: OK (steps {ckpt_step + 1}..{cfg.steps - 1} after the crash, their scores, "
+        f"and the head, {head.num_rows} rows and {records.num_rows} outcome records at version "
+        f"{head.version}, equal the uninterrupted run)",
         markup=False,
     )
     console.print(
-        f"\nSee it in a browser (growth, rows, each task's ancestors by _dynstate_source):\n"
+        "\nSee it in a browser (growth, rows, each task's ancestors by _dynstate_source, "
+        "pass rates per step):\n"
         f"  dynstate serve {urls['run']}",
         markup=False,
     )
@@ -528,15 +582,78 @@ def _crash_and_resume(
 
 
 def _show_store(url: str, png: str, console: Any, server: Any) -> None:
-    """``dynstate ls --all`` and ``dynstate plot``, run as a user would run them."""
+    """``dynstate ls --all`` and ``dynstate plot``, run as a user would run them; the
+    listing shortened to the versions around the rollback."""
+    _run_cli(["ls", url, "--all", "--limit", "0"], console, server, shorten=shorten_listing)
+    _run_cli(["plot", url, png], console, server)
+
+
+def _run_cli(
+    args: list[str], console: Any, server: Any, shorten: Any = None
+) -> subprocess.CompletedProcess[str]:
+    """One ``dynstate`` command, run as a user would run it, echoed with its output."""
     exe = os.path.join(os.path.dirname(sys.executable), "dynstate")
     command = [exe] if os.path.exists(exe) else [sys.executable, "-m", "dynstate.cli"]
     env = {**_child_env(server), "COLUMNS": os.environ.get("COLUMNS", "100")}
-    for args in (["ls", url, "--all", "--limit", "0"], ["plot", url, png]):
-        console.print(f"\n$ dynstate {' '.join(args)}", markup=False)
-        sys.stdout.flush()
-        proc = subprocess.run([*command, *args], env=env, capture_output=True, text=True)
-        console.print((proc.stdout + proc.stderr).rstrip("\n"), markup=False)
+    console.print(f"\n$ dynstate {' '.join(args)}", markup=False)
+    sys.stdout.flush()
+    proc = subprocess.run([*command, *args], env=env, capture_output=True, text=True)
+    text = proc.stdout if shorten is None or proc.returncode else shorten(proc.stdout)
+    console.print((text + proc.stderr).rstrip("\n"), markup=False)
+    return proc
+
+
+def shorten_listing(text: str, keep: int = 3) -> str:
+    """``dynstate ls``'s table with only what the demo is about: the newest ``keep`` versions,
+    the reset and the versions it abandoned (with one on each side), and the first two (the
+    store's creation and the initial import). Each run of left-out rows becomes one line
+    saying how many, so nothing looks listed that is not."""
+    lines = text.splitlines()
+    rows = [i for i, line in enumerate(lines) if line[:7].strip().isdigit()]
+    if len(rows) <= 2 * keep + 4:
+        return text
+    wanted = set(rows[:keep]) | set(rows[-2:])
+    for k, i in enumerate(rows):
+        if "abandoned" in lines[i] or lines[i][7:].lstrip().startswith("reset"):
+            wanted.update(rows[max(0, k - 1) : k + 2])
+    out: list[str] = []
+    left_out = 0
+    for i, line in enumerate(lines):
+        if i in rows and i not in wanted:
+            left_out += 1
+            continue
+        if left_out:
+            out.append(
+                f"{'...':>7}  ({left_out} versions left out here; run the command to see all)"
+            )
+            left_out = 0
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def pass_rates(records: pa.Table, cfg: DemoConfig) -> list[tuple[int, int, float]]:
+    """The pass rate (the share of samples scored above 0.5, dynstate's success) of each
+    group of steps, from the head's outcome records: ``(first step, last step, rate)``, at
+    most 12 groups."""
+    steps, scores = records.column("step").to_pylist(), records.column("score").to_pylist()
+    width = -(-cfg.steps // 12)
+    groups: dict[int, list[float]] = {}
+    for step, value in zip(steps, scores, strict=True):
+        groups.setdefault(step // width, []).append(value)
+    return [
+        (g * width, min(cfg.steps, (g + 1) * width) - 1, sum(v > 0.5 for v in vs) / len(vs))
+        for g, vs in sorted(groups.items())
+    ]
+
+
+def _show_pass_rates(records: pa.Table, cfg: DemoConfig, console: Any) -> None:
+    console.print(
+        "\npass rate per step (the outcomes recorded with the rounds, store.outcome_records()):",
+        markup=False,
+    )
+    for first, last, rate in pass_rates(records, cfg):
+        bar = "#" * round(40 * rate)
+        console.print(f"  steps {first:>3}-{last:<3} {bar:<40} {rate:>4.0%}", markup=False)
 
 
 def _train_main(arg: str) -> None:
@@ -548,8 +665,10 @@ def _train_main(arg: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tools/demo.py",
-        description="A dynamic-datagen training run, SIGKILLed mid-run, resumed from its last "
-        "checkpoint and compared with an uninterrupted run; then `dynstate ls` and a growth plot.",
+        description="A curriculum run with dynamic data generation (scores recorded as "
+        "outcomes, rows drawn by Learnability), SIGKILLed mid-run, resumed from its last "
+        "checkpoint and compared with an uninterrupted run; then `dynstate ls`, a growth plot, "
+        "the pass rate per step and `dynstate stats`.",
     )
     parser.add_argument("--dir", default="demo-out", help="output directory (default demo-out)")
     parser.add_argument("--s3", action="store_true", help="stores on a loopback S3 server (moto)")

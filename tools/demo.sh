@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The README's first command: sets up the virtual environment (tools/setup-venv.sh), then runs
-# tools/demo.py — a dynamic-datagen training run that is SIGKILLed mid-run and resumed from
-# its last checkpoint, checked against an uninterrupted run. Output goes to ./demo-out/.
+# tools/demo.py — a curriculum training run with dynamic data generation (scores recorded as
+# outcomes, rows drawn by Learnability) that is SIGKILLed mid-run and resumed from its last
+# checkpoint, checked against an uninterrupted run; it ends with the pass rate per step and
+# `dynstate stats`. Output goes to ./demo-out/.
 # Arguments go to the demo, e.g. `bash tools/demo.sh --s3` or `bash tools/demo.sh --steps 30`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
