@@ -39,7 +39,8 @@ class Config:
     snapshot_every: int = 1  # StatefulDataLoader's snapshot_every_n_steps
     lag: int | None = None  # mix mode; None: the smallest the loader allows
     num_replicas: int = 1  # ranks, simulated in one process by rank_batches()
-    sampler_batch_size: bool = True  # False: VersionedSampler(ds, seed=...) as the README builds it
+    # False: VersionedSampler(ds, seed=...) without batch_size, taught by check_loader(loader)
+    sampler_batch_size: bool = True
     # rounds of steps after this one get other rows, as a non-deterministic generator would:
     # a crashed run's abandoned rounds then differ from the resumed run's
     salt_after: int | None = None
@@ -91,8 +92,8 @@ def make_loader(cfg: Config, rank: int = 0) -> tuple[VersionedSampler, StatefulD
         drop_last=cfg.drop_last,
         **extra,
     )
-    if not cfg.sampler_batch_size:
-        return sampler, loader  # as the README builds it: the sampler learns the loader's batches
+    # With batch_size given, check_loader compares; without, it is how the sampler learns the
+    # loader's batches (nothing else teaches it).
     return sampler, sampler.check_loader(loader)
 
 

@@ -200,3 +200,23 @@ def test_third_party_clients_stay_behind_their_boundaries() -> None:
                         where = f"dynstate/{path.relative_to(PACKAGE)}:{node.lineno}"
                         crossing.append(f"{where} imports {name}")
     assert not crossing, "third-party imports outside their boundary:\n" + "\n".join(crossing)
+
+
+_FRAME_ATTRIBUTES = {"f_locals", "f_back", "f_globals", "_getframe", "currentframe", "stack"}
+
+
+def test_no_module_walks_its_callers_frames() -> None:
+    """Issue 41.2: what a caller is (the loader's batch size, say) comes through an explicit
+    channel, never read out of the caller's stack frames."""
+    found = []
+    for _module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in _FRAME_ATTRIBUTES:
+                owner = node.value.id if isinstance(node.value, ast.Name) else ""
+                if node.attr in {"_getframe", "currentframe", "stack"} and owner not in {
+                    "sys",
+                    "inspect",
+                }:
+                    continue  # another object's method of that name
+                found.append(f"dynstate/{path.relative_to(PACKAGE)}:{node.lineno} .{node.attr}")
+    assert not found, "stack-frame walking:\n" + "\n".join(found)

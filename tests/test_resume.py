@@ -186,8 +186,9 @@ def test_sigkill_then_resume_is_exact(tmp_path, request, backend, mode, workers)
 
 @pytest.mark.slow
 def test_sigkill_then_resume_is_exact_without_sampler_batch_size(tmp_path):
-    """Issue 19.10 across a real SIGKILL: the README's sampler (no batch_size, no
-    check_loader), one worker, snapshot every 3 steps, a store growing every step."""
+    """Issue 19.10 across a real SIGKILL: a sampler built without batch_size and taught the
+    loader's batches by check_loader, one worker, snapshot every 3 steps, a store growing
+    every step."""
     rng = random.Random("readme-sampler")
     for trial in range(3):
         tmp = tmp_path / f"t{trial}"
@@ -328,8 +329,8 @@ def test_state_naming_a_collected_version_is_refused(tmp_path):
 @pytest.mark.parametrize("given", [True, False])
 def test_resume_with_different_num_workers(tmp_path, given):
     """The sampler state alone restores the position, whatever the worker count — also for
-    the README's sampler without batch_size, which takes the batches it counted from the
-    state and checks them against the new loader."""
+    a sampler built without batch_size, which takes the batches it counted from the state
+    and checks them against the new loader (check_loader)."""
     cfg = h.Config(
         url=str(tmp_path / "s"), steps=8, batch_size=3, num_workers=0, sampler_batch_size=given
     )

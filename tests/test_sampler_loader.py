@@ -249,8 +249,8 @@ def test_loader_sweep_with_and_without_sampler_batch_size(tmp_path, case):
 
 def test_readme_sampler_resumes_exactly_from_a_snapshot_before_the_epoch(tmp_path):
     """Issue 19.10 as reported: 37 rows +2 per step, batch 8, one worker, prefetch 1,
-    snapshot every 3 steps, state of step 6 resumed after step 7, and the sampler built as the
-    README builds it (no batch_size, no check_loader): it learns the loader's batches."""
+    snapshot every 3 steps, state of step 6 resumed after step 7, and the sampler built
+    without batch_size: check_loader teaches it the loader's batches."""
     cfg = h.Config(
         url="",
         steps=12,
@@ -272,11 +272,13 @@ def _grown(tmp_path, rows: int = 12) -> tuple[Store, VersionedDataset]:
     return store, VersionedDataset(store)
 
 
-def test_sampler_learns_the_loader_batch_size_and_drop_last(tmp_path):
+def test_check_loader_teaches_the_loader_batch_size_and_drop_last(tmp_path):
     store, ds = _grown(tmp_path, 10)
     sampler = VersionedSampler(ds, seed=1)
     loader = StatefulDataLoader(ds, batch_size=4, drop_last=True, sampler=sampler)
-    assert len(loader) == 2 and len(sampler) == 8  # len(loader) taught it: 10 rows, 2 steps
+    assert len(loader) == 2 and sampler.batch_size is None  # len(loader) teaches nothing
+    assert sampler.check_loader(loader) is loader
+    assert len(loader) == 2 and len(sampler) == 8  # 10 rows, 2 steps
     batches = []
     for step, batch in enumerate(loader):
         batches.append(batch["id"].tolist())
@@ -288,23 +290,41 @@ def test_sampler_learns_the_loader_batch_size_and_drop_last(tmp_path):
     assert len([i for b in loader for i in b["id"].tolist()]) == 12
 
 
-def test_a_loader_that_batches_otherwise_fails_at_the_first_draw(tmp_path):
+def test_a_loader_is_never_guessed_from(tmp_path):
+    """Issue 41.2: no batch_size and no check_loader: drawing through a batching loader
+    teaches the sampler nothing (it used to read the loader out of its caller's stack
+    frames), so once rounds carry steps the next epoch is refused, naming batch_size."""
+    store, ds = _grown(tmp_path, 8)
+    sampler = VersionedSampler(ds, seed=1)
+    loader = StatefulDataLoader(ds, batch_size=4, sampler=sampler)
+    for step, _batch in enumerate(loader):
+        store.append([{"id": 100 + step}], meta={"step": step})
+    assert sampler.batch_size is None and sampler.step == 0
+    with pytest.raises(InvalidDataError, match="pass batch_size"):
+        next(iter(loader))
+
+
+def test_check_loader_refuses_a_loader_that_batches_otherwise(tmp_path):
     """Issue 24.7: a mix-mode sampler whose drop_last differs from its loader's used to wait
-    the whole wait_timeout at the end of the epoch unless check_loader was called."""
+    the whole wait_timeout at the end of the epoch; check_loader refuses it at once, and
+    leaves the sampler as it was."""
     _store, ds = _grown(tmp_path)
     sampler = VersionedSampler(ds, mode="mix", batch_size=4, lag=1, wait_timeout=600)
     loader = StatefulDataLoader(ds, batch_size=4, drop_last=True, sampler=sampler)
     with pytest.raises(InvalidDataError, match=r"drop_last=True.*drop_last=False"):
-        next(iter(loader))
+        sampler.check_loader(loader)
     other = VersionedSampler(ds, batch_size=4)
     with pytest.raises(InvalidDataError, match=r"batch_size is 3.*steps of 4"):
-        next(iter(StatefulDataLoader(ds, batch_size=3, sampler=other)))
+        other.check_loader(StatefulDataLoader(ds, batch_size=3, sampler=other))
+    assert (other.batch_size, other.drop_last, sampler.drop_last) == (4, False, False)
+    with pytest.raises(InvalidDataError, match="does not draw from this VersionedSampler"):
+        other.check_loader(loader)
 
 
 def test_resumed_loader_with_another_batch_size_is_refused(tmp_path):
     store, ds = _grown(tmp_path)
     sampler = VersionedSampler(ds)
-    loader = StatefulDataLoader(ds, batch_size=4, sampler=sampler)
+    loader = sampler.check_loader(StatefulDataLoader(ds, batch_size=4, sampler=sampler))
     it = iter(loader)
     next(it)
     state = sampler.state_dict()
@@ -312,7 +332,7 @@ def test_resumed_loader_with_another_batch_size_is_refused(tmp_path):
     again = VersionedSampler(VersionedDataset(store))
     again.load_state_dict(state)
     with pytest.raises(StateMismatchError, match=r"batch_size=4.*batches 3"):
-        next(iter(StatefulDataLoader(ds, batch_size=3, sampler=again)))
+        again.check_loader(StatefulDataLoader(ds, batch_size=3, sampler=again))
 
 
 def test_epoch_without_known_steps_is_refused_once_rounds_carry_steps(tmp_path):
@@ -329,8 +349,8 @@ def test_epoch_without_known_steps_is_refused_once_rounds_carry_steps(tmp_path):
 
 
 def test_old_state_without_counted_steps_takes_them_up(tmp_path):
-    """A state written without batch_size (steps never counted) loads; the sampler learns
-    the loader's batches and counts on after the newest round."""
+    """A state written without batch_size (steps never counted) loads; check_loader teaches
+    the sampler the loader's batches and it counts on after the newest round."""
     store, ds = _grown(tmp_path, 8)
     old = VersionedSampler(ds)
     it = iter(old)
@@ -343,7 +363,8 @@ def test_old_state_without_counted_steps_takes_them_up(tmp_path):
     sampler = VersionedSampler(VersionedDataset(store))
     sampler.load_state_dict(state)
     assert sampler.step == 2 and sampler.position == 4
-    loader = StatefulDataLoader(ds, batch_size=4, sampler=sampler)
+    loader = sampler.check_loader(StatefulDataLoader(ds, batch_size=4, sampler=sampler))
+    assert (sampler.batch_size, sampler.step) == (4, 2)
     assert len(next(iter(loader))["id"]) == 4
     assert (sampler.batch_size, sampler.step) == (4, 3)
 

@@ -1,45 +1,22 @@
 """The loader's batches as the sampler counts them: the batch size and ``drop_last`` its steps
-are counted in — given by the user, learned from the batch sampler drawing from it, or taken
-from a loaded state — and the checks that keep the sampler's step the loader's step.
+are counted in, given by the user (``VersionedSampler(batch_size=...)``), taken from the loader by
+:meth:`VersionedSampler.check_loader`, or taken from a loaded state; and the checks that keep the
+sampler's step the loader's step.
 
-A DataLoader (torch's or torchdata's ``StatefulDataLoader``) given ``sampler=`` and
-``batch_size=`` builds its batch sampler itself and tells the sampler nothing, yet the epoch
-rule ("epoch ``e + 1`` pins the round of the step before it") needs the loader's steps. The
-object drawing from the sampler is the one that knows them, and it holds the sampler as
-``.sampler``: :func:`drawing_batcher` finds it among the calling frames.
+The epoch rule ("epoch ``e + 1`` pins the round of the step before it") needs the loader's
+steps. A DataLoader built with ``sampler=`` and ``batch_size=`` tells its sampler nothing, so
+the sampler never guesses them: they come through one of those three channels, or the rules that
+need them raise :class:`~dynstate.errors.InvalidDataError` naming ``batch_size``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from types import FrameType
 from typing import Any
 
 from ..errors import InvalidDataError, StateMismatchError
 
-__all__ = ["Batching", "check_lag", "drawing_batcher"]
-
-
-def drawing_batcher(sampler: Any, frame: FrameType | None) -> tuple[int, bool] | None:
-    """``(batch_size, drop_last)`` of the batch sampler drawing from ``sampler``, found among
-    the frames from ``frame`` up (torch's ``BatchSampler.__iter__``/``__len__``, torchdata's
-    batch iterator); None when none draws (the sampler is iterated directly) or it does not
-    say."""
-    for _ in range(4):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if (
-            owner is not None
-            and owner is not sampler
-            and getattr(owner, "sampler", None) is sampler
-        ):
-            size, drop = getattr(owner, "batch_size", None), getattr(owner, "drop_last", None)
-            if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
-                return (int(size), drop) if isinstance(drop, bool) else None
-            return None
-        frame = frame.f_back
-    return None
+__all__ = ["Batching", "check_lag"]
 
 
 @dataclass(frozen=True)

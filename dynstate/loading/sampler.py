@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from types import FrameType
 from typing import Any
 
 from torch.utils.data import Sampler
@@ -33,7 +31,7 @@ from torch.utils.data import Sampler
 from ..errors import InvalidDataError, StateMismatchError
 from ..log import steps
 from . import layout
-from .batching import Batching, check_lag, drawing_batcher
+from .batching import Batching, check_lag
 from .dataset import VersionedDataset, encode_index
 from .permutation import EpochOrder, FeistelPermutation
 from .selection import Policy, as_policy
@@ -72,10 +70,12 @@ class VersionedSampler(Sampler[int]):
 
     Steps: the sampler counts the loader's steps, from ``first_step`` (0; 1 for a trainer
     whose first step is step 1, as verl's ``global_steps``), in the numbering of the rounds'
-    ``meta["step"]``. It learns the loader's batch size and ``drop_last`` from the batch
-    sampler drawing from it (a DataLoader built with ``sampler=`` and ``batch_size=``), or
-    takes ``batch_size`` (the per-rank batch size of the loader; mix mode needs it) and then
-    refuses a loader that batches otherwise at the first draw. Epoch ``e + 1``, which starts at
+    ``meta["step"]``. Pass ``batch_size`` (the per-rank batch size of the loader, the same
+    number the loader gets) wherever rounds are committed by step; mix mode and ``select=``
+    need it. Without it the sampler draws as a plain sampler and counts no steps, and a rule
+    that needs them raises :class:`InvalidDataError` naming ``batch_size``: it is never guessed.
+    :meth:`check_loader` compares the loader with it (or takes the loader's when none was
+    given), as the verl and TRL integrations do at start-up. Epoch ``e + 1``, which starts at
     step ``S``, pins the version of the round of step ``S - 1`` (:mod:`dynstate.log.steps`), a
     rule on the store's history, so every rank and every resumed run pins the same version.
     Mix mode waits for that round; epoch mode pins the head when the run commits no rounds.
@@ -132,7 +132,10 @@ class VersionedSampler(Sampler[int]):
             raise InvalidDataError(f"first_step must be an int >= 0, not {first_step!r}")
         if mode == "mix":
             if batch_size is None:
-                raise InvalidDataError("mode='mix' needs the loader's batch_size")
+                raise InvalidDataError(
+                    "mode='mix' keys each step's rows by the loader's step; pass batch_size "
+                    "(the loader's per-rank batch size) to VersionedSampler"
+                )
             if not isinstance(fresh_share, (int, float)) or not 0.0 < fresh_share <= 1.0:
                 raise InvalidDataError(f"fresh_share must be in (0, 1], not {fresh_share!r}")
             if not _is_int(lag) or lag < 1:
@@ -179,8 +182,8 @@ class VersionedSampler(Sampler[int]):
         self._open = False  # an epoch is under way: it started and not all its indices left
         self._pinned_now = False  # __iter__ just pinned the first epoch
 
-    # The batches steps are counted in: given, learned from the loader, or taken from a loaded
-    # state (then checked against the loader at its first draw). None: not known.
+    # The batches steps are counted in: given, taken from the loader by check_loader, or taken
+    # from a loaded state. None: not known.
     batch_size = property(lambda self: self._batching.size)
     drop_last = property(lambda self: self._batching.drop_last)
     # The position, read-only: it changes only as one value (self.pos).
@@ -203,7 +206,6 @@ class VersionedSampler(Sampler[int]):
     def __len__(self) -> int:
         """Indices this rank gets in the current epoch (the next one's, from the head, if none
         is under way): what ``len(loader)`` needs, in both modes."""
-        self._learn_from(sys._getframe().f_back)  # len(loader) asks through its batch sampler
         rows = self.pos.base_rows
         if self.pos.version is None or not self._open:
             rows = self.dataset.store.snapshot().num_rows
@@ -253,11 +255,6 @@ class VersionedSampler(Sampler[int]):
             # Drawn before its steps were known: count on from the newest round.
             self.pos = replace(self.pos, step=self._steps_taken_up())
 
-    def _learn_from(self, frame: FrameType | None) -> None:
-        found = drawing_batcher(self, frame)
-        if found is not None:
-            self._meet_loader(*found)
-
     def _steps_taken_up(self) -> int:
         store = self.dataset.store
         last = steps.latest_step(store.log, store.refresh())
@@ -279,7 +276,6 @@ class VersionedSampler(Sampler[int]):
     def _draw(self) -> Iterator[int]:
         # A generator: later epochs start at their first index, by the step rule, so the
         # extra iter() calls StatefulDataLoader makes while restoring have no effect.
-        self._learn_from(sys._getframe().f_back)
         pinned_now, self._pinned_now = self._pinned_now, False
         if self.pos.version is None or (self._step_shape() is None and not pinned_now):
             self._start_epoch()
@@ -326,9 +322,8 @@ class VersionedSampler(Sampler[int]):
                 raise InvalidDataError(
                     f"epoch {self.pos.epoch + 1} over {store.display_url} pins the version of "
                     "the round of the step before it, but this VersionedSampler does not know "
-                    "the loader's steps (no batch sampler draws from it); pass batch_size (the "
-                    "loader's) to VersionedSampler, or draw through a DataLoader built with "
-                    "sampler= and batch_size="
+                    "the loader's steps; pass batch_size (the loader's) to VersionedSampler, "
+                    "or call sampler.check_loader(loader) before the first epoch"
                 )
             return head  # no rounds: the head, as it always was
         if self.pos.step <= self.first_step:
@@ -414,9 +409,8 @@ class VersionedSampler(Sampler[int]):
         if self.batch_size is None:
             raise InvalidDataError(
                 f"a VersionedSampler with select= over {self.dataset.store.display_url} keys "
-                "each step's draw by the step, so it needs the loader's steps; pass "
-                "batch_size (the loader's), or draw through a DataLoader built with "
-                "sampler= and batch_size="
+                "each step's draw by the loader's step; pass batch_size (the loader's) to "
+                "VersionedSampler, or call sampler.check_loader(loader) before drawing"
             )
         tag = encode_index(self.pos.version, 0)  # type: ignore[arg-type]
         replicas, rank = self.num_replicas, self.rank

@@ -174,7 +174,9 @@ def bench_loader(
     def ours(fmt: str = "rows") -> tuple[float, float]:
         def make() -> StatefulDataLoader:
             ds = VersionedDataset(url, batch_format=fmt)
-            return StatefulDataLoader(ds, sampler=VersionedSampler(ds, seed=3), **kw)
+            return StatefulDataLoader(
+                ds, sampler=VersionedSampler(ds, seed=3, batch_size=batch), **kw
+            )
 
         return _rate(make, batches)
 

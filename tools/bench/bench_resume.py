@@ -223,7 +223,7 @@ def bench_loader(
     rates: dict[str, list[float]] = {"ours": [], "datasets": []}
     for _ in range(repeats):
         ds = VersionedDataset(str(path))
-        ours = StatefulDataLoader(ds, sampler=VersionedSampler(ds, seed=3), **kw)
+        ours = StatefulDataLoader(ds, sampler=VersionedSampler(ds, seed=3, batch_size=BATCH), **kw)
         rates["ours"].append(loader_rate(ours, batches))
         del ours
         hf = datasets.Dataset(datasets.table.InMemoryTable(table))

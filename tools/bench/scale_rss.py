@@ -87,7 +87,7 @@ def main() -> int:
 
     before = _rss_mib()
     dataset = VersionedDataset(str(args.path), cache_bytes=args.cache_mib * 2**20)
-    sampler = VersionedSampler(dataset, shuffle=True, seed=0)
+    sampler = VersionedSampler(dataset, shuffle=True, seed=0, batch_size=args.batch_size)
     loader = StatefulDataLoader(
         dataset, batch_size=args.batch_size, sampler=sampler, collate_fn=lambda rows: rows
     )
