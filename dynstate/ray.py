@@ -78,7 +78,7 @@ def _resolve(store_or_url: Store | str, storage_options: dict[str, Any] | None) 
         raise InvalidDataError(
             f"expected a Store or a store URL, not {type(store_or_url).__name__}"
         )
-    if store.storage.memory:
+    if not store.storage.shared_across_processes:
         raise InvalidDataError(
             f"{store.display_url} is a memory:// store, which lives inside one process and "
             "cannot be reached by Ray workers; use a shared path or an s3:// URL"
@@ -358,7 +358,7 @@ def _check_sizes(store: Store, version: int, shards: Sequence[Any]) -> None:
 def _arrow_fs(store: Store) -> Any:
     import pyarrow.fs as pafs
 
-    if store.storage.local:
+    if store.storage.reads_in_place:
         return pafs.LocalFileSystem()
     # The store's own fsspec filesystem (same credentials, endpoint and options); it pickles
     # to the read tasks.

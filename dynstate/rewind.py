@@ -12,7 +12,6 @@ import logging
 from typing import Any
 
 from .errors import InvalidDataError
-from .log import steps
 from .store import Store
 
 log = logging.getLogger("dynstate")
@@ -31,7 +30,7 @@ def version_at_step(store: Store, step: int) -> int:
     rollback's reset stands for the step it rolled back to. When gc collected the versions
     that ``step`` needs, :class:`VersionCollectedError` names the oldest kept version. The
     one answer for every caller: :func:`dynstate.log.steps.version_at_step`."""
-    return steps.version_at_step(store.log, store.resolve(None), step)
+    return store.steps.version_at(store.resolve(None), step)
 
 
 def rollback(

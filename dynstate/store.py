@@ -26,6 +26,7 @@ from .errors import (
 )
 from .log import DEFAULT_TTL_S, Log, Tags
 from .log.commits import ROOT_FILES
+from .log.steps import Steps
 from .records import manifest as m
 from .records.manifest import Commit, ShardRef
 from .storage import Storage, open_storage
@@ -33,6 +34,7 @@ from .storage import Storage, open_storage
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from .log.outcomes import Outcomes
     from .snapshot import Contents, Snapshot, Staged
     from .writes import DEFAULT_SHARD_BYTES, Writer  # noqa: F401 (re-exported by __getattr__)
 
@@ -76,6 +78,8 @@ class Store:
         self.store_id = store_id
         self.single_writer = single_writer
         self.log = Log(storage, store_id, single_writer=single_writer, lease_ttl_s=lease_ttl_s)
+        #: the step queries (which version is the round of step N, ...): :mod:`.log.steps`
+        self.steps = Steps(self.log)
         self._tags = Tags(self.log)
         self._writer: Writer | None = None
         self._snapshots: dict[int, Contents] = {}
@@ -397,6 +401,15 @@ class Store:
         )
 
     # -- outcomes ----------------------------------------------------------------------------
+
+    @property
+    def outcome_log(self) -> Outcomes:
+        """The store's outcome files and aggregates along its lineages
+        (:class:`dynstate.log.outcomes.Outcomes`): what the outcome views above the store
+        read, so that they never reach into its log."""
+        from .log.outcomes import outcomes_of
+
+        return outcomes_of(self.log)
 
     def outcome_stats(
         self,

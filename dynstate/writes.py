@@ -442,7 +442,7 @@ class Writer:
             # The round cannot be committed; parts that ended stay as they are.
             self._discard(parts, nonce, strict=False, private=private)
             return None
-        late = bool(attempts) and not (self.storage.local or self.storage.memory)
+        late = bool(attempts) and self.storage.late_requests
         try:
             landed = self.log.landed(attempts)
         except BaseException:
@@ -717,7 +717,7 @@ class Writer:
                 part = table.slice(start, per_shard)
                 path = shard_path(lease)
                 with self.storage.new_shard(path, deferred=deferred) as sink:
-                    rows = group_rows(part.num_rows, local=self.storage.local)
+                    rows = group_rows(part.num_rows, local=self.storage.reads_in_place)
                     groups = write_shard(part, sink, rows)
                 written.append(ShardRef(path, part.num_rows, sink.size, sink.sha256, groups))
             if sync:

@@ -60,7 +60,7 @@ def _dataset(url: str) -> VersionedDataset:
 
 
 def _rewrite(store: Store, rel: str, data: bytes) -> None:
-    if store.storage.local:
+    if store.storage.reads_in_place:
         path = store.storage.path(rel)
         os.chmod(path, 0o644)
         with open(path, "wb") as fh:

@@ -68,7 +68,7 @@ def _flip(store: Store, shard: m.ShardRef, offset: int) -> None:
     path = store.storage.path(shard.path)
     data = bytearray(store.storage.read(shard.path))
     data[offset] ^= 0xFF
-    if store.storage.local:
+    if store.storage.reads_in_place:
         os.chmod(path, 0o644)
         with open(path, "r+b") as fh:
             fh.write(data)

@@ -413,7 +413,7 @@ def test_interrupt_during_the_commit_write_is_resolved_by_reading_back(
         assert again.head == 3
         assert again.snapshot().to_arrow().column("id").to_pylist() == [0, 1, 2, 3]
         assert not again.storage.list(f"{m.META_DIR}/leases")
-    elif store.storage.local or store.storage.memory:
+    elif not store.storage.late_requests:
         assert again.head == 2
         assert listing(store) == before
     else:

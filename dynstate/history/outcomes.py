@@ -26,7 +26,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import InvalidDataError
-from ..log.outcomes import outcomes_of
 from ..records.aggregate import band_counts, band_of, pass_rate, pass_rates, succeeded, tally
 from ..records.manifest import CHECKPOINT_INTERVAL
 from ..records.outcomes import DEFAULT_SUCCESS_ABOVE, as_numpy
@@ -55,7 +54,7 @@ _FOLD_STEPS = 10_000
 def outcome_records_count(store: Store, version: int) -> int:
     """How many outcome records ``version``'s lineage holds (0: none recorded), from the
     commit records alone."""
-    return outcomes_of(store.log).lineage(version).records
+    return store.outcome_log.lineage(version).records
 
 
 @dataclass(frozen=True)
@@ -297,7 +296,7 @@ class OutcomeViews:
                 self._by_row.move_to_end(version)
                 return cached
             known = list(self._by_row.values())
-        outcomes = outcomes_of(self.store.log)
+        outcomes = self.store.outcome_log
         lineage = outcomes.lineage(version)
         count = lineage.count
         base = None
@@ -404,7 +403,7 @@ class OutcomeViews:
         # Only this row's records, in lineage order, then by step (ties as recorded: the
         # order row_history folds): the lineage's records are scanned, never copied or
         # kept, so memory follows the row and the page, not the history.
-        records = outcomes_of(self.store.log).records(version)
+        records = self.store.outcome_log.records(version)
         mask = pc.equal(records.column("row"), row)
         steps = as_numpy(pc.filter(records.column("step"), mask)).astype(np.int64, copy=False)
         order = np.argsort(steps, kind="stable")
@@ -484,7 +483,7 @@ class OutcomeViews:
 
         So the first chart reads the lesser of every record and about ``points`` aggregates
         with the files after them."""
-        lineage = outcomes_of(self.store.log).lineage(version)
+        lineage = self.store.outcome_log.lineage(version)
         num_rows = self.store.commit_record(version).num_rows
         records = lineage.records
         steps_held = sum(b - a + 1 for a, b in lineage.steps)
@@ -525,7 +524,7 @@ class OutcomeViews:
         when each commit with outcomes adds exactly one step, newer than every step before
         it, and all of them are above the gc floor; None otherwise. From the commit records
         and outcome lineages alone (no outcome file is read)."""
-        outcomes = outcomes_of(self.store.log)
+        outcomes = self.store.outcome_log
         versions = list(self.store.lineage(version))[::-1]
         plan: list[tuple[int, int]] = []
         count, top, records = 0, -1, 0
@@ -566,7 +565,7 @@ class OutcomeViews:
         counting bands at the kept steps only: the records between two kept steps are added
         together (a row's band depends only on its totals through a step). Nothing is
         cached, and its memory is the records' columns, not the steps'."""
-        outcomes = outcomes_of(self.store.log)
+        outcomes = self.store.outcome_log
         num_rows = self.store.commit_record(version).num_rows
         records = outcomes.records(version)
         steps = as_numpy(records.column("step")).astype(np.int64, copy=False)
@@ -590,7 +589,7 @@ class OutcomeViews:
         return kept, counts, len(starts)
 
     def _fold(self, version: int, bins: int) -> _Series:
-        outcomes = outcomes_of(self.store.log)
+        outcomes = self.store.outcome_log
         lineage = outcomes.lineage(version)
         num_rows = self.store.commit_record(version).num_rows
         count = lineage.count
@@ -643,7 +642,7 @@ class OutcomeViews:
     def _fold_base(self, version: int, bins: int) -> _Series | None:
         """The cached fold that ``version``'s lineage extends (its files are a prefix of the
         lineage's), or None."""
-        outcomes = outcomes_of(self.store.log)
+        outcomes = self.store.outcome_log
         lineage = outcomes.lineage(version)
         num_rows = self.store.commit_record(version).num_rows
         with self._lock:

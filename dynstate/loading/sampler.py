@@ -29,7 +29,6 @@ from typing import Any
 from torch.utils.data import Sampler
 
 from ..errors import InvalidDataError, StateMismatchError
-from ..log import steps
 from . import layout
 from .batching import Batching, check_lag
 from .dataset import VersionedDataset, encode_index
@@ -257,7 +256,7 @@ class VersionedSampler(Sampler[int]):
 
     def _steps_taken_up(self) -> int:
         store = self.dataset.store
-        last = steps.latest_step(store.log, store.refresh())
+        last = store.steps.latest(store.refresh())
         return self.first_step if last is None else max(self.first_step, last + 1)
 
     # -- iteration ---------------------------------------------------------------------------
@@ -318,7 +317,7 @@ class VersionedSampler(Sampler[int]):
         if first or pinned is None:
             return head
         if self.batch_size is None:
-            if any(own is not None for _, own in steps.steps_after(store.log, head, pinned)):
+            if any(own is not None for _, own in store.steps.after(head, pinned)):
                 raise InvalidDataError(
                     f"epoch {self.pos.epoch + 1} over {store.display_url} pins the version of "
                     "the round of the step before it, but this VersionedSampler does not know "
@@ -330,10 +329,9 @@ class VersionedSampler(Sampler[int]):
             return head  # no step has run: no round to pin by
         target = self.pos.step - 1
         if self.mode == "epoch":
-            found = steps.round_version(store.log, head, target, pinned)
+            found = store.steps.round_version(head, target, pinned)
             return head if found is None else found  # a run that commits no rounds: the head
-        return steps.wait_round(
-            store.log,
+        return store.steps.wait_round(
             target,
             pinned,
             timeout=self.wait_timeout,
@@ -348,7 +346,11 @@ class VersionedSampler(Sampler[int]):
     def _prefetch(self) -> None:
         """Warm the shards of the block after the one being consumed (remote stores)."""
         block = self.pos.base_next // _BLOCK
-        if not self.prefetch or block == self._prefetched or self.dataset.store.storage.local:
+        if (
+            not self.prefetch
+            or block == self._prefetched
+            or self.dataset.store.storage.reads_in_place
+        ):
             return  # local shards are read where they lie: nothing to warm
         self._prefetched = block
         rows, start = self.pos.base_rows, (block + 1) * _BLOCK
@@ -465,8 +467,7 @@ class VersionedSampler(Sampler[int]):
         if step < self.first_step:
             version = current  # no step has run yet: nothing fresh to wait for
         else:
-            version = steps.wait_round(
-                store.log,
+            version = store.steps.wait_round(
                 step,
                 current,
                 timeout=self.wait_timeout,
@@ -544,7 +545,7 @@ class VersionedSampler(Sampler[int]):
         uncounted = state["format"] == 1 or state["batch_size"] is None
         if uncounted and state["mode"] == "epoch" and state["version"] is not None:
             # Written while the sampler counted no steps: take them up after the newest round.
-            last = steps.latest_step(store.log, store.refresh())
+            last = store.steps.latest(store.refresh())
             position = replace(position, step=0 if last is None else last + 1)
         self._batching = batching
         self.pos = position

@@ -21,20 +21,33 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidDataError
 
-if TYPE_CHECKING:
-    from .selection import Policy
-
 __all__ = ["BLOCK", "CumulativeWeights", "Plan", "Selector", "check_weights", "step_rng"]
 
 BLOCK = 256  # rows per block; fixed, as the draws' rounding (never their law) depends on it
 _SALT = 0x5E1EC7  # keeps a selection's stream apart from any other use of the same seed
+
+
+class Weighing(Protocol):
+    """What :class:`Selector` asks of a selection policy (``selection.Policy`` is one). A
+    protocol here, not an import, so that ``selection`` builds on this module and not both
+    ways: ``reads`` names the statistics columns a row's weights depend on (None: every
+    row's), ``uses_step`` whether they depend on the step."""
+
+    reads: tuple[str, ...] | None
+    uses_step: bool
+
+    def plan(self, stats: pa.Table, step: int, where: str) -> Plan: ...
+
+    def checked_parts(
+        self, stats: pa.Table, step: int, where: str, *, whole: bool = True
+    ) -> list[tuple[float, np.ndarray]]: ...
 
 
 def step_rng(seed: int, epoch: int, step: int) -> np.random.Generator:
@@ -287,7 +300,7 @@ class Selector:
     a refresh and a build at that version (a resumed run's) draw the same rows. Other
     policies are built in full per version (and per step with ``uses_step``)."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Weighing) -> None:
         self.policy = policy
         self._key: Any = None
         self._plan: Plan | None = None

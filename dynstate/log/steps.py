@@ -33,6 +33,7 @@ from ..records.manifest import Commit
 from .commits import Log
 
 __all__ = [
+    "Steps",
     "latest_step",
     "own_step",
     "round_of",
@@ -166,3 +167,35 @@ def wait_round(
                 f"{timeout}s; {advice}"
             )
         time.sleep(poll)
+
+
+class Steps:
+    """The step queries of one store (``Store.steps``): the functions above, bound to its log,
+    so that a caller above the store asks the store and never reaches into its log."""
+
+    def __init__(self, log: Log) -> None:
+        self._log = log
+
+    def after(self, head: int, after: int = -1) -> list[tuple[int, int | None]]:
+        """:func:`steps_after`."""
+        return steps_after(self._log, head, after)
+
+    def latest(self, version: int) -> int | None:
+        """:func:`latest_step`."""
+        return latest_step(self._log, version)
+
+    def round_version(self, head: int, step: int, after: int) -> int | None:
+        """:func:`round_version`."""
+        return round_version(self._log, head, step, after)
+
+    def round_of(self, head: int, step: int) -> int | None:
+        """:func:`round_of`."""
+        return round_of(self._log, head, step)
+
+    def version_at(self, head: int, step: int) -> int:
+        """:func:`version_at_step`."""
+        return version_at_step(self._log, head, step)
+
+    def wait_round(self, step: int, after: int, *, timeout: float, advice: str) -> int:
+        """:func:`wait_round`."""
+        return wait_round(self._log, step, after, timeout=timeout, advice=advice)

@@ -56,9 +56,16 @@ _READY = threading.local()
 class Storage:
     """A store root on one backend. Create one with :func:`dynstate.storage.open_storage`."""
 
-    #: capability flags other layers read (never branch on the backend's type)
-    local: ClassVar[bool] = False
-    memory: ClassVar[bool] = False
+    # Capabilities other layers read: they never branch on the backend's type.
+    #: A shard is a file this process reads by path where it lies (a local disk): nothing to
+    #: cache or prefetch, a footer is one cheap read, and small row groups cost no requests.
+    reads_in_place: ClassVar[bool] = False
+    #: Other processes (loader workers, Ray tasks) reach the same store by its URL.
+    shared_across_processes: ClassVar[bool] = True
+    #: A request that failed or timed out may still take effect later (a remote store's
+    #: retried or late request), so a commit that failed must be looked for again.
+    late_requests: ClassVar[bool] = True
+    local: ClassVar[bool] = False  # the old name of reads_in_place, until its last readers move
     #: the granularity of the storage's modification times: every age judged by its clock
     #: (:meth:`now` minus :meth:`modified`) allows this much (S3 stamps whole seconds)
     clock_resolution_s: ClassVar[float] = 1.0

@@ -15,7 +15,8 @@ class MemoryStorage(Storage):
     """A store root in fsspec's process-wide memory filesystem. Exclusive create is a
     check-and-write under a lock; nothing survives the process."""
 
-    memory = True
+    shared_across_processes = False  # the memory filesystem is this process's
+    late_requests = False
     clock_resolution_s = 0.0  # microseconds, from this process's own clock
 
     def _create(self, rel: str, data: bytes, durable: bool = True) -> None:

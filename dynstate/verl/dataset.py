@@ -28,7 +28,6 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 from ..errors import InvalidDataError, StateMismatchError
 from ..loading.dataset import VersionedDataset, decode_index
 from ..loading.sampler import VersionedSampler
-from ..log import steps
 from ..records.rounds import to_table
 from ..rewind import rollback
 from ..store import Store
@@ -325,7 +324,7 @@ class DynstateRLDataset(RLHFDataset):
 
     def round_of(self, step: int) -> int | None:
         """The version of the head's lineage that holds the round of ``step``, or None."""
-        return steps.round_of(self.store.log, self.store.refresh(), step)
+        return self.store.steps.round_of(self.store.refresh(), step)
 
     def on_batch_end(self, batch: Any) -> int | None:
         """Generate and commit the round of the step whose ``batch`` just trained; returns the

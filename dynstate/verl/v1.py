@@ -41,7 +41,6 @@ from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
 from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 
 from ..errors import InvalidDataError, VersionCollectedError
-from ..log import steps
 from . import mirror
 from .dataset import DynstateRLDataset
 from .trainer import checkpoint_dir
@@ -114,12 +113,12 @@ def _imported_rows(dataset: DynstateRLDataset) -> int:
     store = dataset.store
     head = store.refresh()
     try:
-        version = steps.version_at_step(store.log, head, 0)
+        version = store.steps.version_at(head, 0)
     except VersionCollectedError:
         # gc took the import: the oldest kept version of the lineage is the nearest count (it
         # sets verl's epoch count, and the run's length only without total_training_steps;
         # the sampler's position comes from its own state)
-        version = steps.steps_after(store.log, head)[0][0]
+        version = store.steps.after(head)[0][0]
         log.warning(
             "the import of %s was collected by gc; counting verl's epochs by version %d",
             store.display_url,
