@@ -310,3 +310,48 @@ def test_filesystem_is_built_on_first_use(tmp_path: Path) -> None:
     (tmp_path / "x").write_bytes(b"1")
     assert storage.fs.exists(storage.path("x"))
     assert storage._fs is storage.fs
+
+
+STATS = """
+import json, sys
+import dynstate
+
+url = sys.argv[1]
+store = dynstate.Store.open(url)
+stats = store.outcome_stats()
+print(json.dumps(stats.to_pydict()))
+print("IMPORTED " + json.dumps(sorted(m for m in sys.modules if m in HEAVY)), file=sys.stderr)
+""".replace("HEAVY", repr((*HEAVY, "pyarrow.compute")))
+
+
+def test_a_fresh_process_reads_statistics_without_pandas_or_compute(tmp_path: Path) -> None:
+    """Issue 45.3: pyarrow's to_numpy and pa.array(ndarray) import pandas at their first call
+    and pyarrow.compute costs ~40 ms: a fresh process's statistics need neither. The values
+    are checked against a fold of the raw records written here, the aggregate included."""
+    pytest.importorskip("pandas")
+    import dynstate
+
+    url = str(tmp_path / "s")
+    store = dynstate.Store.open(url, create=True)
+    store.append([{"x": i} for i in range(7)])
+    want: dict[int, list[float]] = {}
+    for step in range(130):  # past the stored aggregate of every 100 versions
+        rows = [(step * 5 + k) % 7 for k in range(3)] + [3]
+        scores = [float((r + step) % 3 == 0) for r in rows]
+        store.append(
+            [], meta={"step": step}, outcomes={"row": rows, "step": [step] * 4, "score": scores}
+        )
+        for r, s in zip(rows, scores, strict=True):
+            want.setdefault(r, []).append(s)
+    done = subprocess.run(
+        [sys.executable, "-c", STATS, url], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stderr.rpartition("IMPORTED ")[2]) == []
+    got = json.loads(done.stdout)
+    assert got["row"] == list(range(7))
+    assert got["attempts"] == [len(want.get(r, [])) for r in range(7)]
+    assert got["successes"] == [sum(s > 0.5 for s in want.get(r, [])) for r in range(7)]
+    assert got["mean_score"] == [
+        sum(want[r]) / len(want[r]) if r in want else None for r in range(7)
+    ]

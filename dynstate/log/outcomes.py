@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .. import paths
@@ -522,6 +521,9 @@ class Outcomes:
             if not pa.types.is_floating(column.type):
                 continue
             if column.null_count:
+                # rare (an extra column with nulls); pyarrow.compute costs a fresh process 40 ms
+                import pyarrow.compute as pc
+
                 finite = pc.all(pc.fill_null(pc.is_finite(column), True)).as_py()
             else:
                 finite = np.isfinite(as_numpy(column)).all()

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .outcomes import MAX_OUTCOMES, as_numpy
+from .outcomes import MAX_OUTCOMES, as_numpy, from_numpy
 
 _AGG_META = b"dynstate.records.outcomes.aggregate"
 # An aggregate keeps a per-row score histogram while the lineage's scores take at most this
@@ -355,13 +355,13 @@ class Aggregate:
             ewma = self.ewma_num / self.ewma_den
         return pa.table(
             {
-                "row": pa.array(np.arange(self.num_rows, dtype=np.int64)),
-                "attempts": pa.array(self.attempts),
-                "successes": pa.array(successes),
-                "mean_score": pa.array(mean, mask=untrained),
-                "ewma_score": pa.array(ewma, mask=untrained),
-                "first_step": pa.array(self.first_step, mask=untrained),
-                "last_step": pa.array(self.last_step, mask=untrained),
+                "row": from_numpy(np.arange(self.num_rows, dtype=np.int64)),
+                "attempts": from_numpy(self.attempts),
+                "successes": from_numpy(successes),
+                "mean_score": from_numpy(mean, mask=untrained),
+                "ewma_score": from_numpy(ewma, mask=untrained),
+                "first_step": from_numpy(self.first_step, mask=untrained),
+                "last_step": from_numpy(self.last_step, mask=untrained),
             }
         )
 
@@ -371,21 +371,21 @@ class Aggregate:
         idx = np.flatnonzero(self.attempts > 0)
         table = pa.table(
             {
-                "row": pa.array(idx.astype(np.int64)),
-                "attempts": pa.array(self.attempts[idx]),
-                "score_sum": pa.array(self.score_sum[idx]),
-                "successes": pa.array(self.successes[idx]),
-                "first_step": pa.array(self.first_step[idx]),
-                "last_step": pa.array(self.last_step[idx]),
-                "ewma_num": pa.array(self.ewma_num[idx]),
-                "ewma_den": pa.array(self.ewma_den[idx]),
+                "row": from_numpy(idx.astype(np.int64)),
+                "attempts": from_numpy(self.attempts[idx]),
+                "score_sum": from_numpy(self.score_sum[idx]),
+                "successes": from_numpy(self.successes[idx]),
+                "first_step": from_numpy(self.first_step[idx]),
+                "last_step": from_numpy(self.last_step[idx]),
+                "ewma_num": from_numpy(self.ewma_num[idx]),
+                "ewma_den": from_numpy(self.ewma_den[idx]),
             }
         )
         values = None
         if self.values is not None and self.counts is not None:
             values = self.values.tolist()
             for i in range(len(values)):
-                table = table.append_column(f"count_{i}", pa.array(self.counts[idx, i]))
+                table = table.append_column(f"count_{i}", from_numpy(self.counts[idx, i]))
         params = {
             "success_above": self.success_above,
             "half_life": self.half_life,

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from ..errors import InvalidDataError
 from .inputs import plain_json, to_arrow
@@ -51,12 +50,54 @@ MAX_STATE_DEPTH = 32
 MAX_SCORE = 1e250
 
 
+# Arrow's fixed-width numeric types by name (DataType.to_pandas_dtype imports pandas too).
+_NUMPY_TYPES = {
+    str(t): np.dtype(d)
+    for t, d in [
+        (pa.int8(), np.int8),
+        (pa.int16(), np.int16),
+        (pa.int32(), np.int32),
+        (pa.int64(), np.int64),
+        (pa.uint8(), np.uint8),
+        (pa.uint16(), np.uint16),
+        (pa.uint32(), np.uint32),
+        (pa.uint64(), np.uint64),
+        (pa.float32(), np.float32),
+        (pa.float64(), np.float64),
+    ]
+}
+
+
 def as_numpy(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """A column as numpy without pandas (ChunkedArray.to_numpy imports it: seconds cold)."""
+    """A column as numpy without pandas: pyarrow's ``to_numpy`` imports it at its first call
+    (0.25 s of a fresh process's statistics). A fixed-width column without nulls is viewed
+    in place (read-only, as ``to_numpy`` gives it); anything else goes through ``to_numpy``."""
     if isinstance(column, pa.ChunkedArray):
         # one chunk (the usual case) is converted as it is: combining copies it first
         column = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    dtype = _NUMPY_TYPES.get(str(column.type))
+    if dtype is not None and column.null_count == 0:
+        values = column.buffers()[1]
+        if values is not None:
+            out = np.frombuffer(
+                values, dtype, count=len(column), offset=column.offset * dtype.itemsize
+            )
+            out.flags.writeable = False  # Arrow's memory: read-only, as to_numpy gives it
+            return out
     return column.to_numpy(zero_copy_only=False)
+
+
+def from_numpy(values: np.ndarray, mask: np.ndarray | None = None) -> pa.Array:
+    """A 1-D numeric array as Arrow, nulls where ``mask`` is True, without pandas (``pa.array``
+    of an ndarray imports it at its first call): the values' memory is shared, not copied."""
+    values = np.ascontiguousarray(values)
+    kind = pa.from_numpy_dtype(values.dtype)
+    if str(kind) not in _NUMPY_TYPES or values.ndim != 1:
+        return pa.array(values, mask=mask)
+    validity, nulls = None, 0
+    if mask is not None and (nulls := int(np.count_nonzero(mask))):
+        validity = pa.py_buffer(np.packbits(~np.asarray(mask, bool), bitorder="little"))
+    return pa.Array.from_buffers(kind, len(values), [validity, pa.py_buffer(values)], nulls)
 
 
 # -- input -----------------------------------------------------------------------------------
@@ -133,6 +174,8 @@ def check_outcomes(data: Any, url: str, num_rows: int, version: int) -> pa.Table
 
 
 def _uint(col: pa.ChunkedArray, name: str, url: str) -> pa.ChunkedArray:
+    import pyarrow.compute as pc  # here, not at the top: see _numeric
+
     if len(col) and pc.max(col).as_py() >= MAX_STEP:
         raise InvalidDataError(f"outcomes for {url}: column {name!r} holds values over 2**53")
     return col.cast(pa.int64())
@@ -162,6 +205,10 @@ def _numeric(col: pa.ChunkedArray, name: str, url: str, *, nulls: bool) -> pa.Ch
             )
         return pa.array(values)
     if pa.types.is_floating(t):
+        # Imported here: pyarrow.compute costs a fresh process ~40 ms, and a reader of
+        # statistics never comes this way.
+        import pyarrow.compute as pc
+
         col = col.cast(pa.float64())
         finite = pc.is_finite(col)
         if not pc.all(pc.fill_null(finite, True)).as_py():

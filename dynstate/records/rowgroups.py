@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .columns import owned_buffer
@@ -189,6 +188,8 @@ def dictionary_columns(table: pa.Table, rows: int) -> bool | list[str]:
     it: there it is 7x smaller. Nested columns keep pyarrow's default (all dictionaries)."""
     if not table.num_columns or any(pa.types.is_nested(f.type) for f in table.schema):
         return True
+    import pyarrow.compute as pc  # here: a reader of shards never needs it (~40 ms to import)
+
     head = table.slice(0, rows)
     keep = []
     for name, column in zip(table.column_names, head.columns, strict=True):
