@@ -34,6 +34,7 @@ from .storage import Storage, open_storage
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from .log.consumption import Consumption
     from .log.outcomes import Outcomes
     from .snapshot import Contents, Snapshot, Staged
     from .writes import DEFAULT_SHARD_BYTES, Writer  # noqa: F401 (re-exported by __getattr__)
@@ -401,6 +402,15 @@ class Store:
         )
 
     # -- outcomes ----------------------------------------------------------------------------
+
+    @property
+    def consumption(self) -> Consumption:
+        """What each step drew, trained, filtered and carried
+        (:class:`dynstate.log.consumption.Consumption`). Imported on use: its checks import
+        numpy and pyarrow, which a read-only command never needs."""
+        from .log.consumption import Consumption
+
+        return Consumption(self.log)
 
     @property
     def outcome_log(self) -> Outcomes:

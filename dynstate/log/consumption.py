@@ -13,7 +13,7 @@ from ..records.consumption import check_record
 from .commits import Log
 from .steps import own_step, round_of
 
-__all__ = ["lineage_records", "record_of_step"]
+__all__ = ["Consumption", "lineage_records", "record_of_step"]
 
 
 def _checked(log: Log, version: int, record: dict[str, Any]) -> dict[str, Any]:
@@ -49,3 +49,19 @@ def lineage_records(log: Log, head: int) -> list[tuple[int, dict[str, Any]]]:
         if record.consumption is not None and record.op == "append":
             out.append((version, _checked(log, version, record.consumption)))
     return out[::-1]
+
+
+class Consumption:
+    """The consumption records of one store (``Store.consumption``): the functions above,
+    bound to its log, so that a caller above the store never reaches into its log."""
+
+    def __init__(self, log: Log) -> None:
+        self._log = log
+
+    def of_step(self, head: int, step: int) -> tuple[int, dict[str, Any]] | None:
+        """:func:`record_of_step`."""
+        return record_of_step(self._log, head, step)
+
+    def lineage(self, head: int) -> list[tuple[int, dict[str, Any]]]:
+        """:func:`lineage_records`."""
+        return lineage_records(self._log, head)
