@@ -290,6 +290,7 @@ class DynamicSampling:
         self._broken: str | None = None
 
     def _make_loader(self) -> Any:
+        import torch
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         loader = StatefulDataLoader(
@@ -299,6 +300,11 @@ class DynamicSampling:
             drop_last=self.sampler.drop_last,
             collate_fn=_keep_list,
             num_workers=0,
+            # Its own generator: without one, each epoch's iterator draws a base seed from
+            # torch's global generator, which a trainer restores on resume and samples
+            # completions from; a draw at another moment than in the uninterrupted run (a
+            # resume starts a new iterator) would shift every later generation.
+            generator=torch.Generator(),
         )
         return self.sampler.check_loader(loader)
 
@@ -327,7 +333,6 @@ class DynamicSampling:
         carry against ``max_carry``, then rolls the store back to that step
         (:func:`dynstate.rollback`; rounds of a crashed run after it are abandoned) and
         restores the carry and the sampler's position. Nothing changes when it refuses."""
-        from ..log.consumption import record_of_step
         from ..rewind import rollback
 
         if self._it is not None or self._next_step is not None:
@@ -340,7 +345,7 @@ class DynamicSampling:
             return first_step
         if isinstance(step, bool) or not isinstance(step, int) or step < first_step:
             raise InvalidDataError(f"step must be an int >= {first_step} or None, not {step!r}")
-        found = record_of_step(self.store.log, self.store.refresh(), step)
+        found = self.store.consumption.of_step(self.store.refresh(), step)
         if found is None:
             raise StateMismatchError(
                 f"{url} holds no consumption record for step {step} on its head's lineage; "
@@ -500,7 +505,5 @@ def consumption_records(store: Store, version: int | str | None = None) -> list[
     """Every consumption record of ``version``'s lineage (a number, a tag or None: the head),
     oldest step first, each with ``"version"``: the version of its round. O(lineage): for
     audits and views; a resume reads only the record of its step."""
-    from ..log.consumption import lineage_records
-
     head = store.resolve(version)
-    return [{**record, "version": v} for v, record in lineage_records(store.log, head)]
+    return [{**record, "version": v} for v, record in store.consumption.lineage(head)]
