@@ -315,7 +315,7 @@ def dataset(built: Built, mode: str, version: int, **kwargs: Any) -> VersionedDa
         ds = _fresh(built, version, **kwargs)
         if mode == "taught":
             _teach(built, ds, version)
-            if not ds.store.storage.local:
+            if not ds.store.storage.reads_in_place:
                 assert ds.cache.footers._templates, "the teaching read taught no template"
     else:
         key = (mode, repr(sorted(kwargs.items())))

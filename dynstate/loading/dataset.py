@@ -248,7 +248,7 @@ class VersionedDataset(Dataset):
         store = self.store
         if self._cache is None:
             disk = None
-            if not store.storage.local:
+            if not store.storage.reads_in_place:
                 base = self.cache_dir or os.path.join(tempfile.gettempdir(), "dynstate-cache")
                 disk = os.path.join(base, store.store_id)
             self._cache = ShardCache(self.cache_bytes, disk)
@@ -321,7 +321,7 @@ class VersionedDataset(Dataset):
 
     def prefetch(self, version: int, indices: Sequence[int]) -> None:
         """Start downloading the shards that hold ``indices`` of ``version`` (remote stores)."""
-        if self.store.storage.local:
+        if self.store.storage.reads_in_place:
             return  # local shards are read where they lie: nothing to warm
         view = self._view(version)
         rows = np.asarray(indices, dtype=np.int64)

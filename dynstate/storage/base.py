@@ -65,7 +65,6 @@ class Storage:
     #: A request that failed or timed out may still take effect later (a remote store's
     #: retried or late request), so a commit that failed must be looked for again.
     late_requests: ClassVar[bool] = True
-    local: ClassVar[bool] = False  # the old name of reads_in_place, until its last readers move
     #: the granularity of the storage's modification times: every age judged by its clock
     #: (:meth:`now` minus :meth:`modified`) allows this much (S3 stamps whole seconds)
     clock_resolution_s: ClassVar[float] = 1.0

@@ -58,7 +58,7 @@ class LocalStorage(Storage):
     """A store root in a local directory. Records appear by ``link()`` of a complete,
     fsynced temporary file, so no partial record is ever visible under its final name."""
 
-    reads_in_place = local = True
+    reads_in_place = True
     late_requests = False  # a rename either happened or not when the call returns
     # The kernel stamps files by its coarse clock (a few ms); ext4, xfs, btrfs keep ns.
     clock_resolution_s = 0.01
