@@ -276,10 +276,10 @@ def test_a_block_too_big_for_the_cache_is_never_formed(store_path, expected, mon
     """Planned runs rest on an estimate of decoded sizes; when the decoded shards of a run
     hold more than a quarter of the cache, the cache declines the block for good and reads
     stay per shard."""
-    import dynstate.loading.dataset as dataset_module
+    import dynstate.loading.view as view_module
 
     # Estimate decoded shards at 0 bytes: runs are planned by count alone, up to 8 shards.
-    monkeypatch.setattr(dataset_module, "_DECODED_PER_PARQUET_BYTE", 0)
+    monkeypatch.setattr(view_module, "_DECODED_PER_PARQUET_BYTE", 0)
     whole = sum(
         VersionedDataset(store_path).cache.shard(Store.open(store_path), s, None, None, 0).nbytes
         for s in Store.open(store_path).snapshot().shards

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -16,9 +16,7 @@ from ..records.columns import int64_array
 from ..store import Store
 from .cache import ShardCache, _Shard
 from .ranged import group_starts
-
-if TYPE_CHECKING:
-    from .dataset import _View
+from .view import View
 
 # Up to this many rows of one column of one shard are read cell by cell: an Arrow take()
 # costs ~3 µs per call whatever its size, one cell ~0.5 µs.
@@ -75,7 +73,7 @@ def _rows(names: tuple[str, ...], values: list[list[Any]], n: int) -> list[dict[
 
 
 def _merge_columns(
-    parts: list[tuple[np.ndarray, _View, list[list[Any]]]], n: int
+    parts: list[tuple[np.ndarray, View, list[list[Any]]]], n: int
 ) -> dict[str, list[Any]]:
     if len(parts) == 1:
         _, view, values = parts[0]
@@ -93,7 +91,7 @@ def _merge_columns(
     return out
 
 
-def starts_of(view: _View, shard: int) -> np.ndarray:
+def starts_of(view: View, shard: int) -> np.ndarray:
     """The first row of each row group of a shard of ``view`` (which has them), and its end."""
     starts = view.group_starts.get(shard)
     if starts is None:
@@ -103,13 +101,13 @@ def starts_of(view: _View, shard: int) -> np.ndarray:
     return starts
 
 
-def _whole(cache: ShardCache, store: Store, view: _View, index: int) -> _Shard:
+def _whole(cache: ShardCache, store: Store, view: View, index: int) -> _Shard:
     snap = view.snap
     return cache.shard(store, view.shards[index], snap.schema, view.fingerprint, snap.version)
 
 
 def row_source(
-    cache: ShardCache, store: Store, view: _View, index: int, local: int
+    cache: ShardCache, store: Store, view: View, index: int, local: int
 ) -> tuple[_Shard, int]:
     """The decoded data holding row ``local`` of shard ``index`` of ``view``, and the row's
     place in it: the whole shard when it is cached or has no row groups, else its row group."""
@@ -127,7 +125,7 @@ def row_source(
     return entry[0][0], local - int(starts[group])
 
 
-def pieces(cache: ShardCache, store: Store, view: _View, rows: np.ndarray) -> list[_Piece]:
+def pieces(cache: ShardCache, store: Store, view: View, rows: np.ndarray) -> list[_Piece]:
     """Where ``rows`` (in range, at least one) lie: per block of shards the cache holds as
     one table, else per shard or, for a shard read in part, per row group, the decoded data,
     the positions in ``rows`` it serves and the rows within it. The row groups the cache
@@ -196,7 +194,7 @@ def pieces(cache: ShardCache, store: Store, view: _View, rows: np.ndarray) -> li
     return out
 
 
-def columns_at(cache: ShardCache, store: Store, view: _View, rows: np.ndarray) -> list[list[Any]]:
+def columns_at(cache: ShardCache, store: Store, view: View, rows: np.ndarray) -> list[list[Any]]:
     """The values of ``view.names`` at ``rows`` (in range), one list per column, in the
     order of ``rows``: one take per column per block, shard or row group touched, numeric
     columns through numpy, the pieces put back in order with one inverse permutation."""
@@ -240,9 +238,9 @@ def columns_at(cache: ShardCache, store: Store, view: _View, rows: np.ndarray) -
 def arrow_batch(
     cache: ShardCache,
     store: Store,
-    groups: list[tuple[np.ndarray, _View, np.ndarray]],
+    groups: list[tuple[np.ndarray, View, np.ndarray]],
     n: int,
-    empty: _View,
+    empty: View,
 ) -> pa.RecordBatch:
     """The rows of ``groups`` (positions in the batch, view, rows) as one record batch in
     the batch's order; ``empty`` gives the schema of a batch with no rows."""

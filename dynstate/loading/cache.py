@@ -12,7 +12,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -24,22 +24,11 @@ from ..records.rowgroups import read_parquet
 from ..snapshot import verify_shard_bytes
 from ..store import Store
 from .ranged import Footers, read_groups
-
-if TYPE_CHECKING:
-    from .dataset import _View
+from .view import View, cache_id
 
 log = logging.getLogger("dynstate")
 
 DEFAULT_CACHE_BYTES = 512 * 2**20
-
-
-def cache_id(shard: m.ShardRef) -> tuple[str, str]:
-    """What a decoded shard or row group is cached under: the file's checksum and, for a
-    shard read a row group at a time, the checksums of its segments. A row-group read
-    verifies the segments, never the whole file, so a record naming another shard's
-    checksum (tampered) must not find that shard's rows in the cache: the segment
-    checksums, which every byte was checked against, tell them apart."""
-    return (shard.sha256, shard.groups.sha256 if shard.groups is not None else "")
 
 
 def _key(
@@ -323,7 +312,7 @@ class ShardCache:
         self._shards[(cid, fp)] = entry
         self._bytes += entry.nbytes
 
-    def block(self, view: _View, block: int) -> _Shard | None:
+    def block(self, view: View, block: int) -> _Shard | None:
         """Consecutive shards of a version as one contiguous table, so that a batch spread
         over them costs one take per column instead of one per shard. Formed only from
         shards already decoded (a concatenation, no decode: a cache too small to hold them

@@ -1,9 +1,9 @@
 """VersionedDataset: a map-style dataset over one version of a store, safe in DataLoader
 workers, with a bounded shard cache.
 
-One file: the index encoding, the per-version view and the dataset are the process-local
-state a worker rebuilds after unpickling (``_view``, ``store``, ``cache``), and the view's
-fields are the dataset's private working set; batch assembly lives in :mod:`.batch`."""
+The index encoding and the dataset: the process-local state a worker rebuilds after
+unpickling (``_view``, ``store``, ``cache``). What a read needs of one version lives in
+:mod:`.view`, batch assembly in :mod:`.batch`."""
 
 from __future__ import annotations
 
@@ -17,19 +17,14 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from ..errors import InvalidDataError, RowOutOfRangeError, VersionNotFoundError
-from ..records import manifest as m
 from ..records.columns import int64_array
 from ..snapshot import Snapshot
 from ..store import Store
 from .batch import _merge_columns, _row_maker, _rows, arrow_batch, columns_at, row_source
-from .cache import DEFAULT_CACHE_BYTES, ShardCache, cache_id
-
-_Key = tuple[tuple[str, str], str | None]  # a whole shard's key in the cache
+from .cache import DEFAULT_CACHE_BYTES, ShardCache
+from .view import View
 
 BATCH_FORMATS = ("rows", "columns", "arrow")
-# Decoded Arrow bytes per Parquet byte assumed when planning blocks (text compresses ~2-4x);
-# an underestimate only makes a block that the cache then declines to form.
-_DECODED_PER_PARQUET_BYTE = 3
 
 
 # Sampler indices carry the version they were drawn from in their high bits, so a DataLoader
@@ -55,99 +50,6 @@ def decode_index(index: int) -> tuple[int | None, int]:
     if index <= _ROW_MASK:
         return None, index
     return (index >> _ROW_BITS) - 1, index & _ROW_MASK
-
-
-class _View:
-    """What reads need of one version, computed once per process: shard offsets (a list for
-    one row, numpy for a batch), the schema and which of its columns to return."""
-
-    __slots__ = (
-        "block_keys",
-        "block_offsets",
-        "block_parts",
-        "block_starts",
-        "blocks",
-        "fingerprint",
-        "group_starts",
-        "names",
-        "np_offsets",
-        "num_rows",
-        "offsets",
-        "positions",
-        "shards",
-        "snap",
-        "too_big",
-    )
-
-    def __init__(self, snap: Snapshot, columns: list[str] | None, url: str, block_bytes: int):
-        self.snap = snap
-        self.shards = snap.shards
-        self.offsets = list(snap.offsets)
-        self.np_offsets = np.asarray(self.offsets, dtype=np.int64)
-        self.num_rows = snap.num_rows
-        self.fingerprint = snap.commit.schema
-        names = tuple(snap.schema.names) if snap.schema is not None else ()
-        self.positions: list[int] | None = None  # None: every column, in schema order
-        if columns is not None and snap.schema is not None:
-            missing = [c for c in columns if c not in names]
-            if missing:
-                raise InvalidDataError(
-                    f"columns {missing} are not in version {snap.version} of {url} "
-                    f"(it has {list(names)}); pass columns=None or names it has"
-                )
-            self.positions = [names.index(c) for c in columns]
-            names = tuple(columns)
-        self.names = names
-        self.too_big: set[int] = set()
-        self.group_starts: dict[int, np.ndarray] = {}  # filled by batch.starts_of
-        self._plan_blocks(block_bytes)
-
-    def _plan_blocks(self, block_bytes: int) -> None:
-        """Split the shards into aligned power-of-two runs ([0, 8), [8, 10), ...) of at most
-        ``block_bytes`` (estimated decoded size). The runs depend only on the shards, so a
-        version and the next one (one shard appended) share every block but the trailing
-        ones, and as a store grows each shard is copied into a larger block about log2(n)
-        times in all, not once per version."""
-        sizes = [s.bytes * _DECODED_PER_PARQUET_BYTE for s in self.shards]
-        blocks, i, n = [], 0, len(self.shards)
-        while i < n:
-            width = 1
-            while (
-                i % (width * 2) == 0
-                and i + width * 2 <= n
-                and sum(sizes[i : i + width * 2]) <= block_bytes
-            ):
-                width *= 2
-            blocks.append((i, i + width))
-            i += width
-        self.blocks = blocks
-        self.block_parts: list[list[tuple[tuple[str, str], str | None]] | None] = [None] * len(
-            blocks
-        )
-        self.block_starts = [self.offsets[lo] for lo, _ in blocks]
-        self.block_offsets = np.asarray([*self.block_starts, self.num_rows])
-        fp = self.fingerprint if self.snap.schema is not None else None
-        # One digest of the parts' checksums: a key of thousands of tiny shards would cost a
-        # tuple hash over all of them on every lookup.
-        self.block_keys = [
-            (
-                "block",
-                fp,
-                m.sha256("".join("".join(cache_id(s)) for s in self.shards[lo:hi]).encode()),
-            )
-            if hi - lo > 1
-            else None
-            for lo, hi in blocks
-        ]
-
-    def parts(self, block: int) -> list[_Key]:
-        """The cache keys of a block's shards (kept: asked on every read until it forms)."""
-        parts = self.block_parts[block]
-        if parts is None:
-            lo, hi = self.blocks[block]
-            fp = self.fingerprint if self.snap.schema is not None else None
-            parts = self.block_parts[block] = [(cache_id(s), fp) for s in self.shards[lo:hi]]
-        return parts
 
 
 class VersionedDataset(Dataset):
@@ -210,7 +112,7 @@ class VersionedDataset(Dataset):
         self.row_column = row_column
         self._pid = os.getpid()
         self._cache: ShardCache | None = None
-        self._views: dict[int, _View] = {}
+        self._views: dict[int, View] = {}
         store = self.store
         self.store_id = store.store_id
         self.version = store.resolve(version)
@@ -268,11 +170,11 @@ class VersionedDataset(Dataset):
         """Move to the store's head."""
         return self.pin(None)
 
-    def _view(self, version: int) -> _View:
+    def _view(self, version: int) -> View:
         store = self.store  # first: a new process starts with no views
         view = self._views.get(version)
         if view is None:
-            view = _View(
+            view = View(
                 store.snapshot(version), self.columns, store.display_url, self.cache_bytes // 4
             )
             if self.row_column is not None and self.row_column in view.names:
@@ -285,7 +187,7 @@ class VersionedDataset(Dataset):
             self._views[version] = view
         return view
 
-    def _plain_view(self, row: int) -> _View:
+    def _plain_view(self, row: int) -> View:
         """The view a plain (version-less) row number is read from."""
         view = self._view(self.version)
         if row >= view.num_rows:
@@ -293,7 +195,7 @@ class VersionedDataset(Dataset):
             view = self._view(self.refresh())
         return view
 
-    def _tagged_view(self, version: int, index: int) -> _View:
+    def _tagged_view(self, version: int, index: int) -> View:
         """The view of the version a sampler index names. An index past 2**40 that names a
         version the store never had is a row number out of range, not a missing version."""
         try:
@@ -310,7 +212,7 @@ class VersionedDataset(Dataset):
                 "len(dataset)"
             ) from None
 
-    def _out_of_range(self, view: _View, row: int) -> RowOutOfRangeError:
+    def _out_of_range(self, view: View, row: int) -> RowOutOfRangeError:
         return RowOutOfRangeError(
             f"row {row} out of range for version {view.snap.version} of "
             f"{self.store.display_url} ({view.num_rows} rows); use an index below "
@@ -411,7 +313,7 @@ class VersionedDataset(Dataset):
         return out
 
     @staticmethod
-    def _row_numbers(groups: list[tuple[np.ndarray, _View, np.ndarray]], n: int) -> list[int]:
+    def _row_numbers(groups: list[tuple[np.ndarray, View, np.ndarray]], n: int) -> list[int]:
         """The row number (in its version) of each index of a batch, in the batch's order."""
         numbers = np.empty(n, dtype=np.int64)
         for positions, _, rows in groups:
@@ -420,7 +322,7 @@ class VersionedDataset(Dataset):
 
     # -- batch internals ---------------------------------------------------------------------
 
-    def _groups(self, indices: Sequence[int]) -> list[tuple[np.ndarray, _View, np.ndarray]]:
+    def _groups(self, indices: Sequence[int]) -> list[tuple[np.ndarray, View, np.ndarray]]:
         """(positions in the batch, view, rows) per version the batch reads, rows checked."""
         try:
             idx = np.asarray(indices, dtype=np.int64).reshape(-1)
