@@ -9,6 +9,7 @@ few lines::
         model=model, reward_funcs=[reward], args=GRPOConfig(...), processing_class=tokenizer,
         train_dataset=dynstate.VersionedDataset(store),   # was: a datasets.Dataset
         generator=MyGenerator(), select=dynstate.Learnability(),
+        filter_groups=True,   # optional: DAPO's group filtering with carry-over
     )
     trainer.train(resume_from_checkpoint=last_checkpoint)  # rolls back later rounds first
 """
@@ -26,12 +27,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from .generator import DynstateGenerator, RoundView, StepBatch
 from .loader import STATE_FILE, read_checkpoint_state
-from .trainer import DynstateGRPOTrainer, Round
+from .trainer import DynstateGRPOTrainer, FilterGroups, Round
 
 __all__ = [
     "STATE_FILE",
     "DynstateGRPOTrainer",
     "DynstateGenerator",
+    "FilterGroups",
     "Round",
     "RoundView",
     "StepBatch",

@@ -34,6 +34,8 @@ from ..store import Store
 from .generator import SOURCE_COLUMN
 
 STATE_FILE = "dynstate_state.pt"
+CARRY_FILE = "dynstate_carry.pt"
+CARRY_KIND = "dynstate.trl.carry"
 STATE_KIND = "dynstate.trl"
 STATE_FORMAT = 1
 ROW_KEY = "dynstate_row"
@@ -52,12 +54,41 @@ class Items:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        version, row = decode_index(index)
-        item = self.dataset[index]
-        item.pop(SOURCE_COLUMN, None)
-        item[ROW_KEY] = row
-        item[VERSION_KEY] = version
-        return item
+        return trl_item(self.dataset[index], index)
+
+
+def trl_item(item: dict[str, Any], index: int) -> dict[str, Any]:
+    """A row as a TRL item: ``dynstate_row`` and ``dynstate_version`` (the version the
+    sampler drew it from) added, ``_dynstate_source`` (lineage, not a prompt's input) left
+    out."""
+    version, row = decode_index(index)
+    item.pop(SOURCE_COLUMN, None)
+    item[ROW_KEY] = row
+    item[VERSION_KEY] = version
+    return item
+
+
+class TrlRows(VersionedDataset):
+    """The store's rows as TRL items (:func:`trl_item`), for ``DynamicSampling``, which reads
+    rows through a :class:`VersionedDataset` of its own: the same items GRPOTrainer gets
+    without filtering, so reward functions see the same keyword arguments either way."""
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return trl_item(super().__getitem__(index), index)
+
+    def __getitems__(self, indices: Any) -> Any:
+        items = super().__getitems__(indices)
+        return [trl_item(item, i) for item, i in zip(items, indices, strict=True)]
+
+
+class Ticks:
+    """The Trainer's loader under group filtering: one placeholder batch per micro-step, no
+    ``len()``. The prompts are drawn inside the generation (``DynamicSampling``, which may
+    draw several generation batches per step), not by the Trainer's loop."""
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            yield [{"prompt": ""}]
 
 
 class RepeatCollate:
@@ -94,8 +125,10 @@ class EndlessBatches:
                 )
 
 
-def checkpoint_state(loader: Any, store: Store, step: int, version: int) -> dict[str, Any]:
-    return {
+def checkpoint_state(
+    loader: Any, store: Store, step: int, version: int, filter_settings: Any = None
+) -> dict[str, Any]:
+    state = {
         "format": STATE_FORMAT,
         "kind": STATE_KIND,
         "store_id": store.store_id,
@@ -104,6 +137,70 @@ def checkpoint_state(loader: Any, store: Store, step: int, version: int) -> dict
         "version": int(version),
         "loader": loader.state_dict(),
     }
+    if filter_settings is not None:
+        state["filter_groups"] = filter_settings
+    return state
+
+
+def save_carry(folder: str, step: int, groups: list[Any], parts: list[dict[str, Any]]) -> None:
+    """``checkpoint-N/dynstate_carry.pt``: the groups step N carries to step N + 1 with their
+    completions as GRPOTrainer's tensors (one dict of ``num_generations`` rows per group).
+    The store holds the carry's rows and scores (the step's consumption record), not its
+    completions: a resume trains them from here, as the uninterrupted run does."""
+    import torch
+
+    state = {
+        "format": STATE_FORMAT,
+        "kind": CARRY_KIND,
+        "step": int(step),
+        "rows": [int(g.row) for g in groups],
+        "scores": [[float(s) for s in g.scores] for g in groups],
+        "tensors": [{k: v.detach().cpu() for k, v in part.items()} for part in parts],
+    }
+    tmp = os.path.join(folder, CARRY_FILE + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, os.path.join(folder, CARRY_FILE))
+
+
+def read_carry(checkpoint_dir: str, step: int, record: dict[str, Any], url: str) -> list[Any]:
+    """The carry tensors of ``checkpoint_dir``, checked against the consumption record of its
+    step (the same rows and scores, in order); raises :class:`CheckpointNotFoundError` or
+    :class:`StateMismatchError` before anything changes."""
+    import torch
+
+    path = os.path.join(checkpoint_dir, CARRY_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointNotFoundError(
+            f"no carried completions at {path}: {checkpoint_dir} was saved without "
+            f"filter_groups, or the file was removed, so step {step + 1} of {url} cannot train "
+            f"the groups step {step} carried; resume with the settings the checkpoint was saved "
+            "with, or from another checkpoint"
+        )
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as exc:
+        raise StateMismatchError(
+            f"{path} is not a dynstate carry (torch.load failed: {exc})"
+        ) from exc
+    if not isinstance(state, dict) or state.get("kind") != CARRY_KIND:
+        raise StateMismatchError(f"{path} is not a dynstate.trl carry; it cannot resume {url}")
+    want_rows = [int(r) for r, _ in record["carry"]]
+    want_scores = [[float(s) for s in scores] for _, scores in record["carry"]]
+    tensors = state.get("tensors")
+    if (
+        state.get("step") != step
+        or state.get("rows") != want_rows
+        or state.get("scores") != want_scores
+        or not isinstance(tensors, list)
+        or len(tensors) != len(want_rows)
+    ):
+        raise StateMismatchError(
+            f"{path} carries rows {state.get('rows')!r} after step {state.get('step')!r}, but "
+            f"the consumption record of step {step} in {url} carries rows {want_rows}: the "
+            "checkpoint and the store disagree (a file copied from another checkpoint, or a "
+            "store reset since); resume from this checkpoint's own files"
+        )
+    return tensors
 
 
 def read_checkpoint_state(checkpoint_dir: str, store: Store) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from trl import GRPOTrainer
 
 from .. import rollback, version_at_step
 from ..errors import InvalidDataError, StateMismatchError
+from ..loading.consumption import DynamicSampling
 from ..loading.dataset import VersionedDataset
 from ..loading.sampler import VersionedSampler
 from ..loading.selection import pass_rates
@@ -43,6 +44,38 @@ FIRST_STEP = 1  # TRL's global_step after the first optimizer step
 
 
 @dataclass(frozen=True)
+class FilterGroups:
+    """Group filtering with carry-over (DAPO's dynamic sampling), the setting
+    ``DynstateGRPOTrainer(filter_groups=...)`` (``True``: these defaults). Each step draws
+    generation batches of ``gen_prompts`` prompts (default: the step's prompts,
+    ``generation_batch_size / num_generations``), generates and scores each prompt's group,
+    keeps the groups ``rule`` accepts (``"zero_variance"``, :class:`~dynstate.StdThreshold`,
+    a :class:`~dynstate.FilterRule`), and draws again until the step's prompts are filled or
+    ``max_gen_batches`` batches were drawn; accepted groups beyond the batch are carried to the
+    next step with their completions (``surplus="carry"``) or dropped (``"drop"``).
+    ``max_carry`` bounds the carry (default: ``gen_prompts`` + the step's prompts). These are
+    :class:`~dynstate.DynamicSampling`'s settings; a resume must use the checkpoint's."""
+
+    rule: Any = "zero_variance"
+    gen_prompts: int | None = None
+    max_gen_batches: int | None = 10
+    surplus: str = "carry"
+    max_carry: int | None = None
+
+
+# What GRPOTrainer's generation returns per response, and how a group's rows are padded when
+# groups from several generation batches (and the carry) are put together: the prompt on the
+# left, the completion on the right, as GRPOTrainer pads them.
+_LEFT = {"prompt_ids", "prompt_mask"}
+
+
+def _pad_value(key: str, pad_id: int) -> float:
+    if key in ("prompt_ids", "completion_ids"):
+        return pad_id
+    return 1 if key == "tool_mask" else 0
+
+
+@dataclass(frozen=True)
 class Round:
     """What the step just trained and committed (``trainer.dynstate_round``): the store rows of
     its prompts in the order the loader drew them, one reward per response (group after group,
@@ -54,6 +87,7 @@ class Round:
     rows_version: int
     version: int
     added: int
+    consumption: dict[str, Any] | None = None
 
 
 class DynstateGRPOTrainer(GRPOTrainer):
@@ -65,7 +99,9 @@ class DynstateGRPOTrainer(GRPOTrainer):
     * ``select``: a selection policy of :class:`~dynstate.VersionedSampler` (``Learnability()``…);
     * ``mode``, ``fresh_share``, ``lag``: the sampler's (``"mix"`` trains new rows within
       ``lag`` steps; ``"epoch"`` at the next epoch);
-    * ``sampler_seed``: the sampler's seed (default ``args.seed``).
+    * ``sampler_seed``: the sampler's seed (default ``args.seed``);
+    * ``filter_groups``: group filtering with carry-over, ``True`` or a :class:`FilterGroups`
+      (each step's consumption is committed with its round; docs/trl.md).
     """
 
     def __init__(
@@ -81,6 +117,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
         fresh_share: float = 0.25,
         lag: int = 1,
         sampler_seed: int | None = None,
+        filter_groups: bool | FilterGroups | None = None,
         **kwargs: Any,
     ) -> None:
         if isinstance(train_dataset, Store):
@@ -126,7 +163,16 @@ class DynstateGRPOTrainer(GRPOTrainer):
         # The Trainer would skip the batches a checkpoint trained by replaying the loader; the
         # loader's own state resumes it instead.
         self.args.ignore_data_skip = True
-        self._make_loader()  # refuses bad sampler settings here, at start-up
+        self._filter = _filter_settings(filter_groups, store.display_url)
+        self._dyn: DynamicSampling | None = None
+        # each scored group's completions as GRPOTrainer's tensors, by the id of its item
+        # (held too, so that the id is not reused while the entry lives)
+        self._parts: dict[int, tuple[Any, dict[str, Any]]] = {}
+        self._step_scored: list[tuple[int, list[float], Any]] = []
+        if self._filter is None:
+            self._make_loader()  # refuses bad sampler settings here, at start-up
+        else:
+            self._make_filter(store)
         self.add_callback(_RoundCallback(self))
 
     # -- start-up checks ---------------------------------------------------------------------
@@ -214,9 +260,75 @@ class DynstateGRPOTrainer(GRPOTrainer):
             loader, self.args.gradient_accumulation_steps, store.display_url
         )
 
+    def _make_filter(self, store: Store) -> None:
+        """The ``DynamicSampling`` of ``filter_groups``, refusing what it cannot make exact."""
+        f, s, a = self._filter, self._sampler_args, self.args
+        config: Any = a  # a GRPOConfig
+        assert f is not None
+        url = store.display_url
+        if s["mode"] != "epoch":
+            raise InvalidDataError(
+                f"DynstateGRPOTrainer over {url}: filter_groups needs mode='epoch', not "
+                f"mode={s['mode']!r}: mix mode counts one round per loader batch, and a "
+                "filtering step draws a varying number of generation batches"
+            )
+        spg = int(config.steps_per_generation)
+        if f.max_gen_batches is not None and self._group % spg:
+            raise InvalidDataError(
+                f"DynstateGRPOTrainer over {url}: filter_groups with max_gen_batches="
+                f"{f.max_gen_batches} and num_generations={self._group} not a multiple of "
+                f"steps_per_generation={spg}: a step that runs out of generation batches trains "
+                "fewer groups, whose responses must split evenly over the micro-batches; use "
+                "such a num_generations, or max_gen_batches=None"
+            )
+        gen = self._prompts_per_batch if f.gen_prompts is None else f.gen_prompts
+        rows = store.snapshot().num_rows
+        if isinstance(gen, int) and not isinstance(gen, bool) and 0 < rows < gen:
+            raise InvalidDataError(
+                f"DynstateGRPOTrainer over {url} has {rows} rows but filter_groups draws "
+                f"gen_prompts={gen} per generation batch; append at least that many tasks"
+            )
+        rows_ds = loader_mod.TrlRows(
+            store,
+            cache_bytes=self._rows.cache_bytes,
+            cache_dir=self._rows.cache_dir,
+            columns=self._rows.columns,
+        )
+        sampler = VersionedSampler(
+            rows_ds,
+            seed=s["seed"],
+            mode="epoch",
+            batch_size=gen if isinstance(gen, int) and gen > 0 else None,
+            num_replicas=1,
+            rank=0,
+            drop_last=True,  # every generation batch whole
+            select=s["select"],
+        )
+        try:
+            self._dyn = DynamicSampling(
+                rows_ds,
+                sampler,
+                gen_batch_size=gen,
+                train_groups=self._prompts_per_batch,
+                rule=f.rule,
+                max_gen_batches=f.max_gen_batches,
+                surplus=f.surplus,
+                max_carry=f.max_carry,
+            )
+        except InvalidDataError as exc:
+            raise InvalidDataError(
+                f"DynstateGRPOTrainer(filter_groups=...) over {url}: {exc} (FilterGroups' "
+                "gen_prompts is DynamicSampling's gen_batch_size)"
+            ) from exc
+        self._sampler = sampler
+        self._loader = self._dyn._loader
+        self._batches = None
+
     # -- the Trainer's hooks -----------------------------------------------------------------
 
     def get_train_dataloader(self) -> Any:
+        if self._dyn is not None:
+            return loader_mod.Ticks()
         return self._batches
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
@@ -240,6 +352,8 @@ class DynstateGRPOTrainer(GRPOTrainer):
                     "steps again. Resume with train(resume_from_checkpoint=...), or roll the "
                     f"store back first: dynstate.rollback(store, step={FIRST_STEP - 1})"
                 )
+            if self._dyn is not None:
+                self._dyn.resume(None, first_step=FIRST_STEP)  # the head is step 0's already
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
 
     def _resume(self, checkpoint: str) -> None:
@@ -256,6 +370,9 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 "step: the store was reset or rewritten since; restore it to the checkpoint's "
                 f"history (dynstate reset {version}) to resume"
             )
+        if self._dyn is not None or "filter_groups" in state:
+            self._resume_filtered(checkpoint, state, target)
+            return
         sampler_state = loader_mod.find_sampler_state(state["loader"])
         try:
             self._sampler.load_state_dict(sampler_state)  # type: ignore[arg-type]
@@ -270,6 +387,57 @@ class DynstateGRPOTrainer(GRPOTrainer):
         head = rollback(store, version=target, meta={"trainer": "trl"})
         load_state(self.dynstate_generator, store.generator_state(head))
         log.info("resuming %s at step %d from version %d", store.display_url, step, head)
+
+    def _resume_filtered(self, checkpoint: str, state: dict[str, Any], target: int) -> None:
+        """Resume under ``filter_groups``: the checkpoint's settings, the store's consumption
+        record of its step and the carried completions in the checkpoint checked first, then
+        :meth:`DynamicSampling.resume` (the rollback, the sampler's position and the carry)."""
+        store, dyn, step = self.dynstate_store, self._dyn, state["step"]
+        url = store.display_url
+        theirs = state.get("filter_groups")
+        ours = None if dyn is None else dyn.settings()
+        if theirs is None or ours is None:
+            said = "without" if theirs is None else "with"
+            now = "with" if theirs is None else "without"
+            raise StateMismatchError(
+                f"{checkpoint} was saved {said} filter_groups, and this trainer runs {now}: the "
+                f"steps after it would consume {url}'s rows differently; set filter_groups as "
+                "the run that saved it did — nothing was changed"
+            )
+        assert dyn is not None
+        differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+        if differ:
+            said = ", ".join(f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in differ)
+            raise StateMismatchError(
+                f"the filter_groups settings differ from those {checkpoint} was saved with "
+                f"({said}); resume {url} with the checkpoint's settings — nothing was changed"
+            )
+        found = store.consumption.of_step(store.refresh(), step)
+        if found is None:
+            raise StateMismatchError(
+                f"{url} holds no consumption record of step {step} on its head's lineage, which "
+                f"{checkpoint} needs to resume filter_groups; restore the store's history"
+            )
+        record = found[1]
+        tensors = loader_mod.read_carry(checkpoint, step, record, url)
+        try:  # the selection policy and seed, checked before the rollback
+            dyn.sampler.load_state_dict(record["sampler"])
+        except StateMismatchError as exc:
+            raise StateMismatchError(
+                f"cannot resume from {checkpoint}: {exc}. The sampler settings are "
+                "DynstateGRPOTrainer's select and sampler_seed (or args.seed): set them as before"
+            ) from exc
+        dyn.resume(step, first_step=FIRST_STEP)
+        device = self.accelerator.device
+        self._parts = {
+            id(g.item): (g.item, {k: v.to(device) for k, v in part.items()})
+            for g, part in zip(dyn.carry, tensors, strict=True)
+        }
+        load_state(self.dynstate_generator, store.generator_state(store.head))
+        log.info(
+            "resuming %s at step %d (version %d) with %d carried groups",
+            url, step, target, len(dyn.carry),
+        )  # fmt: skip
 
     def _same_content(self, a: int, b: int) -> bool:
         """Whether version ``a`` holds version ``b``'s rows and nothing more: ``b`` on ``a``'s
@@ -290,6 +458,8 @@ class DynstateGRPOTrainer(GRPOTrainer):
         return out
 
     def _generate_and_score_completions(self, inputs):
+        if self._dyn is not None and getattr(self.model, "training", False):
+            return self._filtered_generation()
         out = super()._generate_and_score_completions(inputs)
         if getattr(self.model, "training", False) and self._rewards_per_func is not None:
             weights = self.reward_weights.to(self._rewards_per_func.device).unsqueeze(0)
@@ -301,6 +471,111 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 "prompts": [x.get("prompt") for x in inputs],
             }
         self._rewards_per_func = None
+        return out
+
+    # -- group filtering ---------------------------------------------------------------------
+
+    def _weighted_scores(self) -> list[float]:
+        """One score per response: the reward functions' weighted sum, as TRL's ``reward``."""
+        rewards = self._rewards_per_func
+        self._rewards_per_func = None
+        if rewards is None:
+            raise InvalidDataError(
+                f"GRPOTrainer scored no rewards for {self.dynstate_store.display_url}; was "
+                "_calculate_rewards overridden?"
+            )
+        weights = self.reward_weights.to(rewards.device).unsqueeze(0)
+        scores: list[float] = (rewards * weights).nansum(dim=1).double().cpu().tolist()
+        return scores
+
+    def _score_groups(self, items: list[dict[str, Any]], step: int) -> list[list[float]]:
+        """``DynamicSampling``'s ``score``: one generation batch through GRPOTrainer's own
+        generation and reward functions, its completions kept per group for training."""
+        group = self._group
+        inputs = [item for item in items for _ in range(group)]
+        out = super()._generate_and_score_completions(inputs)
+        scores = self._weighted_scores()
+        size = len(inputs)
+        for key, value in out.items():
+            if key == "num_items_in_batch":
+                continue
+            if not (isinstance(value, torch.Tensor) and value.ndim in (1, 2)
+                    and value.shape[0] == size):  # fmt: skip
+                raise InvalidDataError(
+                    f"filter_groups over {self.dynstate_store.display_url} cannot split "
+                    f"GRPOTrainer's {key!r} by group (multimodal or tool inputs are not "
+                    "supported with filter_groups yet); train without filter_groups"
+                )
+        per_item = []
+        for k, item in enumerate(items):
+            part = {key: v[k * group : (k + 1) * group] for key, v in out.items()
+                    if key != "num_items_in_batch"}  # fmt: skip
+            self._parts[id(item)] = (item, part)
+            per_item.append(scores[k * group : (k + 1) * group])
+            self._step_scored.append((int(item[loader_mod.ROW_KEY]), per_item[-1], item))
+        return per_item
+
+    def _filtered_generation(self) -> dict[str, Any]:
+        """Step ``global_step + 1``'s batch: carried groups first, then the groups accepted from
+        as many generation batches as the step needed (docs/trl.md, "Group filtering")."""
+        dyn, store = self._dyn, self.dynstate_store
+        assert dyn is not None
+        step = int(self.state.global_step) + 1
+        self._step_scored = []
+        batch = dyn.next_batch(step, self._score_groups)
+        record = batch.record
+        if not batch.groups:
+            raise InvalidDataError(
+                f"step {step} of {store.display_url} drew max_gen_batches="
+                f"{record['settings']['max_gen_batches']} generation batches and filtered out "
+                "every group: nothing to train. Raise FilterGroups.max_gen_batches, or use a "
+                "looser rule (StdThreshold, FilterRule)"
+            )
+        parts = []
+        for g in batch.groups:
+            held = self._parts.get(id(g.item))
+            if held is None or held[0] is not g.item:
+                raise InvalidDataError(
+                    f"step {step} of {store.display_url}: the completions of row {g.row} are "
+                    "missing; DynamicSampling's groups must come from this trainer"
+                )
+            parts.append(held[1])
+        # keep only the carry's completions: the rest are trained now, or filtered or dropped
+        self._parts = {id(g.item): self._parts[id(g.item)] for g in dyn.carry}
+        scored = self._step_scored
+        self._step_scored = []
+        self._scored = {
+            "filter": record,
+            "trained_rows": [g.row for g in batch.groups],
+            "trained_scores": [s for g in batch.groups for s in g.scores],
+            # outcomes: every group scored at this step (trained, filtered, carried or
+            # dropped), once, at the step that generated it
+            "rows": [r for r, scores, _ in scored for _ in scores],
+            "scores": [s for _, scores, _ in scored for s in scores],
+            "prompts": [item.get("prompt") for _, scores, item in scored for _ in scores],
+            "versions": [int(record["rows_version"])],
+        }
+        return self._assemble(parts)
+
+    def _assemble(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """The groups' tensors as one GRPOTrainer batch, padded as GRPOTrainer pads them."""
+        pad_id = int(self._tokenizer.pad_token_id)
+        out: dict[str, Any] = {}
+        for key in parts[0]:
+            values = [p[key] for p in parts]
+            if values[0].ndim == 2:
+                width = max(v.shape[1] for v in values)
+                fill = _pad_value(key, pad_id)
+                padded = []
+                for v in values:
+                    extra = v.new_full((v.shape[0], width - v.shape[1]), fill)
+                    padded.append(torch.cat([extra, v] if key in _LEFT else [v, extra], dim=1))
+                values = padded
+            out[key] = torch.cat(values, dim=0)
+        mask = out["completion_mask"]
+        if "tool_mask" in out:
+            mask = mask * out["tool_mask"]
+        out["num_items_in_batch"] = mask.sum()
         return out
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -318,9 +593,18 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 f"checkpoint of step {self.state.global_step} of {self.dynstate_store.display_url}"
                 " without that step's round; the dynstate round callback did not run"
             )
+        dyn = self._dyn
         state = loader_mod.checkpoint_state(
-            self._loader, self.dynstate_store, self.state.global_step, last.version
+            self._loader,
+            self.dynstate_store,
+            self.state.global_step,
+            last.version,
+            filter_settings=None if dyn is None else dyn.settings(),
         )
+        if dyn is not None:
+            carry = list(dyn.carry)
+            loader_mod.save_carry(folder, self.state.global_step, carry,
+                                  [self._parts[id(g.item)][1] for g in carry])  # fmt: skip
         tmp = os.path.join(folder, loader_mod.STATE_FILE + ".tmp")
         torch.save(state, tmp)
         os.replace(tmp, os.path.join(folder, loader_mod.STATE_FILE))
@@ -336,6 +620,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 "dynstate loader; was get_train_dataloader or _generate_and_score_completions "
                 "overridden?"
             )
+        record = scored.get("filter")
         rows_version = max(scored["versions"])
         outcomes = {
             "row": scored["rows"],
@@ -367,17 +652,19 @@ class DynstateGRPOTrainer(GRPOTrainer):
             outcomes=outcomes,
             generator_state=gen_state,
             rows_version=rows_version,
+            consumption=record,
         )
         stats = store.outcome_stats(version)
         added = max(0, stats.num_rows - before)
         group = self.num_generations
         self.dynstate_round = Round(
             step=step,
-            rows=scored["rows"][::group],
-            rewards=scored["scores"],
+            rows=scored["rows"][::group] if record is None else scored["trained_rows"],
+            rewards=scored["scores"] if record is None else scored["trained_scores"],
             rows_version=rows_version,
             version=version,
             added=added,
+            consumption=record,
         )
         _, tried = pass_rates(stats)
         metrics = self._metrics["train"]
@@ -389,6 +676,30 @@ class DynstateGRPOTrainer(GRPOTrainer):
             "rows_version": rows_version,
         }.items():
             metrics[f"{METRIC_PREFIX}{key}"].append(float(value))
+        if record is not None:
+            for key, value in {
+                "carried_in": len(record["carried_in"]),
+                "drawn": len(record["drawn"]),
+                "trained": len(record["trained"]),
+                "filtered": len(record["filtered"]),
+                "dropped": len(record["dropped"]),
+                "carried": len(record["carry"]),
+                "gen_batches": record["gen_batches"],
+            }.items():
+                metrics[f"{METRIC_PREFIX}filter/{key}"].append(float(value))
+
+
+def _filter_settings(value: Any, url: str) -> FilterGroups | None:
+    if value is None or value is False:
+        return None
+    if value is True:
+        return FilterGroups()
+    if isinstance(value, FilterGroups):
+        return value
+    raise InvalidDataError(
+        f"DynstateGRPOTrainer over {url}: filter_groups must be True, False/None or a "
+        f"dynstate.trl.FilterGroups(...), not {value!r}"
+    )
 
 
 class _RoundCallback(TrainerCallback):

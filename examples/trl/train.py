@@ -9,6 +9,10 @@ outcomes and the generator's state as one version of the store.
     python examples/trl/train.py --store /tmp/trl/store --out /tmp/trl/out --steps 150 \
         --trace /tmp/trl/trace.jsonl
 
+``--filter-groups`` adds DAPO's dynamic sampling (groups whose rewards all agree are dropped,
+more prompts drawn until the step is full, the surplus carried to the next step), each step's
+consumption committed with its round.
+
 Run the same command again after a kill: it resumes from the latest checkpoint in ``--out``
 (rounds committed after it are rolled back) and trains the same steps again, exactly.
 """
@@ -25,6 +29,7 @@ import numpy as np
 
 PROMPTS_PER_STEP = 4
 GENERATIONS = 8
+GEN_PROMPTS = 6  # --filter-groups: prompts drawn per generation batch
 DIGITS = "0123456789"
 OPERAND = 4  # operands 0..4: every sum is one digit
 VOCAB = ["<pad>", "<s>", "</s>", *DIGITS, "+", "="]
@@ -90,6 +95,12 @@ def reward(completions: list[str], answer: list[str], **_: Any) -> list[float]:
     return out
 
 
+def exact(completions: list[str], answer: list[str], **_: Any) -> list[float]:
+    """1 for exactly the sum, else 0 (DAPO's accuracy reward: a group all wrong or all right
+    has no signal, which --filter-groups drops)."""
+    return [float(text.strip() == want) for text, want in zip(completions, answer, strict=True)]
+
+
 class HardestVariations:
     """Writes ``per_step`` variations (an operand moved by 1) of the tasks with the lowest
     mean score so far, each recording its source row. Its randomness is its own state."""
@@ -144,13 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", help="append one JSON line per trained step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-steps", type=int, default=10)
-    parser.add_argument("--filter-groups", action="store_true", help="not supported yet")
+    parser.add_argument(
+        "--filter-groups",
+        action="store_true",
+        help="DAPO's dynamic sampling: drop groups whose rewards all agree, draw more prompts "
+        f"({GEN_PROMPTS} per generation batch) until the step is full, carry the surplus",
+    )
+    parser.add_argument(
+        "--reward",
+        choices=["shaped", "exact"],
+        default="shaped",
+        help="shaped (default): partial credit for a close digit; exact: 1 for the sum, else 0",
+    )
     args = parser.parse_args(argv)
-    if args.filter_groups:
-        parser.error(
-            "--filter-groups (dynamic sampling with carry-over) is not implemented in "
-            "dynstate.trl yet; run without it (docs/trl.md)"
-        )
     if not 1 <= args.save_steps <= 10:
         parser.error("--save-steps must be between 1 and 10")
 
@@ -162,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     from trl import GRPOConfig
 
     import dynstate
-    from dynstate.trl import DynstateGRPOTrainer
+    from dynstate.trl import DynstateGRPOTrainer, FilterGroups
 
     store = dynstate.Store.open(args.store, create=True)
     if store.snapshot().num_rows == 0:
@@ -207,16 +224,20 @@ def main(argv: list[str] | None = None) -> int:
                 control.should_save = True  # the last step is a checkpoint too
             return control
 
+    filtering: dict[str, Any] = {"mode": "mix"}
+    if args.filter_groups:
+        # epoch mode: a filtering step draws a varying number of generation batches
+        filtering = {"mode": "epoch", "filter_groups": FilterGroups(gen_prompts=GEN_PROMPTS)}
     trainer = DynstateGRPOTrainer(
         model=model,
-        reward_funcs=[reward],
+        reward_funcs=[reward if args.reward == "shaped" else exact],
         args=config,
         processing_class=tokenizer,
         train_dataset=dynstate.VersionedDataset(store),
         generator=HardestVariations(seed=args.seed),
         select=dynstate.Learnability(),
-        mode="mix",
         callbacks=[],
+        **filtering,
     )
     trainer.add_callback(Trace())
     trainer.train(resume_from_checkpoint=checkpoint)
