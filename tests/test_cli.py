@@ -248,6 +248,12 @@ shards:
         f"  {i}  data/{'x' * 32}-{'x' * 32}.parquet     3  {shard_sizes[i]:>{w}}  {'h' * 12}"
         for i in range(3)
     )
+    # the story of step 2: a round with no outcomes, no generator state and no policy
+    expected += """
+
+step: 2
+  outcomes:  none committed in this version
+  generator: no state committed"""
     assert out == expected
 
 

@@ -879,8 +879,12 @@ def test_outcomes_page_bands_per_step_and_hardest_rows(scored):
     assert (older["steps"], older["counts"]) == ([0, 1], [[4, 0, 0, 1], [3, 0, 1, 1]])
     status, page = client.get("/outcomes?bins=4")
     assert status == 200
-    assert page.count('<g class="step" data-step=') == 4
-    assert page.count('class="band band-0"') == 4 and page.count('class="band band-2"') == 2
+    # the first chart: rows by band after each step; the second: the rows each round drew
+    trained, drawn = page.split('<section class="drawn-bands">')
+    assert drawn.count('<g class="step" data-step=') == data["drawn_bands"]["rounds_recorded"]
+    assert trained.count('<g class="step" data-step=') == 4
+    assert trained.count('class="band band-0"') == 4
+    assert trained.count('class="band band-2"') == 2
     assert "<title>step 2: 1 row with pass rate [25%, 50%)</title>" in page
     assert 'href="/versions/5?min_pass_rate=0.75&amp;max_pass_rate=1.0&amp;sort=pass_rate"' in page
     assert '<a class="row-link" href="/versions/5/rows/0">0</a>' in page
@@ -982,6 +986,7 @@ def test_a_store_without_outcomes_says_so_on_every_page(tmp_path):
             "message": "no outcomes recorded",
             "summary": None,
             "bands": None,
+            "drawn_bands": None,
         }
         _, page = client.get("/outcomes")
         assert "no outcomes recorded in the lineage of version 1." in page

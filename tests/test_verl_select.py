@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 
 import dynstate
 from dynstate.errors import InvalidDataError
+from dynstate.history.story import step_story
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -87,6 +88,14 @@ def check_selection(url: str, log: dict[int, dict], imported: int, figures: dict
         after = _rates(store, by_step[step])
         eligible = sum(_in_band(a, s) for a, s in zip(*after, strict=True))
         assert f["select/eligible"] == eligible, step
+        # the step's story (dynstate show, serve) names the policy the round ran with and
+        # counts the same eligible rows from the store alone
+        story = step_story(store, by_step[step])
+        assert story["policy"] == {
+            "policy": "band",
+            "params": {"lo": BAND["lo"], "hi": BAND["hi"], "untried": True},
+        }, step
+        assert story["weights"]["eligible"] == eligible, step
         assert f["select/stats_version"] == drew_by, step
         untried = [r for r in b["rows"] if attempts[r] == 0]
         assert f["select/drawn_untried"] == len(untried), step

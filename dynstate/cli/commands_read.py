@@ -14,6 +14,7 @@ from .commands_rows import _columns, _print_rows, _read_rows, head_cmd
 from .options import Count, json_option, open_store, store_command, version_arg
 
 LINEAGE_LIMIT = 1000  # records `show` reads to describe a lineage: bounded, however long
+STATE_CHARS = 200  # of a generator state's JSON, on one line of `show`
 
 
 def _op(row: dict[str, Any]) -> str:
@@ -50,20 +51,28 @@ def _show_status(status: str | None) -> str:
 @click.argument("version", required=False)
 @click.option("--max-shards", default=20, show_default=True, type=Count(0),
               help="Shards to list (--json lists all).")  # fmt: skip
+@click.option("--drawn", default=20, show_default=True, type=Count(0),
+              help="Rows of the step's outcomes to list, and entries of each consumption "
+              "list (--json too).")  # fmt: skip
 @json_option
 @store_command
-def show_cmd(url, version, max_shards: int, as_json: bool, storage_options) -> None:
+def show_cmd(url, version, max_shards: int, drawn: int, as_json: bool, storage_options) -> None:
     """Show one version (default: the head): op, parent, reset target, created, status, rows,
-    shards, size, tags, lineage, meta, schema and shard list.
+    shards, size, tags, lineage, meta, schema and shard list; then the story of its step
+    (--json: under "step_story"): the outcomes the round committed (records, pass rate, the
+    rows drawn with their scores), the generator state it committed, and what the step drew,
+    trained, filtered and carried, with the selection policy, where the round recorded it.
 
     \b
     Example:
       dynstate show ./runs/run1 ckpt --json
     """
     from ..history import describe
+    from ..history.story import step_story
 
     store = open_store(url, storage_options)
     info = describe(store, version_arg(version), lineage_limit=LINEAGE_LIMIT, refresh=False)
+    info["step_story"] = step_story(store, info["version"], rows=drawn)
     if as_json:
         r.print_json(info)
         return
@@ -110,6 +119,92 @@ def show_cmd(url, version, max_shards: int, as_json: bool, storage_options) -> N
         r.echo(
             f"  ({len(shard_list) - max_shards:,} more shards: --max-shards N, --json lists all)"
         )
+    r.echo()
+    _print_story(info["step_story"])
+
+
+def _rate(value: float) -> str:
+    return f"{value:.0%}"
+
+
+def _spread(spread: dict[str, Any]) -> str:
+    """The policy's weights over the version's rows, in one line."""
+    if "error" in spread:
+        return f"not computed: {spread['error']}"
+    return (
+        f"{spread['eligible']:,} of {r.count(spread['rows'], 'row')} drawable; effective rows "
+        f"{spread['effective_rows']:,.1f}; a row's share of a step from {spread['min_share']:.3g} "
+        f"to {spread['max_share']:.3g} (by this version's statistics)"
+    )
+
+
+def _print_story(story: dict[str, Any]) -> None:
+    """The step's story under ``show``'s version: its outcomes and their rows, the generator
+    state, and the consumption record with the policy."""
+    step, out = story["step"], story["outcomes"]
+    r.echo(f"step: {'none (not a round of a training step)' if step is None else step}")
+    pairs: list[tuple[str, str]] = []
+    if out is None:
+        pairs.append(("outcomes", "none committed in this version"))
+    else:
+        from ..history import ranges
+
+        steps = f"step{'' if len(out['steps']) == 1 else 's'} {ranges(out['steps'])}"
+        pairs += [
+            (
+                "outcomes",
+                f"{r.count(out['records'], 'record')} of {r.count(out['rows'], 'row')} ({steps})",
+            ),
+            (
+                "pass rate",
+                f"{_rate(out['pass_rate'])} ({out['successes']:,} of "
+                f"{out['records']:,} scores above {out['success_above']:g}); mean score "
+                f"{out['mean_score']:.3g}",
+            ),
+        ]
+    state = story["generator_state"]
+    text = json.dumps(state, sort_keys=True, ensure_ascii=False)
+    if len(text) > STATE_CHARS:
+        text = f"{text[:STATE_CHARS]}… ({len(text):,} characters: --json shows it whole)"
+    pairs.append(("generator", "no state committed" if state is None else text))
+    used = story["consumption"]
+    if used is not None:
+        names = ("drawn", "trained", "filtered", "dropped", "carried_in", "carry")
+        counts = [f"{name.replace('_', ' ')} {used[name]['count']:,}" for name in names]
+        pairs.append(("consumed", ", ".join(counts)))
+    policy = story["policy"]
+    if policy is not None:
+        params = json.dumps(policy.get("params"), sort_keys=True, ensure_ascii=False)
+        pairs.append(("policy", f"{policy.get('policy')} {params}"))
+        pairs.append(("weights", _spread(story["weights"])))
+    for line in r.fields(pairs):
+        r.echo(f"  {line.rstrip()}")
+    if out is None or not out["drawn"]:
+        return
+    r.echo()
+    r.echo(f"rows drawn ({len(out['drawn']):,} of {out['rows']:,}, in the order scored):")
+    cols = [
+        r.Column("row", right=True),
+        r.Column("attempts", right=True),
+        r.Column("successes", right=True),
+        r.Column("pass rate", right=True),
+        r.Column("scores", flexible=True),
+    ]
+    cells = [
+        [
+            str(d["row"]),
+            f"{d['attempts']:,}",
+            f"{d['successes']:,}",
+            _rate(d["pass_rate"]),
+            " ".join(f"{x:.3g}" for x in d["scores"])
+            + (" …" if d["attempts"] > len(d["scores"]) else ""),
+        ]
+        for d in out["drawn"]
+    ]
+    for line in r.table(cols, cells, r.width()):
+        r.echo(f"  {line}")
+    if out["drawn_more"]:
+        r.echo(f"  ({r.count(out['drawn_more'], 'more row')}: --drawn N lists more)")
 
 
 @click.command("diff")

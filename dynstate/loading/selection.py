@@ -94,6 +94,18 @@ class Policy:
         """The policy in words, for error messages."""
         return f"selection policy {self.name!r}"
 
+    def expected_shares(self, stats: pa.Table, step: int) -> np.ndarray:
+        """Each row's expected share of a step's draws by ``stats`` (float64, summing to 1):
+        the parts that draw (a share above 0 and a weight above 0) split the step by their
+        shares, and each part's rows split its share by their weights, as :class:`Plan`
+        draws (but for the rounding of a step's slots to whole ones)."""
+        shares = np.zeros(stats.num_rows, np.float64)
+        live = [(s, w) for s, w in self.parts(stats, step) if s > 0 and w.sum() > 0]
+        total = sum(s for s, _ in live)
+        for s, w in live:
+            shares += (s / total) * (w / w.sum())
+        return shares
+
     def checked_parts(
         self, stats: pa.Table, step: int, where: str, *, whole: bool = True
     ) -> list[tuple[float, np.ndarray]]:

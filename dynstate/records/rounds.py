@@ -22,6 +22,9 @@ from .inputs import plain_json, to_arrow
 
 MAX_META_DEPTH = 32
 MAX_META_BYTES = 2**20
+# The meta key under which a trainer integration's round commit names the selection policy
+# in force (its ``{"policy", "params"}`` identity), so that a step's story can name it.
+SELECT_META = "select"
 
 
 # -- meta ------------------------------------------------------------------------------------

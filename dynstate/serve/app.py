@@ -238,10 +238,22 @@ class Site:
         data = self.outcomes(request)
         bands = data["bands"]
         chart = band_svg(bands) if bands else ""
+        drawn = data["drawn_bands"]
+        drawn_chart = (
+            band_svg(drawn, title="rows drawn per pass-rate band at each step", css="bands drawn")
+            if drawn
+            else ""
+        )
         swatches = [band_color(i, bands["bins"]) for i in range(bands["bins"] if bands else 0)]
         api_path = "/api/outcomes" + qs(request)
         return self.page(
-            request, "outcomes.html", api_path, data=data, chart=chart, swatches=swatches
+            request,
+            "outcomes.html",
+            api_path,
+            data=data,
+            chart=chart,
+            drawn_chart=drawn_chart,
+            swatches=swatches,
         )
 
     def diff_form(self, request: Request) -> Response:

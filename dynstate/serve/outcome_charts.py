@@ -24,9 +24,15 @@ def _band_label(band: dict[str, Any], last: bool) -> str:
     return f"[{band['low']:.0%}, {band['high']:.0%}{closing}"
 
 
-def band_svg(series: dict[str, Any], *, width: int = 960) -> str:
-    """One stacked column per step kept: the trained rows in each band, the hardest band at
-    the bottom."""
+def band_svg(
+    series: dict[str, Any],
+    *,
+    width: int = 960,
+    title: str = "trained rows per pass-rate band after each step",
+    css: str = "bands",
+) -> str:
+    """One stacked column per step kept: the rows in each band (``series``: ``steps``,
+    ``counts`` per step, ``bins`` and ``bands``), the hardest band at the bottom."""
     steps, counts = series["steps"], series["counts"]
     if not steps:
         return '<p class="empty">no outcomes recorded</p>'
@@ -37,9 +43,9 @@ def band_svg(series: dict[str, Any], *, width: int = 960) -> str:
     most = max(1, max(sum(c) for c in counts))
     col = plot_w / len(steps)
     out = [
-        f'<svg class="bands" role="img" viewBox="0 0 {width} {height}" width="{width}" '
+        f'<svg class="{css}" role="img" viewBox="0 0 {width} {height}" width="{width}" '
         f'height="{height}" xmlns="http://www.w3.org/2000/svg">',
-        "<title>trained rows per pass-rate band after each step</title>",
+        f"<title>{escape(title)}</title>",
     ]
     for t in ticks(0, most, 4, whole=True):
         out.append(grid(left, width - right, top + plot_h - t / most * plot_h, t))

@@ -28,7 +28,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 from ..errors import InvalidDataError, StateMismatchError
 from ..loading.dataset import VersionedDataset, decode_index
 from ..loading.sampler import VersionedSampler
-from ..records.rounds import to_table
+from ..records.rounds import SELECT_META, to_table
 from ..rewind import rollback
 from ..store import Store
 from . import loader_state
@@ -362,6 +362,8 @@ class DynstateRLDataset(RLHFDataset):
         self._rows.refresh()
         name = generator_name(self.data_generator) if self.data_generator else "none"
         meta: dict[str, Any] = {"step": step, "generator": name}
+        if self.live_settings.select is not None:
+            meta[SELECT_META] = self.live_settings.select.identity()
         rows = None
         outcomes = batch_outcomes(batch, step)
         # the version the batch's rows were read at: the outcomes bind to it (a reset since
