@@ -49,13 +49,15 @@ def _example() -> Any:
     return module
 
 
-def readme_commands() -> list[str]:
+def readme_commands(block: int = 0) -> list[str]:
+    """The commands of the README's ``block``-th bash block (0: the run, its rerun and ls;
+    1: the same run with --filter-groups, tests/test_trl_filter.py)."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
-        for line in re.sub(r"\\\n\s*", "", block).splitlines():
-            line = line.strip()
-            if line and not line.startswith("#"):
-                commands.append(line)
+    found = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)[block]
+    for line in re.sub(r"\\\n\s*", "", found).splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            commands.append(line)
     return commands
 
 

@@ -39,6 +39,7 @@ from dynstate import (
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "trl" / "train.py"
+README = ROOT / "examples" / "trl" / "README.md"
 GROUP = 8  # the example's num_generations
 STEPS = 12
 
@@ -89,7 +90,7 @@ def _consumed(record: dict[str, Any]) -> dict[str, Any]:
 
 def _check_records_against_trace(store: Store, trace: dict[int, dict[str, Any]]) -> None:
     records = consumption_records(store)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in records] == sorted(trace)
     carry_scores: dict[int, list[float]] = {}
     previous: list[int] = []
     for r in records:
@@ -170,6 +171,28 @@ def test_filter_groups_example_resumes_exactly_after_sigkill(tmp_path) -> None:
     mine = [_consumed(r) for r in consumption_records(store)]
     assert mine == [_consumed(r) for r in consumption_records(clean_store)]
     assert store.snapshot().to_arrow().equals(clean_store.snapshot().to_arrow())
+
+
+@pytest.mark.slow
+def test_readme_filter_command_as_written_learns(tmp_path) -> None:
+    """examples/trl/README.md's --filter-groups command, run as written (in a temporary
+    folder): 150 steps that learn, filter and carry, every record matching the trace."""
+    import shlex
+
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+    (command,) = [line.strip() for line in blocks[1].splitlines() if line.strip()]
+    assert "--filter-groups" in command and "--steps 150" in command
+    argv = shlex.split(command.replace("/tmp/trl-filter", str(tmp_path)))
+    assert argv[0] == "python"
+    subprocess.run(
+        [sys.executable, *argv[1:]], check=True, env=_env(), capture_output=True, timeout=600
+    )
+    trace = _trace(tmp_path / "trace.jsonl")
+    assert sorted(trace) == list(range(1, 151))
+    means = [sum(trace[s]["rewards"]) / len(trace[s]["rewards"]) for s in range(1, 151)]
+    first, last = sum(means[:30]) / 30, sum(means[-30:]) / 30
+    assert last > first + 0.1, (first, last)
+    _check_records_against_trace(Store.open(str(tmp_path / "store")), trace)
 
 
 # -- in process: settings, bad inputs ----------------------------------------------------------
