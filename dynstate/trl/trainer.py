@@ -10,9 +10,16 @@ position (``checkpoint-N/dynstate_state.pt``). ``train(resume_from_checkpoint=..
 that state, rolls the store back to the round of step N (rounds a killed run committed after
 its checkpoint are abandoned, as under verl) and loads the generator's state of that version.
 
+With ``filter_groups`` (:class:`FilterGroups`) a step's prompts come from a
+:class:`~dynstate.DynamicSampling` instead: generation batches are drawn, generated and scored
+through GRPOTrainer's own ``_generate_and_score_completions`` until the step's groups are
+accepted; the round commits the step's consumption record too, and the carried groups'
+completions go into ``checkpoint-N/dynstate_carry.pt``.
+
 What cannot be made exact is refused at construction, naming the setting: more than one
 process, loader workers, ``steps_per_generation`` other than ``gradient_accumulation_steps``,
-``num_iterations > 1``, ``max_steps`` unset. See docs/trl.md.
+``num_iterations > 1``, ``max_steps`` unset; with filtering also mix mode and a
+``num_generations`` that does not split over ``steps_per_generation``. See docs/trl.md.
 """
 
 from __future__ import annotations
