@@ -87,7 +87,7 @@ def _resolve(store_or_url: Store | str, storage_options: dict[str, Any] | None) 
 
 
 def _target(store: Store) -> _Target:
-    return _Target(store.url, dict(store.storage.storage_options), store.single_writer)
+    return _Target(store.url, dict(store.storage_options), store.single_writer)
 
 
 # -- the Ray tasks (module level, so workers import them instead of unpickling code) ----------
@@ -358,7 +358,7 @@ def _check_sizes(store: Store, version: int, shards: Sequence[Any]) -> None:
 def _arrow_fs(store: Store) -> Any:
     import pyarrow.fs as pafs
 
-    if store.storage.reads_in_place:
+    if store.reads_in_place:
         return pafs.LocalFileSystem()
     # The store's own fsspec filesystem (same credentials, endpoint and options); it pickles
     # to the read tasks.

@@ -144,6 +144,18 @@ class Store:
         return self.storage.display_url
 
     @property
+    def storage_options(self) -> dict[str, Any]:
+        """The options the storage was opened with (credentials, endpoint): what another
+        process (a DataLoader worker, a Ray task) passes to :meth:`open` to reach this store."""
+        return self.storage.storage_options
+
+    @property
+    def reads_in_place(self) -> bool:
+        """True where this process reads a shard by path where it lies (a local disk):
+        nothing to cache on disk or prefetch (:attr:`dynstate.storage.Storage.reads_in_place`)."""
+        return self.storage.reads_in_place
+
+    @property
     def head(self) -> int:
         """The latest committed version number (as of the last refresh or own commit)."""
         return self.log.head

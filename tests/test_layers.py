@@ -336,3 +336,95 @@ def test_the_cycle_check_finds_a_planted_cycle(tmp_path: Path) -> None:
     eager = _cycles(_graph({**modules, "loading.view": planted}, eager=True))
     assert any({"loading.view", "loading.dataset"} <= c for c in eager)
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset({"a", "b", "c"})]
+
+
+# -- the facade holds ------------------------------------------------------------------------
+
+# The only modules that reach a Store's ``.log`` or ``.storage``, and why; every other caller
+# asks ``Store`` (``steps``, ``outcome_log``, ``consumption``, ``floor``, ``lineage``,
+# ``commit_record``, ``reads_in_place``, ``storage_options``, ...). docs/architecture.md lists
+# the same. ``writes.py`` is not here: ``Store.writer`` hands it the log, it never goes
+# through a store. The list can only shrink: an exception that no longer reaches in fails too.
+_FACADE_EXCEPTIONS = {
+    "store": "the Store itself: it owns the log and the storage",
+    "maintenance.gc": "upkeep through the log: the floor it publishes, the lease survey, the "
+    "listing, ages and deletions of files by the storage's clock",
+    "maintenance.references": "what gc keeps: every checkpoint, chunk and outcome file above "
+    "the floor, read from the log",
+    "maintenance.retention": "ages of versions: record times from the log, now by the "
+    "storage's clock",
+    "maintenance.verify": "checks the log's files themselves: outcome files, schemas, chunks",
+    "maintenance.compact": "writes the compacted shard through the storage before committing",
+    "loading.ranged": "the byte-range reader: row-group ranges of shard files in one call, "
+    "and whether a shard that failed is missing",
+    "ray": "hands Ray Data (Arrow) the storage's filesystem, shard paths and sizes, and asks "
+    "whether Ray's workers can reach the store",
+}
+
+
+def _reaches_into_a_store(node: ast.AST) -> bool:
+    """``x.log`` / ``x.storage`` where ``x`` is named as a store: ``store``, ``self.store``,
+    ``self._store``, ``dataset.store``, ``store_or_url``, ``new_store``. A store under
+    another name escapes this check; the names the code uses are these."""
+    if not isinstance(node, ast.Attribute) or node.attr not in ("log", "storage"):
+        return False
+    owner = node.value
+    name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+    name = name.lstrip("_")
+    return name == "store" or name.startswith("store_") or name.endswith("_store")
+
+
+def _facade_leaks(modules: dict[str, Path]) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for module, path in modules.items():
+        nodes = [
+            n for n in ast.walk(ast.parse(path.read_text(), str(path))) if _reaches_into_a_store(n)
+        ]
+        for node in sorted(nodes, key=lambda n: (n.lineno, n.col_offset)):
+            where = f"dynstate/{module.replace('.', '/') or '__init__'}.py:{node.lineno}"
+            found.setdefault(module, []).append(f"{where} {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_named_exceptions_reach_into_a_store() -> None:
+    """Issue 41.3/41.5: ``store.log`` and ``store.storage`` only from the named exceptions."""
+    leaks = _facade_leaks(_modules())
+    outside = [
+        w for module, where in leaks.items() if module not in _FACADE_EXCEPTIONS for w in where
+    ]
+    assert not outside, "ask Store (add a property) instead of its log or storage:\n" + "\n".join(
+        outside
+    )
+    stale = sorted(set(_FACADE_EXCEPTIONS) - set(leaks))
+    assert not stale, f"no longer reach into a store; take them off _FACADE_EXCEPTIONS: {stale}"
+
+
+def test_the_map_names_the_facade_exceptions() -> None:
+    """docs/architecture.md's facade section lists exactly the exceptions above."""
+    text = MAP.read_text()
+    assert "\n## The facade\n" in text, "docs/architecture.md has no '## The facade' section"
+    section = text.split("\n## The facade\n", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"^- `([\w/]+)\.py`", section, re.M))
+    listed = {m.replace(".", "/") for m in _FACADE_EXCEPTIONS}
+    assert named == listed, (
+        f"docs/architecture.md's facade section names {sorted(named - listed)} beyond the "
+        f"test's exceptions and misses {sorted(listed - named)}"
+    )
+
+
+def test_the_facade_check_finds_a_leak(tmp_path: Path) -> None:
+    planted = tmp_path / "view.py"
+    planted.write_text(
+        "def f(store, self):\n"
+        "    store.log.head\n"
+        "    self.dataset.store.storage.exists('x')\n"
+        "    self._store.log\n"
+        "    self.log\n"  # an object's own log: not a store's
+        "    commits.storage\n"
+    )
+    leaks = _facade_leaks({"loading.view": planted})
+    assert [w.split(" ", 1)[1] for w in leaks["loading.view"]] == [
+        "store.log",
+        "self.dataset.store.storage",
+        "self._store.log",
+    ]

@@ -224,7 +224,7 @@ class ShardCache:
         seen = self._partial.get(shard.sha256, 0)
         if 4 * (seen + groups) >= len(info.rows) and 3 * shard.bytes <= self.max_bytes // 4:
             return True
-        if store.storage.reads_in_place or self.disk_dir is None:
+        if store.reads_in_place or self.disk_dir is None:
             return False
         return os.path.exists(os.path.join(self.disk_dir, f"{shard.sha256}.parquet"))
 
@@ -361,7 +361,7 @@ class ShardCache:
             self._bytes -= old.nbytes
 
     def _load(self, store: Store, shard: m.ShardRef, version: int) -> pa.Table:
-        if store.storage.reads_in_place or self.disk_dir is None:
+        if store.reads_in_place or self.disk_dir is None:
             return read_parquet(store.read_shard_bytes(shard, version=version))
         path = os.path.join(self.disk_dir, f"{shard.sha256}.parquet")
         try:
@@ -377,7 +377,7 @@ class ShardCache:
         """Download remote ``shards`` into the disk cache in the background, so that the
         process that reads them next (often a DataLoader worker sharing the cache folder)
         finds them local. A no-op for local stores."""
-        if store.storage.reads_in_place or self.disk_dir is None:
+        if store.reads_in_place or self.disk_dir is None:
             return
         for shard in shards:
             path = os.path.join(self.disk_dir, f"{shard.sha256}.parquet")

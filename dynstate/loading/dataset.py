@@ -100,7 +100,7 @@ class VersionedDataset(Dataset):
         if isinstance(store_or_url, Store):
             self._store: Store | None = store_or_url
             self.url = store_or_url.url
-            self.storage_options = store_or_url.storage.storage_options
+            self.storage_options = store_or_url.storage_options
         else:
             self._store = None
             self.url = str(store_or_url)
@@ -150,7 +150,7 @@ class VersionedDataset(Dataset):
         store = self.store
         if self._cache is None:
             disk = None
-            if not store.storage.reads_in_place:
+            if not store.reads_in_place:
                 base = self.cache_dir or os.path.join(tempfile.gettempdir(), "dynstate-cache")
                 disk = os.path.join(base, store.store_id)
             self._cache = ShardCache(self.cache_bytes, disk)
@@ -223,7 +223,7 @@ class VersionedDataset(Dataset):
 
     def prefetch(self, version: int, indices: Sequence[int]) -> None:
         """Start downloading the shards that hold ``indices`` of ``version`` (remote stores)."""
-        if self.store.storage.reads_in_place:
+        if self.store.reads_in_place:
             return  # local shards are read where they lie: nothing to warm
         view = self._view(version)
         rows = np.asarray(indices, dtype=np.int64)

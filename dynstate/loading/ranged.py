@@ -167,7 +167,7 @@ def read_groups(
     waiting: list[int] = []
     learning: set[str] = set()
     all_bounds: list[list[int]] = []
-    footerless = not store.storage.reads_in_place
+    footerless = not store.reads_in_place
     for k, (shard, groups) in enumerate(wanted):
         assert shard.groups is not None  # callers pick whole-shard reads for the others
         bounds = segment_bounds(shard.groups)

@@ -346,11 +346,7 @@ class VersionedSampler(Sampler[int]):
     def _prefetch(self) -> None:
         """Warm the shards of the block after the one being consumed (remote stores)."""
         block = self.pos.base_next // _BLOCK
-        if (
-            not self.prefetch
-            or block == self._prefetched
-            or self.dataset.store.storage.reads_in_place
-        ):
+        if not self.prefetch or block == self._prefetched or self.dataset.store.reads_in_place:
             return  # local shards are read where they lie: nothing to warm
         self._prefetched = block
         rows, start = self.pos.base_rows, (block + 1) * _BLOCK

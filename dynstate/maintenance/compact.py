@@ -175,9 +175,7 @@ def _write_group(
             for shard in group:
                 table = store.read_shard(shard, snap.schema, version=snap.version)
                 if writer is None:
-                    per_group = group_rows(
-                        sum(s.rows for s in group), local=store.storage.reads_in_place
-                    )
+                    per_group = group_rows(sum(s.rows for s in group), local=store.reads_in_place)
                     writer = ShardWriter(sink, snap.schema or table.schema, per_group)
                 writer.write(table)
                 rows += table.num_rows
