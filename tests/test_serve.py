@@ -987,6 +987,7 @@ def test_a_store_without_outcomes_says_so_on_every_page(tmp_path):
             "summary": None,
             "bands": None,
             "drawn_bands": None,
+            "filtering": None,
         }
         _, page = client.get("/outcomes")
         assert "no outcomes recorded in the lineage of version 1." in page

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_consumption import CFG, GROUP
+from test_consumption import CFG, GROUP, read_log
 from test_consumption import run as consumption_run
 from test_serve import Client, served
 from test_serve_browser import browser  # noqa: F401 - the fixture
@@ -252,7 +252,7 @@ def test_dynstate_show_tells_the_story_and_its_json_twin_is_the_library_s(tmp_pa
     assert any("learnability" in line and "policy:" in line for line in lines)
     weights = next(line for line in lines if line.strip().startswith("weights:"))
     assert f"{doc['weights']['eligible']:,} of" in weights
-    table = lines[lines.index(next(x for x in lines if x.startswith("rows drawn"))) + 2 :]
+    table = lines[lines.index(next(x for x in lines if x.startswith("rows scored"))) + 2 :]
     assert [int(line.split()[0]) for line in table[:2]] == want["order"][:2]
     if want["rows"] > 2:
         assert f"{want['rows'] - 2:,} more row" in text.stdout
@@ -285,6 +285,57 @@ def test_serve_shows_the_story_and_the_drawn_bands(tmp_path: Path) -> None:
         empty.append([{"id": 1}])
     with served(StoreView(Store.open(str(tmp_path / "empty")), url="e")) as base:
         assert Client(base).json("/api/outcomes")["drawn_bands"] is None
+
+
+def test_dynstate_steps_and_the_filtering_chart_count_what_the_loop_logged(tmp_path: Path) -> None:
+    """The loop's own log (what each step's score function saw, what it trained and carried)
+    is the oracle: `dynstate steps`, its --json, /api/outcomes' ``filtering`` and the chart
+    count the same groups, and `show` names the filtered rows with their spread."""
+    url, log = str(tmp_path / "dyn"), tmp_path / "log.jsonl"
+    cfg = {**CFG, "steps": 7, "max_gen_batches": 4}
+    consumption_run(url, cfg, None, log)
+    logged = read_log(log)
+    want = []
+    carried = 0
+    for step in sorted(logged):
+        e = logged[step]
+        drawn, trained, carry = len(e["drawn"]), len(e["trained"]), len(e["carry"])
+        filtered = carried + drawn - trained - carry  # surplus="carry": nothing dropped
+        want.append((step, carried, drawn, trained, filtered, carry))
+        carried = carry
+    assert sum(w[4] for w in want) > 0, "nothing filtered: the chart was not tested"
+    done = _cli("steps", url, "--json", "--limit", "100")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    got = [
+        (e["step"], e["carried_in"], e["drawn"], e["trained"], e["filtered"], e["carry"])
+        for e in doc["steps"]
+    ]
+    assert got == want and doc["complete"]
+    drawn_total = sum(w[2] for w in want)
+    assert doc["totals"]["filtered_share"] == pytest.approx(sum(w[4] for w in want) / drawn_total)
+    tail = json.loads(_cli("steps", url, "--json", "--limit", "2").stdout)
+    assert [e["step"] for e in tail["steps"]] == [w[0] for w in want[-2:]]
+    assert not tail["complete"]
+    text = _cli("steps", url, "--limit", "100").stdout.splitlines()
+    total = next(line for line in text if line.startswith("total")).split()
+    assert total[:2] == ["total", str(len(want))] and int(total[5]) == drawn_total
+    # show: the filtered groups of the last step, with their spread, from the record
+    record = dynstate.consumption_records(Store.open(url))[-1]
+    shown = _cli("show", url).stdout
+    if record["filtered"]:
+        row, spread = record["filtered"][0]
+        assert f"row {row} (spread {spread:g})" in shown
+    with served(StoreView(Store.open(url), url=url)) as base:
+        client = Client(base)
+        assert client.json("/api/outcomes")["filtering"] == {
+            key: value for key, value in doc.items() if key != "url"
+        } | {"complete": True}
+        status, page = client.get("/outcomes")
+    assert status == 200
+    chart = page[page.index('<svg class="filtered"') :].split("</svg>")[0]
+    cells = re.findall(r'data-step="(\d+)" data-filtered="(\d+)" data-drawn="(\d+)"', chart)
+    assert [(int(a), int(b), int(c)) for a, b, c in cells] == [(w[0], w[4], w[2]) for w in want]
 
 
 def test_the_step_view_and_the_drawn_chart_in_a_browser(browser, tmp_path: Path) -> None:  # noqa: F811

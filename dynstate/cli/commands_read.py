@@ -172,6 +172,15 @@ def _print_story(story: dict[str, Any]) -> None:
         names = ("drawn", "trained", "filtered", "dropped", "carried_in", "carry")
         counts = [f"{name.replace('_', ' ')} {used[name]['count']:,}" for name in names]
         pairs.append(("consumed", ", ".join(counts)))
+        for name, what in (("filtered", "spread"), ("dropped", "reason")):
+            listed = used[name]
+            if listed["count"]:
+                text = ", ".join(
+                    f"row {row} ({what} {value:g})" if what == "spread" else f"row {row} ({value})"
+                    for row, value in listed["rows"]
+                )
+                more = f", {listed['more']:,} more" if listed["more"] else ""
+                pairs.append((name, text + more))
     policy = story["policy"]
     if policy is not None:
         params = json.dumps(policy.get("params"), sort_keys=True, ensure_ascii=False)
@@ -182,7 +191,7 @@ def _print_story(story: dict[str, Any]) -> None:
     if out is None or not out["drawn"]:
         return
     r.echo()
-    r.echo(f"rows drawn ({len(out['drawn']):,} of {out['rows']:,}, in the order scored):")
+    r.echo(f"rows scored ({len(out['drawn']):,} of {out['rows']:,}, in the order scored):")
     cols = [
         r.Column("row", right=True),
         r.Column("attempts", right=True),

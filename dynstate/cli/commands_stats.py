@@ -1,7 +1,8 @@
 """`dynstate stats`: the per-row outcome statistics of a version — a pass-rate histogram, the
 rows never trained, the hardest and easiest rows. The numbers come from
 :meth:`dynstate.Store.outcome_stats` and :func:`dynstate.records.aggregate.summarize`; this
-module only renders them."""
+module only renders them. `dynstate steps`: what each step consumed, from
+:func:`dynstate.history.story.consumption_series`."""
 
 from __future__ import annotations
 
@@ -182,4 +183,65 @@ def _preview_column(snap: Any, name: str | None, url: str) -> str | None:
     return name
 
 
-COMMANDS = [stats_cmd]
+@click.command("steps")
+@click.argument("url")
+@click.argument("version", required=False)
+@click.option("--limit", type=Count(1), default=20, show_default=True,
+              help="The newest N steps (the lineage is read back no further).")  # fmt: skip
+@json_option
+@store_command
+def steps_cmd(
+    url: str, version: str | None, limit: int, as_json: bool, storage_options: dict[str, Any]
+) -> None:
+    """What each training step of a version's lineage drew, trained, filtered, dropped and
+    carried (dynamic sampling's consumption records, in the steps' rounds): the newest
+    --limit steps, oldest first, each with its generation batches and the share of the
+    groups it drew that the filter took out, then the totals over those steps. A lineage
+    without consumption records lists none. `dynstate show V` tells one step's story.
+
+    \b
+    Example:
+      dynstate steps ./runs/run1 --limit 50
+      dynstate steps ./runs/run1 step40 --json
+    """
+    from ..history.story import consumption_series
+
+    store = open_store(url, storage_options)
+    number = store.resolve(version_arg(version))
+    out = {"url": store.display_url, **consumption_series(store, number, limit=limit)}
+    if as_json:
+        r.print_json(out)
+        return
+    r.echo(f"{store.display_url} version {number}")
+    if not out["steps"]:
+        r.echo("no consumption recorded in this version's lineage (rounds committed with "
+               "consumption=, as DynamicSampling's loop does, show here)")  # fmt: skip
+        return
+    names = ("carried_in", "drawn", "trained", "filtered", "dropped", "carry")
+    cols = [
+        r.Column("step", right=True),
+        r.Column("version", right=True),
+        r.Column("gen batches", right=True),
+        *(r.Column(name.replace("_", " "), right=True) for name in names),
+        r.Column("filtered %", right=True),
+    ]
+
+    def cells(entry: dict[str, Any], first: str, second: str) -> list[str]:
+        return [
+            first,
+            second,
+            f"{entry['gen_batches']:,}",
+            *(f"{entry[name]:,}" for name in names),
+            _rate(entry["filtered_share"]),
+        ]
+
+    rows = [cells(e, str(e["step"]), str(e["version"])) for e in out["steps"]]
+    shown = len(out["steps"])
+    rows.append(cells(out["totals"], "total", f"{shown:,} step{'' if shown == 1 else 's'}"))
+    for line in r.table(cols, rows, r.width()):
+        r.echo(line)
+    if not out["complete"]:
+        r.echo(f"(the newest {shown:,} steps: --limit N reads further back)")
+
+
+COMMANDS = [stats_cmd, steps_cmd]

@@ -35,7 +35,7 @@ from .outcomes import _picked
 if TYPE_CHECKING:
     from ..store import Store
 
-__all__ = ["drawn_band_series", "step_story", "weight_spread"]
+__all__ = ["consumption_series", "drawn_band_series", "step_story", "weight_spread"]
 
 # The lists of a consumption record a story shows (each bounded like the drawn rows).
 _CONSUMED = ("carried_in", "drawn", "trained", "filtered", "dropped", "carry")
@@ -267,3 +267,37 @@ def drawn_band_series(
         "counts": counts,
         "rows": [sum(c) for c in counts],
     }
+
+
+def consumption_series(store: Store, version: int, *, limit: int | None = None) -> dict[str, Any]:
+    """What each step of ``version``'s lineage consumed, by its consumption record (the
+    rounds of dynamic sampling, :mod:`dynstate.loading.consumption`), oldest first: ``steps``,
+    one ``{version, step, gen_batches, carried_in, drawn, trained, filtered, dropped, carry,
+    filtered_share}`` each (counts of groups; ``filtered_share``: filtered over drawn, None
+    for a step that drew nothing), and ``totals`` over them (``filtered_share`` over every
+    group drawn). ``limit``: the newest that many steps only, and the lineage is walked back
+    no further than the oldest of them (``complete`` says whether every record is counted)."""
+    records = store.consumption.lineage(version, limit)
+    names = ("carried_in", "drawn", "trained", "filtered", "dropped", "carry")
+    steps = []
+    for v, record in records:
+        entry: dict[str, Any] = {
+            "version": v,
+            "step": record["step"],
+            "gen_batches": record["gen_batches"],
+        }
+        entry.update({name: len(record[name]) for name in names})
+        entry["filtered_share"] = _share(entry["filtered"], entry["drawn"])
+        steps.append(entry)
+    totals: dict[str, Any] = {name: sum(e[name] for e in steps) for name in (*names, "gen_batches")}
+    totals["filtered_share"] = _share(totals["filtered"], totals["drawn"])
+    return {
+        "version": version,
+        "steps": steps,
+        "totals": totals,
+        "complete": limit is None or len(records) < limit,
+    }
+
+
+def _share(part: int, whole: int) -> float | None:
+    return part / whole if whole else None

@@ -40,11 +40,16 @@ def record_of_step(log: Log, head: int, step: int) -> tuple[int, dict[str, Any]]
     return version, _checked(log, version, record.consumption)
 
 
-def lineage_records(log: Log, head: int) -> list[tuple[int, dict[str, Any]]]:
+def lineage_records(
+    log: Log, head: int, limit: int | None = None
+) -> list[tuple[int, dict[str, Any]]]:
     """(version, record) of every round of ``head``'s lineage that recorded its consumption,
-    oldest first, down to the gc floor (O(lineage): for audits and views, not for resume)."""
-    out = []
+    oldest first, down to the gc floor (O(lineage): for audits and views, not for resume).
+    ``limit``: the newest that many only, walking back no further than the oldest of them."""
+    out: list[tuple[int, dict[str, Any]]] = []
     for version in log.lineage(head):
+        if limit is not None and len(out) >= limit:
+            break
         record = log.commit_record(version)
         if record.consumption is not None and record.op == "append":
             out.append((version, _checked(log, version, record.consumption)))
@@ -62,6 +67,6 @@ class Consumption:
         """:func:`record_of_step`."""
         return record_of_step(self._log, head, step)
 
-    def lineage(self, head: int) -> list[tuple[int, dict[str, Any]]]:
+    def lineage(self, head: int, limit: int | None = None) -> list[tuple[int, dict[str, Any]]]:
         """:func:`lineage_records`."""
-        return lineage_records(self._log, head)
+        return lineage_records(self._log, head, limit)

@@ -20,7 +20,7 @@ import pyarrow as pa
 from ..errors import DynstateError, VersionNotFoundError
 from ..history import describe, diff, growth, summary, version_rows
 from ..history.outcomes import NO_OUTCOMES, OutcomeViews, RowSelection, outcome_records_count
-from ..history.story import drawn_band_series, step_story
+from ..history.story import consumption_series, drawn_band_series, step_story
 from ..records.aggregate import summarize
 from ..snapshot import Snapshot
 from ..storage.credentials import scrub, secrets_of
@@ -236,13 +236,20 @@ class StoreView:
             "message": None if records else NO_OUTCOMES,
         }
         if not records:
-            return {**info, "summary": None, "bands": None, "drawn_bands": None}
+            return {**info, "summary": None, "bands": None, "drawn_bands": None, "filtering": None}
         with self._scanning():
             stats = self.outcomes.stats(v)
             summary = summarize(stats, bins=n_bins, top=10)
             series = self.outcomes.band_series(v, bins=n_bins, points=n_points)
             drawn = drawn_band_series(self.store, v, bins=n_bins, points=n_points)
-        return {**info, "summary": summary, "bands": series, "drawn_bands": drawn}
+            filtering = consumption_series(self.store, v, limit=n_points)
+        return {
+            **info,
+            "summary": summary,
+            "bands": series,
+            "drawn_bands": drawn,
+            "filtering": filtering if filtering["steps"] else None,
+        }
 
     # -- one row and its lineage -------------------------------------------------------------
 

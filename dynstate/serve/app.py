@@ -33,7 +33,7 @@ from ..errors import (
 from .api import RowNotFoundError, StoreView, chart_failed, scrub
 from .chart import growth_svg
 from .graph import graph_svg
-from .outcome_charts import band_color, band_svg, pass_rate_svg
+from .outcome_charts import band_color, band_svg, filtered_svg, pass_rate_svg
 from .render import dumps, environment, qs, web_terms
 from .rows import OUTCOME_PARAMS, RESERVED
 
@@ -253,6 +253,7 @@ class Site:
             data=data,
             chart=chart,
             drawn_chart=drawn_chart,
+            filtered_chart=filtered_svg(data["filtering"]["steps"]) if data["filtering"] else "",
             swatches=swatches,
         )
 

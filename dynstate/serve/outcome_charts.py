@@ -149,3 +149,53 @@ def pass_rate_svg(points: list[dict[str, Any]], total: int, *, width: int = 720)
     )
     out.append("</svg>")
     return "".join(out)
+
+
+def filtered_svg(steps: list[dict[str, Any]], *, width: int = 960) -> str:
+    """One column per step (``consumption_series``' ``steps``): the share of the groups it
+    drew that the filter took out, 0 to 100 %; a step that drew nothing has no column."""
+    if not steps:
+        return ""
+    left, right, top, plot_h = 64, 16, 12, 160
+    height = top + plot_h + 40
+    plot_w = width - left - right
+    col = plot_w / len(steps)
+    out = [
+        f'<svg class="filtered" role="img" viewBox="0 0 {width} {height}" width="{width}" '
+        f'height="{height}" xmlns="http://www.w3.org/2000/svg">',
+        "<title>share of the groups drawn that the filter took out, per step</title>",
+    ]
+    for t in (0, 0.25, 0.5, 0.75, 1.0):
+        y = top + plot_h - t * plot_h
+        out.append(
+            f'<line class="grid" x1="{left}" x2="{width - right}" y1="{y:.1f}" y2="{y:.1f}"/>'
+            f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{t:.0%}</text>'
+        )
+    for k, entry in enumerate(steps):
+        share = entry["filtered_share"]
+        if share is None:
+            continue
+        h = share * plot_h
+        tip = (
+            f"step {entry['step']}: {entry['filtered']:,} of {entry['drawn']:,} groups drawn "
+            f"filtered ({share:.0%}); {entry['trained']:,} trained, {entry['carry']:,} carried"
+        )
+        out.append(
+            f'<rect class="share" x="{left + k * col:.2f}" y="{top + plot_h - h:.2f}" '
+            f'width="{max(col - (1 if col > 3 else 0), 0.5):.2f}" height="{h:.2f}" '
+            f'data-step="{entry["step"]}" data-filtered="{entry["filtered"]}" '
+            f'data-drawn="{entry["drawn"]}"><title>{escape(tip)}</title></rect>'
+        )
+    first, last = steps[0]["step"], steps[-1]["step"]
+    for t in ticks(first, last, 8, whole=True):
+        k = next((j for j, e in enumerate(steps) if e["step"] >= t), len(steps) - 1)
+        out.append(
+            f'<text class="tick" x="{left + (k + 0.5) * col:.1f}" y="{top + plot_h + 16}" '
+            f'text-anchor="middle">{fmt(t)}</text>'
+        )
+    out.append(
+        f'<text class="axis-label" x="{left + plot_w / 2:.1f}" y="{height - 6}" '
+        'text-anchor="middle">step</text>'
+    )
+    out.append("</svg>")
+    return "".join(out)
