@@ -366,6 +366,14 @@ def _check_gradient_accumulation(example: Any, tmp_path: Path, ga: int) -> None:
     a = Store.open(str(tmp_path / "clean" / "store")).snapshot().to_arrow()
     b = Store.open(str(tmp_path / "run" / "store")).snapshot().to_arrow()
     assert a.equals(b)
+    # each round names the policy in force, so that its story (dynstate show) can
+    from dynstate.history.story import step_story
+
+    store = Store.open(str(tmp_path / "run" / "store"))
+    story = step_story(store, store.head)
+    assert story["step"] == 4
+    assert story["policy"] == dynstate.Learnability().identity()
+    assert story["outcomes"]["records"] == len(clean[-1].rewards)
 
 
 def test_one_generator_class_serves_both_trainers():

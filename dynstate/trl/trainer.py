@@ -40,6 +40,7 @@ from ..loading.consumption import DynamicSampling
 from ..loading.dataset import VersionedDataset
 from ..loading.sampler import VersionedSampler
 from ..loading.selection import pass_rates
+from ..records.rounds import SELECT_META
 from ..store import Store
 from . import loader as loader_mod
 from .generator import RoundView, StepBatch, generator_name, load_state, run_generator, state_of
@@ -636,6 +637,8 @@ class DynstateGRPOTrainer(GRPOTrainer):
         }
         generator, added_rows = self.dynstate_generator, None
         meta: dict[str, Any] = {"step": step, "trainer": "trl"}
+        if self._sampler.select is not None:  # the policy in force, for the step's story
+            meta[SELECT_META] = self._sampler.select.identity()
         gen_state = None
         if generator is not None:
             store.refresh()
