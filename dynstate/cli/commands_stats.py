@@ -202,7 +202,7 @@ def steps_cmd(
     \b
     Example:
       dynstate steps ./runs/run1 --limit 50
-      dynstate steps ./runs/run1 step40 --json
+      dynstate steps ./runs/run1 ckpt --json
     """
     from ..history.story import consumption_series
 
