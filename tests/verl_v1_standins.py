@@ -23,7 +23,10 @@ What stands in:
 ``python verl_v1_standins.py '<json spec>'`` runs one driver; ``spec["kill"] = [step, instant]``
 SIGKILLs it at ``rollout`` (prompts of that step in flight), ``saved`` (right after the
 checkpoint of that step is written), ``validation`` (inside validation after that step),
-``committed`` (right after the round of that step is committed). Every trained batch is logged
+``committed`` (right after the round of that step is committed), ``refill`` (group filtering:
+the step's second generation batch drawn, its first scored). ``spec["policy"] = "dapo"`` makes
+the stand-in policy's answers differ between a prompt's responses for some prompts (so that
+group filtering keeps some groups and filters others). Every trained batch is logged
 to ``spec["log"]`` (one JSON line per step, fsynced); the Ray processes the driver started are
 listed in ``spec["pids"]`` so that whoever kills it can end them.
 
@@ -46,7 +49,8 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-INSTANTS = ("rollout", "saved", "validation", "committed")
+INSTANTS = ("rollout", "saved", "validation", "committed", "refill")
+AGENT_LOOP = "dynstate_sessions"  # spec["policy"] = "dapo": the stand-in agent loop's name
 STANDIN_MODE = "dynstate_cpu_standins"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
@@ -135,8 +139,25 @@ def _generator_classes() -> tuple[type, type]:
     return FailedVariations, OldInterface
 
 
+def _session_agent_loop() -> type:
+    from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+    class SessionAgentLoop(SingleTurnAgentLoop):
+        """verl's single-turn agent loop that tells the stand-in LLM which of the prompt's
+        ``rollout.n`` sessions asks (a real LLM samples; the stand-in answers by session)."""
+
+        async def run(self, sampling_params: dict, **kwargs: Any) -> Any:
+            params = {**sampling_params, "standin_session": int(kwargs.get("session_id", 0))}
+            return await super().run(params, **kwargs)
+
+    return SessionAgentLoop
+
+
 def __getattr__(name: str) -> Any:
-    # generators are loaded by verl's load_extern_object from this file, lazily
+    # generators are loaded by verl's load_extern_object from this file, lazily; the agent loop
+    # by hydra's instantiate in verl's agent-loop worker
+    if name == "SessionAgentLoop":
+        return _session_agent_loop()
     if name in ("FailedVariations", "OldInterface"):
         failed, old = _generator_classes()
         return {"FailedVariations": failed, "OldInterface": old}[name]
@@ -197,6 +218,14 @@ def compose_config(spec: dict) -> Any:
         "data.custom_cls.path=pkg://dynstate.verl",
         "data.custom_cls.name=DynstateRLDataset",
     ]
+    if spec.get("policy") == "dapo":
+        path = os.path.join(os.path.dirname(spec["ckpt"]), "standin_agent_loops.yaml")
+        with open(path, "w") as f:
+            f.write(f"- name: {AGENT_LOOP}\n  _target_: verl_v1_standins.SessionAgentLoop\n")
+        overrides += [
+            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={path}",
+            f"actor_rollout_ref.rollout.agent.default_agent_loop={AGENT_LOOP}",
+        ]
     overrides += spec.get("overrides", [])
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         config = compose(config_name="ppo_trainer", overrides=overrides)
@@ -217,8 +246,9 @@ class StandInLLM:
     """The LLM server's client, as verl's agent loop awaits it (``generate(prompt_ids=...)``).
     Pickled into the agent-loop worker actor."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, policy: str = "plain"):
         self.model_dir = model_dir
+        self.policy = policy
         self._tok = None
 
     async def generate(self, *, prompt_ids: list[int], sampling_params: dict, **_: Any) -> Any:
@@ -233,6 +263,12 @@ class StandInLLM:
             i = words.index("What")
             a, b = int(words[i + 2]), int(words[i + 4])
             answer = str(a + b + 1) if (a + b) % 3 == 0 else str(a + b)
+            if self.policy == "dapo":
+                # by a + b mod 3: every response wrong, every one right, or only session 0
+                # right (the one group of three whose rewards differ)
+                session = int(sampling_params.get("standin_session", 0))
+                right = {0: False, 1: True}.get((a + b) % 3, session == 0)
+                answer = str(a + b) if right else str(a + b + 1)
         ids = self._tok.convert_tokens_to_ids(["The", "answer", "is", "####", answer, "<eos>"])
         return TokenOutput(
             token_ids=ids,
@@ -351,7 +387,7 @@ def register_standin_trainer(spec: dict) -> type:
             self.teacher_model_manager = None
             self.distillation_config = None
             self.llm_server_manager = StandInLLMServers(
-                StandInLLM(self.config.actor_rollout_ref.model.path)
+                StandInLLM(self.config.actor_rollout_ref.model.path, spec.get("policy", "plain"))
             )
             self.checkpoint_manager = StandInCheckpointEngine()
             self.checkpoint_manager.sleep_replicas()
@@ -372,11 +408,26 @@ def register_standin_trainer(spec: dict) -> type:
                     "scores": scored.batch["token_level_scores"].sum(-1).tolist(),
                     "version": self.train_dataloader.sampler.version,
                 }
+                filtered = getattr(self, "_step_batch", None)
+                if filtered is not None:
+                    # what group filtering consumed (version numbers left out: resets renumber)
+                    entry["consumption"] = {
+                        k: v
+                        for k, v in filtered.record.items()
+                        if k not in ("rows_version", "sampler")
+                    }
                 with open(log_path, "a") as f:
                     f.write(json.dumps(entry) + "\n")
                     f.flush()
                     os.fsync(f.fileno())
             return batch
+
+        def _score_gen_batch(self, items: list, step: int) -> Any:
+            calls = self._gen_calls = getattr(self, "_gen_calls", {})
+            calls[step] = calls.get(step, 0) + 1
+            if calls[step] == 2:
+                _die(kill, step, "refill")  # the first generation batch scored, the second drawn
+            return super()._score_gen_batch(items, step)
 
         def commit_step_round(self) -> int | None:
             pending = self._scored is not None

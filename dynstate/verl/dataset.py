@@ -26,6 +26,7 @@ import pyarrow as pa
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
 from ..errors import InvalidDataError, StateMismatchError
+from ..loading.consumption import DynamicSampling
 from ..loading.dataset import VersionedDataset, decode_index
 from ..loading.sampler import VersionedSampler
 from ..records.rounds import SELECT_META, to_table
@@ -48,6 +49,7 @@ from .outcomes import (
     SCORE_KEY,
     batch_outcomes,
     batch_rows_version,
+    filter_figures,
     round_figures,
     selection_figures,
 )
@@ -198,6 +200,14 @@ class DynstateRLDataset(RLHFDataset):
         assert self._rows is not None
         return self._rows.store
 
+    @property
+    def rows(self) -> VersionedDataset:
+        """The store's rows as a :class:`~dynstate.VersionedDataset` (what dynstate's sampler
+        and :class:`~dynstate.DynamicSampling` draw from; items are the stored rows, not verl's
+        tokenized ones)."""
+        assert self._rows is not None
+        return self._rows
+
     def _open_store(self) -> Store:
         assert self.settings is not None
         if self._rows is None:
@@ -338,10 +348,14 @@ class DynstateRLDataset(RLHFDataset):
             return version
         return self.commit_round(batch, self.step + 1)
 
-    def commit_round(self, batch: Any, step: int) -> int | None:
+    def commit_round(
+        self, batch: Any, step: int, consumption: dict[str, Any] | None = None
+    ) -> int | None:
         """Generate and commit the round of training step ``step`` from its scored ``batch``;
         returns the version holding it. The same commit holds the step's outcomes
-        (:func:`batch_outcomes`) and the generator's ``state_dict()`` if it has one.
+        (:func:`batch_outcomes`), the generator's ``state_dict()`` if it has one, and with
+        group filtering the step's ``consumption`` record (``StepBatch.record`` of
+        :class:`~dynstate.DynamicSampling`; the outcomes then bind to its ``rows_version``).
         Idempotent per step: a round already on the head's lineage for ``step`` is returned
         without running the generator again. :attr:`last_metrics` then holds the figures
         verl's tracker gets (:meth:`round_metrics`)."""
@@ -357,6 +371,8 @@ class DynstateRLDataset(RLHFDataset):
             self.last_metrics = self.round_metrics(
                 existing, int(self.store.commit_record(existing).meta.get("rows", 0)), batch
             )
+            if consumption is not None:
+                self.last_metrics.update(filter_figures(consumption))
             return existing
         assert self._rows is not None and self.settings is not None
         self._rows.refresh()
@@ -369,6 +385,10 @@ class DynstateRLDataset(RLHFDataset):
         # the version the batch's rows were read at: the outcomes bind to it (a reset since
         # would credit the scores to other rows; the commit refuses it)
         read_at = batch_rows_version(batch, self.store) if outcomes is not None else None
+        if consumption is not None:
+            # the record's rows and the outcomes' are numbered in one version: the newest the
+            # step drew from (filtered rows too), which is on the lineage of every other
+            read_at = consumption["rows_version"]
         if self.data_generator is not None:
             self._pending = outcomes  # for outcome_stats(pending=True) inside generate
             self._pending_read_at = read_at
@@ -401,10 +421,13 @@ class DynstateRLDataset(RLHFDataset):
             outcomes=outcomes,
             generator_state=state,
             rows_version=read_at,
+            consumption=consumption,
         )
         self._rows.refresh()
         self._committed = (batch, step, version)
         self.last_metrics = self.round_metrics(version, table.num_rows, batch)
+        if consumption is not None:
+            self.last_metrics.update(filter_figures(consumption))
         log.info("step %d: %s added %d rows as version %d", step, name, table.num_rows, version)
         return version
 
@@ -454,6 +477,14 @@ class DynstateRLDataset(RLHFDataset):
             step = 0
         state = None
         if checkpoint_dir is not None and step > 0:
+            if self.consumption_of(step) is not None:
+                raise StateMismatchError(
+                    f"the round of step {step} of {store.display_url} holds a consumption "
+                    "record: its checkpoint was saved with group filtering "
+                    "(algorithm.filter_groups.enable=true), whose next step trains the carried "
+                    "groups first and draws from the record's position; resume with the "
+                    "checkpoint's algorithm.filter_groups settings — nothing was changed"
+                )
             round_version = self.round_of(step)
             state = loader_state.checked_resume_state(
                 checkpoint_dir, loader, step, store, round_version
@@ -471,6 +502,36 @@ class DynstateRLDataset(RLHFDataset):
         if state is not None:
             loader.load_state_dict(state)
 
+        self.step = step
+        self._committed = None
+        self._rows.refresh()  # type: ignore[union-attr]
+
+    def consumption_of(self, step: int) -> dict[str, Any] | None:
+        """The consumption record of ``step``'s round on the head's lineage (group filtering),
+        or None."""
+        found = self.store.consumption.of_step(self.store.refresh(), step)
+        return None if found is None else found[1]
+
+    def resume_filtered(self, sampling: DynamicSampling, step: int) -> None:
+        """:meth:`resume` under group filtering: the step's loader position and carry are its
+        consumption record's, so ``data.pt`` is not read. The generator's state of the
+        checkpoint's lineage is loaded, then :meth:`DynamicSampling.resume` checks the record
+        against ``sampling``'s settings, rolls later rounds back and restores the sampler's
+        position and the carry (``step`` 0: a fresh start; rounds a crashed run committed
+        before its first checkpoint are dropped). The caller checks the record first, naming
+        verl's keys (:mod:`dynstate.verl.v1`)."""
+        if self.fixed:
+            return
+        if step <= 0:
+            sampling.resume(None, first_step=1)
+            step = 0
+        else:
+            round_version = self.round_of(step)
+            if self.data_generator is not None and round_version is not None:
+                generator_state = self.store.generator_state(round_version)
+                if generator_state is not None and load_state(self.data_generator, generator_state):
+                    log.info("generator state of step %d (version %d) loaded", step, round_version)
+            sampling.resume(step)
         self.step = step
         self._committed = None
         self._rows.refresh()  # type: ignore[union-attr]

@@ -82,6 +82,22 @@ def batch_rows_version(batch: Any, store: Store) -> int | None:
     return newest
 
 
+def filter_figures(record: dict[str, Any]) -> dict[str, float]:
+    """The ``dynstate/filter/*`` figures of a step's consumption record (group filtering,
+    ``algorithm.filter_groups``): groups carried in from the step before, rows drawn, groups
+    trained, filtered, dropped and carried to the next step, and generation batches used."""
+    prefix = f"{METRIC_PREFIX}filter/"
+    return {
+        f"{prefix}carried_in": float(len(record["carried_in"])),
+        f"{prefix}drawn": float(len(record["drawn"])),
+        f"{prefix}trained": float(len(record["trained"])),
+        f"{prefix}filtered": float(len(record["filtered"])),
+        f"{prefix}dropped": float(len(record["dropped"])),
+        f"{prefix}carried": float(len(record["carry"])),
+        f"{prefix}gen_batches": float(record["gen_batches"]),
+    }
+
+
 def _band_names() -> list[str]:
     return [
         f"{i / PASS_RATE_BANDS:.1f}_{(i + 1) / PASS_RATE_BANDS:.1f}" for i in range(PASS_RATE_BANDS)

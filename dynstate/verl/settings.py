@@ -38,7 +38,13 @@ SECTION_KEYS = (
     "on_generator_error",
     "checkpoint_mirror",
     "select",
+    "surplus",
+    "max_carry",
 )
+
+# data.dynstate.surplus: what group filtering (algorithm.filter_groups) does with accepted
+# groups beyond a full batch (dynstate.DynamicSampling's surplus)
+SURPLUS_MODES = ("carry", "drop")
 
 # data.dynstate.select: the policy's name and the parameters each one takes
 SELECT_KEYS: dict[str, tuple[str, ...]] = {
@@ -65,6 +71,8 @@ class Settings:
     seed: int = 0
     checkpoint_mirror: str | None = None
     select: Policy | None = None
+    surplus: str = "carry"
+    max_carry: int | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> Settings:
@@ -90,6 +98,20 @@ class Settings:
             raise InvalidDataError(
                 f"data.dynstate.on_generator_error must be 'raise' or 'skip', not {on_error!r}"
             )
+        surplus = plain.get("surplus", "carry")
+        if surplus not in SURPLUS_MODES:
+            raise InvalidDataError(
+                f"data.dynstate.surplus must be 'carry' or 'drop', not {surplus!r} (what "
+                "algorithm.filter_groups does with accepted groups beyond a full batch: train "
+                "them first at the next step, or record them as dropped)"
+            )
+        max_carry = plain.get("max_carry")
+        if max_carry is not None and (
+            isinstance(max_carry, bool) or not isinstance(max_carry, int) or max_carry < 0
+        ):
+            raise InvalidDataError(
+                f"data.dynstate.max_carry must be an int >= 0 or null, not {max_carry!r}"
+            )
         return cls(
             url=str(plain["url"]),
             storage_options=dict(plain.get("storage_options") or {}),
@@ -102,6 +124,8 @@ class Settings:
             seed=int(config.get("seed") or 0),
             checkpoint_mirror=plain.get("checkpoint_mirror"),
             select=select_policy(plain.get("select")),
+            surplus=str(surplus),
+            max_carry=max_carry,
         )
 
 
