@@ -71,6 +71,10 @@ class Log(Catalog):
         super().__init__(storage)
         self.leases = Leases(storage, lease_ttl_s)
         self._records: dict[int, Commit] = {}
+        # ancestor -> the newest version this handle found it on the lineage of: a lineage
+        # never changes once committed, so the next walk (a step's commit, one version on)
+        # stops there instead of going back to the ancestor (on_lineage)
+        self._lineage_of: dict[int, int] = {}
         self._head = 0
         self._floor = 0
         # The head as of the handle user's last look (Store.open, Store.refresh, a read of
@@ -327,11 +331,21 @@ class Log(Catalog):
         if ancestor >= version:
             return ancestor == version
         # Every step of a lineage goes to a lower version (a parent, a reset's target), so
-        # the walk stops at the first version at or below the ancestor; the records on the
-        # way are read together (one round trip on an object store), each once per handle.
-        for v in self.lineage(version, ahead=version - ancestor + 1):
-            if v <= ancestor:
-                return v == ancestor
+        # the walk stops at the first version at or below the ancestor, or at a version
+        # already found to hold it (the walk of a run's next step: one version); the records
+        # on the way are read together (one round trip on an object store), each once per
+        # handle.
+        known = self._lineage_of.get(ancestor)
+        if known is None or not ancestor < known <= version or ancestor < self._floor:
+            known = ancestor
+        for v in self.lineage(version, ahead=version - known + 1):
+            if v in (known, ancestor):  # (a reset may jump over ``known``: then the ancestor)
+                if len(self._lineage_of) >= 64:  # a run uses a few ancestors at a time
+                    self._lineage_of.clear()
+                self._lineage_of[ancestor] = max(version, self._lineage_of.get(ancestor, 0))
+                return True
+            if v < ancestor:
+                return False
         return None if ancestor < self._floor else False
 
     def require_on_lineage(self, read_at: int, version: int, what: str) -> None:

@@ -66,6 +66,12 @@ def _indices(value: Any, url: str, where: str) -> list[int]:
         raise _bad(url, f"{where} must be a list, not {type(value).__name__}")
     if len(value) > MAX_GROUPS:
         raise _bad(url, f"{where} lists {len(value):,} groups, over the limit of {MAX_GROUPS:,}")
+    # the common case in one pass (a step's lists run to thousands); any bad entry is then
+    # found again one by one, for the message that names it
+    if all(type(v) is int for v in value) and (
+        not value or (min(value) >= 0 and max(value) <= codec.MAX_COUNT)
+    ):
+        return list(value)
     return [_index(v, url, f"{where}[{i}]") for i, v in enumerate(value)]
 
 
@@ -79,6 +85,8 @@ def check_scores(value: Any, url: str, where: str) -> list[float]:
         raise InvalidDataError(
             f"{where} for {url} holds {len(value)} scores; a group has 1 to {MAX_SCORES}"
         )
+    if type(value) is list and all(type(s) is float and s - s == 0.0 for s in value):
+        return list(value)  # finite floats already (inf - inf and nan - nan are nan)
     out = []
     for s in value:
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(float(s)):
@@ -145,10 +153,13 @@ def check_record(record: Any, url: str, step: Any = None) -> dict[str, Any]:
             f"consumption for {url}: step {own} carries {len(carry)} groups, over its "
             f"max_carry={bound}; nothing was committed — raise max_carry or pass surplus='drop'"
         )
-    into = Counter(carried_in) + Counter(drawn)
-    out = Counter(trained) + Counter(i for i, _ in filtered) + Counter(i for i, _ in dropped)
-    out += Counter(i for i, _ in carry)
-    if into != out:
+    # the equation as sorted lists (a multiset compare); Counters only to name what differs
+    into_sorted = sorted([*carried_in, *drawn])
+    out_sorted = sorted(
+        [*trained, *(i for i, _ in filtered), *(i for i, _ in dropped), *(i for i, _ in carry)]
+    )
+    if into_sorted != out_sorted:
+        into, out = Counter(into_sorted), Counter(out_sorted)
         lost, unseen = sorted((into - out).elements())[:8], sorted((out - into).elements())[:8]
         raise _bad(
             url,
