@@ -77,9 +77,27 @@ def task(a: int, b: int, source: int | None = None) -> dict[str, Any]:
     }
 
 
-def first_tasks(seed: int, count: int = 48) -> list[dict[str, Any]]:
+def first_tasks(
+    seed: int, count: int = 48, hold_out: frozenset[tuple[int, int]] = frozenset()
+) -> list[dict[str, Any]]:
     rng = np.random.default_rng(seed)
-    return [task(int(a), int(b)) for a, b in rng.integers(0, OPERAND + 1, size=(count, 2))]
+    if not hold_out:
+        return [task(int(a), int(b)) for a, b in rng.integers(0, OPERAND + 1, size=(count, 2))]
+    # --hold-out: drawn from the other pairs only, still `count` rows
+    pairs = [(a, b) for a in range(OPERAND + 1) for b in range(OPERAND + 1)]
+    pairs = [p for p in pairs if p not in hold_out]
+    return [task(*pairs[i]) for i in rng.integers(0, len(pairs), size=count).tolist()]
+
+
+def parse_pairs(text: str) -> frozenset[tuple[int, int]]:
+    """``"0+1,3+2"`` -> {(0, 1), (3, 2)}; operands 0..OPERAND."""
+    pairs = set()
+    for item in filter(None, text.split(",")):
+        a, plus, b = item.strip().partition("+")
+        if not (plus and a.isdigit() and b.isdigit()) or max(int(a), int(b)) > OPERAND:
+            raise ValueError(f"{item!r} is not a+b with operands 0..{OPERAND}")
+        pairs.add((int(a), int(b)))
+    return frozenset(pairs)
 
 
 def reward(completions: list[str], answer: list[str], **_: Any) -> list[float]:
@@ -103,12 +121,20 @@ def exact(completions: list[str], answer: list[str], **_: Any) -> list[float]:
 
 class HardestVariations:
     """Writes ``per_step`` variations (an operand moved by 1) of the tasks with the lowest
-    mean score so far, each recording its source row. Its randomness is its own state."""
+    mean score so far, each recording its source row. Its randomness is its own state. A
+    variation that lands on a ``hold_out`` pair is not written."""
 
     name = "hardest-variations"
 
-    def __init__(self, seed: int, per_step: int = 2, max_rows: int = 400):
+    def __init__(
+        self,
+        seed: int,
+        per_step: int = 2,
+        max_rows: int = 400,
+        hold_out: frozenset[tuple[int, int]] = frozenset(),
+    ):
         self.seed, self.count, self.per_step, self.max_rows = seed, 0, per_step, max_rows
+        self.hold_out = hold_out
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "count": self.count}
@@ -134,7 +160,8 @@ class HardestVariations:
                 a = min(OPERAND, max(0, a + int(rng.choice([-1, 1]))))
             else:
                 b = min(OPERAND, max(0, b + int(rng.choice([-1, 1]))))
-            out.append(task(a, b, source=row))
+            if (a, b) not in self.hold_out:
+                out.append(task(a, b, source=row))
         return out
 
 
@@ -167,9 +194,44 @@ def main(argv: list[str] | None = None) -> int:
         default="shaped",
         help="shaped (default): partial credit for a close digit; exact: 1 for the sum, else 0",
     )
+    # the switches of tools/trl_curriculum.py's arms and its held-out evaluation
+    parser.add_argument(
+        "--generator",
+        choices=["hardest", "none"],
+        default="hardest",
+        help="hardest (default): variations of the hardest tasks each step; none: the store "
+        "keeps its first tasks",
+    )
+    parser.add_argument(
+        "--select",
+        choices=["learnability", "uniform"],
+        default="learnability",
+        help="learnability (default): prompts drawn by p * (1 - p); uniform: shuffled",
+    )
+    parser.add_argument(
+        "--hold-out",
+        default="",
+        metavar="PAIRS",
+        help="tasks never written to the store, e.g. 0+1,3+2 (for a held-out evaluation)",
+    )
+    parser.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=2,
+        metavar="N",
+        help="checkpoints kept in --out (default 2; 0 keeps all)",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.save_steps <= 10:
         parser.error("--save-steps must be between 1 and 10")
+    if args.keep_checkpoints < 0:
+        parser.error("--keep-checkpoints must be 0 (all) or more")
+    try:
+        hold_out = parse_pairs(args.hold_out)
+    except ValueError as e:
+        parser.error(f"--hold-out: {e}")
+    if len(hold_out) >= (OPERAND + 1) ** 2:
+        parser.error("--hold-out leaves no task to train on")
 
     import torch
 
@@ -183,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
 
     store = dynstate.Store.open(args.store, create=True)
     if store.snapshot().num_rows == 0:
-        store.append(first_tasks(args.seed), meta={"import": "examples/trl"})
+        store.append(first_tasks(args.seed, hold_out=hold_out), meta={"import": "examples/trl"})
     checkpoint = get_last_checkpoint(args.out) if os.path.isdir(args.out) else None
     if checkpoint is None:
         # a run killed before its first checkpoint starts again from the first tasks
@@ -205,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         logging_steps=10,
         save_strategy="steps",
         save_steps=args.save_steps,
-        save_total_limit=2,
+        save_total_limit=args.keep_checkpoints or None,
         report_to="none",
         seed=args.seed,
         use_cpu=True,
@@ -234,8 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         args=config,
         processing_class=tokenizer,
         train_dataset=dynstate.VersionedDataset(store),
-        generator=HardestVariations(seed=args.seed),
-        select=dynstate.Learnability(),
+        generator=None
+        if args.generator == "none"
+        else HardestVariations(seed=args.seed, hold_out=hold_out),
+        select=dynstate.Learnability() if args.select == "learnability" else None,
         callbacks=[],
         **filtering,
     )
