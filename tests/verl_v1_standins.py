@@ -88,6 +88,16 @@ def write_data(folder: str, n_train: int, n_val: int) -> tuple[str, str]:
     return verl_common.write_data(folder, n_train, n_val, make_task)
 
 
+def standin_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None, **_: Any
+) -> dict[str, float]:
+    """A custom reward function (``reward.custom_reward_function``) with a
+    ``reward_extra_info`` key: ``acc`` is 1.0 for the right answer after ``####``."""
+    answer = solution_str.split("####")[-1].split()[0] if "####" in solution_str else ""
+    acc = 1.0 if answer.strip() == str(ground_truth).strip() else 0.0
+    return {"score": acc, "acc": acc}
+
+
 # -- generators --------------------------------------------------------------------------------
 
 INPUT_COLUMNS = ("raw_prompt", "dynstate_row", "data_source", "reward_model", "extra_info")
