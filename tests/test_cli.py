@@ -1048,7 +1048,7 @@ def test_every_command_has_help_with_example() -> None:
 def test_every_option_has_help_text() -> None:
     import click
 
-    from dynstate.serve.command import serve
+    from dynstate.cli.commands_serve import serve
 
     commands = {**cli.commands, "serve": serve}
     missing = [

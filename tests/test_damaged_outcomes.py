@@ -159,7 +159,7 @@ def _served(url: str) -> Iterator[str]:
 
     from dynstate.serve.api import StoreView
     from dynstate.serve.app import create_app
-    from dynstate.serve.command import address, bind
+    from dynstate.serve.net import address, bind
 
     sock = bind("127.0.0.1", 0)
     app = create_app(StoreView(Store.open(url), url=url), warm=False)

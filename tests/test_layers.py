@@ -428,3 +428,19 @@ def test_the_facade_check_finds_a_leak(tmp_path: Path) -> None:
         "self.dataset.store.storage",
         "self._store.log",
     ]
+
+
+def test_the_web_view_never_imports_the_cli() -> None:
+    """`serve` and `cli` do not import each other (issue 41.3): the `serve` command lives in
+    `cli/commands_serve.py` and imports the web view when it runs; what both show of a value
+    is `text.py`'s. (`serve/__main__.py`, an entry point nothing imports, is not checked.)"""
+    modules = _modules()
+    found = []
+    for module, path in modules.items():
+        if module != "serve" and not module.startswith("serve."):
+            continue
+        for target, _, line in _imports(module, path):
+            resolved = _resolve(target, modules)
+            if resolved == "cli" or resolved.startswith("cli."):
+                found.append(f"dynstate.{module} line {line} imports dynstate.{resolved}")
+    assert found == []

@@ -25,12 +25,12 @@ from click.testing import CliRunner
 from conftest import s3_url
 
 from dynstate import MissingDependencyError, Store
+from dynstate.cli.commands_serve import serve as serve_command
 from dynstate.maintenance.compact import compact
 from dynstate.maintenance.gc import collect_garbage
 from dynstate.serve.api import StoreView
 from dynstate.serve.app import create_app
-from dynstate.serve.command import address, bind
-from dynstate.serve.command import serve as serve_command
+from dynstate.serve.net import address, bind
 
 SECRET = "wJalrXUtnFEMI-serve-test-SECRET"
 SCHEMA = pa.schema(
@@ -622,7 +622,7 @@ def _bindable(host: str) -> bool:
 
 
 def test_every_loopback_address_and_name_is_loopback():
-    from dynstate.serve.command import allowed_hosts, is_loopback
+    from dynstate.serve.net import allowed_hosts, is_loopback
 
     for host in ("127.0.0.1", "127.0.0.2", "127.255.0.9", "localhost", "LOCALHOST.", "::1",
                  "[::1]", "::ffff:127.0.0.1", "app.localhost"):  # fmt: skip

@@ -25,7 +25,7 @@ from dynstate import Store, rollback
 from dynstate.maintenance.compact import compact
 from dynstate.serve.api import StoreView
 from dynstate.serve.app import create_app
-from dynstate.serve.command import address, bind
+from dynstate.serve.net import address, bind
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 SCHEMA = pa.schema(

@@ -19,7 +19,14 @@ from typing import Any
 
 import click
 
-from . import commands_ls, commands_output, commands_read, commands_stats, commands_upkeep
+from . import (
+    commands_ls,
+    commands_output,
+    commands_read,
+    commands_serve,
+    commands_stats,
+    commands_upkeep,
+)
 from .errors import one_line
 
 log = logging.getLogger("dynstate")
@@ -102,7 +109,14 @@ def cli(ctx: click.Context, verbose: int) -> None:
         ctx.call_on_close(restore)
 
 
-for _module in (commands_ls, commands_read, commands_upkeep, commands_output, commands_stats):
+for _module in (
+    commands_ls,
+    commands_read,
+    commands_upkeep,
+    commands_output,
+    commands_serve,
+    commands_stats,
+):
     for _command in _module.COMMANDS:
         cli.add_command(_command)
 

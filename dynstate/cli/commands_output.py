@@ -278,35 +278,4 @@ def _inspect_unopened(info: dict[str, Any]) -> None:
     )
 
 
-class _Serve(click.Command):
-    """``dynstate serve``: the web viewer lives in ``dynstate.serve.command`` (the ``serve``
-    extra). Loaded when run or asked for help, so that the CLI's start-up never pays for it."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            "serve",
-            help="Browse a store in a web browser (needs pip install 'dynstate[serve]').",
-            context_settings={"ignore_unknown_options": True, "help_option_names": []},
-            params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
-            add_help_option=False,
-        )
-
-    def invoke(self, ctx: click.Context) -> Any:
-        real = _real_serve()
-        args = list(ctx.params["args"])
-        return real.main(args, prog_name=ctx.command_path, standalone_mode=False)
-
-
-def _real_serve() -> click.Command:
-    from ..errors import MissingDependencyError
-
-    try:
-        from ..serve.command import serve
-    except ImportError as exc:
-        raise MissingDependencyError(
-            f"dynstate serve is not available ({exc}); pip install 'dynstate[serve]'"
-        ) from exc
-    return serve
-
-
-COMMANDS = [export_cmd, plot_cmd, inspect_cmd, _Serve()]
+COMMANDS = [export_cmd, plot_cmd, inspect_cmd]

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from ..text import preview_order
 from . import render as r
 from .options import Count, json_option, open_store, store_command, version_arg
 
@@ -71,7 +72,7 @@ def preview_column(snap: Any) -> str | None:
 
     fields = [f for f in snap.schema or [] if not f.name.startswith("_dynstate")]
     by_name = {f.name: f for f in fields}
-    for f in (by_name[n] for n in r.preview_order(list(by_name))):
+    for f in (by_name[n] for n in preview_order(list(by_name))):
         t = f.type
         if pa.types.is_string(t) or pa.types.is_large_string(t):
             return str(f.name)

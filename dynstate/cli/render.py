@@ -17,6 +17,8 @@ from typing import Any
 
 import click
 
+from ..text import chat_text
+
 GAP = "  "
 
 
@@ -66,11 +68,6 @@ def count(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
-# Columns that hold what a row asks, in the order a preview prefers them: verl's rows begin
-# with ``data_source`` (the same short name on every row), and their prompt comes second.
-PREVIEW_NAMES = ("prompt", "question", "problem", "query", "instruction", "messages", "text")
-
-
 def versions_text(versions: Sequence[int]) -> str:
     """``[47]`` as ``"version 47"``, ``[3, 4, 5, 8]`` as ``"versions 3-5, 8"``: singular for
     one version, runs of consecutive versions as ranges (never ``21-21``)."""
@@ -78,34 +75,6 @@ def versions_text(versions: Sequence[int]) -> str:
 
     unique = sorted(set(versions))
     return f"version {unique[0]}" if len(unique) == 1 else f"versions {ranges(unique)}"
-
-
-def preview_order(names: Sequence[str]) -> list[str]:
-    """``names`` with the usual prompt columns (:data:`PREVIEW_NAMES`) first, in that order,
-    then the others as they were: the order a row's preview looks for its text in."""
-    known = [n for n in PREVIEW_NAMES if n in names]
-    return known + [n for n in names if n not in known]
-
-
-def chat_text(value: Any, *, task_first: bool = False) -> str | None:
-    """A chat-format value (a list of ``{"role", "content"}`` messages, as verl's prompts
-    are) as its content, ``user: ... | assistant: ...``; None for anything else.
-    ``task_first``: system messages last — a one-line cell cut to the terminal's width then
-    shows the task, not the system prompt every row shares."""
-    if not isinstance(value, list) or not value:
-        return None
-    if not all(isinstance(m, dict) and "content" in m for m in value):
-        return None
-    if task_first:
-        value = sorted(value, key=lambda m: m.get("role") == "system")  # stable
-    parts = []
-    for message in value:
-        content = message["content"]
-        if not isinstance(content, str):
-            content = json.dumps(content, default=str, ensure_ascii=False)
-        role = message.get("role")
-        parts.append(f"{role}: {content}" if role else content)
-    return " | ".join(parts)
 
 
 def preview(value: Any) -> str:

@@ -9,8 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
-from ..cli.render import chat_text, preview_order
 from ..snapshot import Snapshot
+from ..text import chat_text, preview_order
 from .lineage import SOURCE_COLUMN, DescendantIndex
 
 __all__ = ["ancestors", "descendants", "graph_svg", "preview", "sources"]

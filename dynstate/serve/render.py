@@ -13,7 +13,7 @@ import jinja2
 from starlette.requests import Request
 
 from .._version import __version__
-from ..cli.render import chat_text
+from ..text import chat_text
 from .chart import COLORS
 from .lineage import SOURCE_COLUMN
 

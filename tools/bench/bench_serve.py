@@ -209,7 +209,7 @@ def descendants(path: Path, lookups: int) -> None:
     import uvicorn
 
     from dynstate.serve.app import create_app
-    from dynstate.serve.command import address, bind
+    from dynstate.serve.net import address, bind
 
     sock = bind("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(create_app(view, warm=False), log_level="warning"))
