@@ -58,10 +58,10 @@ def test_schema_cached_by_a_long_lived_handle_survives_reset_and_gc(
     operator = Store.open(store_url)
     operator.reset(0)
     # Right away gc keeps the schema (a committer may be about to name it again) ...
-    result = collect_garbage(operator, keep=1, grace_s=0)
+    result = collect_garbage(operator, keep=1, grace_s=0, dry_run=False)
     assert not any(r.path.startswith(f"{m.META_DIR}/schemas/") for r in result.removed)
     monkeypatch.setattr(gc_module, "BUSY_S", 0.0)  # ... and collects it once the hour passed
-    result = collect_garbage(operator, keep=1, grace_s=0)
+    result = collect_garbage(operator, keep=1, grace_s=0, dry_run=False)
     assert any(r.path.startswith(f"{m.META_DIR}/schemas/") for r in result.removed)
     assert store.append([{"a": 2}]) == 3
     assert _rows(_fresh(store_url)) == [{"a": 2}]
@@ -83,7 +83,7 @@ def test_chunk_cached_by_a_long_lived_handle_survives_gc(tmp_path, monkeypatch) 
     chunks = store.storage.list(f"{m.META_DIR}/chunks")
     assert len(chunks) == 1
     monkeypatch.setattr(gc_module, "BUSY_S", 0.0)  # as if the hour had passed
-    result = collect_garbage(Store.open(url), grace_s=0)
+    result = collect_garbage(Store.open(url), grace_s=0, dry_run=False)
     assert f"{m.META_DIR}/chunks/{chunks[0]}" in {r.path for r in result.removed}
     assert store.reset(1) == 2
     assert [r["i"] for r in _rows(_fresh(url), 2)] == list(range(300))
@@ -181,10 +181,10 @@ def test_schema_collected_while_its_committer_is_paused(durable_url: str, monkey
         _wait_stopped(proc)
         # A gc that judges the paused writer's fresh schema young keeps it; one whose BUSY_S
         # has passed (a pause over an hour) collects it, and the writer must write it again.
-        result = collect_garbage(Store.open(durable_url), keep=1, grace_s=0)
+        result = collect_garbage(Store.open(durable_url), keep=1, grace_s=0, dry_run=False)
         assert not any(r.path.startswith(f"{m.META_DIR}/schemas/") for r in result.removed)
         monkeypatch.setattr(gc_module, "BUSY_S", 0.0)
-        result = collect_garbage(Store.open(durable_url), keep=1, grace_s=0)
+        result = collect_garbage(Store.open(durable_url), keep=1, grace_s=0, dry_run=False)
         assert any(r.path.startswith(f"{m.META_DIR}/schemas/") for r in result.removed)
         out = _continue(proc)
     finally:
@@ -211,7 +211,7 @@ def test_writer_paused_while_gc_passes_its_parent_lands_above_the_floor(durable_
         _wait_stopped(proc)
         for step in range(3):
             store.append([{"w": f"other-{step}"}])
-        collect_garbage(store, keep=1, grace_s=0)
+        collect_garbage(store, keep=1, grace_s=0, dry_run=False)
         assert store.log.read_floor() == 4
         out = _continue(proc)
     finally:
@@ -251,7 +251,7 @@ def test_outcome_only_append_collected_right_after_its_create_is_committed_once(
         _wait_stopped(proc)
         for step in range(2):
             store.append([{"w": f"other-{step}"}])  # 3 and 4 carry version 2's outcomes
-        collect_garbage(store, keep=1, grace_s=0)
+        collect_garbage(store, keep=1, grace_s=0, dry_run=False)
         assert store.log.read_floor() == 4
         out = _continue(proc)
     finally:
@@ -279,7 +279,7 @@ def test_outcomes_whose_rows_gc_collected_while_their_writer_paused_are_refused(
         _wait_stopped(proc)
         for step in range(3):
             store.append([{"w": f"other-{step}"}])
-        collect_garbage(store, keep=1, grace_s=0)
+        collect_garbage(store, keep=1, grace_s=0, dry_run=False)
         out = _continue(proc)
     finally:
         if proc.poll() is None:
@@ -305,7 +305,7 @@ def test_meta_only_append_collected_right_after_its_create_is_committed_above_th
         _wait_stopped(proc)
         for step in range(2):
             store.append([{"w": f"other-{step}"}])
-        collect_garbage(store, keep=1, grace_s=0)
+        collect_garbage(store, keep=1, grace_s=0, dry_run=False)
         out = _continue(proc)
     finally:
         if proc.poll() is None:
@@ -338,7 +338,7 @@ def test_reset_outcome_list_collected_while_its_committer_is_paused(
         assert _line(proc) == {"paused": 263}
         _wait_stopped(proc)
         monkeypatch.setattr(gc_module, "BUSY_S", 0.0)  # as if the writer had slept an hour
-        result = collect_garbage(Store.open(durable_url), keep=8, grace_s=0)
+        result = collect_garbage(Store.open(durable_url), keep=8, grace_s=0, dry_run=False)
         assert result.floor_after == 255
         removed = {r.path for r in result.removed}
         assert any(p.startswith(f"{m.META_DIR}/chunks/") for p in removed), removed
@@ -373,7 +373,7 @@ def test_checkpoint_chunks_and_aggregate_collected_before_its_create(tmp_path, m
 
     def gc_first(rel, data):
         if rel.endswith(f"{100:020d}.json"):
-            result = collect_garbage(Store.open(url), grace_s=0)
+            result = collect_garbage(Store.open(url), grace_s=0, dry_run=False)
             removed.update(r.path for r in result.removed)
         return create(rel, data)
 
@@ -413,7 +413,7 @@ def test_part_of_a_committer_killed_before_its_record_is_not_stored(durable_url:
     assert "already committed" not in str(info.value)
     assert _fresh(durable_url).head == 1
     # What the message says is what gc does: the shards go, nothing kept names them.
-    result = collect_garbage(Store.open(durable_url), grace_s=0)
+    result = collect_garbage(Store.open(durable_url), grace_s=0, dry_run=False)
     assert {s.path for s in part.shards} <= {r.path for r in result.removed}
     assert verify_store(_fresh(durable_url), all_versions=True).ok
 
@@ -425,7 +425,7 @@ def test_part_of_a_committer_killed_after_its_record_is_committed(durable_url: s
     with pytest.raises(CommitConflictError, match="already committed as version 2"):
         store.commit_staged([part])
     assert _rows(_fresh(durable_url), 2) == [{"x": 0}, {"x": 1}, {"x": 2}]
-    collect_garbage(Store.open(durable_url), grace_s=0)
+    collect_garbage(Store.open(durable_url), grace_s=0, dry_run=False)
     assert verify_store(_fresh(durable_url), all_versions=True).ok
 
 
@@ -457,7 +457,7 @@ def test_record_put_delivered_late_finds_its_shards(late_proxy, s3_endpoint) -> 
     late_proxy.stop_holding()
     direct = Store.open(url, storage_options={"endpoint_url": s3_endpoint})
     # gc meanwhile keeps the shards of a commit whose record may still land...
-    result = collect_garbage(direct, grace_s=0)
+    result = collect_garbage(direct, grace_s=0, dry_run=False)
     assert not any(r.path.startswith("data/") for r in result.removed), result.removed
     assert late_proxy.held
     assert late_proxy.release(0) == 200  # ...and here it does, late

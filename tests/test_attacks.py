@@ -184,7 +184,7 @@ def test_gc_leaves_a_directory_named_like_a_shard_and_finishes(tmp_path):
     orphan = tmp_path / "s" / m.DATA_DIR / f"{uuid.uuid4().hex}.parquet"
     orphan.write_bytes(b"an interrupted writer's shard")
     os.utime(orphan, (1, 1))
-    result = collect_garbage(store, grace_s=0)
+    result = collect_garbage(store, grace_s=0, dry_run=False)
     assert (folder / "precious").read_text() == "not dynstate's"
     assert f"{m.DATA_DIR}/{folder.name}" in result.foreign
     assert f"{m.DATA_DIR}/{orphan.name}" in [r.path for r in result.removed]
@@ -201,7 +201,7 @@ def test_gc_on_s3_leaves_objects_under_a_prefix_named_like_a_shard(s3_endpoint):
     fs, root = fsspec.core.url_to_fs(url)
     foreign = f"{root}/{m.DATA_DIR}/{uuid.uuid4().hex}.parquet/precious"
     fs.pipe_file(foreign, b"not dynstate's")
-    collect_garbage(store, grace_s=0)
+    collect_garbage(store, grace_s=0, dry_run=False)
     fs.invalidate_cache()
     assert fs.cat_file(foreign) == b"not dynstate's"
     assert Store.open(url).snapshot().num_rows == ROWS
@@ -238,7 +238,9 @@ def test_two_gcs_with_different_retention_never_leave_a_floor_below_what_they_de
 
     def run(name, handle, keep):
         try:
-            outcomes[name] = collect_garbage(handle, keep=keep, grace_s=0).floor_after
+            outcomes[name] = collect_garbage(
+                handle, keep=keep, grace_s=0, dry_run=False
+            ).floor_after
         except DynstateError as exc:
             outcomes[name] = exc
         finally:
@@ -337,14 +339,14 @@ def test_a_stager_paused_past_its_tombstone_cannot_commit_removed_shards(tmp_pat
         assert proc.stdout.readline().strip() == "claiming"
         os.kill(proc.pid, signal.SIGSTOP)
         time.sleep(2.5)  # past its 0.5 s lease and the stamps' resolution
-        first = collect_garbage(store, grace_s=0)
+        first = collect_garbage(store, grace_s=0, dry_run=False)
         assert any(r.path.startswith(m.DATA_DIR + "/") for r in first.removed)
         leases = tmp_path / "s" / m.META_DIR / "leases"
         tombstones = list(leases.glob("*.outcome.json"))
         assert len(tombstones) == 1
         week_ago = time.time() - TOMBSTONE_S - 3600
         os.utime(tombstones[0], (week_ago, week_ago))
-        collect_garbage(store, grace_s=0)
+        collect_garbage(store, grace_s=0, dry_run=False)
         assert list(leases.iterdir()) == []  # the tombstone went too
         proc.stdin.write("go\n")
         proc.stdin.flush()

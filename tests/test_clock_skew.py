@@ -39,14 +39,15 @@ SKEWED_GC = textwrap.dedent(
     shift_clock(float(sys.argv[3]))
     from dynstate import Store
     from dynstate.maintenance.gc import collect_garbage
-    result = collect_garbage(Store.open(sys.argv[2]), **json.loads(sys.argv[4]))
+    result = collect_garbage(Store.open(sys.argv[2]), **json.loads(sys.argv[4]), dry_run=False)
     print(json.dumps(result.to_json()))
     """
 )
 
 
 def skewed_gc(url: str, skew_s: float, **options: object) -> dict:
-    """``collect_garbage(store, **options)`` in a process whose clock is ``skew_s`` off."""
+    """A deleting ``collect_garbage(store, **options)`` in a process whose clock is ``skew_s``
+    off."""
     proc = subprocess.run(
         [sys.executable, "-c", SKEWED_GC, TOOLS, url, str(skew_s), json.dumps(options)],
         capture_output=True,
@@ -173,7 +174,7 @@ def test_a_committer_paused_after_its_claim_keeps_its_shards_however_long(
         wait_stopped(proc.pid)
         time.sleep(2.5)  # past its lease and past the (shortened) stale-claim period
         monkeypatch.setattr(gc_module, "STALE_CLAIM_S", 1.0)
-        result = collect_garbage(Store.open(durable_url), grace_s=0)
+        result = collect_garbage(Store.open(durable_url), grace_s=0, dry_run=False)
         assert not [r for r in result.removed if r.path.startswith("data/")]
         assert result.kept_leased > 0
         os.kill(proc.pid, signal.SIGCONT)
@@ -237,7 +238,7 @@ def test_older_than_judges_versions_by_the_storages_clock(durable_url: str) -> N
     behind = append_skewed(durable_url, -2 * HOUR, 3)
     assert behind == [1, 2, 3]
     assert Store.open(durable_url).commit_record(1).created < m.utc_now()[:13]  # 2 h "ago"
-    result = collect_garbage(Store.open(durable_url), older_than_s=HOUR, grace_s=0)
+    result = collect_garbage(Store.open(durable_url), older_than_s=HOUR, grace_s=0, dry_run=False)
     assert result.floor_after == 0 and result.versions_collected == []
     # And from a gc host 2 h ahead, the same.
     assert skewed_gc(durable_url, 2 * HOUR, older_than_s=HOUR, grace_s=0)["floor_after"] == 0
@@ -245,7 +246,7 @@ def test_older_than_judges_versions_by_the_storages_clock(durable_url: str) -> N
     # more, and only the versions from before the pause are older than 2 s.
     time.sleep(4.5)
     assert append_skewed(durable_url, 2 * HOUR, 1) == [4]
-    result = collect_garbage(Store.open(durable_url), older_than_s=2.0, grace_s=0)
+    result = collect_garbage(Store.open(durable_url), older_than_s=2.0, grace_s=0, dry_run=False)
     assert result.floor_after == 4
     for version in behind:
         with pytest.raises(VersionCollectedError):
@@ -289,14 +290,14 @@ def test_a_part_taken_over_survives_its_stager_dying_after_its_renewal(durable_u
             proc.kill()
     store = Store.open(durable_url, lease_ttl_s=2.0)
     for _ in range(3):  # at once, and after the stager's lease ran out (2 s)
-        result = collect_garbage(store, grace_s=0)
+        result = collect_garbage(store, grace_s=0, dry_run=False)
         assert result.kept_leased == len(part.shards) and result.removed == []
         time.sleep(1.2)
     assert store.commit_staged([part]) == 1
     readable(durable_url, 1, [{"id": i} for i in range(10)])
     # The taker's holder files go with the lease once they are no longer renewed.
     time.sleep(3.5)
-    collect_garbage(store, grace_s=0)
+    collect_garbage(store, grace_s=0, dry_run=False)
     names = store.storage.list(LEASE_DIR)
     assert names == [f"{part.lease}.outcome.json"], names
 
@@ -341,7 +342,7 @@ def test_a_taker_paused_past_the_lease_is_refused_not_committed_broken(durable_u
         os.kill(taker.pid, signal.SIGSTOP)
         wait_stopped(taker.pid)
         time.sleep(2.5)  # past the 0.5 s lease
-        result = collect_garbage(store, grace_s=0)
+        result = collect_garbage(store, grace_s=0, dry_run=False)
         assert any(r.path.startswith("data/") for r in result.removed)
         os.kill(taker.pid, signal.SIGCONT)
         out, _ = taker.communicate("go\n", timeout=120)

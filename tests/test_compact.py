@@ -409,7 +409,7 @@ def test_compaction_record_put_delivered_late_finds_its_shards(late_proxy, s3_en
     direct = Store.open(url, storage_options={"endpoint_url": s3_endpoint})
     written = _new_data(direct, before)
     assert written, "the compaction wrote no shard"
-    result = collect_garbage(direct, grace_s=0)
+    result = collect_garbage(direct, grace_s=0, dry_run=False)
     assert not any(r.path.startswith("data/") for r in result.removed), result.removed
     assert late_proxy.held and late_proxy.release(0) == 200  # the late PUT lands
     direct = Store.open(url, storage_options={"endpoint_url": s3_endpoint})
@@ -513,7 +513,7 @@ def test_compaction_racing_a_gc_past_its_base_is_undone_once(tmp_path, monkeypat
         real(self, record)
         if record.op == "compact" and not fired:
             fired.append(True)
-            collect_garbage(Store.open(url), keep=keep, grace_s=0)
+            collect_garbage(Store.open(url), keep=keep, grace_s=0, dry_run=False)
 
     monkeypatch.setattr(Log, "_publish", publish_then_gc)
     if keep == 1:
@@ -529,5 +529,5 @@ def test_compaction_racing_a_gc_past_its_base_is_undone_once(tmp_path, monkeypat
         assert undo.op == "reset" and undo.target == 6 and undo.meta == {"undo": 7}
     _assert_same_rows(expected, _rows(again))
     _assert_same_rows(expected, _rows(again, 7))
-    collect_garbage(again, grace_s=0)
+    collect_garbage(again, grace_s=0, dry_run=False)
     assert verify_store(Store.open(url), all_versions=True).ok

@@ -226,7 +226,7 @@ def test_interrupted_gc_is_finished_by_the_next(tmp_path) -> None:
 
 def test_memory_store_and_library_result(tmp_path) -> None:
     store = build_with_reset(f"memory://gc-tests/{os.getpid()}-{random.random()}")
-    result = collect_garbage(store, keep=1, grace_s=0)
+    result = collect_garbage(store, keep=1, grace_s=0, dry_run=False)
     assert result.versions_collected == list(range(7))
     assert result.bytes_freed == sum(r.bytes for r in result.removed) > 0
     assert store.snapshot().num_rows == 9
@@ -245,3 +245,56 @@ def test_bad_arguments(tmp_path) -> None:
     assert parse_duration("1.5d") == 1.5 * 86400
     with pytest.raises(InvalidDataError, match="7d"):
         parse_duration("-1h")
+
+
+def store_contents(url: str) -> dict[str, bytes]:
+    """Every file of the store with its bytes, read the plain way: os.walk for a local store,
+    the storage's own listing (fsspec) for any other."""
+    if "://" not in url:
+        out = {}
+        for folder, _, names in os.walk(url):
+            for name in names:
+                path = os.path.join(folder, name)
+                with open(path, "rb") as f:
+                    out[os.path.relpath(path, url).replace(os.sep, "/")] = f.read()
+        return out
+    fs, root = fsspec.core.url_to_fs(url)
+    return {rel: fs.cat_file(f"{root.rstrip('/')}/{rel}") for rel in all_files(url)}
+
+
+def test_gc_is_a_dry_run_unless_asked_and_deletes_what_it_planned(durable_url: str) -> None:
+    # Garbage of every kind gc removes: a killed writer's staged round (orphan shards and its
+    # lease, which only a deleting gc ends) and, with keep=2, collected versions.
+    build_with_reset(durable_url)
+    kill_writers(durable_url, random.Random(3), rounds=0)
+    head = Store.open(durable_url).head
+    before = store_contents(durable_url)
+
+    plan = collect_garbage(Store.open(durable_url), keep=2, grace_s=0)  # the default
+    again = collect_garbage(Store.open(durable_url), keep=2, grace_s=0, dry_run=True)
+    assert plan.dry_run and again.dry_run
+    assert store_contents(durable_url) == before  # not a byte written, moved or removed
+    assert Store.open(durable_url).versions()[0].version == 0  # the floor did not move
+    planned = sorted(r.path for r in plan.removed)
+    assert planned == sorted(r.path for r in again.removed)
+    assert len(set(planned)) == len(planned)
+    assert {p for p in planned if p.startswith("data/")}  # orphan and collected shards
+    assert {m.log_path(v) for v in range(head - 1)} <= set(planned)
+    assert plan.versions_collected == list(range(head - 1))
+
+    done = collect_garbage(Store.open(durable_url), keep=2, grace_s=0, dry_run=False)
+    assert not done.dry_run
+    after = store_contents(durable_url)
+    # What the listing lost is exactly the plan, and exactly what the deleting call reports.
+    assert sorted(set(before) - set(after)) == planned == sorted(r.path for r in done.removed)
+    assert done.versions_collected == plan.versions_collected
+    assert plan.bytes_freed == done.bytes_freed == sum(len(before[p]) for p in planned)
+    # What it added is the bookkeeping of a deleting run only: the floor, the floor's
+    # checkpoint and the killed writer's lease ended as "expired" (a tombstone).
+    added = set(after) - set(before)
+    assert m.GC_FILE in added
+    assert {f for f in added if f.endswith(".outcome.json")}
+    assert all(
+        f in (m.GC_FILE, m.checkpoint_path(head - 1)) or f.endswith(".outcome.json") for f in added
+    )
+    assert [r.version for r in Store.open(durable_url).versions()] == [head - 1, head]

@@ -70,7 +70,7 @@ def _gc_loop(url: str, stop: threading.Event, errors: list[BaseException], runs:
     store = Store.open(url)
     while not stop.is_set():
         try:
-            collect_garbage(store, grace_s=0)
+            collect_garbage(store, grace_s=0, dry_run=False)
             runs[0] += 1
         except BaseException as exc:  # reported by the test
             errors.append(exc)
@@ -131,7 +131,7 @@ def test_gc_at_grace_0_never_loses_a_live_writers_round(durable_url: str) -> Non
     _check(durable_url, acked)
     assert _foreign_intact(durable_url)
     # Once the writers are gone, gc leaves exactly what the versions need (and foreign files).
-    result = collect_garbage(store, grace_s=0)
+    result = collect_garbage(store, grace_s=0, dry_run=False)
     assert set(result.foreign) >= {"data/precious.txt", "data/notes.parquet"}
     live = {s.path for r in store.versions() for s in store.snapshot(r.version).shards}
     data = {f"data/{n}" for n in store.storage.list("data")} - {
@@ -154,7 +154,7 @@ def test_gc_never_follows_a_symlinked_data_folder(tmp_path) -> None:
     lookalike = elsewhere / f"{'a' * 32}.parquet"
     lookalike.write_bytes(b"someone else's shard")
     (elsewhere / "precious.txt").write_bytes(b"keep")
-    result = collect_garbage(Store.open(url), grace_s=0)
+    result = collect_garbage(Store.open(url), grace_s=0, dry_run=False)
     assert result.removed == []
     assert lookalike.exists() and (elsewhere / "precious.txt").exists()
     assert Store.open(url).snapshot().to_arrow().to_pylist() == [{"id": 1}]
@@ -164,7 +164,7 @@ def test_gc_never_follows_a_symlinked_data_folder(tmp_path) -> None:
     target = tmp_path / "target.parquet"
     target.write_bytes(b"outside")
     os.symlink(target, tmp_path / "store" / "data" / f"{'b' * 32}.parquet")
-    collect_garbage(Store.open(url), grace_s=0)
+    collect_garbage(Store.open(url), grace_s=0, dry_run=False)
     assert target.exists() and os.path.islink(tmp_path / "store" / "data" / f"{'b' * 32}.parquet")
 
 
@@ -198,7 +198,7 @@ def test_a_writer_paused_past_its_lease_is_refused_not_committed_broken(tmp_path
         assert proc.stdout.readline().strip() == "staged"
         os.kill(proc.pid, signal.SIGSTOP)  # alive, but its heartbeat stops
         time.sleep(2.5)  # past the 0.5 s lease and the 1 s resolution of modification times
-        result = collect_garbage(store, grace_s=0)
+        result = collect_garbage(store, grace_s=0, dry_run=False)
         removed = {r.path for r in result.removed}
         assert any(p.startswith("data/") for p in removed) and result.kept_leased == 0
         os.kill(proc.pid, signal.SIGCONT)
@@ -220,7 +220,7 @@ def test_a_live_writers_lease_outlasts_gc(tmp_path) -> None:
     part = writer.stage([{"id": i} for i in range(10)])
     for _ in range(4):
         time.sleep(0.4)
-        result = collect_garbage(store, grace_s=0)
+        result = collect_garbage(store, grace_s=0, dry_run=False)
         assert result.kept_leased == len(part.shards) and result.removed == []
     assert writer.commit_staged([part]) == 1
     assert writer.snapshot().num_rows == 10
@@ -236,14 +236,14 @@ def test_a_stale_handle_cannot_reset_or_tag_a_collected_version(durable_url: str
         store.append([{"step": step}], meta={"step": step})
     stale = Store.open(durable_url)
     stale.snapshot(2)  # cached, from before the gc
-    collect_garbage(Store.open(durable_url), keep=2, grace_s=0)
+    collect_garbage(Store.open(durable_url), keep=2, grace_s=0, dry_run=False)
     with pytest.raises(VersionCollectedError, match="oldest kept is 4"):
         stale.reset(2)
     with pytest.raises(VersionCollectedError, match="oldest kept is 4"):
         stale.tag("best", 2)
     fresh = Store.open(durable_url)
     assert fresh.head == 5 and fresh.tags() == {}
-    assert collect_garbage(fresh, grace_s=0).floor_after == 4  # gc and ls still work
+    assert collect_garbage(fresh, grace_s=0, dry_run=False).floor_after == 4  # gc and ls still work
     assert verify_store(fresh, all_versions=True).ok
     assert stale.reset(4) == 6  # a kept version still can be
     assert stale.snapshot().to_arrow().column("step").to_pylist() == [0, 1, 2, 3]
@@ -288,7 +288,7 @@ def test_a_tag_made_while_gc_runs_is_kept_or_refused(tmp_path, monkeypatch, tag_
             outcome.append("refused")
 
     monkeypatch.setattr(Log, "publish_floor", racing_publish)
-    result = collect_garbage(Store.open(url), keep=2, grace_s=0)
+    result = collect_garbage(Store.open(url), keep=2, grace_s=0, dry_run=False)
     monkeypatch.undo()
     again = Store.open(url)
     if tag_first:
@@ -320,7 +320,7 @@ def test_a_reset_racing_a_gc_never_leaves_a_head_gc_may_empty(tmp_path, monkeypa
         real(self, record)
         if record.op == "reset" and not fired:
             fired.append(True)
-            collect_garbage(Store.open(url), keep=keep, grace_s=0)
+            collect_garbage(Store.open(url), keep=keep, grace_s=0, dry_run=False)
 
     monkeypatch.setattr(Log, "_publish", publish_then_gc)
     if keep == 1:
@@ -343,7 +343,7 @@ def test_a_stale_snapshot_of_a_collected_version_says_so(tmp_path) -> None:
         store.append([{"step": step}])
     old = store.snapshot(2)
     store.reset(1)  # version 5: the shard of step 1 is needed by no kept version
-    collect_garbage(Store.open(url), keep=1, grace_s=0)
+    collect_garbage(Store.open(url), keep=1, grace_s=0, dry_run=False)
     with pytest.raises(VersionCollectedError, match="oldest kept is 5"):
         old.to_arrow()
 
@@ -361,7 +361,9 @@ def test_staged_parts_outlive_the_handle_that_staged_them(tmp_path) -> None:
     python_gc.collect()
     for _ in range(3):
         time.sleep(0.7)
-        assert collect_garbage(Store.open(url), grace_s=0).kept_leased == len(part.shards)
+        assert collect_garbage(Store.open(url), grace_s=0, dry_run=False).kept_leased == len(
+            part.shards
+        )
     driver = Store.open(url)
     assert driver.commit_staged([part]) == 1
     assert driver.snapshot().num_rows == 10
@@ -377,12 +379,12 @@ def test_a_round_with_one_expired_part_commits_nothing_and_leaks_nothing(tmp_pat
     second = writer.stage([{"id": 2}])
     writer.log.leases.forget({second.lease})  # as if its process had stopped
     time.sleep(1.7)
-    collect_garbage(Store.open(url), grace_s=0)  # expires the second lease only
+    collect_garbage(Store.open(url), grace_s=0, dry_run=False)  # expires the second lease only
     with pytest.raises(LeaseExpiredError, match="stage the round again"):
         store.commit_staged([first, second])
     assert Store.open(url).head == 0
     assert not any(store.storage.exists(s.path) for s in first.shards)  # removed at once
-    collect_garbage(Store.open(url), grace_s=0)
+    collect_garbage(Store.open(url), grace_s=0, dry_run=False)
     assert store.storage.list("data") == []
 
 
@@ -390,7 +392,7 @@ def _retention_loop(url: str, stop: threading.Event, errors: list[BaseException]
     store = Store.open(url)
     while not stop.is_set():
         try:
-            collect_garbage(store, keep=3, grace_s=0)
+            collect_garbage(store, keep=3, grace_s=0, dry_run=False)
         except BaseException as exc:  # reported by the test
             errors.append(exc)
             return
@@ -434,7 +436,7 @@ def test_a_writer_with_a_head_from_before_gc_commits_on_top(durable_url: str) ->
     other = Store.open(durable_url)
     for step in range(2, 5):
         other.append([{"step": step}])
-    assert collect_garbage(other, keep=1, grace_s=0).floor_after == 5
+    assert collect_garbage(other, keep=1, grace_s=0, dry_run=False).floor_after == 5
     assert slow.commit_staged([part]) == 6
     again = Store.open(durable_url)
     assert again.snapshot().to_arrow().column("step").to_pylist() == [0, 1, 2, 3, 4, 99]

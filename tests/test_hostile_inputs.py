@@ -198,7 +198,7 @@ def test_gc_older_than_with_a_created_that_is_no_time(tmp_path) -> None:
     tamper(url, RECORD, created="not a time")
     before = files(url)
     with pytest.raises(CorruptStoreError) as info:
-        collect_garbage(Store.open(url), older_than_s=3600, grace_s=0)
+        collect_garbage(Store.open(url), older_than_s=3600, grace_s=0, dry_run=False)
     check_refused(info.value, RECORD, "created 'not a time'", "ISO 8601")
     err = run("gc", url, "--older-than", "1h", "--grace", "0", "--yes", code=1).stderr
     assert err.startswith("error: ") and RECORD in err
@@ -241,7 +241,7 @@ def test_a_damaged_lease_does_not_block_gc(url, damage) -> None:
         "5000-digits": HUGE_INT,
     }[damage]
     store.storage.put(lease_path(lease), raw)
-    result = collect_garbage(Store.open(url), grace_s=0)
+    result = collect_garbage(Store.open(url), grace_s=0, dry_run=False)
     # A fresh lease file, readable or not, protects its shards: judged by its age.
     assert all(store.storage.exists(s.path) for s in part.shards), result
     assert store.commit_staged([part]) == 3

@@ -167,7 +167,7 @@ def test_part_staged_by_an_exited_process_survives_gc(tmp_path):
     Store.open(url, create=True)
     with mp.get_context("spawn").Pool(2) as pool:
         parts = pool.map(_stage_in_worker, [(url, 1), (url, 2)])
-    collect_garbage(Store.open(url))  # the workers are gone
+    collect_garbage(Store.open(url), dry_run=False)  # the workers are gone
     store = Store.open(url)
     assert store.commit_staged(parts) == 1
     assert _rows(store) == [1, 2]

@@ -174,7 +174,7 @@ def test_a_gc_floor_gets_its_outcome_checkpoint_before_gc_returns(tmp_path: Path
         return original(*args, **kwargs)
 
     outcomes._put_aggregate = slow  # type: ignore[method-assign]
-    result = collect_garbage(store, keep=5, grace_s=0)
+    result = collect_garbage(store, keep=5, grace_s=0, dry_run=False)
     floor = result.floor_after
     assert floor % 100 != 0 and floor > 100
     assert store.storage.exists(outcome_log.checkpoint_path(floor))

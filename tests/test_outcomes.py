@@ -547,7 +547,7 @@ def test_gc_keeps_what_kept_versions_need_and_removes_the_rest(durable_url: str)
     for k in range(4):
         store.append(rows(100 + k, 1))
     head_stats = store.outcome_stats()
-    result = collect_garbage(store, keep=3, grace_s=0)
+    result = collect_garbage(store, keep=3, grace_s=0, dry_run=False)
     assert result.floor_after == store.head - 2
     removed = {r.path for r in result.removed}
     # the abandoned branch's outcome files go; the kept lineage's (below the floor) stay
@@ -561,7 +561,7 @@ def test_gc_keeps_what_kept_versions_need_and_removes_the_rest(durable_url: str)
     assert fresh.storage.exists(outcome_log.checkpoint_path(result.floor_after))
     assert verify_store(fresh, all_versions=True).ok
     # a second gc finds nothing of theirs to remove
-    again = collect_garbage(fresh, keep=3, grace_s=0)
+    again = collect_garbage(fresh, keep=3, grace_s=0, dry_run=False)
     assert not [r for r in again.removed if r.path.startswith("data/")]
     assert Store.open(durable_url).outcome_stats().equals(head_stats)
 
@@ -572,7 +572,7 @@ def test_gc_floor_past_an_aggregate_and_a_reset_record(tmp_path: Path) -> None:
     store.reset(104)  # a reset record carrying the complete list and the aggregate of 100
     store.append(rows(999, 1))
     expected = store.outcome_stats()
-    collect_garbage(store, keep=1, grace_s=0)
+    collect_garbage(store, keep=1, grace_s=0, dry_run=False)
     fresh = Store.open(url)
     assert fresh.log.floor == fresh.head
     assert fresh.outcome_stats().equals(expected)
@@ -594,7 +594,7 @@ def test_gc_of_an_old_store_keeps_exactly_the_aggregates_kept_versions_name(tmp_
     old = time.time() - 3 * 3600
     for path in (tmp_path / "s").rglob("*"):
         os.utime(path, (old, old))
-    result = collect_garbage(store, keep=2, grace_s=0)
+    result = collect_garbage(store, keep=2, grace_s=0, dry_run=False)
     assert result.floor_after == reset
     fresh = Store.open(url)
     kept = {

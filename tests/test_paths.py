@@ -191,7 +191,7 @@ def _populate(root: Path) -> Store:
     store.tag("kept", store.head)
     pending = store.stage([{"a": 11}])
     pickle.loads(pickle.dumps(pending))  # a holder file, renewed by this process from now on
-    collect_garbage(store, keep=2, grace_s=0)
+    collect_garbage(store, keep=2, grace_s=0, dry_run=False)
     # As a process killed mid-probe and a writer killed between its write and its rename
     # leave them, two hours ago (gc leaves such files alone for BUSY_S).
     probe = paths.probe_path()
@@ -237,7 +237,7 @@ def test_gc_deletes_only_what_the_matchers_accept(tmp_path: Path) -> None:
     odd = [paths.log_path(0) + "\n", "_dynstate/checkpoints/" + "\u0660" * 20 + ".json"]
     for rel in odd:
         (root / rel).write_bytes(b"not ours")
-    result = collect_garbage(Store.open(str(root)), grace_s=0)
+    result = collect_garbage(Store.open(str(root)), grace_s=0, dry_run=False)
     removed = {r.path: paths.classify(r.path) for r in result.removed}
     assert all(match is not None and match.kind in paths.COLLECTABLE for match in removed.values())
     assert {match.kind for match in removed.values() if match} == {"probe", "tmp"}
@@ -257,10 +257,10 @@ def test_gc_asks_the_grammar_what_is_a_shard(
     orphan = paths.shard_path(paths.new_id())
     store.storage.put(orphan, b"left by a dead writer")
     monkeypatch.setitem(paths.MATCHERS, "shard", lambda rel: None)
-    result = collect_garbage(Store.open(str(tmp_path / "store")), grace_s=0)
+    result = collect_garbage(Store.open(str(tmp_path / "store")), grace_s=0, dry_run=False)
     assert orphan in result.foreign and store.storage.exists(orphan)
     monkeypatch.undo()
-    result = collect_garbage(Store.open(str(tmp_path / "store")), grace_s=0)
+    result = collect_garbage(Store.open(str(tmp_path / "store")), grace_s=0, dry_run=False)
     assert [r.path for r in result.removed] == [orphan]
 
 

@@ -57,7 +57,7 @@ def test_maintenance_functions_are_the_functions_whatever_was_imported_first() -
         store.append([{"step": step}])
     assert dynstate.compact(store) == 4
     assert dynstate.verify_store(store).ok
-    assert dynstate.collect_garbage(store, keep=1, grace_s=0).floor_after == 4
+    assert dynstate.collect_garbage(store, keep=1, grace_s=0, dry_run=False).floor_after == 4
 
 
 def test_modules_behind_compact_and_export_import_as_modules() -> None:

@@ -320,7 +320,7 @@ def test_state_naming_a_collected_version_is_refused(tmp_path):
         store.append([{"id": 2 + i}])
     from dynstate.maintenance.gc import collect_garbage
 
-    collect_garbage(store, keep=1, grace_s=0)
+    collect_garbage(store, keep=1, grace_s=0, dry_run=False)
     fresh = VersionedSampler(VersionedDataset(url))
     with pytest.raises(VersionCollectedError):
         fresh.load_state_dict(state)

@@ -63,7 +63,7 @@ def expected_rows(store: Store, at: dict[int, int]) -> dict[int, list[str]]:
 def test_resume_after_gc_keep_n(durable_url: str) -> None:
     store, at = build(durable_url, range(1, 11))
     expected = expected_rows(store, at)
-    result = collect_garbage(store, keep=4, grace_s=0)
+    result = collect_garbage(store, keep=4, grace_s=0, dry_run=False)
     assert result.floor_after == at[7]
     check_kept_steps(Store.open(durable_url), at, expected)
 
@@ -72,7 +72,7 @@ def test_resume_after_gc_older_than(tmp_path) -> None:
     url = str(tmp_path / "store")
     store, at = build(url, range(1, 9), pause_after=4)
     expected = expected_rows(store, at)
-    result = collect_garbage(store, older_than_s=1.0, grace_s=0)
+    result = collect_garbage(store, older_than_s=1.0, grace_s=0, dry_run=False)
     assert result.floor_after == at[5]  # the rounds after the pause are recent
     check_kept_steps(Store.open(url), at, expected)
 
@@ -84,7 +84,7 @@ def test_a_tag_really_pins_the_checkpoint(tmp_path) -> None:
     store, at = build(url, range(1, 9))
     expected = expected_rows(store, at)
     store.tag("ckpt-3", at[3])
-    assert collect_garbage(store, keep=1, grace_s=0).floor_after == at[3]
+    assert collect_garbage(store, keep=1, grace_s=0, dry_run=False).floor_after == at[3]
     again = Store.open(url)
     assert rows_of(again, "ckpt-3") == expected[3]
     check_kept_steps(again, at, expected)
@@ -101,7 +101,7 @@ def test_resume_across_an_earlier_rollback_after_gc(tmp_path) -> None:
     for step in range(5, 9):
         at[step] = verl_round(store, step)
     expected = {s: rows_of(store, v) for s, v in at.items() if v > at_reset or s <= 4}
-    collect_garbage(store, keep=5, grace_s=0)  # the floor is the reset itself
+    collect_garbage(store, keep=5, grace_s=0, dry_run=False)  # the floor is the reset itself
     again = Store.open(url)
     assert again.log.floor == at_reset
     assert lineage(again)[-1] == at_reset
@@ -117,7 +117,7 @@ def test_resume_across_an_earlier_rollback_after_gc(tmp_path) -> None:
 def test_rollback_to_a_collected_step_changes_nothing(tmp_path) -> None:
     url = str(tmp_path / "store")
     store, at = build(url, range(1, 6))
-    collect_garbage(store, keep=2, grace_s=0)
+    collect_garbage(store, keep=2, grace_s=0, dry_run=False)
     head = store.refresh()
     with pytest.raises(VersionCollectedError, match=f"oldest kept is {at[4]}"):
         rollback(store, step=2)

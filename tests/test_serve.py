@@ -112,7 +112,7 @@ def build_run(url: str, options: dict[str, Any]) -> Run:
     assert _round(store, run, 6, "mutator") == 12
     store.append([], meta={"step": 7, "generator": "proposer"})
     assert _round(store, run, 8, "proposer") == 14
-    collect_garbage(store, keep=13, grace_s=0)
+    collect_garbage(store, keep=13, grace_s=0, dry_run=False)
     run.store = Store.open(url, storage_options=options)
     return run
 

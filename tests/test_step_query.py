@@ -133,7 +133,7 @@ def _build(ops: list[tuple[str, int]]) -> Store:
             last = brute_latest_step(store, store.refresh())
             step = max(step, -1 if last is None else last) + (0 if last is None else 1)
         elif op == "gc":
-            collect_garbage(store, keep=arg, grace_s=0)
+            collect_garbage(store, keep=arg, grace_s=0, dry_run=False)
     store.refresh()
     return store
 

@@ -187,7 +187,7 @@ def _worker(role: str, url: str, worker: int, workdir: Path, seed: int) -> None:
         store = Store.open(url)
         while True:
             try:
-                collect_garbage(store, grace_s=0)
+                collect_garbage(store, grace_s=0, dry_run=False)
                 acks.ack(gc=1)
             except DynstateError as exc:  # S3 faults past the retries: the next run goes on
                 acks.error(exc)
@@ -967,7 +967,9 @@ def soak(
         start = time.monotonic()
         chaos.run(seconds, audit, store)
         chaos_s = time.monotonic() - start
-        collect_garbage(Store.open(url), grace_s=0)  # the writers are dead: their rounds go
+        collect_garbage(
+            Store.open(url), grace_s=0, dry_run=False
+        )  # the writers are dead: their rounds go
         figures = audit.final()
         faults: dict[str, Any] = {}
         if server is not None:

@@ -212,7 +212,7 @@ class Soak:
             from dynstate import Store, collect_garbage
 
             store = Store.open(self.url)
-            collect_garbage(store, grace_s=0)
+            collect_garbage(store, grace_s=0, dry_run=False)
             referenced = {
                 s.path for r in store.versions() for s in store.snapshot(r.version).shards
             }
@@ -227,7 +227,7 @@ class Soak:
         store = Store.open(self.url)
         while not stop.is_set():
             try:
-                collect_garbage(store, grace_s=0)
+                collect_garbage(store, grace_s=0, dry_run=False)
             except Exception as exc:
                 errors.append(exc)
                 return

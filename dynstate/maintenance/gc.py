@@ -160,12 +160,17 @@ def collect_garbage(
     keep: int | None = None,
     older_than_s: float | None = None,
     grace_s: float = DEFAULT_GRACE_S,
-    dry_run: bool = False,
+    dry_run: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> GcResult:
-    """Remove orphans older than ``grace_s`` that no live writer's lease protects and, with
-    ``keep`` (newest versions to keep) or ``older_than_s``, the versions the rule lets go.
-    ``dry_run`` only reports. ``progress(done, total)`` is called as files are removed."""
+    """Plan, and with ``dry_run=False`` carry out, the removal of orphans older than
+    ``grace_s`` that no live writer's lease protects and, with ``keep`` (newest versions to
+    keep) or ``older_than_s``, of the versions the rule lets go.
+
+    A dry run unless asked (as delta-rs's ``vacuum``): by default nothing is deleted, no lease
+    is ended and the floor does not move; the result lists what a deleting call made now would
+    remove (``result.removed``). ``dry_run=False`` deletes, and its ``result.removed`` is what
+    it removed. ``progress(done, total)`` is called as files are removed."""
     if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or grace_s < 0:
         raise InvalidDataError(
             f"gc of {store.display_url}: the grace period must be a number of seconds >= 0"
