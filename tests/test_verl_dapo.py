@@ -40,7 +40,7 @@ sys.path.insert(0, HERE)
 import verl_v1_standins as standins  # noqa: E402
 
 DRIVER_TIMEOUT = 900
-STEPS = 6
+STEPS = 5
 FILTER = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=reward"]
 # what the log's record keeps (version numbers differ between runs: resets renumber them)
 RECORD_KEYS = ("carried_in", "drawn", "gen_batches", "trained", "filtered", "dropped", "carry")
@@ -111,7 +111,7 @@ def check_run(url: str, log: dict[int, dict], *, surplus: str = "carry") -> dict
     accounted: Counter = Counter()
     for step in range(1, STEPS + 1):
         rec, entry = records[step], log[step]
-        assert _plain(rec) == entry["consumption"]
+        assert _plain(rec) == _plain(entry["consumption"])
         groups = _groups(entry)
         # the trained batch: the record's trained rows, each with its responses' rewards
         assert [r for r, _ in groups] == rec["trained"]
@@ -201,7 +201,7 @@ def test_dapo_uninterrupted_records_filter_and_carry(reference):
 @pytest.mark.slow
 def test_dapo_kill_chain_resumes_exactly(files, reference, tmp_path):
     """SIGKILL mid-refill at step 3 (checkpoint 2 holds a carry), right after checkpoint 4,
-    right after the round commit of step 5 (its checkpoint, 6, not written): the resumed runs
+    right after the round commit of step 5 (before its checkpoint, the last): the resumed runs
     train the uninterrupted run's groups, rewards and carry, and end with its records and store."""
     spec = _spec(files, tmp_path, "chain")
     for kill in ((3, "refill"), (4, "saved"), (5, "committed")):

@@ -329,7 +329,6 @@ def _config(files: dict, tmp_path, overrides: list[str], mode: str = "sync"):
     [
         ("colocate_async", [], ["colocate_async", "supported: sync", "dynstate.verl.main_ppo"]),
         ("separate_async", [], ["separate_async", "supported: sync", "dynstate.verl.main_ppo"]),
-        ("sync", ["algorithm.filter_groups.enable=true"], ["filter_groups", "DAPO"]),
         ("sync", ["trainer.v1.sampler.sync_refill_failed_groups=true"], ["sync_refill"]),
         ("sync", ["data.gen_batch_size=2"], ["gen_batch_size=2", "train_batch_size=4"]),
     ],

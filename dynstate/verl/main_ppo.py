@@ -5,11 +5,14 @@ Same Hydra config and overrides as ``python -m verl.trainer.main_ppo``, and like
 
 - ``use_v1=true``: verl's ``TaskRunnerV1`` with ``trainer.v1.trainer_mode=dynstate``
   (:class:`~dynstate.verl.v1.DynstatePPOTrainer`, verl's ``sync`` trainer with dynstate's
-  sampler, round commits and resume). ``sync`` — verl's default — is run as ``dynstate``;
-  the async modes, DAPO group filtering and ``sync_refill_failed_groups`` are refused here,
-  before Ray starts (:func:`dynstate.verl.v1.check_config`).
+  sampler, round commits and resume; with ``algorithm.filter_groups.enable=true``, dynstate's
+  group filtering). ``sync`` — verl's default — is run as ``dynstate``; the async modes and
+  ``sync_refill_failed_groups`` are refused here, before Ray starts
+  (:func:`dynstate.verl.v1.check_config`).
 - ``use_v1=false``: verl's legacy ``TaskRunner`` with ``RayPPOTrainer`` replaced by
-  :func:`~dynstate.verl.trainer.dynstate_trainer_class` inside the Ray actor.
+  :func:`~dynstate.verl.trainer.dynstate_trainer_class` inside the Ray actor. verl 0.9.1's
+  legacy trainer has no group-filtering path: ``algorithm.filter_groups.enable=true`` is
+  refused there rather than silently ignored.
 
 verl's trainer registry lives in the process that runs the trainer (the TaskRunner actor), and
 ``TaskRunnerV1.run`` looks the mode up before it loads anything of the user's: the runner below
@@ -26,7 +29,7 @@ from typing import Any
 import hydra
 import verl
 
-from ..errors import DynstateError
+from ..errors import DynstateError, InvalidDataError
 
 CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
 
@@ -106,6 +109,15 @@ def check(config: Any) -> None:
     )
     if config.trainer.get("use_v1", True):
         select_v1_trainer(config)
+    else:
+        filter_groups = config.algorithm.get("filter_groups", None)
+        if filter_groups is not None and filter_groups.get("enable", False):
+            raise InvalidDataError(
+                "algorithm.filter_groups.enable=true does nothing in verl 0.9.1's legacy trainer "
+                "(trainer.use_v1=false has no group-filtering path): the run would train "
+                "unfiltered batches; use trainer.use_v1=true (dynstate filters there, see "
+                "docs/verl.md, 'Dynamic sampling (DAPO)'), or turn the filter off"
+            )
 
 
 def _launch(config: Any) -> None:

@@ -3,7 +3,7 @@
 verl's V1 trainers are picked by name (``trainer.v1.trainer_mode``) from a registry filled by
 ``@register_trainer``. Importing this module registers :class:`DynstatePPOTrainer` under
 ``trainer.v1.trainer_mode=dynstate``: verl's ``sync`` trainer (its own ``fit``/``step``) with
-four overrides, everything else verl's code:
+these overrides, everything else verl's code:
 
 - ``_init_dataloader``: after verl's, the train loader is rebuilt with the dataset's
   :class:`~dynstate.VersionedSampler` (verl hard-codes ``create_rl_sampler``);
@@ -19,9 +19,21 @@ four overrides, everything else verl's code:
   the checkpoint's step and loads the loader state.
 
 Only the ``sync`` mode is supported: in verl's async modes the trajectories that make up a step
-depend on rollout timing, so no run — interrupted or not — can be reproduced, and DAPO group
-filtering (``algorithm.filter_groups``) or ``trainer.v1.sampler.sync_refill_failed_groups``
-make the number of rows a step consumes depend on timing too. Both are refused at start-up.
+depend on rollout timing, so no run — interrupted or not — can be reproduced; they are refused at
+start-up, and so is ``trainer.v1.sampler.sync_refill_failed_groups`` (verl's refill of failed
+groups fetches rows at the poll that finds them).
+
+DAPO group filtering (``algorithm.filter_groups.enable=true``) is dynstate's here, not verl's
+ReplayBuffer's: each step runs :class:`~dynstate.DynamicSampling` — generation batches of
+``data.gen_batch_size`` rows drawn by dynstate's sampler, each generated and scored by verl's own
+rollout and streamed reward (``_submit_batch_to_rollout``, the agent loop) and waited for in
+full, each group's ``algorithm.filter_groups.metric`` read from TransferQueue in session order,
+filtered by zero variance, refilled up to ``max_num_gen_batches``; the carried groups first, then
+the accepted ones in draw order, are the batch verl's buffer hands ``_step_once``. The surplus is
+carried (``data.dynstate.surplus``, default ``carry``) or dropped; the consumption record goes in
+the step's round, and the carry's trajectories into ``global_step_N/dynstate_carry.pt`` before
+verl writes its tracker file. A resume checks both before the rollback and puts the carry back
+into TransferQueue. See docs/verl.md, "Dynamic sampling (DAPO)".
 ``python -m dynstate.verl.main_ppo`` registers and selects this trainer. See docs/verl.md.
 """
 
