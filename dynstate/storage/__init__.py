@@ -56,6 +56,10 @@ def open_storage(
         return LocalStorage(url, storage_options)
     if scheme == "memory":
         return MemoryStorage(url, storage_options)
+    if scheme in ("s3", "s3a") and os.environ.get("DYNSTATE_S3_CLIENT", "").lower() == "obstore":
+        from .s3obstore import ObstoreStorage  # opt-in (docs/s3.md)
+
+        return ObstoreStorage(url, storage_options)
     from .objectstore import ObjectStorage  # its HTTP client's imports: only for a bucket
 
     return ObjectStorage(url, storage_options)

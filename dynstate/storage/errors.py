@@ -1,5 +1,5 @@
 """The client-error table: what a failure of a filesystem or its client libraries (botocore,
-aiobotocore, aiohttp, urllib3, s3fs, fsspec) means, as a :mod:`dynstate.errors` type whose
+aiobotocore, aiohttp, urllib3, s3fs, fsspec, obstore) means, as a :mod:`dynstate.errors` type whose
 message names the URL and what to do.
 
 Every storage call outside this package's boundaries (:meth:`Storage._call
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ..errors import DynstateError, InvalidDataError, StorageError, StoreNotFoundError
 
 #: Packages whose exceptions are the client libraries' (matched by origin in the last row).
-CLIENT_LIBRARIES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "s3fs", "fsspec")
+CLIENT_LIBRARIES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "s3fs", "fsspec", "obstore")
 
 # S3 error codes (and bare HTTP statuses) by meaning.
 _REFUSED_CODES = frozenset(
@@ -212,14 +212,21 @@ def _class_rows() -> list[tuple[tuple[type[BaseException], ...], Row]]:
                 "MissingDependencyException",
             )
             + _classes("aiohttp", "InvalidURL")
-            + _classes("fsspec.exceptions", "BlocksizeMismatchError"),
+            + _classes("fsspec.exceptions", "BlocksizeMismatchError")
+            + _classes(
+                "obstore.exceptions",
+                "InvalidPathError",
+                "UnknownConfigurationKeyError",
+                "NotSupportedError",
+            ),
             BAD_REQUEST,
         ),
         # The rest of each library: server replies without an S3 code, checksum failures of
         # a body, waiters, data files botocore could not load, warnings raised as errors.
         (
             _classes(boto, "BotoCoreError", "ClientError", "UndefinedModelAttributeError")
-            + _classes("aiohttp", "ClientError"),
+            + _classes("aiohttp", "ClientError")
+            + _classes("obstore.exceptions", "BaseError"),
             CLIENT,
         ),
     ]
