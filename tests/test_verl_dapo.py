@@ -339,3 +339,16 @@ def test_dapo_refusals_name_the_setting(files, tmp_path, overrides, dyn, names):
     for name in names:
         assert name in str(err.value), str(err.value)
     assert not os.path.exists(tmp_path / "cfg-store")
+
+
+@pytest.mark.filterwarnings("ignore:Disabled critic:UserWarning")  # verl's validate_config
+def test_dapo_on_the_legacy_trainer_is_refused(files, tmp_path):
+    """verl 0.9.1's legacy trainer has no filter-groups path: refused, not ignored."""
+    from dynstate.verl.main_ppo import check
+
+    config = _config(files, tmp_path, ["trainer.use_v1=false", *FILTER])
+    with pytest.raises(InvalidDataError) as err:
+        check(config)
+    for name in ("algorithm.filter_groups.enable=true", "legacy", "trainer.use_v1=true"):
+        assert name in str(err.value), str(err.value)
+    assert not os.path.exists(tmp_path / "cfg-store")
