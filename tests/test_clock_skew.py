@@ -18,6 +18,7 @@ import sys
 import textwrap
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,11 @@ SKEWED_GC = textwrap.dedent(
     shift_clock(float(sys.argv[3]))
     from dynstate import Store
     from dynstate.maintenance.gc import collect_garbage
-    result = collect_garbage(Store.open(sys.argv[2]), **json.loads(sys.argv[4]), dry_run=False)
+    options = json.loads(sys.argv[4])
+    ahead_s = options.pop("ahead_s", None)
+    store = Store.open(sys.argv[2])
+    clock = None if ahead_s is None else (lambda: store.storage.now() + ahead_s)
+    result = collect_garbage(store, **options, dry_run=False, clock=clock)
     print(json.dumps(result.to_json()))
     """
 )
@@ -47,7 +52,8 @@ SKEWED_GC = textwrap.dedent(
 
 def skewed_gc(url: str, skew_s: float, **options: object) -> dict:
     """A deleting ``collect_garbage(store, **options)`` in a process whose clock is ``skew_s``
-    off."""
+    off (the host's: ``time.time``). ``ahead_s`` runs gc's reading of the storage's clock
+    that much ahead instead, as if that time had passed with nobody renewing a lease."""
     proc = subprocess.run(
         [sys.executable, "-c", SKEWED_GC, TOOLS, url, str(skew_s), json.dumps(options)],
         capture_output=True,
@@ -56,6 +62,19 @@ def skewed_gc(url: str, skew_s: float, **options: object) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
+
+
+def ahead(url: str, seconds: float) -> Callable[[], float]:
+    """The storage's clock run ``seconds`` ahead: gc judges every age as it will be then, had
+    nobody renewed a lease meanwhile (instead of sleeping that long)."""
+    storage = Store.open(url).storage
+
+    def now() -> float:
+        reading = storage.now()
+        assert reading is not None, f"{url} keeps no modification times"
+        return reading + seconds
+
+    return now
 
 
 def stopped(pid: int) -> bool:
@@ -139,8 +158,8 @@ def test_gc_ahead_never_removes_a_paused_committers_shards(durable_url: str, gra
     try:
         assert proc.stdout.readline().strip() == "claimed"
         wait_stopped(proc.pid)
-        time.sleep(2.2)  # past its 0.5 s lease, which it no longer renews
-        result = skewed_gc(durable_url, 2 * HOUR, grace_s=grace_s)
+        # 5 s on by the storage's clock: past its 0.5 s lease, which it no longer renews.
+        result = skewed_gc(durable_url, 2 * HOUR, grace_s=grace_s, ahead_s=5.0)
         assert not [r for r in result["removed"] if r["path"].startswith("data/")]
         os.kill(proc.pid, signal.SIGCONT)
         out, err = proc.communicate(timeout=120)
@@ -172,9 +191,10 @@ def test_a_committer_paused_after_its_claim_keeps_its_shards_however_long(
     try:
         assert proc.stdout.readline().strip() == "claimed"
         wait_stopped(proc.pid)
-        time.sleep(2.5)  # past its lease and past the (shortened) stale-claim period
         monkeypatch.setattr(gc_module, "STALE_CLAIM_S", 1.0)
-        result = collect_garbage(Store.open(durable_url), grace_s=0, dry_run=False)
+        # 10 s on by gc's clock: past its lease and past the (shortened) stale-claim period.
+        result = collect_garbage(Store.open(durable_url), grace_s=0, dry_run=False,
+                                 clock=ahead(durable_url, 10.0))  # fmt: skip
         assert not [r for r in result.removed if r.path.startswith("data/")]
         assert result.kept_leased > 0
         os.kill(proc.pid, signal.SIGCONT)
@@ -242,11 +262,16 @@ def test_older_than_judges_versions_by_the_storages_clock(durable_url: str) -> N
     assert result.floor_after == 0 and result.versions_collected == []
     # And from a gc host 2 h ahead, the same.
     assert skewed_gc(durable_url, 2 * HOUR, older_than_s=HOUR, grace_s=0)["floor_after"] == 0
-    # Ages do count, by the storage's clock: after a pause, a writer 2 h ahead appends one
-    # more, and only the versions from before the pause are older than 2 s.
-    time.sleep(4.5)
+    # Ages do count, by the storage's clock: after a pause (just past the resolution of its
+    # stamps) a writer 2 h ahead appends one more; gc 2 s after the pause began, by the
+    # storage's clock, finds only the versions from before it older than 2 s.
+    store = Store.open(durable_url)
+    time.sleep(store.storage.clock_resolution_s + 0.05)
+    pause = store.storage.now()
+    assert pause is not None
     assert append_skewed(durable_url, 2 * HOUR, 1) == [4]
-    result = collect_garbage(Store.open(durable_url), older_than_s=2.0, grace_s=0, dry_run=False)
+    result = collect_garbage(store, older_than_s=2.0, grace_s=0, dry_run=False,
+                             clock=lambda: pause + 2.0)  # fmt: skip
     assert result.floor_after == 4
     for version in behind:
         with pytest.raises(VersionCollectedError):
@@ -289,15 +314,17 @@ def test_a_part_taken_over_survives_its_stager_dying_after_its_renewal(durable_u
         if proc.poll() is None:
             proc.kill()
     store = Store.open(durable_url, lease_ttl_s=2.0)
-    for _ in range(3):  # at once, and after the stager's lease ran out (2 s)
+    # At once, and after the stager's lease ran out (2 s) in real time: what keeps the shards
+    # is the taker's heartbeat, which renews by the real clock.
+    for wait in (0.0, 1.2, 1.2):
+        time.sleep(wait)
         result = collect_garbage(store, grace_s=0, dry_run=False)
         assert result.kept_leased == len(part.shards) and result.removed == []
-        time.sleep(1.2)
     assert store.commit_staged([part]) == 1
     readable(durable_url, 1, [{"id": i} for i in range(10)])
-    # The taker's holder files go with the lease once they are no longer renewed.
-    time.sleep(3.5)
-    collect_garbage(store, grace_s=0, dry_run=False)
+    # The taker's holder files go with the lease once they are no longer renewed: a minute
+    # on by gc's clock.
+    collect_garbage(store, grace_s=0, dry_run=False, clock=ahead(durable_url, 60.0))
     names = store.storage.list(LEASE_DIR)
     assert names == [f"{part.lease}.outcome.json"], names
 
@@ -341,8 +368,8 @@ def test_a_taker_paused_past_the_lease_is_refused_not_committed_broken(durable_u
         stager.communicate("go\n", timeout=60)
         os.kill(taker.pid, signal.SIGSTOP)
         wait_stopped(taker.pid)
-        time.sleep(2.5)  # past the 0.5 s lease
-        result = collect_garbage(store, grace_s=0, dry_run=False)
+        # 5 s on by gc's clock: past the 0.5 s lease nobody renews.
+        result = collect_garbage(store, grace_s=0, dry_run=False, clock=ahead(durable_url, 5.0))
         assert any(r.path.startswith("data/") for r in result.removed)
         os.kill(taker.pid, signal.SIGCONT)
         out, _ = taker.communicate("go\n", timeout=120)

@@ -184,6 +184,11 @@ PAUSED = textwrap.dedent(
 )
 
 
+def _planned(store: Store) -> list[str]:
+    """What gc at grace 0 would remove now (a dry run: it ends no lease)."""
+    return [r.path for r in collect_garbage(store, grace_s=0).removed]
+
+
 def test_a_writer_paused_past_its_lease_is_refused_not_committed_broken(tmp_path) -> None:
     url = str(tmp_path / "store")
     store = Store.open(url, create=True)
@@ -197,7 +202,12 @@ def test_a_writer_paused_past_its_lease_is_refused_not_committed_broken(tmp_path
     try:
         assert proc.stdout.readline().strip() == "staged"
         os.kill(proc.pid, signal.SIGSTOP)  # alive, but its heartbeat stops
-        time.sleep(2.5)  # past the 0.5 s lease and the 1 s resolution of modification times
+        # Real time, end to end (the other lease tests let gc's clock run ahead instead): wait
+        # until the storage's own clock says the 0.5 s lease ran out, as dry runs plan.
+        deadline = time.monotonic() + 60
+        while not any(p.startswith("data/") for p in _planned(store)):
+            assert time.monotonic() < deadline, "the paused writer's lease never ran out"
+            time.sleep(0.1)
         result = collect_garbage(store, grace_s=0, dry_run=False)
         removed = {r.path for r in result.removed}
         assert any(p.startswith("data/") for p in removed) and result.kept_leased == 0
@@ -378,8 +388,11 @@ def test_a_round_with_one_expired_part_commits_nothing_and_leaks_nothing(tmp_pat
     writer = Store.open(url, lease_ttl_s=0.5)
     second = writer.stage([{"id": 2}])
     writer.log.leases.forget({second.lease})  # as if its process had stopped
-    time.sleep(1.7)
-    collect_garbage(Store.open(url), grace_s=0, dry_run=False)  # expires the second lease only
+    # A minute later by gc's clock: the second lease (0.5 s) ran out, the first (120 s) did
+    # not — were it renewed or not.
+    later = Store.open(url)
+    minute_on = lambda: later.storage.now() + 60  # noqa: E731
+    collect_garbage(later, grace_s=0, dry_run=False, clock=minute_on)  # expires the second only
     with pytest.raises(LeaseExpiredError, match="stage the round again"):
         store.commit_staged([first, second])
     assert Store.open(url).head == 0

@@ -19,14 +19,17 @@ def verl_round(store: Store, step: int) -> int:
 
 
 def build(url: str, steps: range, *, pause_after: int | None = None) -> tuple[Store, dict]:
-    """An import (no step), then one round per step; returns the version of each step."""
+    """An import (no step), then one round per step; returns the version of each step and,
+    with ``pause_after``, under ``"pause"`` the storage's clock read after that step's round
+    (a moment past its stamp, so that rounds before and after it stamp apart)."""
     store = Store.open(url, create=True)
     store.append([{"prompt": f"seed-{i}", "step": -1} for i in range(8)], meta={"import": True})
     at = {}
     for step in steps:
         at[step] = verl_round(store, step)
         if step == pause_after:
-            time.sleep(1.2)
+            time.sleep(store.storage.clock_resolution_s + 0.05)
+            at["pause"] = store.storage.now()
     return store, at
 
 
@@ -71,8 +74,11 @@ def test_resume_after_gc_keep_n(durable_url: str) -> None:
 def test_resume_after_gc_older_than(tmp_path) -> None:
     url = str(tmp_path / "store")
     store, at = build(url, range(1, 9), pause_after=4)
+    pause = at.pop("pause")
     expected = expected_rows(store, at)
-    result = collect_garbage(store, older_than_s=1.0, grace_s=0, dry_run=False)
+    # gc a second after the pause began, by the storage's clock (not sleeping that second).
+    result = collect_garbage(store, older_than_s=1.0, grace_s=0, dry_run=False,
+                             clock=lambda: pause + 1.0)  # fmt: skip
     assert result.floor_after == at[5]  # the rounds after the pause are recent
     check_kept_steps(Store.open(url), at, expected)
 

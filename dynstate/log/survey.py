@@ -10,6 +10,7 @@ removes anything it protects. See docs/format.md, "Leases".
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import paths
@@ -21,6 +22,12 @@ from .leases import DEFAULT_TTL_S, LEASE_DIR, host_id, process_gone, read_outcom
 log = logging.getLogger("dynstate")
 
 _MAX_PID = 2**31 - 1  # pid_t; os.kill overflows past it
+
+# A reading of the storage's clock (:meth:`Storage.now`: a POSIX timestamp, or None where the
+# backend keeps no times). gc reads it once and hands the reading to :func:`survey` as ``now``;
+# :func:`dynstate.maintenance.gc.collect_garbage` takes another in its place (``clock=``), the
+# seam through which tests let time pass without sleeping.
+Clock = Callable[[], "float | None"]
 
 
 @dataclass
@@ -41,7 +48,9 @@ def survey(
 
     ``now`` is the storage's clock (:meth:`Storage.now`), read before the survey: every age
     here is ``now`` minus a modification time the storage stamped, never a host's clock
-    against the storage's (None: the backend keeps no times, and no lease is judged stale)."""
+    against the storage's (None: the backend keeps no times, and no lease is judged stale).
+    A ``now`` ahead of the storage's clock judges the leases as they will be then, if nobody
+    renews them meanwhile (tests do so instead of sleeping)."""
     here = host_id()
     names = storage.list(LEASE_DIR)
     owners = {f"{LEASE_DIR}/{n}": paths.lease_file_of(f"{LEASE_DIR}/{n}") for n in names}

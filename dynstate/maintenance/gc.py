@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from .. import paths
 from ..errors import CommitConflictError, DynstateError, InvalidDataError, StorageError
 from ..log import LeaseState, survey
+from ..log.survey import Clock
 from ..store import Store
 from .references import References, references_below
 from .retention import Retention, parse_duration, retention_floor, retention_plan, tagged
@@ -39,6 +40,7 @@ __all__ = [
     "DEFAULT_GRACE_S",
     "STALE_CLAIM_S",
     "TOMBSTONE_S",
+    "Clock",
     "GcResult",
     "Removal",
     "Retention",
@@ -136,12 +138,13 @@ def gc_floor(store: Store) -> int:
     return store.log.read_floor()
 
 
-def _storage_now(store: Store, dry_run: bool) -> float | None:
-    """The storage's clock (see :meth:`Storage.now`), read before anything is judged by it,
-    so every age gc computes is at most the true one. A dry run on a location it may not
-    write to plans by this host's clock instead, saying so; it deletes nothing."""
+def _storage_now(store: Store, dry_run: bool, clock: Clock | None) -> float | None:
+    """The storage's clock (see :meth:`Storage.now`; ``clock`` where the caller gave one),
+    read before anything is judged by it, so every age gc computes is at most the true one.
+    A dry run on a location it may not write to plans by this host's clock instead, saying
+    so; it deletes nothing."""
     try:
-        return store.storage.now()
+        return clock() if clock is not None else store.storage.now()
     except StorageError as exc:
         if not dry_run:
             raise
@@ -162,6 +165,7 @@ def collect_garbage(
     grace_s: float = DEFAULT_GRACE_S,
     dry_run: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    clock: Clock | None = None,
 ) -> GcResult:
     """Plan, and with ``dry_run=False`` carry out, the removal of orphans older than
     ``grace_s`` that no live writer's lease protects and, with ``keep`` (newest versions to
@@ -170,13 +174,20 @@ def collect_garbage(
     A dry run unless asked (as delta-rs's ``vacuum``): by default nothing is deleted, no lease
     is ended and the floor does not move; the result lists what a deleting call made now would
     remove (``result.removed``). ``dry_run=False`` deletes, and its ``result.removed`` is what
-    it removed. ``progress(done, total)`` is called as files are removed."""
+    it removed. ``progress(done, total)`` is called as files are removed.
+
+    ``clock`` is the seam for time: it replaces the reading of the storage's clock
+    (:meth:`Storage.now`, the default) from which every age gc judges is taken — a lease's
+    ttl, a stale claim, the grace period, BUSY_S, a tombstone's week, ``older_than_s`` — each
+    as that reading minus a time the storage stamped. Tests pass a clock ahead of the
+    storage's (``lambda: store.storage.now() + 60``) to see what gc decides once that much
+    time has passed with nobody renewing, instead of sleeping. Production passes none."""
     if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or grace_s < 0:
         raise InvalidDataError(
             f"gc of {store.display_url}: the grace period must be a number of seconds >= 0"
         )
     floor_before = store.log.read_floor()
-    plan = retention_plan(store, keep=keep, older_than_s=older_than_s)
+    plan = retention_plan(store, keep=keep, older_than_s=older_than_s, clock=clock)
     floor = plan.floor
     # Order matters. Files are listed first; a lease existed before any of its shards was
     # written, so the survey that follows sees every listed shard's lease (or its end); and
@@ -185,7 +196,7 @@ def collect_garbage(
     # Every age below (lease ttl, stale claims, grace, BUSY_S, tombstones) is this reading of
     # the storage's clock minus a time the storage stamped: no host clock enters, so a skew
     # of any size between gc's host and the writers' (or the storage) changes nothing.
-    now = _storage_now(store, dry_run)
+    now = _storage_now(store, dry_run, clock)
     leases = survey(store.storage, claim=not dry_run, now=now, stale_claim_s=STALE_CLAIM_S)
     if floor > floor_before and not dry_run:
         floor = _publish_floor(store, floor, floor_before)
@@ -229,7 +240,7 @@ def collect_garbage(
     # Schemas and chunks are judged again at the last moment, against a clock reading taken
     # now: one a committer rewrote since the plan has a stamp past it and stays.
     rewritable = any(_rewritten_by_commits(r.path) for r in result.removed)
-    now = _storage_now(store, dry_run) if rewritable else now
+    now = _storage_now(store, dry_run, clock) if rewritable else now
     kept_late = set()
     for done, removal in enumerate(result.removed, 1):
         if _rewritten_by_commits(removal.path) and not _old_enough(

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import InvalidDataError
+from ..log.survey import Clock
 from ..store import Store
 
 log = logging.getLogger("dynstate")
@@ -129,19 +130,28 @@ def retention_floor(
 
 
 def retention_plan(
-    store: Store, *, keep: int | None = None, older_than_s: float | None = None
+    store: Store,
+    *,
+    keep: int | None = None,
+    older_than_s: float | None = None,
+    clock: Clock | None = None,
 ) -> Retention:
     """:func:`retention_floor` with its reasons: the floor the rule alone asks for and the
-    tags that hold it lower."""
+    tags that hold it lower. ``clock`` stands in for the storage's clock (see
+    :func:`dynstate.maintenance.gc.collect_garbage`)."""
     floor_before = store.floor
-    asked = _asked_floor(store, keep=keep, older_than_s=older_than_s)
+    asked = _asked_floor(store, keep=keep, older_than_s=older_than_s, clock=clock)
     tags = tags_from(store, floor_before)
     floor = max(floor_before, min([asked, *tags.values()]))
     return Retention(keep, older_than_s, floor_before, asked, floor, tags)
 
 
 def _asked_floor(
-    store: Store, *, keep: int | None = None, older_than_s: float | None = None
+    store: Store,
+    *,
+    keep: int | None = None,
+    older_than_s: float | None = None,
+    clock: Clock | None = None,
 ) -> int:
     """The floor the retention rule alone asks for (tags not considered)."""
     head = store.refresh()
@@ -163,7 +173,7 @@ def _asked_floor(
         # A version's age is its record's, by the storage's clock (the time the storage
         # stamped on the record, against a probe it stamped just now): the ``created`` a
         # writer wrote in it is its host's clock, which may be hours off.
-        now = store.storage.now()
+        now = clock() if clock is not None else store.storage.now()
         if now is None:
             log.warning(
                 "gc of %s: the storage keeps no modification times, so no version is "
