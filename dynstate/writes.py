@@ -320,16 +320,12 @@ class Writer:
         checked at (``append``)."""
         self._check_parts(parts)
         shards = [s for part in parts for s in part.shards]
-        leases = {p.lease for p in parts if p.lease}
-        attempts: list[Commit] = []
-        nonce = uuid.uuid4().hex
         pending: Pending | None = None
-        claimed = False
-        elsewhere = False  # another call holds the parts' leases (not a refusal before)
-        try:
+
+        def prepare(leases: set[str]) -> Callable[[Commit], Commit]:
+            nonlocal meta, checked, rows_version, pending
             meta = check_meta(meta, self.display_url)
             if checked is None and (outcomes is not None or generator_state is not None):
-                self.log.require_writable()
                 seen = self.log.seen
                 head = self.log.record(self.refresh())
                 assert head is not None
@@ -348,27 +344,62 @@ class Writer:
                 )
             schema = next((p.schema for p in parts if p.schema is not None), None)
             validated = next((p.validated for p in parts if p.schema is not None), None)
+            return lambda parent: self._append_record(
+                parent, shards, schema, validated, meta, pending, rows_version, consumption
+            )
+
+        def written() -> Sequence[Staged]:
+            # the outcome file written before a failure goes (or stays) with the shards
+            if pending is not None and pending.ref is not None:
+                return _with_outcome_file(parts, pending, self.store_id)
+            return parts
+
+        return self._commit(parts, prepare, private=private, ready=ready, written=written)
+
+    def _commit(
+        self,
+        parts: Sequence[Staged],
+        prepare: Callable[[set[str]], Callable[[Commit], Commit]],
+        *,
+        private: bool,
+        what: str = "round",
+        sources: Sequence[int] = (),
+        ready: Callable[[], None] | None = None,
+        over_damaged: bool = False,
+        written: Callable[[], Sequence[Staged]] | None = None,
+    ) -> int:
+        """The one commit protocol of a round (:meth:`commit_staged`), a reset and a
+        compaction (:meth:`commit_base`); returns the new version.
+
+        ``prepare(leases)`` runs once the handle may write: the checks and the files that go
+        before the record (it may add a lease, the outcome file's), returning ``make``, which
+        builds the record on a parent. Then the parts' leases are claimed (the exclusive
+        create gc races for: winning it proves gc left the files alone), the record is created
+        on the head (rebased by :meth:`Log.commit` when another writer got there first), and
+        the leases end, committed. On any failure :meth:`_resolve_failed_commit` reads back
+        whether the record landed anyway (a lost reply) and returns that version; otherwise
+        the parts' files go (``written()``: the parts with what ``prepare`` wrote), unless the
+        outcome is unknown (an object store's late request) or another call owns them."""
+        leases = {p.lease for p in parts if p.lease}
+        attempts: list[Commit] = []
+        nonce = uuid.uuid4().hex
+        elsewhere = False  # another call holds the parts' leases (not a refusal before)
+        try:
             self.log.require_writable()
+            make = prepare(leases)
             try:
                 self.log.leases.adopt(leases)
                 self.log.leases.claim(leases, nonce, head=self.log.head)
             except CommitConflictError as exc:
                 elsewhere = True
                 raise self._claimed_elsewhere(exc, parts) from None
-            claimed = True
             self._check_unleased(parts)
             version = self.log.commit(
-                lambda parent: self._append_record(
-                    parent, shards, schema, validated, meta, pending, rows_version, consumption
-                ),
-                attempts=attempts,
-                ready=ready,
+                make, sources=sources, attempts=attempts, ready=ready, over_damaged=over_damaged
             )
         except BaseException as exc:
-            if pending is not None and pending.ref is not None:
-                parts = _with_outcome_file(parts, pending, self.store_id)
             landed = self._resolve_failed_commit(
-                parts,
+                parts if written is None else written(),
                 leases,
                 attempts,
                 exc,
@@ -376,7 +407,9 @@ class Writer:
                 private=private,
                 # a conflict before the claim (outcomes bound to an abandoned version) is a
                 # refusal like any other: the parts go, as for bad outcomes
-                claimed=claimed or not elsewhere,
+                claimed=not elsewhere,
+                sources=sources,
+                what=what,
             )
             if landed is not None and isinstance(exc, Exception):
                 return landed  # the reply was lost, the commit was not
@@ -799,7 +832,6 @@ class Writer:
         outcomes and generator state (a reset brings them back with its rows)."""
         shards = list(shards)
         parts = [staged] if staged is not None and staged.shards else []
-        leases = {p.lease for p in parts if p.lease}
         if parts:  # a refusal changes nothing: the part stays the caller's
             self._check_parts(parts)
             listed = {s.path for s in shards}
@@ -809,16 +841,10 @@ class Writer:
                     "shard list; nothing was committed"
                 )
         what = {"reset": "reset", "compact": "compaction"}.get(op, op)
-        attempts: list[Commit] = []
-        nonce = uuid.uuid4().hex
         sources = [target] if target is not None else []
-        claimed = False
-        try:
-            self.log.require_writable()
-            meta = check_meta(meta, self.display_url)
-            if leases:
-                self.log.leases.claim(leases, nonce, head=self.log.head)
-            claimed = True
+
+        def prepare(leases: set[str]) -> Callable[[Commit], Commit]:
+            checked_meta = check_meta(meta, self.display_url)
             if schema is not None:
                 self.log.put_schema(schema)
             fp = m.schema_fingerprint(schema) if schema is not None else None
@@ -866,34 +892,24 @@ class Writer:
                     sum(s.bytes for s in listing),
                     base=shard_list,
                     target=target,
-                    meta=meta,
+                    meta=checked_meta,
                     outcomes=outcomes,
                     generator_state=state,
                 )
 
             self.refresh()
-            # Without appends_after, make uses only the parent's number: a reset out of a
-            # store whose head record cannot be read is committed over it.
-            version = self.log.commit(
-                make, sources=sources, attempts=attempts, over_damaged=appends_after is None
-            )
-        except BaseException as exc:
-            landed = self._resolve_failed_commit(
-                parts,
-                leases,
-                attempts,
-                exc,
-                nonce,
-                private=True,
-                claimed=claimed,
-                sources=sources,
-                what=what,
-            )
-            if landed is not None and isinstance(exc, Exception):
-                return landed  # the reply was lost, the commit was not
-            raise
-        self.log.leases.end(leases, committed=True, tombstone=False)
-        return version
+            return make
+
+        # Without appends_after, make uses only the parent's number: a reset out of a store
+        # whose head record cannot be read is committed over it.
+        return self._commit(
+            parts,
+            prepare,
+            private=True,
+            what=what,
+            sources=sources,
+            over_damaged=appends_after is None,
+        )
 
 
 def _nothing() -> None:
