@@ -24,6 +24,7 @@ import pyarrow as pa
 import pytest
 from conftest import s3_url
 from fsspec.implementations.memory import MemoryFileSystem
+from test_clock_skew import ahead
 
 from dynstate import (
     ChecksumMismatchError,
@@ -338,8 +339,8 @@ def test_a_stager_paused_past_its_tombstone_cannot_commit_removed_shards(tmp_pat
         assert proc.stdout is not None and proc.stdin is not None
         assert proc.stdout.readline().strip() == "claiming"
         os.kill(proc.pid, signal.SIGSTOP)
-        time.sleep(2.5)  # past its 0.5 s lease and the stamps' resolution
-        first = collect_garbage(store, grace_s=0, dry_run=False)
+        # gc's clock 5 s on: past the paused stager's 0.5 s lease, without sleeping for it
+        first = collect_garbage(store, grace_s=0, dry_run=False, clock=ahead(url, 5.0))
         assert any(r.path.startswith(m.DATA_DIR + "/") for r in first.removed)
         leases = tmp_path / "s" / m.META_DIR / "leases"
         tombstones = list(leases.glob("*.outcome.json"))
