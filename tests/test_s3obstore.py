@@ -215,3 +215,31 @@ def test_a_pickled_storage_reads_in_another_process_state(obstore_env):
     clone = pickle.loads(pickle.dumps(storage))
     assert clone.read("p.bin") == b"payload"
     assert clone.read_ranges([("p.bin", 1, 4), ("p.bin", 0, 2)]) == [b"ayl", b"pa"]
+
+
+def test_a_child_forked_after_obstore_ran_reads_and_writes(obstore_env):
+    """obstore's runtime does not survive a fork (a DataLoader worker's): the child reads
+    through s3http and writes through s3fs, and its parent goes on with obstore."""
+    import os
+    import signal
+
+    storage = _storage()
+    storage.create("before.bin", b"parent")
+    assert storage.read_ranges([("before.bin", 0, 2), ("before.bin", 2, 6)]) == [b"pa", b"rent"]
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if everything held, killed if it hangs
+        signal.alarm(30)
+        ok = False
+        try:
+            ok = (
+                not storage.served
+                and storage.read("before.bin") == b"parent"
+                and storage.read_ranges([("before.bin", 1, 3)]) == [b"ar"]
+                and storage.create_if_absent("child.bin", b"child")
+                and storage.list("") == ["before.bin", "child.bin"]
+            )
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert storage.served and storage.read("child.bin") == b"child"

@@ -160,13 +160,20 @@ def store_of(config: S3Config, bucket: str) -> Any:
     )
 
 
+# The process whose obstore runtime has started. obstore's Tokio runtime does not survive a
+# fork: in a child forked after the parent used obstore, every call (through a new store
+# too) waits forever on threads that were not copied (obstore 0.12.1, seen with DataLoader
+# workers). Such a child reads through s3http and writes through s3fs instead.
+_RUNTIME_PID: int | None = None
+
+
 class ObstoreStorage(ObjectStorage):
     """An ``s3://`` store on obstore where its configuration is fully known; otherwise the
     s3fs store :class:`ObjectStorage` is (writes, reads and all)."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         super().__init__(url, storage_options)
-        self._reader = None  # s3http's reader: obstore reads instead
+        # (self._reader, s3http's, reads where obstore cannot: a forked child, see above)
         self._store_pid = -1
         self._s3: Any = None
         if self._config is not None and _inherits_session_token(self.storage_options):
@@ -187,16 +194,21 @@ class ObstoreStorage(ObjectStorage):
     def obstore(self) -> Any:
         """The ``S3Store``, built on first use and again in a forked child (its connection
         pool and runtime do not survive a fork)."""
+        global _RUNTIME_PID
         if self._s3 is None or self._store_pid != os.getpid():
             assert self._config is not None
             self._s3 = store_of(self._config, self._bucket)
             self._store_pid = os.getpid()
+        if _RUNTIME_PID is None:
+            _RUNTIME_PID = os.getpid()
         return self._s3
 
     @property
     def served(self) -> bool:
-        """Whether obstore serves this store (else s3fs does)."""
-        return self._config is not None
+        """Whether obstore serves this store in this process (else s3http reads and s3fs
+        writes, as for :class:`ObjectStorage`): its configuration is known, and obstore's
+        runtime was not started by a process this one was forked from."""
+        return self._config is not None and _RUNTIME_PID in (None, os.getpid())
 
     def _key(self, rel: str) -> str:
         return "/".join(p for p in (self._prefix, rel) if p)
