@@ -861,3 +861,23 @@ def test_checkpoint_without_store_url_inspects_with_store_option(tmp_path) -> No
     other = Store.open(str(tmp_path / "other"), create=True)
     with pytest.raises(StateMismatchError, match="belongs to store"):
         describe_checkpoint(path, store_url=other.url)
+
+
+FILE_CASES = ["not-a-dict", "no-sampler-state", "pickled-object", "truncated", "empty", "text"]
+
+
+@pytest.mark.parametrize("name", FILE_CASES)
+def test_one_checkpoint_reader_one_message(name: str, tmp_path) -> None:
+    """A bad data.pt gets the same message from `dynstate inspect` (describe_checkpoint) and
+    from verl's resume (read_loader_state): one reader, loading.checkpoint.read_checkpoint_file."""
+    from dynstate.verl.loader_state import read_loader_state
+
+    url = str(tmp_path / "store")
+    store = filled(url)
+    path = str(tmp_path / "data.pt")
+    _checkpoint_files(sampler_state(url))[name](path)
+    with pytest.raises(StateMismatchError) as inspected:
+        describe_checkpoint(path)
+    with pytest.raises(StateMismatchError) as resumed:
+        read_loader_state(path, store)
+    assert str(resumed.value) == str(inspected.value)

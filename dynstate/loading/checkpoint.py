@@ -21,10 +21,8 @@ _GLOBAL_STEP = re.compile(r"global_step_(\d+)")
 
 
 def load_checkpoint_state(path: str) -> tuple[str, dict[str, Any]]:
-    """(file read, sampler state) of the checkpoint at ``path``; the state is not yet checked
-    against any store."""
-    import torch
-
+    """(file read, sampler state) of the checkpoint at ``path`` (a ``global_step_N`` folder
+    or a file; :func:`read_checkpoint_file`); the state is not yet checked against any store."""
     file = path
     if os.path.isdir(path):
         candidates = [os.path.join(path, name) for name in ("data.pt", "latest.pt")]
@@ -38,6 +36,18 @@ def load_checkpoint_state(path: str) -> tuple[str, dict[str, Any]]:
         raise CheckpointNotFoundError(
             f"no checkpoint at {path}; pass a global_step_N directory or a .pt file"
         )
+    _, state = read_checkpoint_file(file)
+    return file, state
+
+
+def read_checkpoint_file(file: str) -> tuple[Any, dict[str, Any]]:
+    """(the object ``torch.save`` wrote, the dynstate sampler state inside it) of a
+    checkpoint file (a verl ``data.pt``, any saved loader state): the one reader of such a
+    file, loaded with ``weights_only=True`` (a checkpoint never runs code) on the CPU. A file
+    that is not a plain state, or holds no sampler state, is a :class:`StateMismatchError`
+    naming it; the state is not yet checked against any store."""
+    import torch
+
     try:
         obj = torch.load(file, weights_only=True, map_location="cpu")
     except Exception as exc:  # torch raises a zoo of types for bad files
@@ -49,9 +59,9 @@ def load_checkpoint_state(path: str) -> tuple[str, dict[str, Any]]:
     if state is None:
         raise StateMismatchError(
             f"{file} holds no dynstate sampler state; was the run's train sampler a "
-            "dynstate.VersionedSampler?"
+            "dynstate.VersionedSampler (with verl: the dataset of data.dynstate, docs/verl.md)?"
         )
-    return file, state
+    return obj, state
 
 
 def training_step(file: str) -> int | None:

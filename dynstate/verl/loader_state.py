@@ -27,7 +27,7 @@ import os
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, StateMismatchError
-from ..loading.checkpoint import carry_loader_state, saved_workers
+from ..loading.checkpoint import carry_loader_state, read_checkpoint_file, saved_workers
 from ..loading.sampler import VersionedSampler
 from ..loading.state import check_state, find_sampler_state
 from ..store import Store
@@ -59,21 +59,7 @@ def read_loader_state(path: str, store: Store) -> dict[str, Any]:
             "resume from a checkpoint written with DynstateRLDataset (its global_step_N "
             "folder holds data.pt), or restore the file"
         )
-    import torch
-
-    try:
-        state = torch.load(path, weights_only=True)
-    except Exception as exc:
-        raise StateMismatchError(
-            f"{path} is not a plain dataloader state (torch.load weights_only=True failed: "
-            f"{exc}); it was not written by the dynstate sampler for {store.display_url}"
-        ) from exc
-    sampler_state = find_sampler_state(state)
-    if sampler_state is None:
-        raise StateMismatchError(
-            f"{path} holds no dynstate sampler state, so it cannot resume {store.display_url}; "
-            "was the run started with dynstate's train sampler (see docs/verl.md)?"
-        )
+    state, sampler_state = read_checkpoint_file(path)
     check_state(sampler_state, store.store_id, store.display_url)
     return state
 
