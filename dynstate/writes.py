@@ -388,8 +388,7 @@ class Writer:
             self.log.require_writable()
             make = prepare(leases)
             try:
-                self.log.leases.adopt(leases)
-                self.log.leases.claim(leases, nonce, head=self.log.head)
+                self.log.leases.take(leases, nonce, head=self.log.head)
             except CommitConflictError as exc:
                 elsewhere = True
                 raise self._claimed_elsewhere(exc, parts) from None

@@ -174,6 +174,13 @@ class Leases:
                 self._active.pop(lease, None)
                 self._adopted.discard(lease)
 
+    def take(self, leases: set[str], nonce: str, *, head: int) -> None:
+        """What a commit does to own its parts before its record: renew their leases from now
+        on (:meth:`adopt`: staged by another handle or process), then win each for the commit
+        (:meth:`claim`), or raise as :meth:`claim` does."""
+        self.adopt(leases)
+        self.claim(leases, nonce, head=head)
+
     def claim(
         self, leases: set[str], nonce: str, outcome: str = "commit", *, head: int | None = None
     ) -> None:
