@@ -32,7 +32,7 @@ from dynstate.storage import open_location, open_storage
 # A secret of the shape AWS secret keys have: '/' and '+' in it.
 SECRET = "wJalrXUtnFEMI/K7MDENG+bPxRfiCYSECRET/KEY"
 MODULES = ("botocore.exceptions", "aiohttp", "urllib3.exceptions", "s3fs", "s3fs.errors",
-           "fsspec", "fsspec.exceptions")  # fmt: skip
+           "fsspec", "fsspec.exceptions", "obstore.exceptions")  # fmt: skip
 LIBRARIES = table.CLIENT_LIBRARIES
 
 
