@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOTrainer
@@ -148,6 +149,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
         placeholder = datasets.Dataset.from_dict({"prompt": [""]})
         super().__init__(model=model, reward_funcs=reward_funcs, args=args,
                          train_dataset=placeholder, **kwargs)  # fmt: skip
+        self._filter = _filter_settings(filter_groups, store.display_url)
         self._check_settings(store)
         self.train_dataset = train_dataset
         self._rows: VersionedDataset = train_dataset
@@ -163,7 +165,11 @@ class DynstateGRPOTrainer(GRPOTrainer):
         }
         config: Any = self.args
         self._group: int = int(self.num_generations or 1)
-        self._prompts_per_batch = int(config.generation_batch_size) // self._group
+        # the prompts of one process's generation batch (GRPOTrainer's generation_batch_size
+        # counts every process's); each process draws its share from the one sampler position
+        self._world = int(self.accelerator.num_processes)
+        self._rank = int(self.accelerator.process_index)
+        self._prompts_per_batch = int(config.generation_batch_size) // self._group // self._world
         self._loader: Any = None
         self._batches: loader_mod.EndlessBatches | None = None
         self._scored: dict[str, Any] | None = None
@@ -171,7 +177,6 @@ class DynstateGRPOTrainer(GRPOTrainer):
         # The Trainer would skip the batches a checkpoint trained by replaying the loader; the
         # loader's own state resumes it instead.
         self.args.ignore_data_skip = True
-        self._filter = _filter_settings(filter_groups, store.display_url)
         self._dyn: DynamicSampling | None = None
         # each scored group's completions as GRPOTrainer's tensors, by the id of its item
         # (held too, so that the id is not reused while the entry lives)
@@ -192,11 +197,21 @@ class DynstateGRPOTrainer(GRPOTrainer):
         def refuse(setting: str, why: str) -> InvalidDataError:
             return InvalidDataError(f"DynstateGRPOTrainer over {url}: {setting} {why}")
 
-        if self.accelerator.num_processes > 1:
+        if self.accelerator.num_processes > 1 and self._filter is not None:
             raise refuse(
-                f"runs in {self.accelerator.num_processes} processes",
-                "but this integration is single-process for now (its rounds, outcomes and "
-                "resume are exact in one process only); launch one process",
+                f"runs filter_groups in {self.accelerator.num_processes} processes",
+                "but group filtering is single-process for now (its generation batches are "
+                "drawn and scored in one process); launch one process, or train without "
+                "filter_groups",
+            )
+        local = int(a.per_device_train_batch_size) * int(a.steps_per_generation)
+        if self.accelerator.num_processes > 1 and local % int(a.num_generations or 1):
+            raise refuse(
+                f"runs in {self.accelerator.num_processes} processes with "
+                f"per_device_train_batch_size={a.per_device_train_batch_size} x "
+                f"steps_per_generation={a.steps_per_generation} = {local} responses per process",
+                f"not a multiple of num_generations={a.num_generations}: each process draws "
+                "whole groups from the store; use a multiple",
             )
         if a.dataloader_num_workers:
             raise refuse(
@@ -245,8 +260,10 @@ class DynstateGRPOTrainer(GRPOTrainer):
             batch_size=self._prompts_per_batch,
             fresh_share=s["fresh_share"],
             lag=s["lag"],
-            num_replicas=1,
-            rank=0,
+            # each process takes every world-th position of a step's share: the sampler's
+            # position (and so its state) stays the same on every process
+            num_replicas=self._world,
+            rank=self._rank,
             first_step=FIRST_STEP,
             # every step a whole generation batch: GRPO's groups and the step count stay whole
             drop_last=True,
@@ -362,6 +379,8 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 )
             if self._dyn is not None:
                 self._dyn.resume(None, first_step=FIRST_STEP)  # the head is step 0's already
+            # every rank checks the head before rank 0 commits step 1's round
+            self._barrier()
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
 
     def _resume(self, checkpoint: str) -> None:
@@ -392,7 +411,13 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 "gradient_accumulation_steps and num_generations: set them as before"
             ) from exc
         self._loader.load_state_dict(state["loader"])
-        head = rollback(store, version=target, meta={"trainer": "trl"})
+        # every rank has checked the store before rank 0 rolls it back, and sees the rollback
+        # before it draws: one writer, as for the rounds
+        self._barrier()
+        if self._rank == 0:
+            rollback(store, version=target, meta={"trainer": "trl"})
+        self._barrier()
+        head = store.refresh()
         load_state(self.dynstate_generator, store.generator_state(head))
         log.info("resuming %s at step %d from version %d", store.display_url, step, head)
 
@@ -447,6 +472,32 @@ class DynstateGRPOTrainer(GRPOTrainer):
             url, step, target, len(dyn.carry),
         )  # fmt: skip
 
+    def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
+        device = self.args.device
+        if checkpoint is None or self._world == 1 or device.type != "cpu":
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        # transformers loads the optimizer with map_location=args.device, which several CPU
+        # processes (gloo) number "cpu:N": torch.load cannot restore that location and every
+        # resume would fail. The same tensors, mapped to "cpu", for the time of the load.
+        load = torch.load
+
+        def on_cpu(*args: Any, **kwargs: Any) -> Any:
+            where = kwargs.get("map_location")
+            if isinstance(where, torch.device) and where.type == "cpu":
+                kwargs["map_location"] = "cpu"
+            return load(*args, **kwargs)
+
+        torch.load = on_cpu
+        try:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        finally:
+            torch.load = load
+
+    def _barrier(self) -> None:
+        if self._world > 1:
+            self.accelerator.wait_for_everyone()
+
     def _same_content(self, a: int, b: int) -> bool:
         """Whether version ``a`` holds version ``b``'s rows and nothing more: ``b`` on ``a``'s
         lineage with as many rows (a rollback's reset commit stands for its target)."""
@@ -471,12 +522,25 @@ class DynstateGRPOTrainer(GRPOTrainer):
         out = super()._generate_and_score_completions(inputs)
         if getattr(self.model, "training", False) and self._rewards_per_func is not None:
             weights = self.reward_weights.to(self._rewards_per_func.device).unsqueeze(0)
+            # GRPOTrainer gathers the rewards of every process (rank 0's responses first);
+            # the rows, versions and prompts are gathered in the same order
             scores = (self._rewards_per_func * weights).nansum(dim=1).double().cpu().tolist()
+            local = [
+                (int(x[loader_mod.ROW_KEY]), int(x[loader_mod.VERSION_KEY]), x.get("prompt"))
+                for x in inputs
+            ]
+            every = local if self._world == 1 else gather_object(local)
+            if len(every) != len(scores):
+                raise InvalidDataError(
+                    f"{self.dynstate_store.display_url}: {len(every)} responses gathered from "
+                    f"{self._world} processes but {len(scores)} rewards; the processes' batches "
+                    "differ in size"
+                )
             self._scored = {
-                "rows": [int(x[loader_mod.ROW_KEY]) for x in inputs],
-                "versions": [int(x[loader_mod.VERSION_KEY]) for x in inputs],
+                "rows": [r for r, _, _ in every],
+                "versions": [v for _, v, _ in every],
                 "scores": scores,
-                "prompts": [x.get("prompt") for x in inputs],
+                "prompts": [p for _, _, p in every],
             }
         self._rewards_per_func = None
         return out
@@ -630,6 +694,72 @@ class DynstateGRPOTrainer(GRPOTrainer):
             )
         record = scored.get("filter")
         rows_version = max(scored["versions"])
+        if self._world == 1:
+            written = self._write_round(step, scored, rows_version)
+        else:
+            written = self._write_on_rank0(step, scored, rows_version)
+        version, added = written["version"], written["added"]
+        group = self.num_generations
+        self.dynstate_round = Round(
+            step=step,
+            rows=scored["rows"][::group] if record is None else scored["trained_rows"],
+            rewards=scored["scores"] if record is None else scored["trained_scores"],
+            rows_version=rows_version,
+            version=version,
+            added=added,
+            consumption=record,
+        )
+        metrics = self._metrics["train"]
+        for key, value in {
+            "version": version,
+            "rows_total": written["rows_total"],
+            "rows_added": added,
+            "rows_trained": written["rows_trained"],
+            "rows_version": rows_version,
+        }.items():
+            metrics[f"{METRIC_PREFIX}{key}"].append(float(value))
+        if record is not None:
+            for key, value in {
+                "carried_in": len(record["carried_in"]),
+                "drawn": len(record["drawn"]),
+                "trained": len(record["trained"]),
+                "filtered": len(record["filtered"]),
+                "dropped": len(record["dropped"]),
+                "carried": len(record["carry"]),
+                "gen_batches": record["gen_batches"],
+            }.items():
+                metrics[f"{METRIC_PREFIX}filter/{key}"].append(float(value))
+
+    def _write_on_rank0(self, step: int, scored: dict[str, Any], rows_version: int) -> Any:
+        """Several processes: rank 0 alone runs the generator and commits the round (every
+        process's outcomes are in ``scored``, gathered), then tells every rank what it wrote;
+        the broadcast is also what makes the other ranks wait for the round before their next
+        draw. A failure on rank 0 is told too, so that no rank waits forever."""
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        failure: BaseException | None = None
+        if self._rank == 0:
+            try:
+                box = [("ok", self._write_round(step, scored, rows_version))]
+            except BaseException as exc:  # told to the other ranks, then raised here
+                failure = exc
+                box = [("error", f"{type(exc).__name__}: {exc}")]
+        dist.broadcast_object_list(box, src=0)
+        if failure is not None:
+            raise failure
+        kind, value = box[0]
+        if kind != "ok":
+            raise InvalidDataError(
+                f"rank 0 failed to commit the round of step {step} of "
+                f"{self.dynstate_store.display_url}: {value}"
+            )
+        return value
+
+    def _write_round(self, step: int, scored: dict[str, Any], rows_version: int) -> Any:
+        """Run the generator and commit the step's round, outcomes and generator state."""
+        store = self.dynstate_store
+        record = scored.get("filter")
         outcomes = {
             "row": scored["rows"],
             "step": [step] * len(scored["rows"]),
@@ -665,38 +795,13 @@ class DynstateGRPOTrainer(GRPOTrainer):
             consumption=record,
         )
         stats = store.outcome_stats(version)
-        added = max(0, stats.num_rows - before)
-        group = self.num_generations
-        self.dynstate_round = Round(
-            step=step,
-            rows=scored["rows"][::group] if record is None else scored["trained_rows"],
-            rewards=scored["scores"] if record is None else scored["trained_scores"],
-            rows_version=rows_version,
-            version=version,
-            added=added,
-            consumption=record,
-        )
         _, tried = pass_rates(stats)
-        metrics = self._metrics["train"]
-        for key, value in {
-            "version": version,
-            "rows_total": stats.num_rows,
-            "rows_added": added,
+        return {
+            "version": int(version),
+            "added": max(0, stats.num_rows - before),
+            "rows_total": int(stats.num_rows),
             "rows_trained": int(tried.sum()),
-            "rows_version": rows_version,
-        }.items():
-            metrics[f"{METRIC_PREFIX}{key}"].append(float(value))
-        if record is not None:
-            for key, value in {
-                "carried_in": len(record["carried_in"]),
-                "drawn": len(record["drawn"]),
-                "trained": len(record["trained"]),
-                "filtered": len(record["filtered"]),
-                "dropped": len(record["dropped"]),
-                "carried": len(record["carry"]),
-                "gen_batches": record["gen_batches"],
-            }.items():
-                metrics[f"{METRIC_PREFIX}filter/{key}"].append(float(value))
+        }
 
 
 def _filter_settings(value: Any, url: str) -> FilterGroups | None:

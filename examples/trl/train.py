@@ -243,13 +243,20 @@ def main(argv: list[str] | None = None) -> int:
     import dynstate
     from dynstate.trl import DynstateGRPOTrainer, FilterGroups
 
-    store = dynstate.Store.open(args.store, create=True)
-    if store.snapshot().num_rows == 0:
-        store.append(first_tasks(args.seed, hold_out=hold_out), meta={"import": "examples/trl"})
+    from accelerate import PartialState
+
+    # one process, or one per rank under `accelerate launch` / `torchrun` (gloo on the CPU)
+    ranks = PartialState(cpu=True)
     checkpoint = get_last_checkpoint(args.out) if os.path.isdir(args.out) else None
-    if checkpoint is None:
-        # a run killed before its first checkpoint starts again from the first tasks
-        dynstate.rollback(store, step=0)
+    if ranks.is_main_process:  # one writer: rank 0 sets the store up, the others wait
+        store = dynstate.Store.open(args.store, create=True)
+        if store.snapshot().num_rows == 0:
+            store.append(first_tasks(args.seed, hold_out=hold_out), meta={"import": "examples/trl"})
+        if checkpoint is None:
+            # a run killed before its first checkpoint starts again from the first tasks
+            dynstate.rollback(store, step=0)
+    ranks.wait_for_everyone()
+    store = dynstate.Store.open(args.store)
 
     set_seed(args.seed)
     tokenizer = build_tokenizer()
