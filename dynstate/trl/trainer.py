@@ -16,10 +16,17 @@ through GRPOTrainer's own ``_generate_and_score_completions`` until the step's g
 accepted; the round commits the step's consumption record too, and the carried groups'
 completions go into ``checkpoint-N/dynstate_carry.pt``.
 
-What cannot be made exact is refused at construction, naming the setting: more than one
-process, loader workers, ``steps_per_generation`` other than ``gradient_accumulation_steps``,
-``num_iterations > 1``, ``max_steps`` unset; with filtering also mix mode and a
-``num_generations`` that does not split over ``steps_per_generation``. See docs/trl.md.
+In several processes (``torchrun``, ``accelerate launch``) each process draws its share of a
+step from one sampler position (``num_replicas``/``rank``), the step's rows are gathered in the
+order GRPOTrainer gathers the rewards, rank 0 alone runs the generator, commits the round and
+saves ``dynstate_state.pt`` (the same position on every rank), and broadcasts what it committed
+before any rank draws again.
+
+What cannot be made exact is refused at construction, naming the setting: loader workers,
+``steps_per_generation`` other than ``gradient_accumulation_steps``, ``num_iterations > 1``,
+``max_steps`` unset, ``filter_groups`` in more than one process, a process's responses not whole
+groups; with filtering also mix mode and a ``num_generations`` that does not split over
+``steps_per_generation``. See docs/trl.md.
 """
 
 from __future__ import annotations
