@@ -236,14 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)  # the same arithmetic in every run, killed or not
+    from accelerate import PartialState
     from transformers import TrainerCallback, set_seed
     from transformers.trainer_utils import get_last_checkpoint
     from trl import GRPOConfig
 
     import dynstate
     from dynstate.trl import DynstateGRPOTrainer, FilterGroups
-
-    from accelerate import PartialState
 
     # one process, or one per rank under `accelerate launch` / `torchrun` (gloo on the CPU)
     ranks = PartialState(cpu=True)
