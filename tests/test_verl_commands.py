@@ -254,7 +254,8 @@ def docs_blocks() -> tuple[list[str], list[str]]:
     """docs/verl.md's bash blocks: the lines to add to a run_*.sh, and the other policies'
     lines (each replacing the block's ``select`` lines). A line indented deeper than the
     block's first continues the one before it."""
-    blocks = re.findall(r"```bash\n(.*?)```", DOCS.read_text(), flags=re.S)
+    setup = DOCS.read_text().split("## Dynamic sampling (DAPO)")[0]
+    blocks = re.findall(r"```bash\n(.*?)```", setup, flags=re.S)
     assert len(blocks) == 2, blocks
     out: list[list[str]] = []
     for block in blocks:
@@ -367,6 +368,39 @@ def test_docs_block_composes_and_passes_with_its_lag(tmp_path) -> None:
     settings = check_settings(_compose(_overrides(_block_command(add))))
     assert settings is not None and settings.select is not None
     assert settings.select.name == "learnability" and settings.lag == 17
+
+
+def dapo_block() -> list[str]:
+    """docs/verl.md's group-filtering block: its settings, without the command and the ``...``
+    that stands for the user's run_*.sh."""
+    section = DOCS.read_text().split("## Dynamic sampling (DAPO)")[1].split("\n## ")[0]
+    (block,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    words = block.replace("\\\n", " ").split()
+    assert words[:3] == ["python", "-m", "dynstate.verl.main_ppo"] and words[3] == "...", words
+    return words[4:]
+
+
+def test_docs_dapo_block_composes_and_passes_the_start_up_check() -> None:
+    """The group-filtering block on a run_*.sh with the Setup block's dataset lines (its
+    ``...``) composes with verl's config and passes both start-up checks, as written."""
+    from dynstate.verl.settings import check_settings
+    from dynstate.verl.v1 import filter_settings
+
+    add, _ = docs_blocks()
+    dataset = [line for line in add if line.startswith("data.custom_cls.")]
+    assert len(dataset) == 2, add
+    command = RUN_SH + " ".join(dataset + [_local(w) for w in dapo_block()])
+    config = _compose(_overrides(command))
+    settings = check_settings(config)
+    assert settings is not None and settings.mode == "epoch" and settings.surplus == "carry"
+    dapo = filter_settings(config)
+    assert dapo is not None
+    assert (dapo.metric, dapo.gen_batch_size, dapo.train_groups, dapo.max_gen_batches) == (
+        "reward",
+        96,
+        64,
+        10,
+    )
 
 
 def _data(section: dict | None, workers: int = 0, **extra) -> object:
