@@ -126,9 +126,14 @@ class EndlessBatches:
 
 
 def checkpoint_state(
-    loader: Any, store: Store, step: int, version: int, filter_settings: Any = None
+    loader: Any,
+    store: Store,
+    step: int,
+    version: int,
+    filter_settings: Any = None,
+    steps_per_round: int = 1,
 ) -> dict[str, Any]:
-    state = {
+    state: dict[str, Any] = {
         "format": STATE_FORMAT,
         "kind": STATE_KIND,
         "store_id": store.store_id,
@@ -139,6 +144,8 @@ def checkpoint_state(
     }
     if filter_settings is not None:
         state["filter_groups"] = filter_settings
+    if steps_per_round != 1:  # absent: 1, as every checkpoint saved before it existed
+        state["steps_per_round"] = int(steps_per_round)
     return state
 
 

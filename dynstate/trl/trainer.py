@@ -44,6 +44,7 @@ from trl import GRPOTrainer
 
 from .. import rollback, version_at_step
 from ..errors import InvalidDataError, StateMismatchError
+from ..loading.checkpoint import load_loader_state
 from ..loading.consumption import DynamicSampling
 from ..loading.dataset import VersionedDataset
 from ..loading.sampler import VersionedSampler
@@ -104,6 +105,9 @@ class Round:
     version: int
     added: int
     consumption: dict[str, Any] | None = None
+    # TRL's global_step the round was committed after: ``step`` times the optimizer steps
+    # per generation (the same number unless one generation spans several optimizer steps)
+    global_step: int = 0
 
 
 class DynstateGRPOTrainer(GRPOTrainer):
@@ -177,6 +181,10 @@ class DynstateGRPOTrainer(GRPOTrainer):
         self._world = int(self.accelerator.num_processes)
         self._rank = int(self.accelerator.process_index)
         self._prompts_per_batch = int(config.generation_batch_size) // self._group // self._world
+        # micro-steps one generation serves, and optimizer steps per dynstate step (one
+        # generation; _check_settings made it whole)
+        self._micro_per_gen = int(config.steps_per_generation) * int(config.num_iterations)
+        self._per_round = self._micro_per_gen // int(config.gradient_accumulation_steps)
         self._loader: Any = None
         self._batches: loader_mod.EndlessBatches | None = None
         self._scored: dict[str, Any] | None = None
@@ -220,24 +228,35 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 f"not a multiple of num_generations={a.num_generations}: each process draws "
                 "whole groups from the store; use a multiple",
             )
-        if a.dataloader_num_workers:
+        # A generation (one loader batch) serves steps_per_generation * num_iterations
+        # micro-steps; dynstate's step is one generation, so it must end at an optimizer step.
+        spg, iters, ga = (
+            int(a.steps_per_generation),
+            int(a.num_iterations),
+            int(a.gradient_accumulation_steps),
+        )
+        micro = spg * iters
+        named = (
+            f"steps_per_generation={spg} x num_iterations={iters} = {micro} micro-steps per "
+            f"generation with gradient_accumulation_steps={ga}"
+        )
+        if micro < ga:
             raise refuse(
-                f"dataloader_num_workers={a.dataloader_num_workers}",
-                "is not supported yet (the loader's resume is exact without workers); set 0",
+                named,
+                "would train several generations in one optimizer step, which this integration "
+                "does not do yet (one generation is one dynstate step); make steps_per_generation "
+                "x num_iterations a multiple of gradient_accumulation_steps",
             )
-        if a.steps_per_generation != a.gradient_accumulation_steps:
+        if micro % ga:
             raise refuse(
-                f"steps_per_generation={a.steps_per_generation}",
-                f"differs from gradient_accumulation_steps={a.gradient_accumulation_steps}: "
-                "a generation would span optimizer steps, and a checkpoint between them could "
-                "not resume its buffered completions; leave steps_per_generation unset",
+                named,
+                "would end a generation inside an optimizer step, and a checkpoint there could "
+                "not resume the buffered completions; make steps_per_generation x "
+                "num_iterations a multiple of gradient_accumulation_steps",
             )
-        if a.num_iterations != 1:
-            raise refuse(
-                f"num_iterations={a.num_iterations}",
-                "reuses one generation over several optimizer steps, which a checkpoint "
-                "between them cannot resume exactly; set num_iterations=1",
-            )
+        per = micro // ga  # optimizer steps per generation (per dynstate step)
+        if per > 1:
+            self._check_generation_steps(a, per, named, refuse)
         if a.max_steps is None or a.max_steps <= 0:
             raise refuse(
                 f"max_steps={a.max_steps}",
@@ -254,6 +273,41 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 f"but each step trains {per_step} prompts (generation_batch_size / "
                 "num_generations); append at least that many tasks before training",
             )
+
+    def _check_generation_steps(self, a: Any, per: int, named: str, refuse: Any) -> None:
+        """A generation spans ``per`` optimizer steps: a checkpoint inside it would have to
+        hold GRPO's buffered completions (made by weights the checkpoint no longer has), so
+        checkpoints land only where a generation ends, and so does the run."""
+        import math
+
+        why = (
+            f"{named} spans {per} optimizer steps per generation, and a checkpoint inside a "
+            "generation cannot resume GRPO's buffered completions exactly"
+        )
+        if self._filter is not None:
+            raise refuse(
+                f"runs filter_groups with {named}",
+                f"({per} optimizer steps per generation), which is not supported yet: a "
+                "filtering step is one optimizer step; train without filter_groups, or with "
+                "steps_per_generation x num_iterations = gradient_accumulation_steps",
+            )
+        steps = a.max_steps
+        if isinstance(steps, int) and steps > 0 and steps % per:
+            raise refuse(f"max_steps={steps}", f"is not a multiple of {per}: {why} (the Trainer "
+                         f"saves the last step); use a multiple of {per}")  # fmt: skip
+        strategy = str(getattr(a.save_strategy, "value", a.save_strategy))
+        if strategy == "best":
+            raise refuse(
+                "save_strategy='best'",
+                f"saves at whatever step a metric improves: {why}; use save_strategy='steps' "
+                f"with save_steps a multiple of {per}",
+            )
+        if strategy == "steps":
+            save = a.save_steps
+            every = math.ceil(steps * save) if save < 1 else int(save)
+            if every % per:
+                raise refuse(f"save_steps={save}", f"(every {every} steps) is not a multiple of "
+                             f"{per}: {why}; use a multiple of {per}")  # fmt: skip
 
     def _make_loader(self) -> None:
         from torchdata.stateful_dataloader import StatefulDataLoader
@@ -282,15 +336,21 @@ class DynstateGRPOTrainer(GRPOTrainer):
             drop_last=True,
             sampler=sampler,
             collate_fn=loader_mod.RepeatCollate(self._group),
-            num_workers=0,
+            # workers read rows only: the sampler draws in this process, and an epoch's
+            # iterator never prefetches past its end, so the next epoch pins its version when
+            # the Trainer asks for its first batch, after the round of the step before
+            num_workers=int(self.args.dataloader_num_workers),
+            prefetch_factor=self.args.dataloader_prefetch_factor
+            if self.args.dataloader_num_workers
+            else None,
+            persistent_workers=bool(self.args.dataloader_persistent_workers)
+            and bool(self.args.dataloader_num_workers),
             # its own generator: torch's global one is the Trainer's (restored on resume)
             generator=torch.Generator().manual_seed(int(s["seed"]) % 2**63),
         )
         sampler.check_loader(loader)
         self._sampler, self._loader = sampler, loader
-        self._batches = loader_mod.EndlessBatches(
-            loader, self.args.gradient_accumulation_steps, store.display_url
-        )
+        self._batches = loader_mod.EndlessBatches(loader, self._micro_per_gen, store.display_url)
 
     def _make_filter(self, store: Store) -> None:
         """The ``DynamicSampling`` of ``filter_groups``, refusing what it cannot make exact."""
@@ -396,7 +456,21 @@ class DynstateGRPOTrainer(GRPOTrainer):
         state = loader_mod.read_checkpoint_state(checkpoint, store)
         step, version = state["step"], state["version"]
         store.refresh()
-        target = version_at_step(store, step)
+        per = int(state.get("steps_per_round", 1))
+        if per != self._per_round:
+            raise StateMismatchError(
+                f"{checkpoint} was saved with {per} optimizer step(s) per generation "
+                "(steps_per_generation x num_iterations / gradient_accumulation_steps), this "
+                f"trainer runs {self._per_round}: its steps of {store.display_url} would count "
+                "otherwise; set those three as the run that saved it did — nothing was changed"
+            )
+        if step % per:
+            raise StateMismatchError(
+                f"{checkpoint} is a checkpoint of step {step}, inside a generation of {per} "
+                f"optimizer steps: it cannot resume {store.display_url} exactly; resume from a "
+                f"checkpoint whose step is a multiple of {per}"
+            )
+        target = version_at_step(store, step // per)
         if target != version and not self._same_content(target, version):
             raise StateMismatchError(
                 f"{checkpoint} was saved at version {version} of {store.display_url} (the "
@@ -417,7 +491,8 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 "args.seed), and the batch shape per_device_train_batch_size, "
                 "gradient_accumulation_steps and num_generations: set them as before"
             ) from exc
-        self._loader.load_state_dict(state["loader"])
+        # saved with another dataloader_num_workers: carried into this loader's shape
+        load_loader_state(self._loader, state["loader"])
         # every rank has checked the store before rank 0 rolls it back, and sees the rollback
         # before it draws: one writer, as for the rounds
         self._barrier()
@@ -658,6 +733,16 @@ class DynstateGRPOTrainer(GRPOTrainer):
         return out
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        step = int(self.state.global_step)
+        if step % self._per_round:
+            # the settings are checked at start-up; only a callback's should_save gets here
+            raise InvalidDataError(
+                f"a checkpoint of step {step} of {self.dynstate_store.display_url} was asked "
+                f"for inside a generation of {self._per_round} optimizer steps "
+                "(steps_per_generation x num_iterations / gradient_accumulation_steps): it "
+                "could not resume GRPO's buffered completions; save at steps that are "
+                f"multiples of {self._per_round}"
+            )
         super()._save_checkpoint(model, trial)
         if not self.args.should_save:
             return
@@ -667,7 +752,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
             self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         )
         last = self.dynstate_round
-        if last is None or last.step != self.state.global_step:
+        if last is None or last.global_step != self.state.global_step:
             raise InvalidDataError(
                 f"checkpoint of step {self.state.global_step} of {self.dynstate_store.display_url}"
                 " without that step's round; the dynstate round callback did not run"
@@ -679,6 +764,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
             self.state.global_step,
             last.version,
             filter_settings=None if dyn is None else dyn.settings(),
+            steps_per_round=self._per_round,
         )
         if dyn is not None:
             carry = list(dyn.carry)
@@ -690,7 +776,10 @@ class DynstateGRPOTrainer(GRPOTrainer):
 
     # -- the round of a step -----------------------------------------------------------------
 
-    def _commit_round(self, step: int) -> None:
+    def _commit_round(self, global_step: int) -> None:
+        if global_step % self._per_round:
+            return  # the generation goes on: its round is committed after its last step
+        step = global_step // self._per_round
         store, scored = self.dynstate_store, self._scored
         self._scored = None
         if scored is None:
@@ -715,6 +804,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
             version=version,
             added=added,
             consumption=record,
+            global_step=global_step,
         )
         metrics = self._metrics["train"]
         for key, value in {
