@@ -18,10 +18,13 @@ these overrides, everything else verl's code:
 - ``_load_checkpoint``: after verl's, :meth:`DynstateRLDataset.resume` rolls the store back to
   the checkpoint's step and loads the loader state.
 
-Only the ``sync`` mode is supported: in verl's async modes the trajectories that make up a step
-depend on rollout timing, so no run — interrupted or not — can be reproduced; they are refused at
-start-up, and so is ``trainer.v1.sampler.sync_refill_failed_groups`` (verl's refill of failed
-groups fetches rows at the poll that finds them).
+Only the ``sync`` mode is supported. verl's async modes (``colocate_async``, ``separate_async``)
+are refused at start-up: their ``ReplayBufferAsync`` drops stale, filtered and failed groups
+without naming their rows, and the rows in flight at a checkpoint are kept only in verl's
+``transfer_queue/`` checkpoint, so dynstate cannot yet account for every drawn row (exactly once,
+issue 42.4: designed in docs/verl.md, "Async modes (colocate_async, separate_async)", not built).
+``trainer.v1.sampler.sync_refill_failed_groups`` is refused too (verl's refill of failed groups
+fetches rows at the poll that finds them).
 
 DAPO group filtering (``algorithm.filter_groups.enable=true``) is dynstate's here, not verl's
 ReplayBuffer's: each step runs :class:`~dynstate.DynamicSampling` — generation batches of
@@ -87,8 +90,11 @@ def check_config(config: Any) -> None:
     ours = isinstance(registered_cls, type) and issubclass(registered_cls, DynstatePPOTrainer)
     if not ours and mode not in SUPPORTED_MODES:
         why = (
-            "in verl's async modes the trajectories of a step depend on rollout timing, so a "
-            "resumed run cannot repeat the interrupted one"
+            "verl's async buffer (ReplayBufferAsync) drops stale, filtered and failed groups "
+            "from TransferQueue without naming their rows, and keeps the rows in flight at a "
+            "checkpoint only in its transfer_queue/ checkpoint, so dynstate cannot yet record "
+            "every drawn row as trained, in flight or dropped (exactly once is designed, not "
+            'built: docs/verl.md, "Async modes (colocate_async, separate_async)")'
             if mode in ASYNC_MODES
             else "it is not dynstate's trainer, so nothing installs the sampler or commits rounds"
         )
