@@ -1,11 +1,12 @@
 """The only package that talks to fsspec: one class per backend behind one interface.
 
 ``open_storage(url, options)`` picks the backend: :class:`LocalStorage` for paths and
-``file://``, :class:`MemoryStorage` for ``memory://``, :class:`ObjectStorage` for everything
-else (``s3://``, ``gs://``...). ``open_location(url, options)`` opens a place outside any
-store (an export's OUT, a checkpoint mirror). Errors are translated (the client-error table
-in :mod:`.errors`) and credentials scrubbed (:mod:`.credentials`) here; :mod:`.preflight`
-holds the quick checks an interactive command asks for before it opens a store.
+``file://``, :class:`MemoryStorage` for ``memory://``, obstore's backend (:mod:`.s3obstore`)
+for ``gs://`` and ``az://``, :class:`ObjectStorage` for everything else (``s3://``...).
+``open_location(url, options)`` opens a place outside any store (an export's OUT, a
+checkpoint mirror). Errors are translated (the client-error table in :mod:`.errors`) and
+credentials scrubbed (:mod:`.credentials`) here; :mod:`.preflight` holds the quick checks an
+interactive command asks for before it opens a store.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def open_storage(
         return LocalStorage(url, storage_options)
     if scheme == "memory":
         return MemoryStorage(url, storage_options)
-    if scheme in ("s3", "s3a") and os.environ.get("DYNSTATE_S3_CLIENT", "").lower() == "obstore":
-        from .s3obstore import ObstoreStorage  # opt-in (docs/s3.md)
+    s3_obstore = os.environ.get("DYNSTATE_S3_CLIENT", "").lower() == "obstore"
+    if scheme in ("gs", "az") or (scheme in ("s3", "s3a") and s3_obstore):
+        from .s3obstore import ObstoreStorage  # gs://, az://; s3:// opt-in (docs/s3.md)
 
         return ObstoreStorage(url, storage_options)
     from .objectstore import ObjectStorage  # its HTTP client's imports: only for a bucket

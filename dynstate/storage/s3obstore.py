@@ -1,7 +1,13 @@
-"""S3 through obstore (the Python binding of Rust's ``object_store``, the client under
-delta-rs and Lance): reads (whole, ranged, parallel), listings, stats, the exclusive create
-(``PUT`` with ``If-None-Match: *``, obstore's ``mode="create"``), overwrites and deletes on one
-client, with one retry path and one error path.
+"""Object stores through obstore (the Python binding of Rust's ``object_store``, the client
+under delta-rs and Lance): S3, Google Cloud Storage and Azure Blob Storage, each with reads
+(whole, ranged, parallel), listings, stats, the exclusive create (obstore's ``mode="create"``:
+S3's ``If-None-Match: *``, GCS's ``x-goog-if-generation-match: 0``, Azure's
+``If-None-Match: *``), overwrites and deletes on one client, with one retry path and one error
+path.
+
+``gs://bucket/prefix`` and ``az://container/prefix`` are always served here (see
+:data:`CLOUD_SCHEMES`; their options are obstore's own configuration keys, checked by obstore,
+and obstore reads the ``GOOGLE_*`` / ``AZURE_*`` environment variables itself).
 
 Opt-in for now: ``DYNSTATE_S3_CLIENT=obstore`` selects it for ``s3://`` stores
 (:func:`dynstate.storage.open_storage`). It serves the configurations
@@ -28,9 +34,9 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from ..errors import StoreNotFoundError
+from ..errors import InvalidDataError, StorageError, StoreNotFoundError
 from .objectstore import _READS, ObjectStorage
-from .s3http import S3Config
+from .s3http import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S, S3Config
 
 T = TypeVar("T")
 
@@ -160,6 +166,66 @@ def store_of(config: S3Config, bucket: str) -> Any:
     )
 
 
+#: URL schemes served by obstore whatever the environment says, and the service each names.
+#: The forms are fsspec's (gcsfs, adlfs), which obstore's ``from_url`` reads the same way.
+CLOUD_SCHEMES = {"gs": "Google Cloud Storage", "az": "Azure Blob Storage"}
+# Where the endpoint may be set besides the options (obstore reads these variables itself):
+# an http:// one is a local emulator, which obstore refuses unless allow_http is set.
+_ENDPOINT_ENV = {
+    "gs": ("GOOGLE_BASE_URL",),
+    "az": ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT"),
+}
+
+
+def cloud_root(url: str) -> str | None:
+    """``bucket/prefix`` of a ``gs://`` or ``az://`` URL; None for another scheme or a URL
+    whose form is not one store root (a query, a fragment, an empty segment)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in CLOUD_SCHEMES:
+        return None
+    root = rest.rstrip("/")
+    if not root or any(c in root for c in "?#@") or "" in root.split("/"):
+        return None
+    return root
+
+
+def _allows_http(scheme: str, config: dict[str, Any]) -> bool:
+    if config.get("use_emulator") in (True, "true", "1") or os.environ.get(
+        "AZURE_STORAGE_USE_EMULATOR", ""
+    ).lower() in ("true", "1"):
+        return scheme == "az"
+    endpoints = [config.get("endpoint"), config.get("base_url")]
+    endpoints += [os.environ.get(name) for name in _ENDPOINT_ENV[scheme]]
+    return any(isinstance(e, str) and e.startswith("http://") for e in endpoints)
+
+
+def cloud_store_of(scheme: str, bucket: str, options: dict[str, Any]) -> Any:
+    """An obstore ``GCSStore`` / ``AzureStore`` of ``bucket`` with the storage ``options``
+    (obstore's configuration keys, plus ``client_options`` for its HTTP client); obstore
+    fills in the rest from the environment and refuses keys it does not know."""
+    from obstore.store import AzureStore, GCSStore
+
+    config = {k: v for k, v in options.items() if k != "client_options"}
+    client: dict[str, Any] = {
+        "allow_http": _allows_http(scheme, config),
+        "connect_timeout": timedelta(seconds=DEFAULT_CONNECT_TIMEOUT_S),
+        "timeout": timedelta(seconds=DEFAULT_READ_TIMEOUT_S),
+    }
+    client.update(options.get("client_options") or {})
+    retry: Any = {
+        "max_retries": 4,
+        "backoff": {
+            "init_backoff": timedelta(milliseconds=50),
+            "max_backoff": timedelta(seconds=2),
+            "base": 2,
+        },
+        "retry_timeout": timedelta(seconds=60),
+    }
+    # (the options are checked by obstore at run time, not against its TypedDicts)
+    cls: Any = GCSStore if scheme == "gs" else AzureStore
+    return cls(bucket, config=config, client_options=client, retry_config=retry)
+
+
 # The process whose obstore runtime has started. obstore's Tokio runtime does not survive a
 # fork: in a child forked after the parent used obstore, every call (through a new store
 # too) waits forever on threads that were not copied (obstore 0.12.1, seen with DataLoader
@@ -168,10 +234,13 @@ _RUNTIME_PID: int | None = None
 
 
 class ObstoreStorage(ObjectStorage):
-    """An ``s3://`` store on obstore where its configuration is fully known; otherwise the
-    s3fs store :class:`ObjectStorage` is (writes, reads and all)."""
+    """A store on obstore: ``gs://`` and ``az://`` always, ``s3://`` where its configuration
+    is fully known (otherwise the s3fs store :class:`ObjectStorage` is, writes, reads and
+    all)."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        scheme = url.split("://", 1)[0].lower()
+        self._cloud = scheme if scheme in CLOUD_SCHEMES else None
         super().__init__(url, storage_options)
         # (self._reader, s3http's, reads where obstore cannot: a forked child, see above)
         self._store_pid = -1
@@ -190,14 +259,74 @@ class ObstoreStorage(ObjectStorage):
         state["_store_pid"] = -1
         return state
 
+    def _check_options(self) -> None:
+        if self._cloud is None:
+            return super()._check_options()
+        options = self.storage_options
+        client = options.get("client_options")
+        if client is not None and not isinstance(client, dict):
+            raise InvalidDataError(
+                f"storage option client_options for {self.display_url} must be a dict of "
+                f"obstore's HTTP client options, not {type(client).__name__}"
+            )
+        try:
+            import obstore  # noqa: F401
+        except ImportError:
+            extra = "gcs" if self._cloud == "gs" else "azure"
+            from ..errors import MissingDependencyError
+
+            raise MissingDependencyError(
+                f"cannot open {self.display_url}: {self._cloud}:// stores are served by "
+                f"obstore, which is not installed; pip install 'dynstate[{extra}]'"
+            ) from None
+        root = cloud_root(self.url)
+        try:  # builds no connection: obstore checks the keys and values here
+            cloud_store_of(self._cloud, (root or "bucket").split("/", 1)[0], options)
+        except Exception as exc:
+            from obstore.exceptions import BaseError
+
+            if not isinstance(exc, (BaseError, ValueError, TypeError)):
+                raise
+            raise InvalidDataError(
+                f"cannot open {self.display_url}: {self.scrub(_short(exc))}; the storage "
+                f"options of {self._cloud}:// are obstore's {CLOUD_SCHEMES[self._cloud]} "
+                "configuration keys (docs/s3.md)"
+            ) from None
+
+    def _locate(self) -> str:
+        if self._cloud is None:
+            return super()._locate()
+        root = cloud_root(self.url)
+        if root is None:
+            raise InvalidDataError(
+                f"{self.display_url} is not a store URL; write {self._cloud}://"
+                f"{'bucket' if self._cloud == 'gs' else 'container'}/prefix, with no "
+                "query, fragment, credentials or empty path segment"
+            )
+        return root
+
+    def _connect(self) -> Any:
+        if self._cloud is None:
+            return super()._connect()
+        # Only a process forked after its parent used obstore gets here (see _RUNTIME_PID):
+        # there is no other client for gs:// and az:// to fall back on.
+        raise StorageError(
+            f"cannot use {self.display_url} in a process forked after its parent used it: "
+            "obstore's runtime does not survive a fork; start DataLoader workers with "
+            "multiprocessing_context='forkserver' or 'spawn'"
+        )
+
     @property
     def obstore(self) -> Any:
         """The ``S3Store``, built on first use and again in a forked child (its connection
         pool and runtime do not survive a fork)."""
         global _RUNTIME_PID
         if self._s3 is None or self._store_pid != os.getpid():
-            assert self._config is not None
-            self._s3 = store_of(self._config, self._bucket)
+            if self._cloud is not None:
+                self._s3 = cloud_store_of(self._cloud, self._bucket, self.storage_options)
+            else:
+                assert self._config is not None
+                self._s3 = store_of(self._config, self._bucket)
             self._store_pid = os.getpid()
         if _RUNTIME_PID is None:
             _RUNTIME_PID = os.getpid()
@@ -208,7 +337,8 @@ class ObstoreStorage(ObjectStorage):
         """Whether obstore serves this store in this process (else s3http reads and s3fs
         writes, as for :class:`ObjectStorage`): its configuration is known, and obstore's
         runtime was not started by a process this one was forked from."""
-        return self._config is not None and _RUNTIME_PID in (None, os.getpid())
+        known = self._config is not None or self._cloud is not None
+        return known and _RUNTIME_PID in (None, os.getpid())
 
     def _key(self, rel: str) -> str:
         return "/".join(p for p in (self._prefix, rel) if p)
@@ -251,6 +381,9 @@ class ObstoreStorage(ObjectStorage):
         return _run(lambda: obstore.head(self.obstore, self._key(rel)))
 
     def exists(self, rel: str) -> bool:
+        if self.served and not rel and self._cloud is not None:  # the root: a prefix
+            found = self._call("check", rel, lambda: self._list_prefix(""))
+            return bool(found["objects"] or found["common_prefixes"])
         if not self.served or not rel:  # the root: a prefix, for s3fs to tell
             return super().exists(rel)
         try:
@@ -273,15 +406,9 @@ class ObstoreStorage(ObjectStorage):
     def list(self, rel_dir: str) -> list[str]:
         if not self.served:
             return super().list(rel_dir)
-        import obstore
-
         prefix = self._key(rel_dir)
-
-        def listing() -> Any:
-            return obstore.list_with_delimiter(self.obstore, prefix or None)
-
         try:
-            found = self._call("list", rel_dir, lambda: _run(listing))
+            found = self._call("list", rel_dir, lambda: self._list_prefix(rel_dir))
         except StoreNotFoundError:
             raise  # a missing bucket (a FileNotFoundError too), as s3http reports it
         except FileNotFoundError:
@@ -289,6 +416,12 @@ class ObstoreStorage(ObjectStorage):
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in found["common_prefixes"]]
         names += [o["path"].rsplit("/", 1)[-1] for o in found["objects"] if o["path"] != prefix]
         return sorted(n for n in names if n)
+
+    def _list_prefix(self, rel_dir: str) -> Any:
+        import obstore
+
+        prefix = self._key(rel_dir)
+        return _run(lambda: obstore.list_with_delimiter(self.obstore, prefix or None))
 
     # -- writes ----------------------------------------------------------------------------
 
