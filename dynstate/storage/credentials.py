@@ -18,10 +18,10 @@ tokens ``=`` as well, passwords anything):
 * signed-request fragments in headers (``Credential=``, ``Signature=``, the security token)
   and ``name: value`` pairs of AWS credential fields (``aws_secret_access_key`` ...);
 * every known secret value of at least :data:`MIN_SECRET` characters, as written,
-  URL-encoded and escaped as ``repr()``, ``ascii()`` and JSON write it: the AWS environment
-  variables, the secrets of every object-store location opened in this process and those
-  the caller names. Shorter values are hidden only where
-  the rules above find them: replacing a short word everywhere would blank ordinary text
+  URL-encoded and escaped as ``repr()``, ``ascii()`` and JSON write it: the AWS, Google and
+  Azure environment variables (those obstore reads), the secrets of every object-store
+  location opened in this process and those the caller names. Shorter values are hidden
+  only where the rules above find them: replacing a short word everywhere would blank ordinary text
   (the loopback test server's key is ``testing``).
 """
 
@@ -36,7 +36,22 @@ from collections.abc import Iterable
 from urllib.parse import quote, quote_plus
 
 _CLIENT_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "aiohttp")
-_ENV_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+_ENV_SECRETS = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    # what obstore reads for gs:// and az:// stores
+    "GOOGLE_SERVICE_ACCOUNT_KEY",
+    "GOOGLE_BEARER_TOKEN",
+    "AZURE_STORAGE_ACCOUNT_KEY",
+    "AZURE_STORAGE_ACCESS_KEY",
+    "AZURE_STORAGE_MASTER_KEY",
+    "AZURE_STORAGE_SAS_KEY",
+    "AZURE_STORAGE_SAS_TOKEN",
+    "AZURE_STORAGE_TOKEN",
+    "AZURE_STORAGE_CLIENT_SECRET",
+    "AZURE_CLIENT_SECRET",
+)
 _SECRET_WORDS = ("secret", "key", "token", "password", "credential")
 #: Known secret values shorter than this are not replaced wherever they occur (see above).
 MIN_SECRET = 8

@@ -24,7 +24,7 @@ from ..errors import DynstateError, InvalidDataError, StorageError, StoreNotFoun
 #: Packages whose exceptions are the client libraries' (matched by origin in the last row).
 CLIENT_LIBRARIES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "s3fs", "fsspec", "obstore")
 
-# S3 error codes (and bare HTTP statuses) by meaning.
+# S3 error codes (and bare HTTP statuses) by meaning, with Azure's (obstore quotes both).
 _REFUSED_CODES = frozenset(
     {
         "InvalidAccessKeyId",
@@ -37,13 +37,24 @@ _REFUSED_CODES = frozenset(
         "TokenRefreshRequired",
         "AllAccessDisabled",
         "InvalidSecurity",
+        "AuthenticationFailed",
+        "AuthorizationFailure",
+        "AuthorizationPermissionMismatch",
     }
 )
-_NO_BUCKET_CODES = frozenset({"NoSuchBucket"})
-_NO_KEY_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+_NO_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound"})
+_NO_KEY_CODES = frozenset({"NoSuchKey", "404", "NotFound", "BlobNotFound"})
 #: S3 codes of a busy or throttling service (retried, see :mod:`.retry`)
 BUSY_CODES = frozenset(
-    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded"}
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestLimitExceeded",
+        "ServerBusy",
+        "OperationTimedOut",
+    }
 )
 
 _TO_CONFIGURE = "AWS_ENDPOINT_URL or the endpoint_url storage option"
