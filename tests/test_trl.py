@@ -217,9 +217,16 @@ def trained(example, tmp_path_factory) -> tuple[Store, Path]:
 @pytest.mark.parametrize(
     ("config", "setting"),
     [
-        ({"num_iterations": 2}, "num_iterations=2"),
-        ({"steps_per_generation": 2}, "steps_per_generation=2"),
-        ({"dataloader_num_workers": 1}, "dataloader_num_workers=1"),
+        # a generation that ends inside an optimizer step, or several in one
+        ({"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "steps_per_generation=3"),
+        ({"steps_per_generation": 1, "gradient_accumulation_steps": 2}, "steps_per_generation=1"),
+        # a generation of 2 optimizer steps: checkpoints (and the last step) at its end only
+        ({"num_iterations": 2, "max_steps": 3}, "max_steps=3"),
+        ({"num_iterations": 2, "save_steps": 1}, "save_steps=1"),
+        (
+            {"steps_per_generation": 2, "save_strategy": "best", "metric_for_best_model": "loss"},
+            "save_strategy='best'",
+        ),
         ({"max_steps": -1}, "max_steps=-1"),
     ],
 )
