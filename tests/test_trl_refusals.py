@@ -37,6 +37,14 @@ def test_filter_groups_with_a_generation_of_several_steps_is_refused(example, tm
     assert store.refresh() == 1
 
 
+def test_filter_groups_with_loader_workers_is_refused(example, tmp_path) -> None:
+    store = _new_store(example, tmp_path / "store")
+    with pytest.raises(InvalidDataError, match=re.escape("dataloader_num_workers=2")):
+        _trainer(example, store, tmp_path / "out", filter_groups=True,
+                 config={"dataloader_num_workers": 2})  # fmt: skip
+    assert store.refresh() == 1
+
+
 @pytest.mark.parametrize(("saved", "resumed"), [({}, {"num_iterations": 2}),
                                                 ({"num_iterations": 2}, {})])  # fmt: skip
 def test_checkpoint_of_another_generation_length_is_refused_unchanged(

@@ -228,6 +228,13 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 f"not a multiple of num_generations={a.num_generations}: each process draws "
                 "whole groups from the store; use a multiple",
             )
+        if a.dataloader_num_workers and self._filter is not None:
+            raise refuse(
+                f"runs filter_groups with dataloader_num_workers={a.dataloader_num_workers}",
+                "but group filtering draws its generation batches in the trainer's process "
+                "(DynamicSampling refuses workers: an epoch starting mid-step would pin its "
+                "version by timing); set dataloader_num_workers=0",
+            )
         # A generation (one loader batch) serves steps_per_generation * num_iterations
         # micro-steps; dynstate's step is one generation, so it must end at an optimizer step.
         spg, iters, ga = (
