@@ -12,13 +12,20 @@ cut a growing store's epochs short. This loader instead:
 * hands the Trainer an endless iterable without ``len()``: the Trainer then counts steps by
   ``max_steps`` and never ends an epoch on its own, while the sampler moves from epoch to epoch
   (each pinning the round of the step before it);
-* yields each loader batch ``gradient_accumulation_steps`` times: with
-  ``steps_per_generation == gradient_accumulation_steps`` (TRL's default) GRPO generates from
-  the first of them and reuses its buffer for the rest, so one loader batch is one
-  optimizer step, and the sampler's steps are the trainer's.
+* yields each loader batch ``steps_per_generation * num_iterations`` times (as
+  ``RepeatSampler``'s ``repeat_count``): GRPO generates from the first of them and reuses its
+  buffer for the rest, so one loader batch is one generation, and the sampler's steps are
+  dynstate's (one generation: one optimizer step by default, ``k`` when a generation spans
+  ``k``);
+* may run ``dataloader_num_workers`` workers: they only read rows. The sampler draws in the
+  trainer's process, and an epoch's iterator never prefetches past the epoch's end, so the
+  next epoch pins its version when the Trainer asks for its first batch, after the round of
+  the step before it has been committed: by step, never by timing.
 
 The state in ``checkpoint-N/dynstate_state.pt`` (plain types, ``weights_only`` loadable):
-``{"format": 1, "kind": "dynstate.trl", "store_id", "store_url", "step", "version", "loader"}``.
+``{"format": 1, "kind": "dynstate.trl", "store_id", "store_url", "step", "version", "loader"}``
+(``step`` is TRL's ``global_step``), plus ``"steps_per_round"`` when a generation spans several
+optimizer steps.
 """
 
 from __future__ import annotations

@@ -22,11 +22,17 @@ order GRPOTrainer gathers the rewards, rank 0 alone runs the generator, commits 
 saves ``dynstate_state.pt`` (the same position on every rank), and broadcasts what it committed
 before any rank draws again.
 
-What cannot be made exact is refused at construction, naming the setting: loader workers,
-``steps_per_generation`` other than ``gradient_accumulation_steps``, ``num_iterations > 1``,
-``max_steps`` unset, ``filter_groups`` in more than one process, a process's responses not whole
-groups; with filtering also mix mode and a ``num_generations`` that does not split over
-``steps_per_generation``. See docs/trl.md.
+A generation may serve several optimizer steps (``steps_per_generation * num_iterations`` a
+multiple ``k`` of ``gradient_accumulation_steps``): dynstate's step is then one generation, its
+round committed after the generation's last optimizer step (TRL's ``global_step`` ``k * s``),
+and checkpoints land only there, so that no checkpoint holds GRPO's buffered completions.
+
+What cannot be made exact is refused at construction, naming the setting: a generation that
+ends inside an optimizer step or several generations in one, ``save_steps``/``max_steps`` not a
+multiple of ``k``, ``save_strategy="best"`` with ``k > 1``, ``max_steps`` unset,
+``filter_groups`` in more than one process, with loader workers or with ``k > 1``, a process's
+responses not whole groups; with filtering also mix mode and a ``num_generations`` that does
+not split over ``steps_per_generation``. See docs/trl.md.
 """
 
 from __future__ import annotations
