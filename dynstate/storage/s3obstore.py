@@ -357,6 +357,7 @@ class ObstoreStorage(ObjectStorage):
 
         if end <= start:
             return b""
+
         def get() -> bytes:
             try:
                 return bytes(obstore.get_range(self.obstore, self._key(rel), start=start, end=end))
