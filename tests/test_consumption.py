@@ -396,10 +396,14 @@ def test_unsupported_settings_are_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(InvalidDataError, match="mode='mix'"):
         DynamicSampling(dataset, mix, **kw)
     ranks = VersionedSampler(dataset, num_replicas=2, rank=0)
-    with pytest.raises(InvalidDataError, match="num_replicas=2"):
+    # several ranks deal rows through torch.distributed: without a process group, refused
+    with pytest.raises(InvalidDataError, match="num_replicas=2.*process group.*found none"):
         DynamicSampling(dataset, ranks, **kw)
-    with pytest.raises(InvalidDataError, match="num_workers=2"):
-        DynamicSampling(dataset, VersionedSampler(dataset), num_workers=2, **kw)
+    ranks = VersionedSampler(dataset, num_replicas=2, rank=0, batch_size=4)
+    with pytest.raises(InvalidDataError, match="max_carry=5.*num_replicas=2"):
+        DynamicSampling(dataset, ranks, max_carry=5, **kw)
+    with pytest.raises(InvalidDataError, match="num_workers must be an int >= 0, not -1"):
+        DynamicSampling(dataset, VersionedSampler(dataset), num_workers=-1, **kw)
     with pytest.raises(InvalidDataError, match="surplus"):
         DynamicSampling(dataset, VersionedSampler(dataset), surplus="keep", **kw)
 

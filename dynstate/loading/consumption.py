@@ -28,10 +28,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidDataError, StateMismatchError
+from ..errors import DynstateError, InvalidDataError, StateMismatchError
 from ..records.consumption import CONSUMPTION_FORMAT, check_scores
 from .dataset import VersionedDataset, decode_index, encode_index
-from .sampler import VersionedSampler
+from .sampler import VersionedSampler, _dist_world
+from .state import find_sampler_state
 
 if TYPE_CHECKING:
     from ..store import Store
@@ -47,6 +48,10 @@ __all__ = [
 ]
 
 SURPLUS_MODES = ("carry", "drop")
+# The key of a record's sampler state (an extra key: VersionedSampler.load_state_dict takes
+# only its own) that lists, per rank, how many groups of ``carry`` are that rank's, in rank
+# order; absent with one rank. A resume at the same number of ranks gives each its own back.
+CARRY_BY_RANK = "carry_by_rank"
 
 
 def group_std(scores: Sequence[float]) -> float:
@@ -142,12 +147,16 @@ class Group:
 
 @dataclass(frozen=True)
 class StepBatch:
-    """What one step trains (``groups``: the carried groups first, then the accepted ones in
-    draw order) and the consumption ``record`` to commit with the step's round."""
+    """What one step trains on this rank (``groups``: the carried groups first, then the
+    accepted ones in draw order) and the consumption ``record`` to commit with the step's
+    round — with several ranks, the record of every rank's consumption, the same on each:
+    one process (rank 0) commits it. ``everyone``: every rank's trained groups (items of
+    other ranks None), for :meth:`outcomes`; None with one rank."""
 
     step: int
     groups: tuple[Group, ...]
     record: dict[str, Any]
+    everyone: tuple[Group, ...] | None = None
 
     @property
     def full(self) -> bool:
@@ -162,10 +171,10 @@ class StepBatch:
 
     def outcomes(self) -> list[dict[str, Any]]:
         """The trained groups' scores as outcome records (``row``, ``step``, ``score``, one per
-        response), for ``store.append(outcomes=..., rows_version=batch.rows_version)``."""
-        return [
-            {"row": g.row, "step": self.step, "score": s} for g in self.groups for s in g.scores
-        ]
+        response), for ``store.append(outcomes=..., rows_version=batch.rows_version)``. With
+        several ranks, every rank's trained groups: the step's one round holds them all."""
+        groups = self.groups if self.everyone is None else self.everyone
+        return [{"row": g.row, "step": self.step, "score": s} for g in groups for s in g.scores]
 
 
 class _Drawn:
@@ -197,15 +206,35 @@ class DynamicSampling:
     """DAPO's draw / score / filter / refill / carry loop over a :class:`VersionedSampler`.
 
     ``gen_batch_size`` rows are drawn per generation batch (through a StatefulDataLoader this
-    object builds over ``dataset`` and ``sampler``); a step trains ``train_groups`` groups;
-    ``rule`` decides which groups are kept (default :class:`ZeroVariance`); at most
-    ``max_gen_batches`` batches are drawn per step (None: no bound) — a step that runs out
-    trains the groups it has; ``surplus`` is ``"carry"`` or ``"drop"``; ``max_carry`` bounds
-    the groups carried (default: ``gen_batch_size + train_groups``, the most a step can
-    carry when it starts with fewer than ``train_groups`` carried).
+    object builds over ``dataset`` and ``sampler``, with ``num_workers`` workers); a step
+    trains ``train_groups`` groups; ``rule`` decides which groups are kept (default
+    :class:`ZeroVariance`); at most ``max_gen_batches`` sampler steps are drawn per step
+    (None: no bound) — a step that runs out trains the groups it has; ``surplus`` is
+    ``"carry"`` or ``"drop"``; ``max_carry`` bounds the groups a rank carries (default:
+    ``gen_batch_size + train_groups``; with ``num_replicas`` ranks a step can carry up to
+    ``num_replicas * gen_batch_size - 1``, so ``max_carry`` must be at least that).
 
-    Refused (``InvalidDataError`` naming the setting): a mix-mode sampler, several ranks,
-    DataLoader workers — their draws are not yet a function of the step alone here.
+    Ranks (a sampler with ``num_replicas > 1``, in an initialized ``torch.distributed``
+    process group of that size): every rank trains ``train_groups`` groups of its own. The
+    ranks draw in lockstep — one sampler step, ``gen_batch_size`` rows per rank, while any
+    rank still needs groups — so the sampler's position stays one state, and each sampler
+    step's rows are dealt to the ranks that need groups (rank ``j``'s share to the ``j mod
+    k``-th of the ``k`` needing ranks; all needing: each its own share), so no drawn row goes
+    unscored and no rank's carry grows without bound. Each rank scores only the rows dealt to
+    it; the step's record holds every rank's consumption (the same on every rank, committed
+    once, by rank 0) with each rank's share of the carry. A resume at the same number of
+    ranks gives each rank its own carry back; at another number it deals the carry out
+    again, so that every carried group is trained once (elastic resume).
+
+    Workers: the record's sampler position is the loader's snapshot of the batches handed
+    out (not the sampler's, which prefetching runs ahead), and an epoch starts only when the
+    loop asks for its first batch (the sampler's epoch ends its iterator, so prefetch never
+    crosses an epoch): the version an epoch pins depends on the step, not timing.
+
+    Refused (``InvalidDataError`` naming the setting): a mix-mode sampler — it waits for the
+    round of step ``s - lag`` where ``s`` counts sampler steps, which a filtering step draws a
+    varying number of, while rounds are committed per training step; several ranks without
+    a ``torch.distributed`` process group of ``num_replicas`` processes.
     """
 
     def __init__(
@@ -239,35 +268,40 @@ class DynamicSampling:
             )
         if surplus not in SURPLUS_MODES:
             raise InvalidDataError(f"surplus must be one of {SURPLUS_MODES}, not {surplus!r}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise InvalidDataError(f"num_workers must be an int >= 0, not {num_workers!r} ({url})")
+        replicas = sampler.num_replicas
         least = gen_batch_size + train_groups
         if max_carry is None:
             max_carry = least if surplus == "carry" else 0
         if isinstance(max_carry, bool) or not isinstance(max_carry, int) or max_carry < 0:
             raise InvalidDataError(f"max_carry must be an int >= 0, not {max_carry!r}")
-        if surplus == "carry" and max_carry < gen_batch_size - 1:
+        most = replicas * gen_batch_size - 1
+        if surplus == "carry" and max_carry < most:
+            ranks = "" if replicas == 1 else f" with num_replicas={replicas}"
             raise InvalidDataError(
-                f"max_carry={max_carry} for {url} is below what one step can carry "
-                f"(gen_batch_size - 1 = {gen_batch_size - 1} accepted groups beyond a full "
+                f"max_carry={max_carry} for {url} is below what one step can carry{ranks} "
+                f"(num_replicas * gen_batch_size - 1 = {most} accepted groups beyond a full "
                 "batch); raise max_carry or pass surplus='drop'"
             )
         if sampler.mode != "epoch":
             raise InvalidDataError(
                 f"DynamicSampling over {url} supports mode='epoch' samplers, not "
-                f"mode={sampler.mode!r}: mix mode counts one round per loader batch, and a "
-                "filtering step draws a varying number of them"
+                f"mode={sampler.mode!r}: mix mode waits for the round of sampler step s - lag, "
+                "but a filtering step draws a varying number of sampler steps and commits one "
+                "round, so those rounds never come; use mode='epoch' (rows committed during an "
+                "epoch join at the next)"
             )
-        if sampler.num_replicas != 1:
-            raise InvalidDataError(
-                f"DynamicSampling over {url} supports num_replicas=1, not "
-                f"num_replicas={sampler.num_replicas}: ranks would filter apart and their "
-                "shared sampler position would no longer be one state"
-            )
-        if num_workers != 0:
-            raise InvalidDataError(
-                f"DynamicSampling over {url} supports num_workers=0, not "
-                f"num_workers={num_workers!r}: with prefetching workers the sampler would pin "
-                "an epoch's version by timing, not by the step"
-            )
+        if replicas != 1:
+            world = _dist_world()
+            if world is None or world != (replicas, sampler.rank):
+                raise InvalidDataError(
+                    f"DynamicSampling over {url} with num_replicas={replicas} (rank "
+                    f"{sampler.rank}) deals each sampler step's rows to the ranks that need "
+                    "groups, through torch.distributed; initialize the process group "
+                    f"(world_size={replicas}, this process's rank {sampler.rank}) first — found "
+                    f"{'none' if world is None else f'world_size={world[0]}, rank={world[1]}'}"
+                )
         if sampler.batch_size is not None and sampler.batch_size != gen_batch_size:
             raise InvalidDataError(
                 f"the sampler for {url} counts steps of batch_size={sampler.batch_size}, but "
@@ -282,12 +316,16 @@ class DynamicSampling:
         self.max_gen_batches = max_gen_batches
         self.surplus = surplus
         self.max_carry = max_carry
+        self.num_workers = num_workers
+        self.num_replicas = replicas
+        self.rank = sampler.rank
         self._loader = self._make_loader()
         self._it: Any = None
         self._carry: list[Group] = []
         self._rows_version: int | None = None
         self._next_step: int | None = None
         self._broken: str | None = None
+        self._position: dict[str, Any] | None = None  # with workers: after the last batch
 
     def _make_loader(self) -> Any:
         import torch
@@ -299,7 +337,7 @@ class DynamicSampling:
             batch_size=self.gen_batch_size,
             drop_last=self.sampler.drop_last,
             collate_fn=_keep_list,
-            num_workers=0,
+            num_workers=self.num_workers,
             # Its own generator: without one, each epoch's iterator draws a base seed from
             # torch's global generator, which a trainer restores on resume and samples
             # completions from; a draw at another moment than in the uninterrupted run (a
@@ -308,10 +346,23 @@ class DynamicSampling:
         )
         return self.sampler.check_loader(loader)
 
+    # -- ranks ---------------------------------------------------------------------------------
+
+    def _gather(self, value: Any) -> list[Any]:
+        """``value`` of every rank, in rank order (one rank: just ``value``)."""
+        if self.num_replicas == 1:
+            return [value]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.num_replicas
+        dist.all_gather_object(out, value)
+        return out
+
     # -- settings and resume -----------------------------------------------------------------
 
     def settings(self) -> dict[str, Any]:
-        """What a resume must match (plain types; stored in every record)."""
+        """What a resume must match (plain types; stored in every record). The number of
+        ranks and of workers is not among them: a resume may change both."""
         return {
             "gen_batch_size": self.gen_batch_size,
             "train_groups": self.train_groups,
@@ -323,28 +374,73 @@ class DynamicSampling:
 
     @property
     def carry(self) -> tuple[Group, ...]:
-        """The groups the next step trains first."""
+        """The groups the next step trains first (this rank's)."""
         return tuple(self._carry)
+
+    def _my_carry(self, record: dict[str, Any]) -> list[list[Any]]:
+        """This rank's share of a record's carry: its own at the same number of ranks (by the
+        record's per-rank counts), else every ``num_replicas``-th group from its rank on."""
+        carry: list[list[Any]] = record["carry"]
+        counts = record["sampler"].get(CARRY_BY_RANK)
+        if not isinstance(counts, list) or sum(counts) != len(carry):
+            counts = [len(carry)]  # one rank's record (or an older one)
+        if len(counts) == self.num_replicas:
+            start = sum(counts[: self.rank])
+            return carry[start : start + counts[self.rank]]
+        return carry[self.rank :: self.num_replicas]
 
     def resume(self, step: int | None, *, first_step: int = 0) -> int:
         """Continue after the checkpoint of ``step`` (None: no checkpoint yet); returns the
         step to run next. Reads step ``step``'s record from the store, checks it against this
-        object's settings (:class:`StateMismatchError` naming each that differs) and its
-        carry against ``max_carry``, then rolls the store back to that step
-        (:func:`dynstate.rollback`; rounds of a crashed run after it are abandoned) and
-        restores the carry and the sampler's position. Nothing changes when it refuses."""
-        from ..rewind import rollback
-
+        object's settings (:class:`StateMismatchError` naming each that differs) and this
+        rank's share of its carry against ``max_carry``, then rolls the store back to that
+        step (:func:`dynstate.rollback`, on rank 0 only; rounds of a crashed run after it are
+        abandoned) and restores the carry and the sampler's position. Nothing changes when it
+        refuses; with several ranks every rank refuses when one does. The number of ranks may
+        differ from the checkpoint's (its carry is dealt out again)."""
         if self._it is not None or self._next_step is not None:
             raise InvalidDataError("resume() is called once, on a fresh DynamicSampling")
         url = self.store.display_url
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise InvalidDataError(f"step must be an int >= {first_step} or None, not {step!r}")
+        if step is not None and step < first_step:
+            raise InvalidDataError(f"step must be an int >= {first_step} or None, not {step!r}")
+        problem: DynstateError | None = None
+        record: dict[str, Any] | None = None
+        if step is not None:
+            try:
+                record = self._checked_record(step, url)
+            except DynstateError as exc:
+                problem = exc
+        # Every rank checks before any rolls back: one that refuses stops them all unchanged.
+        problems = self._gather(None if problem is None else (type(problem).__name__, str(problem)))
+        if problem is not None:
+            raise problem
+        for rank, said in enumerate(problems):
+            if said is not None:
+                raise StateMismatchError(f"rank {rank} refused to resume {url}: {said[1]}")
         if step is None:
             # No checkpoint: the rounds a crashed run committed before its first are dropped.
-            rollback(self.store, step=first_step - 1)
+            self._rollback(first_step - 1)
             self._next_step = first_step
             return first_step
-        if isinstance(step, bool) or not isinstance(step, int) or step < first_step:
-            raise InvalidDataError(f"step must be an int >= {first_step} or None, not {step!r}")
+        assert record is not None
+        rows_version = record["rows_version"]
+        carry = [
+            Group(encode_index(rows_version, row), None, tuple(scores))
+            for row, scores in self._my_carry(record)
+        ]
+        self._rollback(step)
+        position = {k: v for k, v in record["sampler"].items() if k != CARRY_BY_RANK}
+        self.sampler.load_state_dict(position)
+        self._position = position
+        # Rows are immutable: read again, they are the items the crashed run drew.
+        self._carry = [Group(g.index, self.dataset[g.index], g.scores) for g in carry]
+        self._rows_version = rows_version
+        self._next_step = step + 1
+        return step + 1
+
+    def _checked_record(self, step: int, url: str) -> dict[str, Any]:
         found = self.store.consumption.of_step(self.store.refresh(), step)
         if found is None:
             raise StateMismatchError(
@@ -361,46 +457,75 @@ class DynamicSampling:
                 f"the filter settings differ from those step {step} of {url} was run with "
                 f"({said}); resume with the checkpoint's settings — nothing was changed"
             )
-        if len(record["carry"]) > self.max_carry:
+        if len(record["carry"]) > self.max_carry and self.num_replicas == 1:
             raise InvalidDataError(
                 f"step {step} of {url} carries {len(record['carry'])} groups, over "
                 f"max_carry={self.max_carry}; nothing was changed"
             )
-        rows_version = record["rows_version"]
-        carry = [
-            Group(encode_index(rows_version, row), None, tuple(scores))
-            for row, scores in record["carry"]
-        ]
-        rollback(self.store, step=step)
-        self.sampler.load_state_dict(record["sampler"])
-        # Rows are immutable: read again, they are the items the crashed run drew.
-        self._carry = [Group(g.index, self.dataset[g.index], g.scores) for g in carry]
-        self._rows_version = rows_version
-        self._next_step = step + 1
-        return step + 1
+        mine = self._my_carry(record)
+        if len(mine) > self.max_carry:
+            raise InvalidDataError(
+                f"step {step} of {url} carries {len(record['carry'])} groups, and rank "
+                f"{self.rank} of num_replicas={self.num_replicas} would take {len(mine)}, over "
+                f"max_carry={self.max_carry}; resume with more ranks or a larger max_carry — "
+                "nothing was changed"
+            )
+        return record
+
+    def _rollback(self, step: int) -> None:
+        """Rank 0 rolls the store back to ``step``; the others wait for it."""
+        from ..rewind import rollback
+
+        if self.rank == 0:
+            rollback(self.store, step=step)
+        self._gather(None)
 
     # -- the loop ------------------------------------------------------------------------------
 
     def _draw_batch(self) -> list[tuple[int, Any]]:
-        """The next generation batch; an epoch's end starts the next epoch."""
+        """The next generation batch (this rank's share of a sampler step); an epoch's end
+        starts the next epoch."""
         for _ in range(2):
             if self._it is None:
                 self._it = iter(self._loader)
             try:
                 batch: list[tuple[int, Any]] = next(self._it)
-                return batch
             except StopIteration:
                 self._it = None
+                continue
+            if self.num_workers:
+                # The loader's snapshot pairs the sampler's state with the batch just handed
+                # out; the sampler itself is as far as the workers' prefetch.
+                self._position = find_sampler_state(self._loader.state_dict())
+            return batch
         raise InvalidDataError(
             f"the sampler over {self.store.display_url} hands out no rows (an empty version?)"
         )
+
+    def _deal(self, pairs: list[tuple[int, Any]], needing: list[int]) -> list[list[Any]]:
+        """The generation batches this rank scores of one sampler step: the share of rank
+        ``j`` goes to ``needing[j % len(needing)]``; every rank learns every share's indices
+        and reads the items of the shares dealt to it that are not its own."""
+        if self.num_replicas == 1:
+            return [pairs]
+        shares = self._gather([index for index, _ in pairs])
+        out: list[list[Any]] = []
+        for j, indices in enumerate(shares):
+            if needing[j % len(needing)] != self.rank or not indices:
+                continue
+            if j == self.rank:
+                out.append(pairs)
+            else:
+                items = self.dataset.__getitems__(indices)
+                out.append(list(zip(indices, items, strict=True)))
+        return out
 
     def next_batch(self, step: int, score: Score) -> StepBatch:
         """Run step ``step``'s draws: ``score(items, step)`` gets the items of one generation
         batch and returns, per item, its group's scores (a list of numbers). Returns what the
         step trains and the record to commit with its round. After an error (a bad score,
         a rule that is not deterministic) this object refuses further steps: resume from the
-        store in a new one."""
+        store in a new one. With several ranks every rank calls it for every step."""
         url = self.store.display_url
         if self._broken is not None:
             raise InvalidDataError(
@@ -426,59 +551,109 @@ class DynamicSampling:
         drawn: list[int] = []
         filtered: list[tuple[int, float]] = []
         batches = 0
-        while len(accepted) < self.train_groups and (
-            self.max_gen_batches is None or batches < self.max_gen_batches
-        ):
-            pairs = self._draw_batch()
+        while self.max_gen_batches is None or batches < self.max_gen_batches:
+            # The same answer on every rank, so they draw in lockstep.
+            needs = self._gather(len(accepted) < self.train_groups)
+            needing = [rank for rank, need in enumerate(needs) if need]
+            if not needing:
+                break
+            dealt = self._deal(self._draw_batch(), needing)
             batches += 1
-            items = [item for _, item in pairs]
-            scored = score(items, step)
-            if not hasattr(scored, "__len__") or len(scored) != len(pairs):
-                got = len(scored) if hasattr(scored, "__len__") else type(scored).__name__
-                raise InvalidDataError(
-                    f"score returned {got} groups of scores for a generation batch of "
-                    f"{len(pairs)} rows at step {step} ({url}); return one list per item"
-                )
-            for (index, item), raw in zip(pairs, scored, strict=True):
-                scores = check_scores(raw, url, f"the scores of row {decode_index(index)[1]}")
-                drawn.append(index)
-                keep = self.rule.keep(scores)
-                if keep != self.rule.keep(scores):
-                    raise InvalidDataError(
-                        f"rule {self.rule.name!r} answered differently for the same scores "
-                        f"{scores} at step {step} ({url}); a filter rule must be a pure "
-                        "function of a group's scores — nothing was committed"
-                    )
-                if keep:
-                    accepted.append(Group(index, item, tuple(scores)))
-                else:
-                    filtered.append((index, group_std(scores)))
+            for pairs in dealt:
+                self._score(pairs, score, step, url, drawn, accepted, filtered)
         trained, surplus = accepted[: self.train_groups], accepted[self.train_groups :]
         carry = surplus if self.surplus == "carry" else []
         dropped = [] if self.surplus == "carry" else surplus
-        if len(carry) > self.max_carry:
-            raise InvalidDataError(
-                f"step {step} of {url} would carry {len(carry)} groups, over "
-                f"max_carry={self.max_carry}; raise max_carry or pass surplus='drop'"
+        parts = self._gather(
+            (
+                [g.index for g in carried_in],
+                drawn,
+                [(g.index, g.scores) for g in trained],
+                filtered,
+                [g.index for g in dropped],
+                [(g.index, g.scores) for g in carry],
             )
-        rows_version = self._newest([g.index for g in carried_in] + drawn)
+        )
+        for rank, part in enumerate(parts):
+            if len(part[5]) > self.max_carry:
+                who = "" if self.num_replicas == 1 else f" (rank {rank})"
+                raise InvalidDataError(
+                    f"step {step} of {url}{who} would carry {len(part[5])} groups, over "
+                    f"max_carry={self.max_carry}; raise max_carry or pass surplus='drop'"
+                )
+        everyone = [index for part in parts for index in self._indices_of(part)]
+        rows_version = self._newest(everyone)
+        position = self.sampler.state_dict() if self.num_workers == 0 else self._position
+        if position is None:  # a worker loader that has handed out nothing yet
+            position = self.sampler.state_dict()
+        if self.num_replicas > 1:
+            position = {**position, CARRY_BY_RANK: [len(part[5]) for part in parts]}
         record = {
             "format": CONSUMPTION_FORMAT,
             "step": step,
             "rows_version": rows_version,
             "settings": self.settings(),
-            "carried_in": [row(g.index) for g in carried_in],
-            "drawn": [row(i) for i in drawn],
+            "carried_in": [row(i) for part in parts for i in part[0]],
+            "drawn": [row(i) for part in parts for i in part[1]],
             "gen_batches": batches,
-            "trained": [row(g.index) for g in trained],
-            "filtered": [[row(i), spread] for i, spread in filtered],
-            "dropped": [[row(g.index), "surplus"] for g in dropped],
-            "carry": [[row(g.index), list(g.scores)] for g in carry],
-            "sampler": self.sampler.state_dict(),
+            "trained": [row(i) for part in parts for i, _ in part[2]],
+            "filtered": [[row(i), spread] for part in parts for i, spread in part[3]],
+            "dropped": [[row(i), "surplus"] for part in parts for i in part[4]],
+            "carry": [[row(i), list(s)] for part in parts for i, s in part[5]],
+            "sampler": position,
         }
         self._carry = carry
         self._rows_version = rows_version
-        return StepBatch(step, tuple(trained), record)
+        all_trained = None
+        if self.num_replicas > 1:
+            groups: list[Group] = []
+            for rank, part in enumerate(parts):
+                if rank == self.rank:
+                    groups.extend(trained)
+                else:
+                    groups.extend(Group(i, None, tuple(s)) for i, s in part[2])
+            all_trained = tuple(groups)
+        return StepBatch(step, tuple(trained), record, all_trained)
+
+    @staticmethod
+    def _indices_of(part: tuple[Any, ...]) -> list[int]:
+        carried_in, drawn, trained, filtered, dropped, carry = part
+        return [*carried_in, *drawn, *(i for i, _ in trained), *(i for i, _ in filtered),
+                *dropped, *(i for i, _ in carry)]  # fmt: skip
+
+    def _score(
+        self,
+        pairs: list[tuple[int, Any]],
+        score: Score,
+        step: int,
+        url: str,
+        drawn: list[int],
+        accepted: list[Group],
+        filtered: list[tuple[int, float]],
+    ) -> None:
+        """Score one generation batch and sort its groups into accepted and filtered."""
+        items = [item for _, item in pairs]
+        scored = score(items, step)
+        if not hasattr(scored, "__len__") or len(scored) != len(pairs):
+            got = len(scored) if hasattr(scored, "__len__") else type(scored).__name__
+            raise InvalidDataError(
+                f"score returned {got} groups of scores for a generation batch of "
+                f"{len(pairs)} rows at step {step} ({url}); return one list per item"
+            )
+        for (index, item), raw in zip(pairs, scored, strict=True):
+            scores = check_scores(raw, url, f"the scores of row {decode_index(index)[1]}")
+            drawn.append(index)
+            keep = self.rule.keep(scores)
+            if keep != self.rule.keep(scores):
+                raise InvalidDataError(
+                    f"rule {self.rule.name!r} answered differently for the same scores "
+                    f"{scores} at step {step} ({url}); a filter rule must be a pure "
+                    "function of a group's scores — nothing was committed"
+                )
+            if keep:
+                accepted.append(Group(index, item, tuple(scores)))
+            else:
+                filtered.append((index, group_std(scores)))
 
     def _newest(self, indices: list[int]) -> int | None:
         """The version a step's row numbers are stored at: the newest its rows came from.
