@@ -113,8 +113,10 @@ def test_storage_reads_ranges_listings_and_errors(az):
 
     missing = open_storage(f"az://no-such-container/{uuid.uuid4().hex}")
     missing.retry_base_s = 0.001
-    with pytest.raises(StoreNotFoundError):
+    with pytest.raises(StoreNotFoundError) as info:
         missing.list("")
+    # Azure's settings named, not S3's
+    assert "AZURE_STORAGE_ENDPOINT" in str(info.value) and "AWS" not in str(info.value)
     with pytest.raises(StoreNotFoundError, match="bucket"):
         missing.check_exclusive_create()
 
@@ -140,6 +142,8 @@ def test_no_secret_in_a_refusal(az, monkeypatch):
         storage.create("x.bin", b"1")
     assert wrong not in str(info.value) and AZURE_KEY not in str(info.value)
     assert storage.display_url in str(info.value)
+    assert "Azure Blob Storage refused the credentials" in str(info.value), info.value
+    assert "AZURE_STORAGE_ACCOUNT_KEY" in str(info.value) and "AWS" not in str(info.value)
 
 
 def test_exclusive_create_has_one_winner(az):

@@ -57,7 +57,44 @@ BUSY_CODES = frozenset(
     }
 )
 
-_TO_CONFIGURE = "AWS_ENDPOINT_URL or the endpoint_url storage option"
+
+@dataclass(frozen=True)
+class Service:
+    """How a message names an object store's service, credentials and endpoint setting."""
+
+    name: str
+    credentials: str  # what to set
+    endpoint: str  # how the endpoint is configured
+
+
+S3 = Service(
+    "S3",
+    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or the storage options "
+    "key=... and secret=...",
+    "AWS_ENDPOINT_URL or the endpoint_url storage option",
+)
+# gs:// and az:// are served by obstore, which reads these settings (docs/s3.md)
+GCS = Service(
+    "Google Cloud Storage",
+    "GOOGLE_APPLICATION_CREDENTIALS (or GOOGLE_SERVICE_ACCOUNT), or the storage option "
+    "service_account (or service_account_key)",
+    "the storage option base_url (or GOOGLE_BASE_URL)",
+)
+AZURE = Service(
+    "Azure Blob Storage",
+    "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY (or a SAS token), or the storage "
+    "options account_name and account_key (or sas_token)",
+    "the storage option endpoint (or AZURE_STORAGE_ENDPOINT)",
+)
+
+
+def service_of(url: str) -> Service:
+    """The service a location's URL names (S3 for every scheme but gs:// and az://)."""
+    if url.startswith(("gs://", "gcs://")):
+        return GCS
+    if url.startswith(("az://", "abfs://", "abfss://")):
+        return AZURE
+    return S3
 
 
 @dataclass(frozen=True)
@@ -75,20 +112,18 @@ class Row:
 CREDENTIALS = Row(
     "credentials missing",
     StorageError,
-    "no S3 credentials found for {url}; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
-    "AWS_PROFILE), or pass the storage options key=... and secret=... ({kind}: {detail})",
+    "no {service} credentials found for {url}; set {credentials} ({kind}: {detail})",
 )
 REFUSED = Row(
     "credentials refused",
     StorageError,
-    "S3 refused the credentials for {url} ({code}, trying to {what} {path}); check "
-    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's permissions",
+    "{service} refused the credentials for {url} ({code}, trying to {what} {path}); check "
+    "{credentials}, and the bucket's permissions",
 )
 NO_BUCKET = Row(
     "bucket missing",
     StoreNotFoundError,
-    "the bucket of {url} does not exist; check the bucket name and the endpoint "
-    f"({_TO_CONFIGURE})",
+    "the bucket of {url} does not exist; check the bucket name and the endpoint ({endpoint})",
 )
 NO_KEY = Row("object missing", StoreNotFoundError, "nothing at {path} ({code}); check the URL")
 BUSY = Row(
@@ -106,7 +141,7 @@ UNREACHABLE = Row(
     "endpoint unreachable",
     StorageError,
     "cannot reach the endpoint of {url} to {what} {path}{tries} ({kind}: {detail}); check "
-    f"that it is up, and {_TO_CONFIGURE}, and retry",
+    "that it is up, and {endpoint}, and retry",
 )
 BAD_REQUEST = Row(
     "request or configuration invalid",
@@ -337,7 +372,11 @@ def translate(
     ):
         return exc  # (a local miss has no cause: the common case costs one check)
     row, code = row_of(exc)
+    service = service_of(url)
     message = row.template.format(
+        service=service.name,
+        credentials=service.credentials,
+        endpoint=service.endpoint,
         what=what,
         url=url,
         path=path or url,
