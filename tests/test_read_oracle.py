@@ -7,9 +7,10 @@ The paths: local disk, ``memory://`` and S3 (loopback moto; dynstate reads it wi
 client, :mod:`dynstate.storage.s3http`, and with s3fs); a cold dataset (footer templates
 learned within the batch), one whose templates an earlier read taught, one warm across many
 batches and one whose cache is smaller than a version (evictions, large shards read a row
-group at a time, the disk cache); a prefetch or not; row groups decoded on one thread or
-several; an uncompacted version, its compacted successor and an older version with fewer
-columns, alone or mixed in one batch through the sampler's version-tagged indices; every
+group at a time, the disk cache); a fresh one that maps the decoded files (shards, blocks)
+an earlier reader left, whole or damaged (cut short, zeroed, another file's rows); a prefetch
+or not; row groups decoded on one thread or several; an uncompacted version, its compacted
+successor and an older version with fewer columns, alone or mixed in one batch through the sampler's version-tagged indices; every
 column or a projection; ``format`` ``"rows"``, ``"columns"`` and ``"arrow"``;
 ``row_column``; ``__getitem__`` and ``__getitems__``; a ``StatefulDataLoader`` with 0 and 2
 workers; and an epoch in order (row groups joined into their shard, shards into blocks).
@@ -28,6 +29,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -40,7 +42,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynstate import Store, VersionedDataset, compact
-from dynstate.loading import ranged
+from dynstate.loading import cache, ranged
 from dynstate.loading.dataset import encode_index
 
 EXAMPLES = int(os.environ.get("DYNSTATE_ORACLE_EXAMPLES", "40"))
@@ -200,6 +202,7 @@ class Built:
     oracle: Oracle
     tmp: str  # disk cache folders go here
     warm: dict[tuple[Any, ...], VersionedDataset] = field(default_factory=dict)
+    decoded: dict[bool, str] = field(default_factory=dict)  # folders of decoded files
 
 
 def _build(url: str, backend: str, tmp: str) -> Built:
@@ -291,13 +294,52 @@ def _indices(tagged: bool, entries: list[tuple[int, int]]) -> list[int]:
 
 # -- datasets in each cache state ------------------------------------------------------------
 
-MODES = ("cold", "taught", "warm", "small")
+MODES = ("cold", "taught", "warm", "small", "decoded", "damaged")
 SMALL_CACHE = 384 * 1024  # under a version decoded: evictions; large shards read in part
 
 
-def _fresh(built: Built, version: int, **kwargs: Any) -> VersionedDataset:
-    # A disk cache of its own: a cold read must not find shards an earlier one left there.
-    return VersionedDataset(built.url, version, cache_dir=tempfile.mkdtemp(dir=built.tmp), **kwargs)
+def _fresh(
+    built: Built, version: int, decoded: str | None = None, **kwargs: Any
+) -> VersionedDataset:
+    # A disk cache of its own: a cold read must not find shards an earlier one left there,
+    # nor decoded files (on a local store, in a folder of the store's id by default).
+    ds = VersionedDataset(built.url, version, cache_dir=tempfile.mkdtemp(dir=built.tmp), **kwargs)
+    ds.cache.decoded.folder = decoded or tempfile.mkdtemp(dir=built.tmp)
+    return ds
+
+
+def _decoded_folder(built: Built, damaged: bool) -> str:
+    """A folder of decoded files (shards and blocks) that an earlier reader left, by reading
+    every version from start to end; ``damaged``: a copy with most files cut short, filled
+    with other bytes, or holding another file's content under its name."""
+    if damaged in built.decoded:
+        return built.decoded[damaged]
+    if not damaged:
+        folder = tempfile.mkdtemp(dir=built.tmp)
+        for version in built.versions.values():
+            ds = _fresh(built, version, decoded=folder)
+            rows = built.layouts[version].num_rows
+            for start in range(0, rows, 500):
+                ds.read_batch(list(range(start, min(start + 500, rows))))
+            ds.read_batch(list(range(rows)))  # again: every block formed, and written
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".arrow"))
+        assert len(files) > len(built.versions), "the reads left no decoded files"
+    else:
+        source = _decoded_folder(built, False)
+        folder = tempfile.mkdtemp(dir=built.tmp)
+        files = sorted(f for f in os.listdir(source) if f.endswith(".arrow"))
+        for i, name in enumerate(files):
+            data = Path(source, name).read_bytes()
+            kind = i % 4
+            if kind == 0:
+                data = data[: len(data) // 2]
+            elif kind == 1:
+                data = bytes(len(data))
+            elif kind == 2:  # another shard's (or block's) decoded rows under this name
+                data = Path(source, files[(i + 1) % len(files)]).read_bytes()
+            Path(folder, name).write_bytes(data)
+    built.decoded[damaged] = folder
+    return folder
 
 
 def _teach(built: Built, ds: VersionedDataset, version: int) -> None:
@@ -311,7 +353,9 @@ def dataset(built: Built, mode: str, version: int, **kwargs: Any) -> VersionedDa
     """A dataset pinned at ``version`` in cache state ``mode``: ``cold`` (fresh), ``taught``
     (fresh but for one earlier read), ``warm`` and ``small`` (one per backend and settings,
     kept across examples; ``small`` with a cache smaller than the store)."""
-    if mode in ("cold", "taught"):
+    if mode in ("decoded", "damaged"):
+        ds = _fresh(built, version, decoded=_decoded_folder(built, mode == "damaged"), **kwargs)
+    elif mode in ("cold", "taught"):
         ds = _fresh(built, version, **kwargs)
         if mode == "taught":
             _teach(built, ds, version)
@@ -468,6 +512,25 @@ def test_s3_through_s3fs_matches_the_oracle(
     not know the configuration) rather than its own client."""
     monkeypatch.setenv("DYNSTATE_S3_CLIENT", "s3fs")
     check_reads(built, data.draw(st.sampled_from(["cold", "taught"]), "mode"), data)
+
+
+def test_decoded_files_are_mapped_not_decoded(
+    monkeypatch: pytest.MonkeyPatch, built: Built
+) -> None:
+    """A fresh reader over the decoded files an earlier one left reads no Parquet at all (so
+    the "decoded" mode above holds the mapped path to the oracle), and every row of every
+    version is the oracle's."""
+    folder = _decoded_folder(built, False)
+
+    def no_parquet(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("read Parquet although its decoded file is there")
+
+    monkeypatch.setattr(cache.ShardCache, "_load", no_parquet)
+    monkeypatch.setattr(cache, "read_groups", no_parquet)
+    for version in built.versions.values():
+        ds = _fresh(built, version, decoded=folder)
+        rows = list(range(built.layouts[version].num_rows))[::-1]
+        assert ds.read_batch(rows) == built.oracle.rows(asked_of(ds, [(version, r) for r in rows]))
 
 
 @pytest.mark.parametrize(

@@ -144,7 +144,7 @@ def pieces(cache: ShardCache, store: Store, view: View, rows: np.ndarray) -> lis
         lo, hi = view.blocks[block]
         block_rows = rows if where is None else rows[where]
         if hi - lo > 1:
-            entry = cache.block(view, block)
+            entry = cache.block(view, block, store)
             if entry is not None:
                 out.append((entry, where, block_rows - view.offsets[lo]))
                 continue

@@ -14,9 +14,14 @@ the same rows and the same indices, reported as ratios; never part of the tests.
    reopens one (``load_from_disk`` of a ``save_to_disk`` copy: memory-mapped Arrow) — target
    >= 1.2x (moonshot 1.5x); warm-up <= 2x datasets' (issue 23). Also shown, not a target:
    ours with ``batch_format="columns"``.
+4. warm-up (issue 45.1): from the dataset's construction to the first ``--warmup-batches``
+   batches of ``--warmup-batch`` rows (10 of 256), ``num_workers`` 0 and 2, against the same
+   datasets cases; each run in a fresh loader (fresh workers), the cases interleaved, the
+   ratio taken per run — target <= 1.5x datasets in memory (moonshot 1x).
 
     python tools/bench/bench_loader.py                   # store built once under --dir
     python tools/bench/bench_loader.py --sections batch,row --repeats 11
+    python tools/bench/bench_loader.py --rows 1000000 --rounds 100 --sections warmup
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -224,6 +231,76 @@ def bench_loader(
     return out
 
 
+# -- 4. warm-up --------------------------------------------------------------------------------
+
+
+def bench_warmup(
+    url: str, table: pa.Table, batch: int, batches: int, repeats: int, workers: int, hf_path: str
+) -> dict:
+    """Seconds from the dataset's construction to ``batches`` batches of ``batch`` rows, in a
+    fresh loader each run (worker start-up counts: every worker decodes what it reads)."""
+    probe = VersionedDataset(url)
+    it = iter(VersionedSampler(probe, seed=3))
+    order = [decode_index(next(it))[1] for _ in range(batches * batch)]
+    kw: dict[str, Any] = {"batch_size": batch, "num_workers": workers, "collate_fn": as_list}
+    if workers:
+        kw["prefetch_factor"] = 2
+    hf = datasets.Dataset(datasets.table.InMemoryTable(table))  # in memory: nothing to open
+
+    def run(make: Callable[[], StatefulDataLoader]) -> Callable[[], float]:
+        def timed() -> float:
+            start = time.perf_counter()
+            loader = iter(make())
+            for _ in range(batches):
+                next(loader)
+            took = time.perf_counter() - start
+            del loader  # workers shut down outside the clock
+            return took
+
+        return timed
+
+    def ours() -> StatefulDataLoader:
+        ds = VersionedDataset(url)
+        return StatefulDataLoader(ds, sampler=VersionedSampler(ds, seed=3, batch_size=batch), **kw)
+
+    decoded = Path(tempfile.gettempdir(), "dynstate-cache", probe.store_id, "decoded")
+
+    def ours_first() -> StatefulDataLoader:
+        # The first warm-up after the shards were written: no process has decoded them yet
+        # (the rmtree, ~1 ms, runs inside the clock).
+        shutil.rmtree(decoded, ignore_errors=True)
+        return ours()
+
+    cases = {
+        "ours": run(ours),
+        "ours_first": run(ours_first),
+        "datasets": run(lambda: StatefulDataLoader(hf, sampler=ListSampler(order), **kw)),
+        "datasets_disk": run(
+            lambda: StatefulDataLoader(
+                datasets.load_from_disk(hf_path), sampler=ListSampler(order), **kw
+            )
+        ),
+    }
+    # Every case once untimed: imports, the page cache and the first fork are not warm-up.
+    check = VersionedDataset(url)
+    tagged = [encode_index(check.version, i) for i in order[:batch]]
+    if check.__getitems__(tagged) != hf.__getitems__(order[:batch]):
+        raise SystemExit("the first batch differs between VersionedDataset and datasets")
+    for case in cases.values():
+        case()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(repeats):
+        names = list(cases)[r % len(cases) :] + list(cases)[: r % len(cases)]
+        for name in names:
+            times[name].append(cases[name]())
+    out = {f"{k}_s": statistics.median(v) for k, v in times.items()}
+    out["ratio"] = _median_ratio(times, "ours", "datasets")
+    out["disk_ratio"] = _median_ratio(times, "ours", "datasets_disk")
+    out["first_ratio"] = _median_ratio(times, "ours_first", "datasets")
+    out["first_disk_ratio"] = _median_ratio(times, "ours_first", "datasets_disk")
+    return out
+
+
 # -- main --------------------------------------------------------------------------------------
 
 
@@ -238,6 +315,8 @@ def main() -> None:
     parser.add_argument("--loader-batches", type=int, default=1000)
     parser.add_argument("--workers", default="0,2")
     parser.add_argument("--warm-batches", type=int, default=20, help="batches timed as the warm-up")
+    parser.add_argument("--warmup-batches", type=int, default=10, help="warmup section: batches")
+    parser.add_argument("--warmup-batch", type=int, default=256, help="warmup section: rows each")
     args = parser.parse_args()
     globals()["WARM_BATCHES"] = args.warm_batches  # read by _rate and bench_loader
     sections = set(args.sections.split(","))
@@ -310,6 +389,37 @@ def main() -> None:
                 "(target >= 1.2x, moonshot 1.5x)"
             )
             print(f"  ours columns / datasets {r['columns_ratio']:.2f}x", flush=True)
+    if "warmup" in sections:
+        for workers in [int(w) for w in args.workers.split(",")]:
+            r = bench_warmup(
+                url,
+                table,
+                args.warmup_batch,
+                args.warmup_batches,
+                args.loader_repeats,
+                workers=workers,
+                hf_path=str(hf_path),
+            )
+            print(
+                f"\nwarm-up, num_workers={workers}: construction to the first "
+                f"{args.warmup_batches} batches of {args.warmup_batch}, fresh loader each run, "
+                f"ms (median of {args.loader_repeats})"
+            )
+            label = "ours, shards decoded by an earlier process"
+            print(f"  {label:<40}{r['ours_s'] * 1e3:>10.1f}")
+            label = "ours, first reader since the commit"
+            print(f"  {label:<40}{r['ours_first_s'] * 1e3:>10.1f}")
+            print(f"  {'datasets.Dataset in memory':<40}{r['datasets_s'] * 1e3:>10.1f}")
+            print(f"  {'datasets.load_from_disk':<40}{r['datasets_disk_s'] * 1e3:>10.1f}")
+            print(
+                f"  ours / in memory {r['ratio']:.2f}x (target <= 1.5x), ours / from disk "
+                f"{r['disk_ratio']:.2f}x (per-run ratios, median)"
+            )
+            print(
+                f"  first reader: / in memory {r['first_ratio']:.2f}x, / from disk "
+                f"{r['first_disk_ratio']:.2f}x",
+                flush=True,
+            )
     print(
         f"\nload average at the end {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
         file=sys.stderr,
