@@ -8,14 +8,15 @@ client, :mod:`dynstate.storage.s3http`, and with s3fs); a cold dataset (footer t
 learned within the batch), one whose templates an earlier read taught, one warm across many
 batches and one whose cache is smaller than a version (evictions, large shards read a row
 group at a time, the disk cache); a fresh one that maps the decoded files (shards, blocks)
-an earlier reader left, whole or damaged (cut short, zeroed, another file's rows); a prefetch
-or not; row groups decoded on one thread or several; an uncompacted version, its compacted
-successor and an older version with fewer columns, alone or mixed in one batch through the sampler's version-tagged indices; every
-column or a projection; ``format`` ``"rows"``, ``"columns"`` and ``"arrow"``;
-``row_column``; ``__getitem__`` and ``__getitems__``; a ``StatefulDataLoader`` with 0 and 2
-workers; and an epoch in order (row groups joined into their shard, shards into blocks).
-Indices come from hypothesis: unsorted, repeated, spread over shards and row groups, a few
-rows of one row group, or of a few groups of one shard or of several.
+an earlier reader left, whole or damaged (cut short, zeroed, another file's rows); a
+prefetch or not; row groups decoded on one thread or several; an uncompacted version, its
+compacted successor and an older version with fewer columns, alone or mixed in one batch
+through the sampler's version-tagged indices; every column or a projection; ``format``
+``"rows"``, ``"columns"`` and ``"arrow"``; ``row_column``; ``__getitem__`` and
+``__getitems__``; a ``StatefulDataLoader`` with 0 and 2 workers; and an epoch in order (row
+groups joined into their shard, shards into blocks). Indices come from hypothesis: unsorted,
+repeated, spread over shards and row groups, a few rows of one row group, or of a few groups
+of one shard or of several.
 
 ``DYNSTATE_ORACLE_EXAMPLES`` sets the examples of each read test per backend and cache
 state (default 40, a few hundred per backend in all; the other tests take a share of it).

@@ -263,17 +263,23 @@ def bench_warmup(
         ds = VersionedDataset(url)
         return StatefulDataLoader(ds, sampler=VersionedSampler(ds, seed=3, batch_size=batch), **kw)
 
-    decoded = Path(tempfile.gettempdir(), "dynstate-cache", probe.store_id, "decoded")
+    first_root = Path(tempfile.mkdtemp(prefix="dynstate-bench-first-"))
 
-    def ours_first() -> StatefulDataLoader:
-        # The first warm-up after the shards were written: no process has decoded them yet
-        # (the rmtree, ~1 ms, runs inside the clock).
-        shutil.rmtree(decoded, ignore_errors=True)
-        return ours()
+    def run_first() -> float:
+        # The first warm-up after the shards were written: no process has decoded them. Its
+        # decoded files go to a temporary root of its own (workers fork with it), emptied
+        # before each run, so that they neither help it nor the other case.
+        shutil.rmtree(first_root, ignore_errors=True)
+        first_root.mkdir()
+        saved, tempfile.tempdir = tempfile.tempdir, str(first_root)
+        try:
+            return run(ours)()
+        finally:
+            tempfile.tempdir = saved
 
     cases = {
         "ours": run(ours),
-        "ours_first": run(ours_first),
+        "ours_first": run_first,
         "datasets": run(lambda: StatefulDataLoader(hf, sampler=ListSampler(order), **kw)),
         "datasets_disk": run(
             lambda: StatefulDataLoader(
