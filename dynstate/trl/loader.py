@@ -139,6 +139,7 @@ def checkpoint_state(
     version: int,
     filter_settings: Any = None,
     steps_per_round: int = 1,
+    processes: int | None = None,
 ) -> dict[str, Any]:
     state: dict[str, Any] = {
         "format": STATE_FORMAT,
@@ -151,25 +152,29 @@ def checkpoint_state(
     }
     if filter_settings is not None:
         state["filter_groups"] = filter_settings
+    if processes is not None:  # filter_groups: each rank's share of the carry is its own
+        state["processes"] = int(processes)
     if steps_per_round != 1:  # absent: 1, as every checkpoint saved before it existed
         state["steps_per_round"] = int(steps_per_round)
     return state
 
 
-def save_carry(folder: str, step: int, groups: list[Any], parts: list[dict[str, Any]]) -> None:
-    """``checkpoint-N/dynstate_carry.pt``: the groups step N carries to step N + 1 with their
-    completions as GRPOTrainer's tensors (one dict of ``num_generations`` rows per group).
-    The store holds the carry's rows and scores (the step's consumption record), not its
-    completions: a resume trains them from here, as the uninterrupted run does."""
+def save_carry(folder: str, step: int, carry: list[tuple[int, Any, dict[str, Any]]]) -> None:
+    """``checkpoint-N/dynstate_carry.pt``: the groups step N carries to step N + 1, as
+    ``(row, scores, completions)``, in the consumption record's order (every process's,
+    rank by rank), the completions as GRPOTrainer's tensors (one dict of ``num_generations``
+    rows per group). The store holds the carry's rows and scores (the step's consumption
+    record), not its completions: a resume trains them from here, as the uninterrupted run
+    does."""
     import torch
 
     state = {
         "format": STATE_FORMAT,
         "kind": CARRY_KIND,
         "step": int(step),
-        "rows": [int(g.row) for g in groups],
-        "scores": [[float(s) for s in g.scores] for g in groups],
-        "tensors": [{k: v.detach().cpu() for k, v in part.items()} for part in parts],
+        "rows": [int(row) for row, _, _ in carry],
+        "scores": [[float(s) for s in scores] for _, scores, _ in carry],
+        "tensors": [{k: v.detach().cpu() for k, v in part.items()} for _, _, part in carry],
     }
     tmp = os.path.join(folder, CARRY_FILE + ".tmp")
     torch.save(state, tmp)

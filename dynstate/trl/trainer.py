@@ -38,15 +38,16 @@ not split over ``steps_per_generation``. See docs/trl.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOTrainer
 
 from .. import rollback, version_at_step
@@ -219,13 +220,6 @@ class DynstateGRPOTrainer(GRPOTrainer):
         def refuse(setting: str, why: str) -> InvalidDataError:
             return InvalidDataError(f"DynstateGRPOTrainer over {url}: {setting} {why}")
 
-        if self.accelerator.num_processes > 1 and self._filter is not None:
-            raise refuse(
-                f"runs filter_groups in {self.accelerator.num_processes} processes",
-                "but group filtering is single-process for now (its generation batches are "
-                "drawn and scored in one process); launch one process, or train without "
-                "filter_groups",
-            )
         local = int(a.per_device_train_batch_size) * int(a.steps_per_generation)
         if self.accelerator.num_processes > 1 and local % int(a.num_generations or 1):
             raise refuse(
@@ -412,11 +406,18 @@ class DynstateGRPOTrainer(GRPOTrainer):
             seed=s["seed"],
             mode="epoch",
             batch_size=gen if isinstance(gen, int) and gen > 0 else None,
-            num_replicas=1,
-            rank=0,
+            # several processes draw in lockstep from one position, each sampler step's rows
+            # dealt to the ranks that still need groups (docs/dynamic-sampling.md)
+            num_replicas=self._world,
+            rank=self._rank,
             drop_last=True,  # every generation batch whole
             select=s["select"],
         )
+        max_carry = f.max_carry
+        if max_carry is None and f.surplus == "carry" and self._world > 1 and isinstance(gen, int):
+            # a rank dealt every share of a step's last sampler step may carry up to
+            # world * gen - 1 groups, which DynamicSampling's default does not allow
+            max_carry = max(gen + self._prompts_per_batch, self._world * gen - 1)
         try:
             self._dyn = DynamicSampling(
                 rows_ds,
@@ -426,7 +427,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 rule=f.rule,
                 max_gen_batches=f.max_gen_batches,
                 surplus=f.surplus,
-                max_carry=f.max_carry,
+                max_carry=max_carry,
             )
         except InvalidDataError as exc:
             raise InvalidDataError(
@@ -447,11 +448,11 @@ class DynstateGRPOTrainer(GRPOTrainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         store = self.dynstate_store
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            resume_from_checkpoint = last_checkpoint(str(self.args.output_dir))
             if resume_from_checkpoint is None:
                 raise StateMismatchError(
                     f"resume_from_checkpoint=True but {self.args.output_dir} holds no "
-                    f"checkpoint-N folder; start {store.display_url} afresh instead"
+                    f"whole checkpoint-N folder; start {store.display_url} afresh instead"
                 )
         if resume_from_checkpoint:
             self._resume(str(resume_from_checkpoint))
@@ -541,6 +542,16 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 "the run that saved it did — nothing was changed"
             )
         assert dyn is not None
+        saved_by = int(state.get("processes", 1))
+        if saved_by != self._world:
+            raise StateMismatchError(
+                f"{checkpoint} was saved with filter_groups by {saved_by} process(es), and this "
+                f"run has {self._world}: resuming at another number of processes cannot be "
+                "exact under group filtering (each process's carried groups, and its completions, "
+                "are its own, the default max_carry depends on the processes, and every step "
+                "after would filter other groups than either run); resume with "
+                f"{saved_by} process(es) — nothing was changed"
+            )
         differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
         if differ:
             said = ", ".join(f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in differ)
@@ -563,13 +574,18 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 f"cannot resume from {checkpoint}: {exc}. The sampler settings are "
                 "DynstateGRPOTrainer's select and sampler_seed (or args.seed): set them as before"
             ) from exc
+        # this rank's share of the carry, as DynamicSampling deals it (by position: a row may
+        # be carried twice)
+        positions: list[Any] = list(range(len(tensors)))
+        mine: list[Any] = dyn._my_carry({"carry": positions, "sampler": record["sampler"]})
         dyn.resume(step, first_step=FIRST_STEP)
         device = self.accelerator.device
         self._parts = {
-            id(g.item): (g.item, {k: v.to(device) for k, v in part.items()})
-            for g, part in zip(dyn.carry, tensors, strict=True)
+            id(g.item): (g.item, {k: v.to(device) for k, v in tensors[i].items()})
+            for g, i in zip(dyn.carry, mine, strict=True)
         }
-        load_state(self.dynstate_generator, store.generator_state(store.head))
+        # refreshed: on the other ranks the head is still the one before rank 0's rollback
+        load_state(self.dynstate_generator, store.generator_state(store.refresh()))
         log.info(
             "resuming %s at step %d (version %d) with %d carried groups",
             url, step, target, len(dyn.carry),
@@ -668,7 +684,11 @@ class DynstateGRPOTrainer(GRPOTrainer):
         generation and reward functions, its completions kept per group for training."""
         group = self._group
         inputs = [item for item in items for _ in range(group)]
-        out = super()._generate_and_score_completions(inputs)
+        if self._world == 1:
+            out = super()._generate_and_score_completions(inputs)
+        else:
+            with _alone(self):
+                out = super()._generate_and_score_completions(inputs)
         scores = self._weighted_scores()
         size = len(inputs)
         for key, value in out.items():
@@ -706,6 +726,18 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 "every group: nothing to train. Raise FilterGroups.max_gen_batches, or use a "
                 "looser rule (StdThreshold, FilterRule)"
             )
+        if self._world > 1:
+            # every rank must train some group, or the others wait in the backward pass for
+            # ever: all refuse together, on what every rank knows
+            counts = gather_object([len(batch.groups)])
+            if 0 in counts:
+                raise InvalidDataError(
+                    f"step {step} of {store.display_url}: rank {counts.index(0)} of "
+                    f"{self._world} drew max_gen_batches={record['settings']['max_gen_batches']}"
+                    " generation batches and filtered out every group dealt to it: nothing to "
+                    "train on that rank. Raise FilterGroups.max_gen_batches, or use a looser "
+                    "rule (StdThreshold, FilterRule)"
+                )
         parts = []
         for g in batch.groups:
             held = self._parts.get(id(g.item))
@@ -717,17 +749,22 @@ class DynstateGRPOTrainer(GRPOTrainer):
             parts.append(held[1])
         # keep only the carry's completions: the rest are trained now, or filtered or dropped
         self._parts = {id(g.item): self._parts[id(g.item)] for g in dyn.carry}
-        scored = self._step_scored
+        scored = [(row, scores, item.get("prompt")) for row, scores, item in self._step_scored]
         self._step_scored = []
+        if self._world > 1:
+            # rank 0 commits every rank's outcomes; each rank scored only the rows dealt to it
+            scored = gather_object(scored)
+        trained = batch.groups if batch.everyone is None else batch.everyone
         self._scored = {
             "filter": record,
-            "trained_rows": [g.row for g in batch.groups],
-            "trained_scores": [s for g in batch.groups for s in g.scores],
+            # every rank's groups, rank by rank, as the record lists them
+            "trained_rows": [g.row for g in trained],
+            "trained_scores": [s for g in trained for s in g.scores],
             # outcomes: every group scored at this step (trained, filtered, carried or
             # dropped), once, at the step that generated it
             "rows": [r for r, scores, _ in scored for _ in scores],
             "scores": [s for _, scores, _ in scored for s in scores],
-            "prompts": [item.get("prompt") for _, scores, item in scored for _ in scores],
+            "prompts": [prompt for _, scores, prompt in scored for _ in scores],
             "versions": [int(record["rows_version"])],
         }
         return self._assemble(parts)
@@ -750,7 +787,8 @@ class DynstateGRPOTrainer(GRPOTrainer):
         mask = out["completion_mask"]
         if "tool_mask" in out:
             mask = mask * out["tool_mask"]
-        out["num_items_in_batch"] = mask.sum()
+        # GRPOTrainer's count is every process's (the loss divides it by the processes)
+        out["num_items_in_batch"] = self.accelerator.gather(mask.sum().reshape(1)).sum()
         return out
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -765,6 +803,17 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 f"multiples of {self._per_round}"
             )
         super()._save_checkpoint(model, trial)
+        dyn = self._dyn
+        carry: list[Any] = []
+        if dyn is not None:
+            # the carry's completions, every rank's in the record's order (rank by rank)
+            carry = [(g.row, g.scores, self._parts[id(g.item)][1]) for g in dyn.carry]
+            if self._world > 1:
+                carry = gather_object([(r, s, {k: v.cpu() for k, v in p.items()})
+                                       for r, s, p in carry])  # fmt: skip
+        # dynstate_state.pt marks the checkpoint whole (last_checkpoint): every rank's files
+        # (rng_state_N.pth) are written before rank 0 writes it
+        self._barrier()
         if not self.args.should_save:
             return
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -778,7 +827,6 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 f"checkpoint of step {self.state.global_step} of {self.dynstate_store.display_url}"
                 " without that step's round; the dynstate round callback did not run"
             )
-        dyn = self._dyn
         state = loader_mod.checkpoint_state(
             self._loader,
             self.dynstate_store,
@@ -786,11 +834,10 @@ class DynstateGRPOTrainer(GRPOTrainer):
             last.version,
             filter_settings=None if dyn is None else dyn.settings(),
             steps_per_round=self._per_round,
+            processes=None if dyn is None else self._world,
         )
         if dyn is not None:
-            carry = list(dyn.carry)
-            loader_mod.save_carry(folder, self.state.global_step, carry,
-                                  [self._parts[id(g.item)][1] for g in carry])  # fmt: skip
+            loader_mod.save_carry(folder, self.state.global_step, carry)
         tmp = os.path.join(folder, loader_mod.STATE_FILE + ".tmp")
         torch.save(state, tmp)
         os.replace(tmp, os.path.join(folder, loader_mod.STATE_FILE))
@@ -920,6 +967,68 @@ class DynstateGRPOTrainer(GRPOTrainer):
             "rows_total": int(stats.num_rows),
             "rows_trained": int(tried.sum()),
         }
+
+
+class _LocalAccelerator:
+    """The trainer's accelerator as one process alone sees it: what it gathers is its own,
+    and it is process 0 of 1."""
+
+    process_index = 0
+    num_processes = 1
+
+    def __init__(self, accelerator: Any):
+        self._inner = accelerator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def gather(self, value: Any) -> Any:
+        return value
+
+    gather_for_metrics = gather
+
+
+@contextlib.contextmanager
+def _alone(trainer: Any) -> Iterator[None]:
+    """GRPOTrainer's generation and scoring with no collective. Under filter_groups in several
+    processes a rank scores as many generation batches as the shares dealt to it (none, one or
+    several per sampler step: docs/dynamic-sampling.md), so the ranks would not meet in
+    GRPOTrainer's gathers. A group's advantages need only its own rewards (whole groups per
+    process, checked at start-up), so each rank generates and scores its groups alone; the
+    step's counts and outcomes are gathered afterwards, where every rank is."""
+    from trl.trainer import grpo_trainer
+
+    functions = grpo_trainer.gather, grpo_trainer.gather_object
+    accelerator = trainer.accelerator
+    grpo_trainer.gather = lambda value: value
+    grpo_trainer.gather_object = lambda value: value
+    trainer.accelerator = _LocalAccelerator(accelerator)
+    try:
+        yield
+    finally:
+        grpo_trainer.gather, grpo_trainer.gather_object = functions
+        trainer.accelerator = accelerator
+
+
+def last_checkpoint(output_dir: str) -> str | None:
+    """The newest ``checkpoint-N`` in ``output_dir`` that was saved whole, or None. The
+    Trainer creates the folder and writes its files before dynstate writes
+    ``dynstate_state.pt``, last, after every rank's files: a run killed while saving leaves a
+    newer folder without it, which ``transformers``' ``get_last_checkpoint`` would pick and no
+    resume could use. ``train(resume_from_checkpoint=True)`` resumes from this one."""
+    if not os.path.isdir(output_dir):
+        return None
+    whole: dict[int, str] = {}
+    for name in os.listdir(output_dir):
+        number = name.removeprefix("checkpoint-")
+        path = os.path.join(output_dir, name)
+        if name.startswith("checkpoint-") and number.isdigit() and os.path.isdir(path):
+            if os.path.isfile(os.path.join(path, loader_mod.STATE_FILE)):
+                whole[int(number)] = path
+            else:
+                log.warning("%s was not saved whole (no %s): not resumed from", path,
+                            loader_mod.STATE_FILE)  # fmt: skip
+    return whole[max(whole)] if whole else None
 
 
 def _filter_settings(value: Any, url: str) -> FilterGroups | None:

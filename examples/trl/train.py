@@ -238,15 +238,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # the same arithmetic in every run, killed or not
     from accelerate import PartialState
     from transformers import TrainerCallback, set_seed
-    from transformers.trainer_utils import get_last_checkpoint
     from trl import GRPOConfig
 
     import dynstate
     from dynstate.trl import DynstateGRPOTrainer, FilterGroups
+    from dynstate.trl.trainer import last_checkpoint
 
     # one process, or one per rank under `accelerate launch` / `torchrun` (gloo on the CPU)
     ranks = PartialState(cpu=True)
-    checkpoint = get_last_checkpoint(args.out) if os.path.isdir(args.out) else None
+    # the newest checkpoint saved whole: a kill while one was saved leaves it without dynstate's
+    # state, and the one before it resumes
+    checkpoint = last_checkpoint(args.out)
     if ranks.is_main_process:  # one writer: rank 0 sets the store up, the others wait
         store = dynstate.Store.open(args.store, create=True)
         if store.snapshot().num_rows == 0:
