@@ -88,26 +88,44 @@ def _consumed(record: dict[str, Any]) -> dict[str, Any]:
     return {k: record[k] for k in (*keep, "dropped", "carry")}
 
 
-def _check_records_against_trace(store: Store, trace: dict[int, dict[str, Any]]) -> None:
+def _check_records_against_trace(
+    store: Store, trace: dict[int, dict[str, Any]], ranks: int = 1
+) -> None:
     records = consumption_records(store)
     assert [r["step"] for r in records] == sorted(trace)
-    carry_scores: dict[int, list[float]] = {}
+    carry_scores: list[list[float]] = []
     previous: list[int] = []
+    split = [0] * ranks  # how many groups of the carry are each rank's (rank by rank)
     for r in records:
         step = trace[r["step"]]
-        # the groups trained are the trace's, in training order: the carry first
+        # the groups trained are the trace's, in training order (rank by rank, each rank's
+        # carry first)
         assert r["trained"] == step["rows"]
         assert len(step["rewards"]) == GROUP * len(step["rows"])
         assert r["carried_in"] == previous
-        assert r["trained"][: len(previous)] == previous[: len(r["trained"])]
-        # a carried group is trained with the scores it was accepted with
-        for k in range(min(len(previous), len(r["trained"]))):
-            assert step["rewards"][k * GROUP : (k + 1) * GROUP] == carry_scores[k]
+        per = len(r["trained"]) // ranks
+        if ranks == 1 or per * ranks == len(r["trained"]) == 4 * ranks:  # every rank full
+            start = 0
+            for rank in range(ranks):
+                theirs = previous[start : start + split[rank]]
+                trained = r["trained"][rank * per : (rank + 1) * per] if ranks > 1 else r["trained"]
+                assert trained[: len(theirs)] == theirs[: len(trained)]
+                # a carried group is trained with the scores it was accepted with
+                first = 0 if ranks == 1 else rank * per
+                for k in range(min(len(theirs), len(trained))):
+                    at = (first + k) * GROUP
+                    assert step["rewards"][at : at + GROUP] == carry_scores[start + k]
+                start += split[rank]
+        else:  # a rank ran out of generation batches: its carry is still trained first
+            assert not Counter(previous) - Counter(r["trained"])
         for _, spread in r["filtered"]:
             assert spread == 0.0  # zero variance: each filtered group's scores all agree
         previous = [row for row, _ in r["carry"]]
-        carry_scores = {k: scores for k, (_, scores) in enumerate(r["carry"])}
-        assert len(r["drawn"]) == 6 * r["gen_batches"]
+        carry_scores = [scores for _, scores in r["carry"]]
+        split = r["sampler"].get("carry_by_rank", [len(previous)])
+        assert sum(split) == len(previous) and len(split) == ranks
+        # lockstep: each sampler step draws 6 rows per rank, every one scored
+        assert len(r["drawn"]) == 6 * ranks * r["gen_batches"]
     # the exactly-once equation over the run, folded in plain Python: every row drawn is
     # trained, filtered, dropped, or still carried after the last step
     drawn = Counter(row for r in records for row in r["drawn"])
@@ -130,6 +148,22 @@ def _check_records_against_trace(store: Store, trace: dict[int, dict[str, Any]])
             if s == r["step"]
         )
         assert got == Counter({row: GROUP * n for row, n in scored.items()}), r["step"]
+
+
+def whole_checkpoint(out: Path, killed_at: int, every: int) -> int:
+    """The step of the newest checkpoint a run killed after ``killed_at`` trace lines saved
+    whole (with dynstate's state, written last): the one of the last multiple of ``every``,
+    or, when the kill came while that one was saved (its step's trace line is written just
+    before), the one before it."""
+    whole = [
+        int(path.name.removeprefix("checkpoint-"))
+        for path in out.glob("checkpoint-*")
+        if (path / "dynstate_state.pt").is_file()
+    ]
+    found = max(whole)
+    last = every * (killed_at // every)
+    assert found == last or (killed_at == last and found == last - every), (found, killed_at)
+    return found
 
 
 def test_filter_groups_example_resumes_exactly_after_sigkill(tmp_path) -> None:
@@ -158,12 +192,12 @@ def test_filter_groups_example_resumes_exactly_after_sigkill(tmp_path) -> None:
     proc.wait()
     killed_at = len(trace.read_text().splitlines())
     assert killed_at < STEPS, "killed too late to test a resume"
+    checkpoint = whole_checkpoint(run / "out", killed_at, every=4)
     subprocess.run(_command(run), check=True, env=_env(), capture_output=True, timeout=600)
     resumed = _trace(trace)
     assert sorted(resumed) == sorted(oracle)
     assert [s for s in oracle if resumed[s] != oracle[s]] == []
     steps = [json.loads(line)["step"] for line in trace.read_text().splitlines()]
-    checkpoint = 4 * (killed_at // 4)
     assert steps == [*range(1, killed_at + 1), *range(checkpoint + 1, STEPS + 1)]
 
     store = Store.open(str(run / "store"))
@@ -196,6 +230,24 @@ def test_readme_filter_command_as_written_learns(tmp_path) -> None:
 
 
 # -- in process: settings, bad inputs ----------------------------------------------------------
+
+
+def test_a_checkpoint_killed_while_saved_is_not_resumed_from(tmp_path, caplog) -> None:
+    """A kill between the Trainer's files of checkpoint-N and dynstate's state leaves a folder
+    no resume can use: the example (and train(resume_from_checkpoint=True)) resume from the
+    newest one saved whole."""
+    from dynstate.trl.trainer import last_checkpoint
+
+    out = tmp_path / "out"
+    assert last_checkpoint(str(out)) is None
+    for step in (4, 8, 12):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        (out / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    assert last_checkpoint(str(out)) is None
+    for step in (4, 8):
+        (out / f"checkpoint-{step}" / "dynstate_state.pt").write_bytes(b"")
+    assert last_checkpoint(str(out)) == str(out / "checkpoint-8")
+    assert "checkpoint-12 was not saved whole" in caplog.text
 
 
 @pytest.fixture(scope="module")

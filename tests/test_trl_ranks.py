@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -204,13 +205,117 @@ def test_resume_at_another_process_count_continues_the_stream(tmp_path) -> None:
     assert [got[s] for s in range(1, 4)] == [oracle[s] for s in range(1, 4)]
 
 
-def test_filter_groups_in_two_processes_is_refused(tmp_path) -> None:
-    done = subprocess.run(
-        _torchrun("--store", str(tmp_path / "store"), "--out", str(tmp_path / "out"),
-                  "--steps", "2", "--filter-groups"),
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600,
+FILTER_STEPS = 12
+
+
+def _kill_tree(proc: Any) -> None:
+    """The launcher and its workers, by id: torchrun starts each worker in a session of its
+    own, so a killed launcher (or process group) would leave them training."""
+    import psutil
+
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    os.kill(proc.pid, signal.SIGKILL)
+    for worker in workers:
+        try:
+            worker.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(workers, timeout=60)
+
+
+def _outcomes_from_files(store: Path) -> Counter[tuple[int, int, float]]:
+    """The oracle: every outcome record in the store's Parquet files, read with pyarrow (an
+    uninterrupted run abandons no version, so every file is live)."""
+    import pyarrow.parquet as pq
+
+    out: Counter[tuple[int, int, float]] = Counter()
+    for path in (store / "data").glob("*.parquet"):
+        table = pq.read_table(path)
+        if table.column_names == ["row", "step", "score"]:
+            out.update(zip(*(table.column(c).to_pylist() for c in table.column_names), strict=True))
+    return out
+
+
+def test_filter_groups_in_two_processes_resume_exactly_after_sigkill(tmp_path) -> None:
+    """The README's 2-process command with --filter-groups (12 steps, the exact reward,
+    checkpoints every 4), SIGKILLed at a random step after the first checkpoint and rerun:
+    every step's rows and rewards (both ranks') equal the uninterrupted run's, the store's
+    consumption records and outcomes too; the exactly-once equation holds on them. A resume
+    of its checkpoint in one process is refused by name, the store unchanged."""
+    from test_trl_filter import _check_records_against_trace, _consumed, whole_checkpoint
+
+    from dynstate import consumption_records
+
+    train, _ = readme_ranks_commands()
+    command = train.replace("--steps 30", f"--steps {FILTER_STEPS}")
+    command += " --filter-groups --reward exact --save-steps 4"
+
+    def launch(base: Path) -> list[str]:
+        argv = _argv(command, base)
+        argv[1:1] = ["--master-port", str(_port())]
+        return argv
+
+    clean = tmp_path / "clean"
+    _run(launch(clean))
+    oracle = _trace(clean / "trace.jsonl")
+    assert sorted(oracle) == list(range(1, FILTER_STEPS + 1))
+    clean_store = Store.open(str(clean / "store"))
+    _check_records_against_trace(clean_store, oracle, ranks=2)
+    # both ranks trained their 4 groups each step, their rewards in the trace
+    assert all(len(oracle[s]["rows"]) == 8 for s in oracle)
+    # the outcomes rank 0 committed are every rank's scored groups, as the files hold them
+    files = _outcomes_from_files(clean / "store")
+    records = consumption_records(clean_store)
+    per_step = Counter(step for _, step, _ in files.elements())
+    assert per_step == Counter({r["step"]: 8 * len(r["drawn"]) for r in records})
+    for r in records:  # the groups drawn at a step and trained at once: their scores are there
+        step = oracle[r["step"]]
+        carried = len(r["carried_in"])
+        for k, row in enumerate(step["rows"]):
+            if row in r["carried_in"]:
+                continue
+            for score in step["rewards"][k * 8 : (k + 1) * 8]:
+                assert files[(row, r["step"], score)] > 0, (r["step"], row, carried)
+
+    run = tmp_path / "killed"
+    kill_after = random.Random().randint(5, FILTER_STEPS - 1)  # after the checkpoint of step 4
+    proc = subprocess.Popen(
+        launch(run), cwd=ROOT, env=_env(), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
+    trace = run / "trace.jsonl"
+    deadline = time.monotonic() + 300
+    while not (trace.exists() and len(trace.read_text().splitlines()) >= kill_after):
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    _kill_tree(proc)
+    killed_at = len(trace.read_text().splitlines())
+    assert killed_at < FILTER_STEPS, killed_at
+    checkpoint = whole_checkpoint(run / "out", killed_at, every=4)
+    _run(launch(run))
+    resumed = _trace(trace)
+    assert sorted(resumed) == sorted(oracle)
+    assert [s for s in oracle if resumed[s] != oracle[s]] == [], f"killed after {killed_at}"
+    steps = [json.loads(line)["step"] for line in trace.read_text().splitlines()]
+    assert steps == [*range(1, killed_at + 1), *range(checkpoint + 1, FILTER_STEPS + 1)]
+    store = Store.open(str(run / "store"))
+    _check_records_against_trace(store, resumed, ranks=2)
+    mine = [_consumed(r) for r in consumption_records(store)]
+    assert mine == [_consumed(r) for r in records]
+    assert store.snapshot().to_arrow().equals(clean_store.snapshot().to_arrow())
+    live = store.outcome_records()
+    got = Counter(zip(*(live.column(c).to_pylist() for c in ("row", "step", "score")), strict=True))
+    assert got == files
+
+    # its last checkpoint in one process: refused by name before anything changes
+    head = store.refresh()
+    opts = _argv(command, run)[4:]  # the example's options, without the launcher's
+    done = subprocess.run(
+        _python(*opts), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600
+    )
     assert done.returncode != 0
-    assert "InvalidDataError" in done.stderr
-    assert "runs filter_groups in 2 processes" in done.stderr, done.stderr[-3000:]
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("checkpoint-*"))
+    assert "StateMismatchError" in done.stderr, done.stderr[-3000:]
+    assert "saved with filter_groups by 2 process(es), and this run has 1" in done.stderr
+    assert store.refresh() == head

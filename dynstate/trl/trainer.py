@@ -20,7 +20,9 @@ In several processes (``torchrun``, ``accelerate launch``) each process draws it
 step from one sampler position (``num_replicas``/``rank``), the step's rows are gathered in the
 order GRPOTrainer gathers the rewards, rank 0 alone runs the generator, commits the round and
 saves ``dynstate_state.pt`` (the same position on every rank), and broadcasts what it committed
-before any rank draws again.
+before any rank draws again. With ``filter_groups`` the processes are ``DynamicSampling``'s
+ranks: they draw generation batches in lockstep, each scores the prompts dealt to it alone,
+and rank 0 commits the one record of every rank's groups and saves every rank's carry.
 
 A generation may serve several optimizer steps (``steps_per_generation * num_iterations`` a
 multiple ``k`` of ``gradient_accumulation_steps``): dynstate's step is then one generation, its
@@ -30,8 +32,8 @@ and checkpoints land only there, so that no checkpoint holds GRPO's buffered com
 What cannot be made exact is refused at construction, naming the setting: a generation that
 ends inside an optimizer step or several generations in one, ``save_steps``/``max_steps`` not a
 multiple of ``k``, ``save_strategy="best"`` with ``k > 1``, ``max_steps`` unset,
-``filter_groups`` in more than one process, with loader workers or with ``k > 1``, loader
-workers in more than one process, a process's
+``filter_groups`` with loader workers or with ``k > 1``, loader workers in more than one
+process, a process's
 responses not whole groups; with filtering also mix mode and a ``num_generations`` that does
 not split over ``steps_per_generation``. See docs/trl.md.
 """
