@@ -164,8 +164,12 @@ class Decoded:
         self._bytes: int | None = None  # the folder's size, once scanned
         self._lock = threading.Lock()
 
-    def where(self, store: Store) -> str:
-        if self.folder is None:
+    def where(self, store: Store) -> str | None:
+        """The folder, or None while the cache is off. Off unless ``DYNSTATE_DECODED_CACHE=1``
+        (or a folder is set): a mapped file is not checked against the shard again, so a
+        shard damaged after it was decoded goes unnoticed (its committed rows are still
+        returned), where a plain read raises; whether that is the default is undecided."""
+        if self.folder is None and os.environ.get("DYNSTATE_DECODED_CACHE") == "1":
             self.folder = os.path.join(
                 tempfile.gettempdir(), "dynstate-cache", store.store_id, "decoded"
             )
@@ -175,16 +179,22 @@ class Decoded:
         return os.path.join(folder, f"{name}.arrow")
 
     def has(self, store: Store, shard: m.ShardRef) -> bool:
-        return os.path.exists(self.path(self.where(store), _decoded_name(shard)))
+        folder = self.where(store)
+        return folder is not None and os.path.exists(self.path(folder, _decoded_name(shard)))
 
     def read(self, store: Store, shard: m.ShardRef) -> pa.Table | None:
         """The shard as it was written (not conformed), mapped; None if no good file."""
-        return self.read_named(self.where(store), _decoded_name(shard), shard.rows)
+        folder = self.where(store)
+        if folder is None:
+            return None
+        return self.read_named(folder, _decoded_name(shard), shard.rows)
 
     def write(self, store: Store, shard: m.ShardRef, table: pa.Table) -> None:
         """Keep ``table`` (the shard as written, decoded from verified bytes) for later
         reads; a failure only costs them a decode."""
-        self.write_named(self.where(store), _decoded_name(shard), table)
+        folder = self.where(store)
+        if folder is not None:
+            self.write_named(folder, _decoded_name(shard), table)
 
     def read_named(self, folder: str, name: str, rows: int) -> pa.Table | None:
         """The table kept under ``name``, mapped, if it is there, whole and names the content
@@ -289,7 +299,10 @@ class ShardCache:
         self.max_bytes = max_bytes
         self.disk_dir = disk_dir
         self.decoded = Decoded(
-            os.path.join(disk_dir, "decoded") if disk_dir is not None else None, max_bytes
+            os.path.join(disk_dir, "decoded")
+            if disk_dir is not None and os.environ.get("DYNSTATE_DECODED_CACHE") == "1"
+            else None,
+            max_bytes,
         )
         # Keyed by (checksum, schema fingerprint): a shard read under a newer, wider schema
         # is conformed once, not on every read; a row group by (checksum, fingerprint, group);

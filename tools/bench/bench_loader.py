@@ -21,7 +21,8 @@ the same rows and the same indices, reported as ratios; never part of the tests.
 
     python tools/bench/bench_loader.py                   # store built once under --dir
     python tools/bench/bench_loader.py --sections batch,row --repeats 11
-    python tools/bench/bench_loader.py --rows 1000000 --rounds 100 --sections warmup
+    DYNSTATE_DECODED_CACHE=1 python tools/bench/bench_loader.py --rows 1000000 --rounds 100 \
+        --sections warmup
 """
 
 from __future__ import annotations
