@@ -4,14 +4,14 @@ rounds, outcomes, selection and exact resume. See docs/trl.md.
 The only package of dynstate that imports trl. A user's ``GRPOTrainer`` script changes in a
 few lines::
 
-    from dynstate.trl import DynstateGRPOTrainer           # was: from trl import GRPOTrainer
+    from dynstate.trl import DynstateGRPOTrainer, last_checkpoint  # was: ... GRPOTrainer
     trainer = DynstateGRPOTrainer(
         model=model, reward_funcs=[reward], args=GRPOConfig(...), processing_class=tokenizer,
         train_dataset=dynstate.VersionedDataset(store),   # was: a datasets.Dataset
         generator=MyGenerator(), select=dynstate.Learnability(),
         filter_groups=True,   # optional: DAPO's group filtering with carry-over
     )
-    trainer.train(resume_from_checkpoint=last_checkpoint)  # rolls back later rounds first
+    trainer.train(resume_from_checkpoint=last_checkpoint(args.output_dir))  # rolls back first
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from .generator import DynstateGenerator, RoundView, StepBatch
 from .loader import STATE_FILE, read_checkpoint_state
-from .trainer import DynstateGRPOTrainer, FilterGroups, Round
+from .trainer import DynstateGRPOTrainer, FilterGroups, Round, last_checkpoint
 
 __all__ = [
     "STATE_FILE",
@@ -37,5 +37,6 @@ __all__ = [
     "Round",
     "RoundView",
     "StepBatch",
+    "last_checkpoint",
     "read_checkpoint_state",
 ]

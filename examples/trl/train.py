@@ -241,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     from trl import GRPOConfig
 
     import dynstate
-    from dynstate.trl import DynstateGRPOTrainer, FilterGroups
-    from dynstate.trl.trainer import last_checkpoint
+    from dynstate.trl import DynstateGRPOTrainer, FilterGroups, last_checkpoint
 
     # one process, or one per rank under `accelerate launch` / `torchrun` (gloo on the CPU)
     ranks = PartialState(cpu=True)
