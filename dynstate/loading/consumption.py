@@ -377,7 +377,7 @@ class DynamicSampling:
         """The groups the next step trains first (this rank's)."""
         return tuple(self._carry)
 
-    def _my_carry(self, record: dict[str, Any]) -> list[list[Any]]:
+    def rank_carry(self, record: dict[str, Any]) -> list[list[Any]]:
         """This rank's share of a record's carry: its own at the same number of ranks (by the
         record's per-rank counts), else every ``num_replicas``-th group from its rank on."""
         carry: list[list[Any]] = record["carry"]
@@ -428,7 +428,7 @@ class DynamicSampling:
         rows_version = record["rows_version"]
         carry = [
             Group(encode_index(rows_version, row), None, tuple(scores))
-            for row, scores in self._my_carry(record)
+            for row, scores in self.rank_carry(record)
         ]
         self._rollback(step)
         position = {k: v for k, v in record["sampler"].items() if k != CARRY_BY_RANK}
@@ -462,7 +462,7 @@ class DynamicSampling:
                 f"step {step} of {url} carries {len(record['carry'])} groups, over "
                 f"max_carry={self.max_carry}; nothing was changed"
             )
-        mine = self._my_carry(record)
+        mine = self.rank_carry(record)
         if len(mine) > self.max_carry:
             raise InvalidDataError(
                 f"step {step} of {url} carries {len(record['carry'])} groups, and rank "

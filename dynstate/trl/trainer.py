@@ -579,7 +579,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
         # this rank's share of the carry, as DynamicSampling deals it (by position: a row may
         # be carried twice)
         positions: list[Any] = list(range(len(tensors)))
-        mine: list[Any] = dyn._my_carry({"carry": positions, "sampler": record["sampler"]})
+        mine: list[Any] = dyn.rank_carry({"carry": positions, "sampler": record["sampler"]})
         dyn.resume(step, first_step=FIRST_STEP)
         device = self.accelerator.device
         self._parts = {
