@@ -1,7 +1,8 @@
 """dynstate.trl in 2 processes through TRL's real ``GRPOTrainer.train()`` under ``torchrun``
 (gloo on the CPU) with the example's tiny model (issue 43.1): the README's 2-process command run
 as written, killed with SIGKILL at a random step after a checkpoint and rerun, trains every
-step on the rows, and with the rewards, of the uninterrupted run; a checkpoint resumed at
+step on the rows, and with the rewards, of the uninterrupted run, and so does it with 2 loader
+workers per process (mix and epoch mode); a checkpoint resumed at
 another process count continues the sampler's stream of positions exactly (the oracle: the
 stream of an uninterrupted 1-process run); group filtering in 2 processes is refused by name.
 """
@@ -112,12 +113,104 @@ def test_readme_two_process_command_resumes_exactly_after_sigkill(tmp_path) -> N
     assert clean_store.commit_record(clean_store.refresh()).meta.get("step") == 30
 
     run = tmp_path / "killed"
-    kill_after = random.Random().randint(11, 28)  # after the checkpoint of step 10
-    argv = _argv(train, run)
+    killed_at = _kill_and_rerun(_argv(train, run), run, first=11, steps=30)
+    _check_resumed(run, oracle, clean_store, killed_at)
+
+
+def _check_resumed(run: Path, oracle: dict[int, dict[str, Any]], clean: Store, at: int) -> None:
+    """Every step of the killed and rerun ``run`` equals the uninterrupted run's, rows and
+    rewards (both processes'), and so do their stores and outcomes."""
+    trace = run / "trace.jsonl"
+    resumed = _trace(trace)
+    assert sorted(resumed) == sorted(oracle)
+    assert [s for s in oracle if resumed[s] != oracle[s]] == [], f"killed after {at}"
+    assert len(trace.read_text().splitlines()) > len(oracle)  # steps after the checkpoint twice
+    store = Store.open(str(run / "store"))
+    assert store.snapshot().to_arrow().equals(clean.snapshot().to_arrow())
+    # the outcomes rank 0 committed are every process's, as the trace holds them
+    stats = store.outcome_stats()
+    assert sum(stats.column("attempts").to_pylist()) == 64 * len(oracle)
+
+
+# the example's script, each process's GRPOConfig and trainer given what its options do not set
+WRAPPER = """\
+import json, os, runpy, sys
+from trl import GRPOConfig
+from dynstate.trl import DynstateGRPOTrainer
+post, init = GRPOConfig.__post_init__, DynstateGRPOTrainer.__init__
+def config(self):
+    self.dataloader_num_workers = int(os.environ["DYNSTATE_TEST_WORKERS"])
+    post(self)
+def trainer(self, *a, **kw):
+    init(self, *a, **{**kw, **json.loads(os.environ["DYNSTATE_TEST_TRAINER"])})
+    with open(os.environ["DYNSTATE_TEST_SEEN"], "a") as f:  # what each process's loader runs
+        f.write(json.dumps([self.accelerator.process_index, self._loader.num_workers]) + "\\n")
+GRPOConfig.__post_init__, DynstateGRPOTrainer.__init__ = config, trainer
+sys.argv[0] = os.environ["DYNSTATE_TEST_TRAIN"]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _wrapped(
+    argv: list[str], run: Path, workers: int, trainer: dict[str, Any], monkeypatch: Any
+) -> list[str]:
+    """``argv`` (a torchrun command of the example) with its script run through
+    :data:`WRAPPER`: ``dataloader_num_workers=workers`` (the example sets 0) and the trainer's
+    ``trainer`` keywords, passed on in the environment (read by :func:`_env`)."""
+    run.mkdir(parents=True, exist_ok=True)
+    wrapper = run / "wrapped_train.py"
+    wrapper.write_text(WRAPPER)
+    at = next(i for i, a in enumerate(argv) if a.endswith("train.py"))
+    monkeypatch.setenv("DYNSTATE_TEST_WORKERS", str(workers))
+    monkeypatch.setenv("DYNSTATE_TEST_TRAINER", json.dumps(trainer))
+    monkeypatch.setenv("DYNSTATE_TEST_TRAIN", str(ROOT / argv[at]))
+    monkeypatch.setenv("DYNSTATE_TEST_SEEN", str(run / "seen.jsonl"))
+    return [*argv[:at], str(wrapper), *argv[at + 1 :]]
+
+
+# mix mode's lag must cover what the workers prefetch: num_workers * prefetch_factor + 1
+LOADER_WORKERS: dict[str, dict[str, Any]] = {
+    "mix": {"mode": "mix", "lag": 5},
+    "epoch": {"mode": "epoch"},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(LOADER_WORKERS))
+def test_loader_workers_in_two_processes_resume_exactly_after_sigkill(
+    tmp_path, monkeypatch, mode: str
+) -> None:
+    """The README's 2-process command with 2 loader workers per process, SIGKILLed at a random
+    step after a checkpoint and rerun: every step's rows and rewards equal those of the
+    uninterrupted run without workers (the sampler draws in the trainer's process, the workers
+    read rows only and the loader's generator is its own: workers change no row)."""
+    train, _ = readme_ranks_commands()
+    command = train.replace("--steps 30", "--steps 20")
+    trainer = LOADER_WORKERS[mode]
+    clean = tmp_path / "clean"
+    argv = _wrapped(_argv(command, clean), clean, 0, trainer, monkeypatch)
     argv[1:1] = ["--master-port", str(_port())]
+    _run(argv)
+    oracle = _trace(clean / "trace.jsonl")
+    assert sorted(oracle) == list(range(1, 21))
+    run = tmp_path / "killed"
+    argv = _wrapped(_argv(command, run), run, 2, trainer, monkeypatch)
+    killed_at = _kill_and_rerun(argv, run, first=11, steps=20)
+    _check_resumed(run, oracle, Store.open(str(clean / "store")), killed_at)
+    # each process of both launches ran its loader with 2 workers, of the oracle's with none
+    seen = [json.loads(line) for line in (run / "seen.jsonl").read_text().splitlines()]
+    assert sorted(seen) == [[0, 2], [0, 2], [1, 2], [1, 2]], seen
+    seen = [json.loads(line) for line in (clean / "seen.jsonl").read_text().splitlines()]
+    assert sorted(seen) == [[0, 0], [1, 0]], seen
+
+
+def _kill_and_rerun(argv: list[str], run: Path, first: int, steps: int) -> int:
+    """Launch ``argv`` (a torchrun command) on a free port, SIGKILL the launcher and its workers
+    once the trace has a random step in ``first..steps-2`` (after a checkpoint), rerun it to the
+    end; the step it was killed after."""
+    kill_after = random.Random().randint(first, steps - 2)
     proc = subprocess.Popen(
-        argv, cwd=ROOT, env=_env(), start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [argv[0], "--master-port", str(_port()), *argv[1:]], cwd=ROOT, env=_env(),
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     trace = run / "trace.jsonl"
     deadline = time.monotonic() + 300
@@ -125,34 +218,11 @@ def test_readme_two_process_command_resumes_exactly_after_sigkill(tmp_path) -> N
         assert proc.poll() is None, "the run ended before it could be killed"
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    # the launcher and both workers, by id: torchrun starts each worker in a session of its
-    # own, so a killed launcher (or process group) would leave them training
-    import psutil
-
-    workers = psutil.Process(proc.pid).children(recursive=True)
-    os.kill(proc.pid, signal.SIGKILL)
-    for worker in workers:
-        try:
-            worker.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait()
-    psutil.wait_procs(workers, timeout=60)
+    _kill_tree(proc)
     killed_at = len(trace.read_text().splitlines())
-    assert killed_at < 30, killed_at
-    argv = _argv(again, run)
-    argv[1:1] = ["--master-port", str(_port())]
-    _run(argv)
-    resumed = _trace(trace)
-    assert sorted(resumed) == sorted(oracle)
-    assert [s for s in oracle if resumed[s] != oracle[s]] == [], f"killed after {killed_at}"
-    assert len(trace.read_text().splitlines()) > 30  # the steps after the checkpoint twice
-    store = Store.open(str(run / "store"))
-    assert store.snapshot().to_arrow().equals(clean_store.snapshot().to_arrow())
-    # the outcomes rank 0 committed are every process's, as the trace holds them
-    stats = store.outcome_stats()
-    attempts = sum(stats.column("attempts").to_pylist())
-    assert attempts == 30 * 64
+    assert killed_at < steps, killed_at
+    _run([argv[0], "--master-port", str(_port()), *argv[1:]])
+    return killed_at
 
 
 # -- another process count ---------------------------------------------------------------------

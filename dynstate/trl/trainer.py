@@ -32,9 +32,8 @@ and checkpoints land only there, so that no checkpoint holds GRPO's buffered com
 What cannot be made exact is refused at construction, naming the setting: a generation that
 ends inside an optimizer step or several generations in one, ``save_steps``/``max_steps`` not a
 multiple of ``k``, ``save_strategy="best"`` with ``k > 1``, ``max_steps`` unset,
-``filter_groups`` with loader workers or with ``k > 1``, loader workers in more than one
-process, a process's
-responses not whole groups; with filtering also mix mode and a ``num_generations`` that does
+``filter_groups`` with loader workers or with ``k > 1``, a process's responses not whole
+groups; with filtering also mix mode and a ``num_generations`` that does
 not split over ``steps_per_generation``. See docs/trl.md.
 """
 
@@ -230,13 +229,6 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 f"steps_per_generation={a.steps_per_generation} = {local} responses per process",
                 f"not a multiple of num_generations={a.num_generations}: each process draws "
                 "whole groups from the store; use a multiple",
-            )
-        if a.dataloader_num_workers and self.accelerator.num_processes > 1:
-            raise refuse(
-                f"runs dataloader_num_workers={a.dataloader_num_workers} in "
-                f"{self.accelerator.num_processes} processes",
-                "which is not tested for exact resume yet (each rank's workers, one saved "
-                "loader state); set dataloader_num_workers=0, or train in one process",
             )
         if a.dataloader_num_workers and self._filter is not None:
             raise refuse(
