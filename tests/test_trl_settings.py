@@ -347,22 +347,3 @@ def test_setting_resumes_exactly_after_sigkill(tmp_path: Path, name: str) -> Non
     a = dynstate.Store.open(str(clean / "store")).snapshot().to_arrow()
     b = dynstate.Store.open(str(run / "store")).snapshot().to_arrow()
     assert a.equals(b)
-
-
-def test_loader_workers_in_two_processes_are_refused_by_name(tmp_path: Path) -> None:
-    """Not tested for exact resume yet: refused at start-up under torchrun, naming the
-    setting, before any round is committed."""
-    import socket
-
-    torchrun = Path(sys.executable).parent / "torchrun"
-    if not torchrun.exists():
-        pytest.skip("torchrun not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    argv = _launch(tmp_path, ["--workers", "2", "--steps", "2"])
-    argv = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(port), *argv[1:]]
-    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0
-    assert "dataloader_num_workers=2 in 2 processes" in done.stderr + done.stdout
-    assert not (tmp_path / "trace.jsonl").exists()
