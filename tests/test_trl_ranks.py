@@ -203,22 +203,41 @@ def test_loader_workers_in_two_processes_resume_exactly_after_sigkill(
     assert sorted(seen) == [[0, 0], [1, 0]], seen
 
 
+def _start_and_kill(argv: list[str], trace: Path, kill_after: int) -> None:
+    """Launch ``argv`` (a torchrun command without its port) on a free port, and SIGKILL the
+    launcher and its workers once ``trace`` has ``kill_after`` steps. The launch's output goes
+    to a log beside the trace, quoted if the run ends before it could be killed. A free port
+    can be taken by another process (Ray's, in a parallel test) before torchrun binds it: a
+    launch that failed on its port, having trained nothing, is started again on another."""
+    log = trace.parent.parent / f"{trace.parent.name}-launch.log"
+    for attempt in range(3):
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [argv[0], "--master-port", str(_port()), *argv[1:]], cwd=ROOT, env=_env(),
+                start_new_session=True, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        deadline = time.monotonic() + 300
+        while not (trace.exists() and len(trace.read_text().splitlines()) >= kill_after):
+            if proc.poll() is not None:
+                break
+            assert time.monotonic() < deadline, "no step traced in 300 s"
+            time.sleep(0.02)
+        else:
+            _kill_tree(proc)
+            return
+        text = log.read_text(errors="replace")
+        port_taken = "address already in use" in text.lower() or "EADDRINUSE" in text
+        if not (port_taken and not trace.exists() and attempt < 2):
+            raise AssertionError(f"the run ended before it could be killed:\n{text[-6000:]}")
+
+
 def _kill_and_rerun(argv: list[str], run: Path, first: int, steps: int) -> int:
     """Launch ``argv`` (a torchrun command) on a free port, SIGKILL the launcher and its workers
     once the trace has a random step in ``first..steps-2`` (after a checkpoint), rerun it to the
     end; the step it was killed after."""
     kill_after = random.Random().randint(first, steps - 2)
-    proc = subprocess.Popen(
-        [argv[0], "--master-port", str(_port()), *argv[1:]], cwd=ROOT, env=_env(),
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
     trace = run / "trace.jsonl"
-    deadline = time.monotonic() + 300
-    while not (trace.exists() and len(trace.read_text().splitlines()) >= kill_after):
-        assert proc.poll() is None, "the run ended before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    _kill_tree(proc)
+    _start_and_kill(argv, trace, kill_after)
     killed_at = len(trace.read_text().splitlines())
     assert killed_at < steps, killed_at
     _run([argv[0], "--master-port", str(_port()), *argv[1:]])
@@ -350,17 +369,8 @@ def test_filter_groups_in_two_processes_resume_exactly_after_sigkill(tmp_path) -
 
     run = tmp_path / "killed"
     kill_after = random.Random().randint(5, FILTER_STEPS - 1)  # after the checkpoint of step 4
-    proc = subprocess.Popen(
-        launch(run), cwd=ROOT, env=_env(), start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
     trace = run / "trace.jsonl"
-    deadline = time.monotonic() + 300
-    while not (trace.exists() and len(trace.read_text().splitlines()) >= kill_after):
-        assert proc.poll() is None, "the run ended before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    _kill_tree(proc)
+    _start_and_kill(_argv(command, run), trace, kill_after)
     killed_at = len(trace.read_text().splitlines())
     assert killed_at < FILTER_STEPS, killed_at
     checkpoint = whole_checkpoint(run / "out", killed_at, every=4)
