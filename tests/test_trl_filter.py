@@ -374,7 +374,6 @@ def test_checkpoint_without_its_carry_is_refused_unchanged(example, trained, tmp
 @pytest.mark.parametrize(
     ("over", "named"),
     [
-        ({"mode": "mix"}, "mode='mix'"),
         ({"filter_groups": "yes"}, "filter_groups"),
         (
             {
@@ -401,10 +400,12 @@ class _Crash(Exception):
     pass
 
 
-def _rounds_run(example: Any, base: Path, *, crash_after: int | None, resume: bool) -> list[Any]:
+def _rounds_run(
+    example: Any, base: Path, *, crash_after: int | None, resume: bool, **sampler: Any
+) -> list[Any]:
     """Rounds of a 4-step filtering run with gradient accumulation 2 (checkpoints every 2
-    steps), selection and the example's generator; ``crash_after``: raise once that step is
-    committed."""
+    steps), selection (unless ``sampler`` says otherwise) and the example's generator;
+    ``crash_after``: raise once that step is committed."""
     from transformers import TrainerCallback
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -424,9 +425,9 @@ def _rounds_run(example: Any, base: Path, *, crash_after: int | None, resume: bo
         example,
         store,
         base / "out",
-        select=dynstate.Learnability(),
         generator=example.HardestVariations(seed=0),
         config={"max_steps": 4, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 8},
+        **{"select": dynstate.Learnability(), **sampler},
     )
     trainer.add_callback(Record())
     try:
@@ -438,21 +439,31 @@ def _rounds_run(example: Any, base: Path, *, crash_after: int | None, resume: bo
     return rounds
 
 
-def test_gradient_accumulation_with_filtering_resumes_exactly(example, tmp_path) -> None:
+@pytest.mark.parametrize(
+    "sampler",
+    [{}, {"mode": "mix", "lag": 1, "fresh_share": 0.5, "select": None}],
+    ids=["epoch-select", "mix"],
+)
+def test_gradient_accumulation_with_filtering_resumes_exactly(example, tmp_path, sampler) -> None:
     """gradient_accumulation_steps 2 (steps_per_generation following it): a run stopped after
     the round of step 3 and resumed from checkpoint-2 trains steps 3 and 4 as the
-    uninterrupted run did: the same groups, rewards and consumption."""
+    uninterrupted run did: the same groups, rewards and consumption. In mix mode the rows the
+    generator commits are drawn within the epoch, a lag of one generation batch after the
+    step that committed them ended."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the example: the same arithmetic in every run
     try:
-        clean = _rounds_run(example, tmp_path / "clean", crash_after=None, resume=False)
+        clean = _rounds_run(example, tmp_path / "clean", crash_after=None, resume=False, **sampler)
         assert [r.step for r in clean] == [1, 2, 3, 4]
         assert sum(len(r.consumption["filtered"]) for r in clean) > 0
-        first = _rounds_run(example, tmp_path / "run", crash_after=3, resume=False)
+        if sampler:  # fresh rows were drawn: past the version the epoch pinned
+            positions = [r.consumption["sampler"] for r in clean]
+            assert any(p["fresh_next"] > p["base_rows"] for p in positions)
+        first = _rounds_run(example, tmp_path / "run", crash_after=3, resume=False, **sampler)
         assert [r.step for r in first] == [1, 2, 3]
-        again = _rounds_run(example, tmp_path / "run", crash_after=None, resume=True)
+        again = _rounds_run(example, tmp_path / "run", crash_after=None, resume=True, **sampler)
         assert [r.step for r in again] == [3, 4]
         for mine, theirs in zip(again, clean[2:], strict=True):
             assert (mine.rows, mine.rewards, mine.added) == (

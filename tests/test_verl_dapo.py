@@ -9,9 +9,9 @@ logged (exactly once per step and across steps, some groups filtered, some carri
 ``dynstate/filter/*`` figures verl's tracker printed; kill chains (SIGKILL mid-refill, right
 after a checkpoint that holds a carry, right after a round commit) that end with the
 uninterrupted run's batches, rewards, records and store; ``surplus=drop`` with a
-``reward_extra_info`` metric and two loader workers; a resume whose filter settings differ from
-the checkpoint's, refused naming the verl key with the store untouched; and the settings refused
-before Ray starts.
+``reward_extra_info`` metric, two loader workers and mix mode; a resume whose filter settings
+differ from the checkpoint's, refused naming the verl key with the store untouched; and the
+settings refused before Ray starts.
 
 Every driver runs here in turn (one Ray cluster at a time; tests/conftest.py keeps this module
 on one xdist worker, as test_verl_v1.py).
@@ -220,15 +220,16 @@ def test_dapo_kill_chain_resumes_exactly(files, reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_dapo_drop_surplus_extra_info_metric_two_workers(files, tmp_path):
+def test_dapo_drop_surplus_extra_info_metric_two_workers_mix_mode(files, tmp_path):
     """``data.dynstate.surplus=drop``, the metric a ``reward_extra_info`` key (``acc``, from a
-    custom reward function), ``data.dataloader_num_workers=2``: accepted groups beyond the batch
-    are recorded as dropped, never trained; killed right after checkpoint 2, the resumed run
-    equals the uninterrupted one."""
+    custom reward function), ``data.dataloader_num_workers=2``, ``data.dynstate.mode=mix``
+    (``lag`` 5 generation batches, above the workers' prefetch): accepted groups beyond the
+    batch are recorded as dropped, never trained; the generator's rows are drawn within the
+    epoch; killed right after checkpoint 2, the resumed run equals the uninterrupted one."""
     extra = {
         "num_workers": 2,
         "steps": STEPS,
-        "dynstate": {"surplus": "drop"},
+        "dynstate": {"surplus": "drop", "mode": "mix", "lag": 5, "fresh_share": 0.5},
         "overrides": [
             "algorithm.filter_groups.enable=true",
             "algorithm.filter_groups.metric=acc",
@@ -241,6 +242,8 @@ def test_dapo_drop_surplus_extra_info_metric_two_workers(files, tmp_path):
     ref_log = standins.read_log(ref["log"])
     records = check_run(ref["store"], ref_log, surplus="drop")
     assert sum(len(r["dropped"]) for r in records.values()) > 0
+    # mix mode drew rows the generator committed during the epoch
+    assert any(r["sampler"]["fresh_next"] > r["sampler"]["base_rows"] for r in records.values())
     spec = _spec(files, tmp_path, "drop-chain", **extra)
     assert run_driver(spec, (2, "saved")) == -signal.SIGKILL
     assert run_driver(spec) == 0
@@ -316,7 +319,6 @@ def test_dapo_is_accepted_with_dynstate(files, tmp_path):
     ("overrides", "dyn", "names"),
     [
         (["trainer.v1.sampler.sync_refill_failed_groups=true", *FILTER], {}, ["sync_refill"]),
-        (FILTER, {"mode": "mix"}, ["data.dynstate.mode=mix", "filter_groups"]),
         (FILTER, {"surplus": "keep"}, ["data.dynstate.surplus", "'keep'"]),
         (
             [*FILTER, "data.gen_batch_size=8"],

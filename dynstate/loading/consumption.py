@@ -231,10 +231,16 @@ class DynamicSampling:
     loop asks for its first batch (the sampler's epoch ends its iterator, so prefetch never
     crosses an epoch): the version an epoch pins depends on the step, not timing.
 
-    Refused (``InvalidDataError`` naming the setting): a mix-mode sampler — it waits for the
-    round of step ``s - lag`` where ``s`` counts sampler steps, which a filtering step draws a
-    varying number of, while rounds are committed per training step; several ranks without
-    a ``torch.distributed`` process group of ``num_replicas`` processes.
+    Steps: the sampler counts generation batches (sampler steps), the rounds count training
+    steps, and a training step draws a varying number of batches. Where the sampler asks for
+    the round of sampler step ``x`` (the version a new epoch pins: ``x`` = the step before
+    it; mix mode's fresh rows: ``x = s - lag``), it gets the round of the last training step
+    whose draws ended at or before ``x``, read from the records: a rule on the history, never
+    on timing. In mix mode ``lag`` therefore counts generation batches, and must exceed the
+    loader's prefetch depth as without filtering.
+
+    Refused (``InvalidDataError`` naming the setting): several ranks without a
+    ``torch.distributed`` process group of ``num_replicas`` processes.
     """
 
     def __init__(
@@ -284,14 +290,6 @@ class DynamicSampling:
                 f"(num_replicas * gen_batch_size - 1 = {most} accepted groups beyond a full "
                 "batch); raise max_carry or pass surplus='drop'"
             )
-        if sampler.mode != "epoch":
-            raise InvalidDataError(
-                f"DynamicSampling over {url} supports mode='epoch' samplers, not "
-                f"mode={sampler.mode!r}: mix mode waits for the round of sampler step s - lag, "
-                "but a filtering step draws a varying number of sampler steps and commits one "
-                "round, so those rounds never come; use mode='epoch' (rows committed during an "
-                "epoch join at the next)"
-            )
         if replicas != 1:
             world = _dist_world()
             if world is None or world != (replicas, sampler.rank):
@@ -326,6 +324,14 @@ class DynamicSampling:
         self._next_step: int | None = None
         self._broken: str | None = None
         self._position: dict[str, Any] | None = None  # with workers: after the last batch
+        # The sampler steps are generation batches, the rounds' steps training steps: the
+        # sampler asks which training step rules a sampler step (its epoch pin, mix mode's
+        # fresh rows) through this clock. _ends: training step -> the sampler step its draws
+        # ended at (the record's position); _handed: the sampler step of the next batch the
+        # loader hands out.
+        self._ends: dict[int, int] = {}
+        self._handed = sampler.step
+        sampler.round_clock = self._round_before
 
     def _make_loader(self) -> Any:
         import torch
@@ -423,6 +429,7 @@ class DynamicSampling:
             # No checkpoint: the rounds a crashed run committed before its first are dropped.
             self._rollback(first_step - 1)
             self._next_step = first_step
+            self._handed = self.sampler.step
             return first_step
         assert record is not None
         rows_version = record["rows_version"]
@@ -438,6 +445,7 @@ class DynamicSampling:
         self._carry = [Group(g.index, self.dataset[g.index], g.scores) for g in carry]
         self._rows_version = rows_version
         self._next_step = step + 1
+        self._handed = self._ends[step] = int(position["step"])
         return step + 1
 
     def _checked_record(self, step: int, url: str) -> dict[str, Any]:
@@ -493,6 +501,7 @@ class DynamicSampling:
             except StopIteration:
                 self._it = None
                 continue
+            self._handed += 1
             if self.num_workers:
                 # The loader's snapshot pairs the sampler's state with the batch just handed
                 # out; the sampler itself is as far as the workers' prefetch.
@@ -501,6 +510,42 @@ class DynamicSampling:
         raise InvalidDataError(
             f"the sampler over {self.store.display_url} hands out no rows (an empty version?)"
         )
+
+    def _round_before(self, step: int) -> int:
+        """The sampler's round clock: the last training step whose draws ended at or before
+        sampler step ``step`` (``sampler.first_step - 1``: none yet). Only ended steps can
+        answer, so ``step`` must lie before the batch the loader hands out now — which mix
+        mode's ``lag`` above the prefetch depth guarantees (``check_loader`` checks it)."""
+        url = self.store.display_url
+        if self._next_step is None:
+            raise InvalidDataError(f"call resume(step or None) before drawing from {url}")
+        if step >= self._handed:
+            raise InvalidDataError(
+                f"the sampler over {url} asked for the round of generation batch {step} while "
+                f"batch {self._handed} is being handed out; in mix mode lag counts generation "
+                "batches and must exceed the loader's prefetch depth (num_workers * "
+                "prefetch_factor + 1)"
+            )
+        none = self.sampler.first_step - 1
+        t = self._next_step - 1  # the step under way has not ended
+        while t > none:
+            end = self._end_of(t)
+            if end is None:
+                return none  # no record: a step before this run's first
+            if end <= step + 1:
+                return t
+            t -= 1
+        return none
+
+    def _end_of(self, step: int) -> int | None:
+        """The sampler step after ``step``'s draws: this object's record, else the store's
+        (None: the head's lineage holds no record of ``step``)."""
+        if step not in self._ends:
+            found = self.store.consumption.of_step(self.store.refresh(), step)
+            if found is None:
+                return None
+            self._ends[step] = int(found[1]["sampler"]["step"])
+        return self._ends[step]
 
     def _deal(self, pairs: list[tuple[int, Any]], needing: list[int]) -> list[list[Any]]:
         """The generation batches this rank scores of one sampler step: the share of rank
@@ -604,6 +649,7 @@ class DynamicSampling:
         }
         self._carry = carry
         self._rows_version = rows_version
+        self._ends[step] = int(position["step"])
         all_trained = None
         if self.num_replicas > 1:
             groups: list[Group] = []

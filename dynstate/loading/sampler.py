@@ -180,6 +180,11 @@ class VersionedSampler(Sampler[int]):
         self._prefetched = -1
         self._open = False  # an epoch is under way: it started and not all its indices left
         self._pinned_now = False  # __iter__ just pinned the first epoch
+        # Maps a step of this sampler's count to the step of the round (``meta["step"]``)
+        # that rules it: the same number when each training step draws one sampler step;
+        # DynamicSampling, whose training steps draw a varying number, sets its own
+        # (the last training step that ended by then). Not state: the loop sets it again.
+        self.round_clock: Callable[[int], int] | None = None
 
     # The batches steps are counted in: given, taken from the loader by check_loader, or taken
     # from a loaded state. None: not known.
@@ -327,7 +332,9 @@ class VersionedSampler(Sampler[int]):
             return head  # no rounds: the head, as it always was
         if self.pos.step <= self.first_step:
             return head  # no step has run: no round to pin by
-        target = self.pos.step - 1
+        target = self._round_step(self.pos.step - 1)
+        if target < self.first_step:
+            return head  # no training step has ended: no round to pin by
         if self.mode == "epoch":
             found = store.steps.round_version(head, target, pinned)
             return head if found is None else found  # a run that commits no rounds: the head
@@ -427,7 +434,7 @@ class VersionedSampler(Sampler[int]):
             slots, per_rank = shape
             if self.select is None:
                 self._prefetch()
-            fresh_version, fresh_rows = self._visible(self.pos.step - self.lag)
+            fresh_version, fresh_rows = self._visible(self._round_step(self.pos.step - self.lag))
             p = self.pos
             n_fresh = max(0, min(min(want, per_rank) * replicas, slots, fresh_rows - p.fresh_next))
             n_base = slots - n_fresh
@@ -451,6 +458,12 @@ class VersionedSampler(Sampler[int]):
                 step=p.step + 1,
             )
             yield from batch[rank::replicas] if replicas > 1 else batch
+
+    def _round_step(self, step: int) -> int:
+        """The round step (``meta["step"]``) that sampler step ``step`` is ruled by."""
+        if self.round_clock is None or step < self.first_step:
+            return step
+        return self.round_clock(step)
 
     def _visible(self, step: int) -> tuple[int, int]:
         """(version, rows) of the round of ``step`` (the newest version whose round belongs to

@@ -33,8 +33,8 @@ What cannot be made exact is refused at construction, naming the setting: a gene
 ends inside an optimizer step or several generations in one, ``save_steps``/``max_steps`` not a
 multiple of ``k``, ``save_strategy="best"`` with ``k > 1``, ``max_steps`` unset,
 ``filter_groups`` with loader workers or with ``k > 1``, a process's responses not whole
-groups; with filtering also mix mode and a ``num_generations`` that does
-not split over ``steps_per_generation``. See docs/trl.md.
+groups; with filtering also a ``num_generations`` that does not split over
+``steps_per_generation``. See docs/trl.md.
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ class DynstateGRPOTrainer(GRPOTrainer):
     * ``generator``: writes a round between steps (interfaces in :mod:`dynstate.trl.generator`);
     * ``select``: a selection policy of :class:`~dynstate.VersionedSampler` (``Learnability()``…);
     * ``mode``, ``fresh_share``, ``lag``: the sampler's (``"mix"`` trains new rows within
-      ``lag`` steps; ``"epoch"`` at the next epoch);
+      ``lag`` steps — with ``filter_groups``, ``lag`` generation batches; ``"epoch"`` at the
+      next epoch);
     * ``sampler_seed``: the sampler's seed (default ``args.seed``);
     * ``filter_groups``: group filtering with carry-over, ``True`` or a :class:`FilterGroups`
       (each step's consumption is committed with its round; docs/trl.md).
@@ -367,12 +368,6 @@ class DynstateGRPOTrainer(GRPOTrainer):
         config: Any = a  # a GRPOConfig
         assert f is not None
         url = store.display_url
-        if s["mode"] != "epoch":
-            raise InvalidDataError(
-                f"DynstateGRPOTrainer over {url}: filter_groups needs mode='epoch', not "
-                f"mode={s['mode']!r}: mix mode counts one round per loader batch, and a "
-                "filtering step draws a varying number of generation batches"
-            )
         spg = int(config.steps_per_generation)
         if f.max_gen_batches is not None and self._group % spg:
             raise InvalidDataError(
@@ -398,7 +393,10 @@ class DynstateGRPOTrainer(GRPOTrainer):
         sampler = VersionedSampler(
             rows_ds,
             seed=s["seed"],
-            mode="epoch",
+            # mix mode's lag counts generation batches here (docs/dynamic-sampling.md)
+            mode=s["mode"],
+            fresh_share=s["fresh_share"],
+            lag=s["lag"],
             batch_size=gen if isinstance(gen, int) and gen > 0 else None,
             # several processes draw in lockstep from one position, each sampler step's rows
             # dealt to the ranks that still need groups (docs/dynamic-sampling.md)

@@ -185,12 +185,6 @@ def filter_settings(config: Any) -> FilterSettings | None:
             "function's reward_extra_info such as 'acc'"
         )
     settings = Settings.from_config(config.data)
-    if settings.mode != "epoch":
-        raise InvalidDataError(
-            f"data.dynstate.mode={settings.mode} is not supported with "
-            "algorithm.filter_groups.enable=true: mix mode counts one round per loader batch, and "
-            "a filtering step draws a varying number of generation batches; use mode epoch"
-        )
     train = config.data.get("train_batch_size")
     gen = config.data.get("gen_batch_size", None) or train
     for key, value in (("data.train_batch_size", train), ("data.gen_batch_size", gen)):
