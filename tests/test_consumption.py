@@ -531,5 +531,22 @@ def test_mix_mode_lag_at_or_below_the_prefetch_is_refused(tmp_path: Path) -> Non
         build(url, {**MIX, "lag": 4, "num_workers": 2})
 
 
+@pytest.mark.slow
+def test_the_kill_soak_runs_as_documented() -> None:
+    """A short share of docs/dynamic-sampling.md's soak: children SIGKILLed at random
+    instants, each resume audited (equation, reference run, pyarrow oracle); exit 0."""
+    soak = Path(__file__).resolve().parents[1] / "tools" / "soak_dynamic_sampling.py"
+    done = subprocess.run(
+        [sys.executable, str(soak), "--seconds", "15", "--seed", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "violations: 0" in done.stdout
+    kills = int(done.stdout.split(" SIGKILLs by phase")[0].rsplit("\n", 1)[1].split()[0])
+    assert kills > 0, done.stdout
+
+
 if __name__ == "__main__":
     run(sys.argv[2], json.loads(sys.argv[1]), Path(sys.argv[3]), Path(sys.argv[4]))
