@@ -237,6 +237,10 @@ def test_dapo_drop_surplus_extra_info_metric_two_workers_mix_mode(files, tmp_pat
             "reward.custom_reward_function.name=standin_score",
         ],
     }
+    # epochs long enough (80 rows, 20 generation batches) that rows committed at step 1 join
+    # the epoch before it ends: lag 5 counts generation batches
+    train, _ = standins.write_data(str(tmp_path), n_train=80, n_val=4)
+    files = {**files, "train": train}
     ref = _spec(files, tmp_path, "drop-ref", **extra)
     assert run_driver(ref) == 0
     ref_log = standins.read_log(ref["log"])
