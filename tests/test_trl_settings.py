@@ -158,7 +158,13 @@ pytestmark = [
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    # faulthandler: a run that dies of a signal says where (the stderr tail alone did not)
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONFAULTHANDLER": "1",
+    }
 
 
 def _launch(base: Path, options: list[str]) -> list[str]:
@@ -291,18 +297,29 @@ def check_against_oracle(root: Path, trace: dict[int, dict[str, Any]], prompts: 
         epoch_left -= 1
 
 
+def _finished(done: subprocess.CompletedProcess[bytes], what: str) -> None:
+    assert done.returncode == 0, f"{what} exited {done.returncode}: {done.stderr.decode()[-3000:]}"
+
+
 def _run_and_kill(base: Path, options: list[str], rounds: int, first_kill: int) -> int:
     """Start the run, SIGKILL it once it has traced a random round >= ``first_kill`` (after its
     first checkpoint), return that round."""
     at = random.randint(first_kill, rounds - 1)
-    proc = subprocess.Popen(
-        _launch(base, options), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    base.mkdir(parents=True, exist_ok=True)
+    # stderr to a file, not a pipe nobody reads while the run lasts (a full pipe stalls it)
+    log = base / "stderr.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            _launch(base, options), env=_env(), stdout=subprocess.DEVNULL, stderr=err
+        )
     trace, deadline = base / "trace.jsonl", time.monotonic() + 400
     while len(_lines(trace)) < at:
         if proc.poll() is not None:
-            raise AssertionError(f"the run ended before round {at}: {proc.stderr.read()!r}")
-        assert time.monotonic() < deadline
+            tail = log.read_bytes().decode(errors="replace")[-3000:]
+            raise AssertionError(f"the run exited {proc.returncode} before round {at}: {tail}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"no round {at} in 400 s: {log.read_text()[-3000:]}")
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -325,7 +342,7 @@ def test_setting_resumes_exactly_after_sigkill(tmp_path: Path, name: str) -> Non
     rounds = steps // per
     clean = tmp_path / "clean"
     done = subprocess.run(_launch(clean, options), env=_env(), capture_output=True, timeout=600)
-    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    _finished(done, "the uninterrupted run")
     oracle = _by_step(clean / "trace.jsonl")
     assert sorted(oracle) == list(range(1, rounds + 1))
     assert [oracle[s]["global_step"] for s in sorted(oracle)] == [
@@ -336,7 +353,7 @@ def test_setting_resumes_exactly_after_sigkill(tmp_path: Path, name: str) -> Non
     run = tmp_path / "killed"
     at = _run_and_kill(run, options, rounds, save // per + 1)
     done = subprocess.run(_launch(run, options), env=_env(), capture_output=True, timeout=600)
-    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    _finished(done, f"the run resumed after a kill at round {at}")
     resumed = _by_step(run / "trace.jsonl")
     differ = [s for s in oracle if s not in resumed or _same(resumed[s]) != _same(oracle[s])]
     assert differ == [], (name, at, differ)
