@@ -12,12 +12,16 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynstate import Store
+from dynstate.errors import CorruptStoreError
 from dynstate.history.outcomes import OutcomeViews
 from dynstate.log.outcomes import outcomes_of
+from dynstate.records.aggregate import Aggregate
 from dynstate.records.manifest import CHECKPOINT_INTERVAL
 from dynstate.records.outcomes import MAX_SCORE
 
@@ -139,33 +143,87 @@ def test_pending_committed_fresh_and_oracle_agree_bit_for_bit(
         assert_identical(Store.open(url).outcome_stats(version, **params), want, "fresh")
 
 
-def test_stored_aggregate_plus_files_equals_the_fold_of_every_record() -> None:
+@pytest.mark.parametrize(
+    ("num_rows", "form"),
+    [(ROWS, "dense"), (4 * ROWS, "sparse")],  # every row trained / a quarter of them
+)
+def test_stored_aggregate_plus_files_equals_the_fold_of_every_record(
+    num_rows: int, form: str
+) -> None:
     """Past a checkpoint (a stored aggregate over the first 100 commits' files), a fresh
     handle reads that aggregate and folds the files after it; a handle that never saw the
     checkpoint folds them all, the long-lived one continues its own cache: all equal the
-    oracle, bit for bit."""
+    oracle, bit for bit. In both stored forms: every row (at least half trained) or the
+    trained rows only; and with rows appended after the checkpoint."""
     url = f"memory://stats-oracle-{uuid.uuid4().hex}"
     trainer = Store.open(url, create=True)
-    trainer.append([{"i": i} for i in range(ROWS)])
+    trainer.append([{"i": i} for i in range(num_rows)])
     rng = np.random.default_rng(7)
     order = rng.permutation(CHECKPOINT_INTERVAL + 20)  # steps out of order across commits
-    for step in order.tolist():
+    for k, step in enumerate(order.tolist()):
         outcomes = [
             {"row": int(r), "step": step, "score": float(x)}
             for r, x in zip(rng.integers(0, ROWS, 7), rng.normal(size=7) * 1e3, strict=True)
         ]
-        trainer.append([], outcomes=outcomes)
+        # rows appended after the checkpoint: the stored aggregate is narrower than the head
+        rows = [{"i": num_rows + k}] if k > CHECKPOINT_INTERVAL else []
+        trainer.append(rows, outcomes=outcomes)
         trainer.outcome_stats()
     outcomes_of(trainer.log).flush()
     version = trainer.head
     fresh = Store.open(url)
-    assert outcomes_of(fresh.log).lineage(version).aggregate is not None  # the checkpoint
-    want = oracle(fresh.outcome_records(version), ROWS, 0.5, 10.0)
+    stored = outcomes_of(fresh.log).lineage(version).aggregate
+    assert stored is not None  # the checkpoint
+    written = pq.read_table(pa.BufferReader(fresh.log.storage.read(stored.path)))
+    assert written.num_rows == (num_rows if form == "dense" else ROWS), form
+    want = oracle(fresh.outcome_records(version), fresh.snapshot(version).num_rows, 0.5, 10.0)
     assert_identical(fresh.outcome_stats(version), want, "stored aggregate + files")
     assert_identical(trainer.outcome_stats(version), want, "long-lived")
     # another half-life: no stored aggregate, every file folded in one pass
-    want3 = oracle(fresh.outcome_records(version), ROWS, 0.5, 3.0)
+    want3 = oracle(fresh.outcome_records(version), fresh.snapshot(version).num_rows, 0.5, 3.0)
     assert_identical(Store.open(url).outcome_stats(version, half_life=3.0), want3, "all files")
+
+
+def test_both_stored_forms_read_back_as_the_aggregate_written() -> None:
+    """The dense and the sparse form (and the sparse form as stores before the dense one
+    wrote it: zstd, no delta coding) give back the same arrays; a ``row`` column that is
+    not every row in order, or names a row out of range, is the sparse form or an error."""
+    rng = np.random.default_rng(3)
+    n = 50
+    for trained in (0, 3, n // 2 - 1, n // 2 + 1, n):  # the last one dense
+        agg = Aggregate.empty(n, 0.5, 10.0)
+        rows = rng.permutation(n)[:trained]
+        if trained:
+            agg.fold(
+                pa.table(
+                    {
+                        "row": np.repeat(rows, 3),
+                        "step": np.tile(np.arange(3), trained),
+                        "score": rng.integers(0, 2, 3 * trained).astype(np.float64),
+                    }
+                )
+            )
+        table = agg.to_table()
+        assert table.num_rows == (n if 2 * trained >= n else trained)
+        for compression in ("lz4", "zstd"):
+            sink = pa.BufferOutputStream()
+            pq.write_table(table, sink, compression=compression)
+            back = Aggregate.from_table(pq.read_table(pa.BufferReader(sink.getvalue())), "x")
+            for name in Aggregate._SUMS:
+                assert np.array_equal(getattr(back, name), getattr(agg, name)), name
+                assert getattr(back, name).flags.writeable, name  # a fold writes into it
+            assert np.array_equal(back.values, agg.values)
+            assert np.array_equal(back.counts, agg.counts)
+    # every row, out of order: read as the sparse form, row by row
+    table = agg.to_table()
+    shuffled = table.take(pa.array(rng.permutation(table.num_rows)))
+    back = Aggregate.from_table(shuffled, "x")
+    for name in Aggregate._SUMS:
+        assert np.array_equal(getattr(back, name), getattr(agg, name)), name
+    assert np.array_equal(back.counts, agg.counts)
+    bad = table.set_column(0, "row", pa.array(np.arange(1, n + 1, dtype=np.int64)))
+    with pytest.raises(CorruptStoreError, match="row out of range"):
+        Aggregate.from_table(bad, "x")
 
 
 def test_row_history_ends_at_the_rows_mean_score() -> None:

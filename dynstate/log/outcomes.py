@@ -949,7 +949,16 @@ class Outcomes:
 
     def _put_aggregate(self, agg: Aggregate, files: int) -> AggregateRef:
         sink = pa.BufferOutputStream()
-        pq.write_table(agg.to_table(), sink, compression="zstd")  # ~1/3 smaller than snappy
+        table = agg.to_table()
+        # lz4, as shards and outcome files: a cold read decodes it ~1/3 faster than zstd, for
+        # ~1/4 more bytes. `row` delta-coded: in the dense form 0, 1, 2, ... is nearly free.
+        pq.write_table(
+            table,
+            sink,
+            compression=OUTCOME_COMPRESSION,
+            use_dictionary=[name for name in table.column_names if name != "row"],
+            column_encoding={"row": "DELTA_BINARY_PACKED"},
+        )
         data = sink.getvalue().to_pybytes()
         digest = m.sha256(data)
         # Rewritten even if present (content-addressed): its fresh time tells gc it is in use.

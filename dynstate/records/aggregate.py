@@ -1,6 +1,6 @@
 """The per-row aggregate of outcome records, from which every statistic is computed
 (:mod:`dynstate.records.outcomes` says what each one means). Pure: no I/O; stored and read by
-:mod:`dynstate.log.outcomes` in the sparse form :meth:`Aggregate.to_table` writes.
+:mod:`dynstate.log.outcomes` in the form :meth:`Aggregate.to_table` writes.
 
 The one home of the outcome rules: what a success is (:func:`succeeded`), a pass rate
 (:func:`pass_rate`, :func:`pass_rates`), its band (:func:`band_of`, :func:`band_counts`,
@@ -365,27 +365,41 @@ class Aggregate:
             }
         )
 
-    # -- stored form: sparse (trained rows only), parameters in the schema metadata --------
+    # -- stored form: one row per trained row, parameters in the schema metadata -----------
+
+    _SUMS = (
+        "attempts",
+        "score_sum",
+        "successes",
+        "first_step",
+        "last_step",
+        "ewma_num",
+        "ewma_den",
+    )
 
     def to_table(self) -> pa.Table:
-        idx = np.flatnonzero(self.attempts > 0)
-        table = pa.table(
-            {
-                "row": from_numpy(idx.astype(np.int64)),
-                "attempts": from_numpy(self.attempts[idx]),
-                "score_sum": from_numpy(self.score_sum[idx]),
-                "successes": from_numpy(self.successes[idx]),
-                "first_step": from_numpy(self.first_step[idx]),
-                "last_step": from_numpy(self.last_step[idx]),
-                "ewma_num": from_numpy(self.ewma_num[idx]),
-                "ewma_den": from_numpy(self.ewma_den[idx]),
-            }
-        )
+        """The stored form: the trained rows only, or every row (``row`` then 0, 1, 2, ...)
+        once at least half of them are trained. Dense is what a cold read wants (no scatter
+        into the per-row arrays, 0.2 of a fresh process's statistics at 1M rows); the few
+        untrained rows it adds cost less than a ``row`` column of the rest. Both are the same
+        schema: any reader of either takes the other."""
+        trained = self.attempts > 0
+        count = int(np.count_nonzero(trained))
+        dense = 2 * count >= self.num_rows
+        idx = np.arange(self.num_rows, dtype=np.int64) if dense else np.flatnonzero(trained)
+        columns = {"row": from_numpy(idx.astype(np.int64, copy=False))}
+        for name in self._SUMS:
+            values = getattr(self, name)
+            columns[name] = from_numpy(values if dense else values[idx])
+        table = pa.table(columns)
         values = None
         if self.values is not None and self.counts is not None:
             values = self.values.tolist()
             for i in range(len(values)):
-                table = table.append_column(f"count_{i}", from_numpy(self.counts[idx, i]))
+                counts = np.ascontiguousarray(self.counts[:, i])
+                table = table.append_column(
+                    f"count_{i}", from_numpy(counts if dense else counts[idx])
+                )
         params = {
             "success_above": self.success_above,
             "half_life": self.half_life,
@@ -400,20 +414,22 @@ class Aggregate:
 
         try:
             params = json.loads((table.schema.metadata or {})[_AGG_META])
-            agg = cls.empty(int(params["num_rows"]), params["success_above"], params["half_life"])
+            num_rows = int(params["num_rows"])
             idx = as_numpy(table.column("row"))
-            if len(idx) and (idx.min() < 0 or idx.max() >= agg.num_rows):
+            if len(idx) and (idx.min() < 0 or idx.max() >= num_rows):
                 raise ValueError("row out of range")
-            for name in (
-                "attempts",
-                "score_sum",
-                "successes",
-                "first_step",
-                "last_step",
-                "ewma_num",
-                "ewma_den",
-            ):
-                getattr(agg, name)[idx] = as_numpy(table.column(name))
+            # every row in order (the dense form): the columns are the arrays, copied once
+            # (they are Arrow's read-only memory, and a fold writes into them)
+            dense = len(idx) == num_rows and bool(
+                np.array_equal(idx, np.arange(num_rows, dtype=idx.dtype))
+            )
+            agg = cls.empty(0 if dense else num_rows, params["success_above"], params["half_life"])
+            for name in cls._SUMS:
+                column = as_numpy(table.column(name))
+                if dense:
+                    setattr(agg, name, np.array(column, getattr(agg, name).dtype))
+                else:
+                    getattr(agg, name)[idx] = column
             values = params.get("values")  # absent: written before the histogram
             if values is None:
                 agg.values = agg.counts = None
@@ -421,9 +437,10 @@ class Aggregate:
                 agg.values = np.array(values, np.float64)
                 if len(agg.values) > MAX_SCORE_VALUES or np.any(np.diff(agg.values) <= 0):
                     raise ValueError("malformed score values")
-                agg.counts = np.zeros((agg.num_rows, len(values)), np.int32)
+                agg.counts = np.zeros((num_rows, len(values)), np.int32)
+                at = slice(None) if dense else idx
                 for i in range(len(values)):
-                    agg.counts[idx, i] = as_numpy(table.column(f"count_{i}"))
+                    agg.counts[at, i] = as_numpy(table.column(f"count_{i}"))
         except (KeyError, TypeError, ValueError, pa.ArrowException) as exc:
             raise CorruptStoreError(
                 f"{where} is not an outcome aggregate ({exc}); run `dynstate verify`"
