@@ -12,6 +12,14 @@
    handle with a non-default threshold (the aggregate's score histogram: bounded like the
    default) and with a non-default half-life (reads every record: the exact fallback).
    Targets: cold at most 1 s at 10,000 steps, and 10,000 within 1.5x of 1,000.
+3. **Cold statistics in a fresh process** (issue 45.3, ``--fresh N``): N rounds, each two fresh
+   interpreters in alternating order over the store of each ``--steps`` figure. One opens the
+   store and calls ``outcome_stats()``; the other is a pass-rate tracker kept the way a trainer
+   keeps one, a ``torch.save``d dict of the same per-row state as dynstate's aggregate (7
+   tensors over every row, taken from the store's own statistics), which it ``torch.load``s
+   and divides into pass rates and mean scores. Each times only that work, after importing
+   its libraries (numpy and pyarrow; torch). Target: within 1.5x the tracker (per-round
+   ratios, median).
 
 Never part of the tests; the store is built once under ``--dir`` and grown from there.
 
@@ -20,6 +28,7 @@ Never part of the tests; the store is built once under ``--dir`` and grown from 
     python tools/bench/outcomes.py --commit-steps 300 --steps 0     # part 1 only
     python tools/bench/outcomes.py --commit-steps 300 --steps 0 --round-rows 1024
     python tools/bench/outcomes.py --commit-steps 100 --steps 0 --rows 100000 --s3  # loopback S3
+    python tools/bench/outcomes.py --commit-steps 0 --steps 1000,10000 --fresh 15   # part 3
 
 ``--s3``: part 1 on stores in the loopback S3 server (moto, ``tools/loopback_s3.py``) instead of
 ``--dir``: there the outcome file is one more PUT, sent while the round's shard is.
@@ -30,6 +39,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -198,6 +209,74 @@ def bench_stats(url: str, outcomes: int, rng: np.random.Generator) -> float:
     return cold
 
 
+# The two fresh interpreters of part 3: each prints the seconds of its work alone.
+FRESH_DYNSTATE = """
+import sys, time
+import numpy, pyarrow, pyarrow.parquet  # dynstate's dependencies, as a trainer has them
+import dynstate
+t = time.perf_counter()
+stats = dynstate.Store.open(sys.argv[1]).outcome_stats()
+print(time.perf_counter() - t)
+"""
+FRESH_TRACKER = """
+import sys, time
+import torch
+t = time.perf_counter()
+state = torch.load(sys.argv[1])
+attempts = state["attempts"].clamp(min=1)
+pass_rate = state["successes"] / attempts
+mean_score = state["score_sum"] / attempts
+print(time.perf_counter() - t)
+"""
+
+
+def save_tracker(url: str, path: Path) -> None:
+    """The tracker's file: the head's per-row state as tensors, as a trainer would save it."""
+    import torch
+
+    from dynstate import Store
+
+    stats = Store.open(url).outcome_stats()
+    attempts = stats.column("attempts").to_numpy()
+    mean = stats.column("mean_score").fill_null(0.0).to_numpy()
+    state = {
+        "attempts": attempts,
+        "successes": stats.column("successes").to_numpy(),
+        "score_sum": mean * attempts,
+        "ewma_num": stats.column("ewma_score").fill_null(0.0).to_numpy(),
+        "ewma_den": (attempts > 0).astype(np.float64),
+        "first_step": stats.column("first_step").fill_null(-1).to_numpy(),
+        "last_step": stats.column("last_step").fill_null(-1).to_numpy(),
+    }
+    torch.save({k: torch.from_numpy(np.array(v)) for k, v in state.items()}, path)
+
+
+def bench_fresh(url: str, rounds: int) -> None:
+    tracker = Path(url) / "tracker.pt"  # beside the store; no part of it
+    save_tracker(url, tracker)
+    mine, theirs, ratios = [], [], []
+    for i in range(rounds):
+        times = {}
+        for which in ("dynstate", "tracker") if i % 2 else ("tracker", "dynstate"):
+            program, arg = (
+                (FRESH_DYNSTATE, url) if which == "dynstate" else (FRESH_TRACKER, tracker)
+            )
+            argv = [sys.executable, "-c", program, str(arg)]
+            out = subprocess.run(argv, capture_output=True, text=True, check=True)
+            times[which] = float(out.stdout.split()[-1])
+        mine.append(times["dynstate"])
+        theirs.append(times["tracker"])
+        ratios.append(times["dynstate"] / times["tracker"])
+    print(
+        f"  fresh process, {rounds} rounds: outcome_stats() {statistics.median(mine) * 1e3:.0f} ms "
+        f"[{min(mine) * 1e3:.0f}-{max(mine) * 1e3:.0f}], tracker's torch.load + divide "
+        f"{statistics.median(theirs) * 1e3:.0f} ms [{min(theirs) * 1e3:.0f}-"
+        f"{max(theirs) * 1e3:.0f}]: {statistics.median(ratios):.2f}x "
+        f"[{min(ratios):.2f}-{max(ratios):.2f}]",
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default="/tmp/dynstate-bench-outcomes")
@@ -209,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         "--round-rows", type=int, default=64, help="rows of each step's round in part 1"
     )
     parser.add_argument("--s3", action="store_true", help="part 1 on loopback S3")
+    parser.add_argument(
+        "--fresh", type=int, default=0, help="part 3: rounds of fresh interpreters (0: skip)"
+    )
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     base = Path(args.dir)
@@ -237,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         store = open_or_build(url, args.rows)
         grow(store, steps + 50, args.outcomes, rng)  # 50 steps past the aggregate at `steps`
         colds.append(bench_stats(str(url), args.outcomes, rng))
+        if args.fresh:
+            bench_fresh(str(url), args.fresh)
     if len(colds) > 1:
         print(f"  cold ratio, last / first: {colds[-1] / colds[0]:.2f}x")
     return _done()
