@@ -399,3 +399,28 @@ def test_filter_groups_in_two_processes_resume_exactly_after_sigkill(tmp_path) -
     assert "StateMismatchError" in done.stderr, done.stderr[-3000:]
     assert "saved with filter_groups by 2 process(es), and this run has 1" in done.stderr
     assert store.refresh() == head
+
+
+@pytest.mark.skipif(not (BIN / "accelerate").exists(), reason="accelerate not installed")
+def test_accelerate_launch_trains_the_same_steps_as_torchrun(tmp_path) -> None:
+    """The README's ``accelerate launch --multi_gpu --num_processes 2`` form of the command
+    (on a machine without a GPU) starts the same two processes as torchrun: every step's rows
+    and rewards equal torchrun's."""
+    assert "accelerate launch --multi_gpu --num_processes 2 examples/trl/train.py" in (
+        README.read_text()
+    )
+
+    def opts(run: Path) -> list[str]:
+        return ["--store", str(run / "store"), "--out", str(run / "out"), "--steps", "6",
+                "--trace", str(run / "trace.jsonl")]  # fmt: skip
+
+    _run(_torchrun(*opts(tmp_path / "torchrun")))
+    launch = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+              "--main_process_port", str(_port())]  # fmt: skip
+    _run([*launch, str(TRAIN), *opts(tmp_path / "accelerate")])
+    torchrun, accelerate = (
+        _trace(tmp_path / n / "trace.jsonl") for n in ("torchrun", "accelerate")
+    )
+    assert sorted(accelerate) == list(range(1, 7))
+    assert all(len(record["rows"]) == 8 for record in accelerate.values())  # 2 processes x 4
+    assert accelerate == torchrun
