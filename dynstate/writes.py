@@ -17,6 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from . import fresh
 from .errors import (
     CommitConflictError,
     DynstateError,
@@ -131,19 +132,22 @@ class Writer:
             outcomes_of(self.log).mark_store()
         has_outcomes = checked is not None and checked.table is not None
         ready: Callable[[], None] | None = None
+        written: list[tuple[ShardRef, pa.Table]] = []
         if not table.num_rows and not has_outcomes:
             staged = Staged((), schema, head.schema, None, self.store_id)
         else:
             lease = self.log.leases.acquire()
             try:
-                shards, checked, ready = self._write_round(table, shard_bytes, lease, checked)
+                shards, checked, ready = self._write_round(
+                    table, shard_bytes, lease, checked, written
+                )
             except BaseException:
                 self.log.leases.end({lease}, committed=False, tombstone=False)
                 raise
             staged = Staged(
                 tuple(shards), schema, head.schema, lease if shards else None, self.store_id
             )
-        return self.commit_staged(
+        version = self.commit_staged(
             [staged],
             meta=meta,
             private=True,
@@ -152,6 +156,9 @@ class Writer:
             rows_version=read_at,
             consumption=consumed,
         )
+        # Committed: this process's next read of the round's shards takes these tables.
+        fresh.FRESH.keep(written)
+        return version
 
     def _check_consumption(
         self, consumption: Any, meta: dict[str, Any], head: Commit
@@ -231,7 +238,12 @@ class Writer:
         return checked, read_at
 
     def _write_round(
-        self, table: pa.Table, shard_bytes: int, lease: str, pending: Pending | None
+        self,
+        table: pa.Table,
+        shard_bytes: int,
+        lease: str,
+        pending: Pending | None,
+        tables: list[tuple[ShardRef, pa.Table]] | None = None,
     ) -> tuple[list[ShardRef], Pending | None, Callable[[], None]]:
         """The round's shards and its outcome file under ``lease``, then one ``data/`` sync.
         The outcome file is written on a thread while the shards are: their fsyncs overlap
@@ -240,7 +252,8 @@ class Writer:
         then run on that thread too, and the call returned waits for them (raising their
         error): the record's create calls it after writing and syncing its own bytes and
         before its name appears, so the two flushes overlap and no record ever names a
-        shard that is not durable. On failure every file written is removed."""
+        shard that is not durable. On failure every file written is removed. ``tables``, if
+        given, gets each shard with the table it holds (:meth:`_write_shards`)."""
         outcome_file = None
         shards: list[ShardRef] = []
         deferred = self.storage.deferred_sync(m.DATA_DIR)
@@ -253,7 +266,7 @@ class Writer:
             try:
                 if table.num_rows:
                     shards = self._write_shards(
-                        table, shard_bytes, lease, sync=False, deferred=deferred
+                        table, shard_bytes, lease, sync=False, deferred=deferred, tables=tables
                     )
             finally:
                 if outcome_file is not None:
@@ -741,7 +754,10 @@ class Writer:
         *,
         sync: bool = True,
         deferred: DeferredSync | None = None,
+        tables: list[tuple[ShardRef, pa.Table]] | None = None,
     ) -> list[ShardRef]:
+        """The shards of ``table``, written under ``lease``; ``tables``, if given, gets each
+        with the slice of ``table`` it holds."""
         per_shard = max(1, math.ceil(table.num_rows * shard_bytes / max(table.nbytes, 1)))
         written: list[ShardRef] = []
         try:
@@ -752,6 +768,8 @@ class Writer:
                     rows = group_rows(part.num_rows, local=self.storage.reads_in_place)
                     groups = write_shard(part, sink, rows)
                 written.append(ShardRef(path, part.num_rows, sink.size, sink.sha256, groups))
+                if tables is not None:
+                    tables.append((written[-1], part))
             if sync:
                 self.storage.sync_dir(m.DATA_DIR)
         except BaseException:

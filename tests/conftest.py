@@ -77,6 +77,22 @@ def s3_endpoint(s3_server: Any) -> str:
     return s3_server.endpoint
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _decode_what_this_process_wrote() -> Iterator[None]:
+    """Tests read the shards they wrote by decoding them, as any other process would: a
+    fresh round's kept tables (:mod:`dynstate.fresh`, on by default) would otherwise stand in
+    for the decode paths (row groups, footers, verification) that most read tests exist to
+    hold. ``tests/test_fresh_round_decoded.py`` turns them on and holds them against the
+    oracle; subprocesses keep the default."""
+    from dynstate import fresh
+
+    bound = fresh.FRESH.max_bytes
+    fresh.FRESH.max_bytes = 0
+    fresh.FRESH.clear()
+    yield
+    fresh.FRESH.max_bytes = bound
+
+
 def s3_url(name: str = "") -> str:
     return f"s3://{S3_BUCKET}/{name or uuid.uuid4().hex}"
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .. import fresh
 from ..errors import DynstateError
 from ..records import manifest as m
 from ..records.rounds import conform
@@ -342,7 +343,11 @@ class ShardCache:
         key = _key(shard, schema, fingerprint)
         with self._lock:
             self.misses += 1
-        table = self.decoded.read(store, shard)
+        # A shard this process committed is taken as it wrote it (:mod:`dynstate.fresh`),
+        # and conformed below like any other.
+        table = fresh.FRESH.get(shard)
+        if table is None:
+            table = self.decoded.read(store, shard)
         if table is None:
             table = self._load(store, shard, version)
             self.decoded.write(store, shard, table)
@@ -383,8 +388,8 @@ class ShardCache:
         decode), or a copy on the local disk cache. Decoding costs about its rows, so any
         row group skipped saves more than the extra pieces cost."""
         info = shard.groups
-        if info is None or groups >= len(info.rows):
-            return True
+        if info is None or groups >= len(info.rows) or fresh.FRESH.has(shard):
+            return True  # (a shard this process just committed: no decode at all)
         if self.decoded.has(store, shard):
             return True  # decoded by another process: a map, cheaper than any decode
         # A shard read again and again (a loader's epoch over a store the cache holds) is

@@ -75,6 +75,10 @@ class Log(Catalog):
         # never changes once committed, so the next walk (a step's commit, one version on)
         # stops there instead of going back to the ancestor (on_lineage)
         self._lineage_of: dict[int, int] = {}
+        # The shard lists this handle materialized last, by version (a committed version's
+        # list never changes): the next version's walk, one append on, stops at its parent's
+        # instead of reading and parsing the checkpoint below again (O(shards) a step).
+        self._lists: dict[int, tuple[ShardRef, ...]] = {}
         self._head = 0
         self._floor = 0
         # The head as of the handle user's last look (Store.open, Store.refresh, a read of
@@ -400,10 +404,17 @@ class Log(Catalog):
 
     def materialize(self, version: int) -> list[ShardRef]:
         """The ordered shard list of ``version``: from the nearest base (checkpoint, reset or
-        compaction record) at or below it, plus the appends since — at most K records."""
+        compaction record) at or below it, plus the appends since — at most K records — or
+        from the nearest list this handle materialized since (:attr:`_lists`)."""
         tails: list[tuple[ShardRef, ...]] = []
         v = version
-        if self.storage.concurrent_reads and self.commit_record(version).base is None:
+        lists = self._lists
+        if (
+            self.storage.concurrent_reads
+            and version not in lists
+            and version - 1 not in lists
+            and self.commit_record(version).base is None
+        ):
             # The records back to the checkpoint below, read together: one round trip on an
             # object store rather than up to K - 1. (A reset or compaction record on the way
             # ends the walk early, and the ones below it were read for nothing; where reads
@@ -416,6 +427,10 @@ class Log(Catalog):
                     f"version {version} of {self.display_url} depends on collected metadata; "
                     f"the oldest kept version is {self._floor}"
                 )
+            known = lists.get(v)
+            if known is not None:
+                shards = list(known)
+                break
             record = self.commit_record(v)
             if record.base is not None:
                 shards = self.expand(record.base, self.where(paths.log_path(v)))
@@ -430,6 +445,15 @@ class Log(Catalog):
             v -= 1
         for add in reversed(tails):
             shards.extend(add)
+        # A memo only: loader threads materialize too, and two that trim it at once may
+        # race (a dict changed while iterated, a key gone); no lock, which a pickled or
+        # forked handle would carry.
+        try:
+            while len(lists) >= 4:
+                lists.pop(next(iter(lists)), None)
+            lists[version] = tuple(shards)
+        except (RuntimeError, StopIteration):
+            pass
         return shards
 
     # -- committing ------------------------------------------------------------------------
