@@ -29,7 +29,7 @@ import pyarrow as pa
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import S3_BUCKET, s3_url
+from conftest import s3_url
 
 from dynstate import (
     CorruptStoreError,
@@ -68,10 +68,19 @@ def files(url: str) -> dict[str, str | None]:
     }
 
 
-def bucket_files() -> dict[str, str]:
-    """Every object of the test bucket: a refused URL must not write anywhere in it."""
+def bucket_files(bucket: str) -> dict[str, str]:
+    """Every object of ``bucket``: a refused URL must not write anywhere in it."""
     fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False)
-    return {p: hashlib.sha256(fs.cat_file(p)).hexdigest() for p in sorted(fs.find(S3_BUCKET))}
+    return {p: hashlib.sha256(fs.cat_file(p)).hexdigest() for p in sorted(fs.find(bucket))}
+
+
+@pytest.fixture
+def own_bucket(s3_endpoint: str) -> str:
+    """A new, empty bucket on the loopback server. Not the session's shared bucket: reading
+    every object of that one, which the S3 tests before have filled, took ~2 minutes a test."""
+    name = f"bad-inputs-{uuid.uuid4().hex[:12]}"
+    fsspec.filesystem("s3", skip_instance_cache=True).mkdir(name)
+    return name
 
 
 def make_url(backend: str, tmp_path) -> str:
@@ -621,10 +630,10 @@ SECRET_URLS = [
 @pytest.mark.s3
 @pytest.mark.parametrize(("template", "secrets"), SECRET_URLS)
 def test_credentials_in_url(
-    template: str, secrets: tuple[str, ...], s3_endpoint: str, caplog
+    template: str, secrets: tuple[str, ...], own_bucket: str, caplog
 ) -> None:
-    url = template.format(bucket=S3_BUCKET)
-    before = bucket_files()
+    url = template.format(bucket=own_bucket)
+    before = bucket_files(own_bucket)
     caplog.set_level(logging.DEBUG)  # botocore logs request headers at DEBUG
     with pytest.raises(InvalidDataError) as info:
         Store.open(url, create=True)
@@ -636,19 +645,19 @@ def test_credentials_in_url(
         assert secret not in message
         assert secret not in caplog.text
         assert secret not in result.output
-    assert bucket_files() == before
+    assert bucket_files(own_bucket) == before
 
 
 @pytest.mark.s3
-def test_secret_in_storage_options_stays_out_of_errors_and_logs(s3_endpoint: str, caplog) -> None:
+def test_secret_in_storage_options_stays_out_of_errors_and_logs(own_bucket: str, caplog) -> None:
     """Credentials passed the right way (storage options) appear in no message and no log line
     at DEBUG (botocore logs request headers there), on success and on failure."""
     secret = "Zq9Xw7SecretValue"
     options = {"key": "AKIDEXAMPLE", "secret": secret}
     caplog.set_level(logging.DEBUG)
-    store = Store.open(s3_url(), create=True, storage_options=options)
+    store = Store.open(f"s3://{own_bucket}/store", create=True, storage_options=options)
     store.append(ROWS)
-    before = bucket_files()
+    before = bucket_files(own_bucket)
     with pytest.raises(InvalidDataError) as info:
         store.append([{"id": "x"}, {"id": 1}])
     missing = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/store"
@@ -658,17 +667,19 @@ def test_secret_in_storage_options_stays_out_of_errors_and_logs(s3_endpoint: str
     assert result.exit_code == 1
     for text in (str(info.value), str(other.value), caplog.text, result.output):
         assert secret not in text
-    assert bucket_files() == before
+    assert bucket_files(own_bucket) == before
 
 
 @pytest.mark.s3
-def test_create_in_missing_bucket(s3_endpoint: str) -> None:
+def test_create_in_missing_bucket(own_bucket: str) -> None:
     url = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/store"
-    before = bucket_files()
+    before = bucket_files(own_bucket)
     with pytest.raises(DynstateError) as info:
         Store.open(url, create=True)
     check_message(info.value, url, "bucket")
-    assert bucket_files() == before
+    assert bucket_files(own_bucket) == before
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False)
+    assert not fs.exists(url.removeprefix("s3://").split("/")[0])  # no bucket made either
 
 
 def write_gc_file(url: str, obj: dict[str, Any]) -> None:
