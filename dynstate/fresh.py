@@ -74,7 +74,7 @@ class FreshShards:
                 copy = _owned(table)
                 if not copy.schema.equals(schema, check_metadata=True):
                     copy = copy.cast(schema)  # names only: the values' buffers stay
-            except (pa.ArrowException, OSError, ValueError, TypeError) as exc:
+            except Exception as exc:  # the round is committed: nothing here may raise
                 log.debug("the table of shard %s is not kept: %s", shard.path, exc)
                 continue
             if not copy.schema.equals(schema, check_metadata=True):
@@ -139,7 +139,8 @@ class FreshShards:
 
 def _keeps_values(t: pa.DataType) -> bool:
     """Whether Parquet gives back every value of type ``t`` as written."""
-    if pa.types.is_dictionary(t) or pa.types.is_date64(t) or isinstance(t, pa.ExtensionType):
+    # BaseExtensionType: pyarrow's own extension types (fixed_shape_tensor, uuid, ...) too
+    if pa.types.is_dictionary(t) or pa.types.is_date64(t) or isinstance(t, pa.BaseExtensionType):
         return False
     return all(_keeps_values(t.field(i).type) for i in range(t.num_fields))
 

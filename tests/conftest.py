@@ -77,13 +77,12 @@ def s3_endpoint(s3_server: Any) -> str:
     return s3_server.endpoint
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _decode_what_this_process_wrote() -> Iterator[None]:
-    """Tests read the shards they wrote by decoding them, as any other process would: a
-    fresh round's kept tables (:mod:`dynstate.fresh`, on by default) would otherwise stand in
-    for the decode paths (row groups, footers, verification) that most read tests exist to
-    hold. ``tests/test_fresh_round_decoded.py`` turns them on and holds them against the
-    oracle; subprocesses keep the default."""
+@pytest.fixture
+def decode_what_this_process_wrote() -> Iterator[None]:
+    """For the modules that hold the decode paths (row groups, footers, a flipped byte found,
+    a missing shard named): they read back shards they wrote, which would otherwise come from
+    the fresh round's kept tables (:mod:`dynstate.fresh`, on by default) without a decode.
+    Those tests ask for it (``usefixtures``); the rest of the suite runs with the default."""
     from dynstate import fresh
 
     bound = fresh.FRESH.max_bytes

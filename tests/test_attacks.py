@@ -132,6 +132,7 @@ def test_shifted_segments_rehashed_never_decode_unverified_bytes(durable_url, sh
             assert got == [{"id": r} for r in rows]
 
 
+@pytest.mark.usefixtures("decode_what_this_process_wrote")  # a decode must find the byte
 @pytest.mark.parametrize("segment", [0, 1, 2, "footer"])
 def test_a_flipped_byte_anywhere_is_a_checksum_error_naming_the_shard(durable_url, segment):
     """Held, locally and on S3: one byte flipped in any row group or in the footer is a

@@ -273,6 +273,7 @@ def test_truncated_shard_bodies_are_fetched_again(proxy):
     assert proxy.counts["GET"] == 4  # three cut bodies, then the whole one
 
 
+@pytest.mark.usefixtures("decode_what_this_process_wrote")  # the decode under faults
 def test_random_batches_decode_row_groups_without_footers_under_faults(proxy):
     """Footer templates (docs/format.md) on S3 with dropped and cut replies and 503s: every
     random batch is exactly its rows, decoded from a template learned from one footer."""
