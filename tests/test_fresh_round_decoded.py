@@ -378,3 +378,26 @@ def test_loader_workers_forked_after_the_commit(tmp_path, kept):
     )
     got = [row for batch in loader for row in batch]
     assert got == oracle(url, store.head).take(order).to_pylist()
+
+
+def test_a_table_that_cannot_be_kept_never_fails_the_committed_append(tmp_path, kept, monkeypatch):
+    """Keeping runs after the commit: whatever goes wrong there (here, the copy raising), the
+    append returns its version, and the round reads back by a decode. A fixed-shape tensor
+    round (one of pyarrow's own extension types) is not kept at all."""
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+
+    def broken(table: pa.Table) -> pa.Table:
+        raise RuntimeError("no copy today")
+
+    monkeypatch.setattr(fresh, "_owned", broken)
+    v = store.append(pa.table({"id": list(range(10))}))
+    assert store.head == v and len(kept) == 0
+    ds = VersionedDataset(store, v)
+    assert ds.read_batch([9, 0, 9], "columns") == {"id": [9, 0, 9]}
+    monkeypatch.undo()
+    tensor = pa.fixed_shape_tensor(pa.float32(), (2, 2), permutation=[1, 0])
+    storage = pa.array([[float(k)] * 4 for k in range(3)], pa.list_(pa.float32(), 4))
+    rounds = Store.open(str(tmp_path / "tensors"), create=True)
+    w = rounds.append(pa.table({"t": pa.ExtensionArray.from_storage(tensor, storage)}))
+    assert rounds.head == w and len(kept) == 0
