@@ -343,6 +343,13 @@ class StandInCheckpointEngine:
     def sleep_replicas(self) -> None:
         pass
 
+    # colocate_async: abort unfinished requests at the end of sampling, resume after the step
+    def abort_replicas(self) -> None:
+        pass
+
+    def resume_generation_replicas(self) -> None:
+        pass
+
 
 class StandInLLMServers:
     def __init__(self, client: StandInLLM):
@@ -373,13 +380,15 @@ def register_standin_trainer(spec: dict) -> type:
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 
     from dynstate.verl.v1 import DynstatePPOTrainer
+    from dynstate.verl.v1_async import DynstateColocateAsync
 
     if STANDIN_MODE in TRAINER_REGISTRY:
         return TRAINER_REGISTRY[STANDIN_MODE]
     kill = tuple(spec["kill"]) if spec.get("kill") else None
     log_path = spec.get("log")
+    base: type = DynstateColocateAsync if spec.get("async") else DynstatePPOTrainer
 
-    class CPUTrainer(DynstatePPOTrainer):
+    class CPUTrainer(base):  # type: ignore[misc, valid-type]
         def __init__(self, config: Any) -> None:
             super().__init__(config)
             # verl polls the queue every 2 s; a stand-in rollout answers at once

@@ -10,7 +10,14 @@ were drawn from: row ``r`` of a version is row ``r`` of every later version of i
 (SPEC §3.4), so rows drawn in an epoch that pinned an older version keep their numbers.
 
 The check is also the exactly-once equation of one step: the groups carried in plus the rows
-drawn are, as a multiset, the groups trained plus filtered plus dropped plus carried out.
+drawn are, as a multiset, the groups trained plus filtered plus dropped plus carried out (plus,
+in a format-2 record, the rows still in flight).
+
+Format 2 (asynchronous trainers, :mod:`dynstate.verl.v1_async`) adds ``in_flight``: rows drawn
+and submitted for generation but neither trained nor dropped when the step's round committed,
+which have no scores yet (a group carried with scores stays in ``carry``). A format-1 record is
+byte for byte what it was; a dynstate that knows only format 1 refuses a format-2 record by its
+format number.
 """
 
 from __future__ import annotations
@@ -25,13 +32,15 @@ from . import codec
 from .outcomes import check_generator_state
 
 CONSUMPTION_FORMAT = 1
+ASYNC_FORMAT = 2  # format 1 plus in_flight
+FORMATS = (CONSUMPTION_FORMAT, ASYNC_FORMAT)
 # The record lives in the commit record, which every lineage walk may read: 1 MiB of JSON is
 # ~40,000 drawn rows or a carry of 2,048 groups of 16 scores, far beyond a step's batch.
 MAX_RECORD_BYTES = 2**20
 MAX_GROUPS = 2**16  # per list of one step
 MAX_SCORES = 4096  # responses per group
 # Why a row drawn was not trained and not carried (filtered rows have their own list).
-DROP_REASONS = ("surplus", "stale")
+DROP_REASONS = ("surplus", "stale", "failed")
 KEYS = (
     "format",
     "step",
@@ -46,6 +55,7 @@ KEYS = (
     "carry",
     "sampler",
 )
+ASYNC_KEYS = (*KEYS, "in_flight")
 
 
 def _bad(url: str, why: str) -> InvalidDataError:
@@ -114,11 +124,13 @@ def check_record(record: Any, url: str, step: Any = None) -> dict[str, Any]:
     ``step``: the round's ``meta["step"]``, which the record's step must equal."""
     if type(record) is not dict:
         raise _bad(url, f"the record must be a dict, not {type(record).__name__}")
-    if set(record) != set(KEYS):
-        missing, extra = set(KEYS) - set(record), set(record) - set(KEYS)
+    form = record.get("format")
+    if type(form) is not int or form not in FORMATS:
+        raise _bad(url, f"format {form!r} is not one of {FORMATS}")
+    keys = ASYNC_KEYS if form == ASYNC_FORMAT else KEYS
+    if set(record) != set(keys):
+        missing, extra = set(keys) - set(record), set(record) - set(keys)
         raise _bad(url, f"keys missing {sorted(missing)}, unknown {sorted(extra)}")
-    if record["format"] != CONSUMPTION_FORMAT or type(record["format"]) is not int:
-        raise _bad(url, f"format {record['format']!r} is not {CONSUMPTION_FORMAT}")
     own = record["step"]
     if type(own) is not int or own < 0:
         raise _bad(url, f"step {own!r} is not an int >= 0")
@@ -144,6 +156,7 @@ def check_record(record: Any, url: str, step: Any = None) -> dict[str, Any]:
     for i, (_, reason) in enumerate(dropped):
         if reason not in DROP_REASONS:
             raise _bad(url, f"dropped[{i}][1] is {reason!r}, not one of {DROP_REASONS}")
+    in_flight = _indices(record["in_flight"], url, "in_flight") if form == ASYNC_FORMAT else []
     carry = _pairs(record["carry"], url, "carry", "scores")
     for i, pair in enumerate(carry):
         pair[1] = check_scores(pair[1], url, f"consumption carry[{i}][1]")
@@ -156,15 +169,21 @@ def check_record(record: Any, url: str, step: Any = None) -> dict[str, Any]:
     # the equation as sorted lists (a multiset compare); Counters only to name what differs
     into_sorted = sorted([*carried_in, *drawn])
     out_sorted = sorted(
-        [*trained, *(i for i, _ in filtered), *(i for i, _ in dropped), *(i for i, _ in carry)]
+        [
+            *trained,
+            *(i for i, _ in filtered),
+            *(i for i, _ in dropped),
+            *(i for i, _ in carry),
+            *in_flight,
+        ]
     )
     if into_sorted != out_sorted:
         into, out = Counter(into_sorted), Counter(out_sorted)
         lost, unseen = sorted((into - out).elements())[:8], sorted((out - into).elements())[:8]
         raise _bad(
             url,
-            "carried_in + drawn must equal trained + filtered + dropped + carry (each row "
-            f"exactly once); missing from the outcome {lost}, not drawn {unseen}",
+            "carried_in + drawn must equal trained + filtered + dropped + carry + in_flight "
+            f"(each row exactly once); missing from the outcome {lost}, not drawn {unseen}",
         )
     try:
         plain = check_generator_state(
@@ -195,4 +214,5 @@ def indices_of(record: dict[str, Any]) -> list[int]:
         *(i for i, _ in record["filtered"]),
         *(i for i, _ in record["dropped"]),
         *(i for i, _ in record["carry"]),
+        *record.get("in_flight", ()),
     ]

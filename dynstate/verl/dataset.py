@@ -17,7 +17,9 @@ store, the generator and the step; what does not need them lives beside it — t
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import weakref
 from typing import Any
 
@@ -29,6 +31,7 @@ from ..errors import InvalidDataError, StateMismatchError
 from ..loading.consumption import DynamicSampling
 from ..loading.dataset import VersionedDataset, decode_index
 from ..loading.sampler import VersionedSampler
+from ..loading.state import find_sampler_state
 from ..records.rounds import SELECT_META, to_table
 from ..rewind import rollback
 from ..store import Store
@@ -503,6 +506,49 @@ class DynstateRLDataset(RLHFDataset):
             loader.load_state_dict(state)
 
         self.step = step
+        self._committed = None
+        self._rows.refresh()  # type: ignore[union-attr]
+
+    def resume_async(
+        self,
+        checkpoint_dir: str | None,
+        loader: Any,
+        step: int,
+        position: dict[str, Any] | None = None,
+    ) -> None:
+        """:meth:`resume` for verl's async trainers (:mod:`dynstate.verl.v1_async`), whose
+        loader hands out one row per batch ahead of training: ``data.pt`` must hold
+        ``position``, the sampler state of step ``step``'s consumption record (the caller checks
+        the record), instead of "the position after ``step`` batches". Checked before anything
+        changes; then the generator's state is loaded, later rounds are rolled back and the
+        loader state is loaded. ``step`` 0: a fresh start (rounds a crashed run committed before
+        its first checkpoint leave the lineage)."""
+        if self.fixed:
+            return
+        store = self.store
+        state = None
+        if checkpoint_dir is not None and step > 0:
+            path = os.path.join(checkpoint_dir, "data.pt")
+            state = loader_state.read_loader_state(path, store)
+            saved = find_sampler_state(state)
+            if json.loads(json.dumps(saved)) != position:
+                raise StateMismatchError(
+                    f"{path} does not hold the train loader's position that the consumption "
+                    f"record of step {step} of {store.display_url} names; it was copied from "
+                    "another checkpoint — restore this folder's own data.pt (nothing was changed)"
+                )
+            round_version = self.round_of(step)
+            if self.data_generator is not None and round_version is not None:
+                generator_state = store.generator_state(round_version)
+                if generator_state is not None and load_state(self.data_generator, generator_state):
+                    log.info("generator state of step %d (version %d) loaded", step, round_version)
+            state = loader_state.for_workers(
+                state, int(loader.num_workers or 0), path, store.display_url
+            )
+        rollback(store, step=max(step, 0), meta={"verl_resume_step": max(step, 0)})
+        if state is not None:
+            loader.load_state_dict(state)
+        self.step = max(step, 0)
         self._committed = None
         self._rows.refresh()  # type: ignore[union-attr]
 

@@ -82,8 +82,11 @@ def select_v1_trainer(config: Any) -> None:
     from . import v1
 
     with open_dict(config):
-        if config.trainer.v1.get("trainer_mode", "sync") in v1.SUPPORTED_MODES:
+        mode = config.trainer.v1.get("trainer_mode", "sync")
+        if mode in v1.SUPPORTED_MODES:
             config.trainer.v1.trainer_mode = v1.TRAINER_MODE
+        elif mode in v1.ASYNC_TRAINERS:
+            config.trainer.v1.trainer_mode = v1.ASYNC_TRAINERS[mode]
     v1.check_config(config)
 
 

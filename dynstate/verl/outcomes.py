@@ -85,9 +85,10 @@ def batch_rows_version(batch: Any, store: Store) -> int | None:
 def filter_figures(record: dict[str, Any]) -> dict[str, float]:
     """The ``dynstate/filter/*`` figures of a step's consumption record (group filtering,
     ``algorithm.filter_groups``): groups carried in from the step before, rows drawn, groups
-    trained, filtered, dropped and carried to the next step, and generation batches used."""
+    trained, filtered, dropped and carried to the next step, and generation batches used; an
+    asynchronous trainer's record (format 2) adds the rows still in flight."""
     prefix = f"{METRIC_PREFIX}filter/"
-    return {
+    figures = {
         f"{prefix}carried_in": float(len(record["carried_in"])),
         f"{prefix}drawn": float(len(record["drawn"])),
         f"{prefix}trained": float(len(record["trained"])),
@@ -96,6 +97,9 @@ def filter_figures(record: dict[str, Any]) -> dict[str, float]:
         f"{prefix}carried": float(len(record["carry"])),
         f"{prefix}gen_batches": float(record["gen_batches"]),
     }
+    if "in_flight" in record:
+        figures[f"{prefix}in_flight"] = float(len(record["in_flight"]))
+    return figures
 
 
 def _band_names() -> list[str]:

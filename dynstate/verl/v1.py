@@ -77,31 +77,45 @@ log = logging.getLogger("dynstate")
 TRAINER_MODE = "dynstate"
 """The ``trainer.v1.trainer_mode`` value this module registers."""
 
-# verl's own mode names, and what dynstate makes of them.
+# verl's own mode names, and the dynstate trainer each runs as
 SUPPORTED_MODES = ("sync",)
-ASYNC_MODES = ("colocate_async", "separate_async")
+ASYNC_TRAINERS = {"colocate_async": "dynstate_colocate_async"}  # dynstate.verl.v1_async
+REFUSED_MODES = ("separate_async",)
 
 
 def check_config(config: Any) -> None:
     """Refuse, before anything starts, the V1 settings under which a dynstate run cannot
     resume exactly (see the module docstring). ``config`` is verl's full trainer config."""
+    from . import v1_async  # registers the async trainers; it imports this module
+
     mode = str(config.trainer.v1.get("trainer_mode", "sync"))
     registered_cls = TRAINER_REGISTRY.get(mode)
+    if isinstance(registered_cls, type) and issubclass(
+        registered_cls, v1_async.DynstateColocateAsync
+    ):
+        v1_async.check_async_config(config, mode)
+        return
     ours = isinstance(registered_cls, type) and issubclass(registered_cls, DynstatePPOTrainer)
     if not ours and mode not in SUPPORTED_MODES:
-        why = (
-            "verl's async buffer (ReplayBufferAsync) drops stale, filtered and failed groups "
-            "from TransferQueue without naming their rows, and keeps the rows in flight at a "
-            "checkpoint only in its transfer_queue/ checkpoint, so dynstate cannot yet record "
-            "every drawn row as trained, in flight or dropped (exactly once is designed, not "
-            'built: docs/verl.md, "Async modes (colocate_async, separate_async)")'
-            if mode in ASYNC_MODES
-            else "it is not dynstate's trainer, so nothing installs the sampler or commits rounds"
-        )
+        if mode in ASYNC_TRAINERS:
+            why = (
+                f"verl's own {mode} trainer does not record the rows it draws, evicts and "
+                f"keeps in flight; run it as trainer.v1.trainer_mode={ASYNC_TRAINERS[mode]} "
+                "(`python -m dynstate.verl.main_ppo` does so)"
+            )
+        elif mode in REFUSED_MODES:
+            why = (
+                "its standalone rollout replicas keep generating through checkpoints and weight "
+                "syncs, and dynstate has no kill trial showing every drawn row trained, dropped "
+                'or in flight exactly once there (docs/verl.md, "Async modes")'
+            )
+        else:
+            why = "it is not dynstate's trainer, so nothing installs the sampler or commits rounds"
+        supported = [*SUPPORTED_MODES, *ASYNC_TRAINERS]
         raise InvalidDataError(
             f"trainer.v1.trainer_mode={mode} is not supported with a dynstate dataset: {why}; "
-            f"supported: {', '.join(SUPPORTED_MODES)} (`python -m dynstate.verl.main_ppo` runs "
-            "it as dynstate's trainer), or trainer.use_v1=false for verl's legacy trainer"
+            f"supported: {', '.join(supported)} (`python -m dynstate.verl.main_ppo` runs "
+            "them as dynstate's trainers), or trainer.use_v1=false for verl's legacy trainer"
         )
     train_batch_size = config.data.get("train_batch_size")
     gen_batch_size = config.data.get("gen_batch_size", None)
