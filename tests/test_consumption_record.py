@@ -78,3 +78,48 @@ def test_the_equation_is_a_multiset_compare(record) -> None:
     if sorted(rec["drawn"]) != sorted(record["drawn"]):
         with pytest.raises(InvalidDataError, match="exactly once"):
             check_record(rec, "u")
+
+
+def _async(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` as an asynchronous trainer writes it (format 2): its carry in flight instead
+    (rows without scores), a stale and a failed drop out of the trained rows."""
+    rec = copy.deepcopy(record)
+    rec["format"] = 2
+    rec["in_flight"] = [row for row, _ in rec["carry"]]
+    rec["carry"] = []
+    rec["dropped"] = [[rec["trained"][0], "stale"], [rec["trained"][1], "failed"]]
+    rec["trained"] = rec["trained"][2:]
+    return rec
+
+
+def test_a_format_2_record_counts_its_rows_in_flight(record) -> None:
+    rec = _async(record)
+    assert check_record(rec, "u", rec["step"]) == json.loads(json.dumps(rec))
+    lost = copy.deepcopy(rec)
+    lost["in_flight"] = lost["in_flight"][1:]  # a row in flight forgotten
+    with pytest.raises(InvalidDataError, match="in_flight"):
+        check_record(lost, "u")
+    twice = copy.deepcopy(rec)
+    twice["in_flight"] = [*twice["in_flight"], twice["trained"][0]]  # trained and in flight
+    with pytest.raises(InvalidDataError, match="exactly once"):
+        check_record(twice, "u")
+
+
+def test_in_flight_belongs_to_format_2_only(record) -> None:
+    rec = _async(record)
+    rec["format"] = 1  # an old record shape cannot name rows in flight
+    with pytest.raises(InvalidDataError, match="unknown \\['in_flight'\\]"):
+        check_record(rec, "u")
+    rec = _async(record)
+    del rec["in_flight"]
+    with pytest.raises(InvalidDataError, match="missing \\['in_flight'\\]"):
+        check_record(rec, "u")
+    for form in (0, 3, "2", True):
+        rec = _async(record)
+        rec["format"] = form
+        with pytest.raises(InvalidDataError, match="format"):
+            check_record(rec, "u")
+    rec = _async(record)
+    rec["dropped"][0][1] = "late"
+    with pytest.raises(InvalidDataError, match="late"):
+        check_record(rec, "u")

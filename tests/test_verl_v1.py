@@ -27,6 +27,8 @@ import sys
 import time
 import uuid
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import transfer_queue  # noqa: F401  - V1's queue: a missing install must fail here
 import verl  # noqa: F401  - a missing verl must fail, not skip
@@ -234,6 +236,124 @@ def test_v1_selection_follows_the_policy_and_resumes_exactly(files, tmp_path):
     assert outcomes.outcome_state(spec["store"]) == outcomes.outcome_state(ref["store"])
 
 
+# -- colocate_async: exactly once (issue 42.4) --------------------------------------------------
+
+ASYNC = {
+    "async": True,
+    "trainer_mode": standins.STANDIN_MODE,
+    "steps": 6,
+    "save_freq": 2,
+    "test_freq": 3,
+    "policy": "dapo",  # some groups' responses agree (filtered), others differ (trained)
+    "overrides": [
+        # one step old is stale: the warm-up window's leftovers are dropped every step
+        "trainer.v1.sampler.max_off_policy_threshold=1",
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=acc",
+    ],
+}
+
+
+def _plain_rows(url: str, version: int) -> pa.Table:
+    """Version ``version`` the plain way: its shards read whole with pyarrow, concatenated."""
+    snap = dynstate.Store.open(url).snapshot(version)
+    assert snap.schema is not None
+    parts = [pq.read_table(os.path.join(url, s.path)) for s in snap.shards]
+    table = pa.concat_tables(parts, promote_options="default").select(snap.schema.names)
+    assert table.num_rows == snap.num_rows
+    return table
+
+
+def _audit_exactly_once(url: str, log: dict[int, dict], steps: int) -> list[dict]:
+    """The head's lineage holds one format-2 consumption record per step, chained (a step's
+    carried_in is the step before's in_flight), and over the run every row drawn is trained,
+    filtered, dropped or still in flight, exactly once; each epoch's draws are a permutation of
+    its pinned version's rows (the last one a prefix without repeats); every trained prompt is
+    its row's, read the plain way."""
+    from collections import Counter
+
+    from dynstate.loading.consumption import consumption_records
+
+    records = consumption_records(dynstate.Store.open(url))
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    carried: list[int] = []
+    for r in records:
+        assert r["format"] == 2 and r["carry"] == []
+        assert Counter(r["carried_in"]) == Counter(carried), f"step {r['step']} lost its carry"
+        carried = r["in_flight"]
+    drawn = [i for r in records for i in r["drawn"]]
+    gone = [i for r in records for i in r["trained"]]
+    gone += [i for r in records for i, _ in r["filtered"]]
+    gone += [i for r in records for i, _ in r["dropped"]]
+    assert Counter(drawn) == Counter(gone) + Counter(records[-1]["in_flight"])
+    assert {reason for r in records for _, reason in r["dropped"]} == {"stale"}
+    assert any(r["filtered"] for r in records) and all(len(r["trained"]) == 4 for r in records)
+    # epochs: each record's sampler state names the epoch under way and the version it pinned
+    pinned: dict[int, int] = {}
+    for r in records:
+        pinned.setdefault(int(r["sampler"]["epoch"]), int(r["sampler"]["version"]))
+    assert sorted(pinned) == list(range(len(pinned))) and len(pinned) >= 2
+    start = 0
+    for epoch in sorted(pinned):
+        n = dynstate.Store.open(url).snapshot(pinned[epoch]).num_rows
+        part = drawn[start : start + n]
+        if epoch < max(pinned):
+            assert sorted(part) == list(range(n)), f"epoch {epoch} drew {part}"
+        else:
+            assert len(set(part)) == len(part) and max(part) < n
+        start += n
+    # the rows trained are the rows asked for, and each step's log is its record's
+    table = _plain_rows(url, dynstate.Store.open(url).head)
+    for r in records:
+        entry = log[r["step"]]
+        assert entry["rows"][::2] == r["trained"]  # two responses per prompt, in group order
+        want = table.take(pa.array(entry["rows"])).column("prompt").to_pylist()
+        assert [m[-1]["content"] for m in want] == entry["prompts"]
+    return records
+
+
+@pytest.mark.slow
+def test_v1_colocate_async_is_exactly_once_across_kills(files, tmp_path):
+    """verl's colocate_async fit() with dynstate (two loader workers, stale drops every step,
+    DAPO filtering), SIGKILLed in rollout, in validation, right after a round commit whose
+    checkpoint was not yet written, and right after a checkpoint, each resuming the previous:
+    the final lineage accounts for every row drawn exactly once, across the resumes."""
+    spec = _spec(files, tmp_path, str(tmp_path / "store"), num_workers=2, **ASYNC)
+    for kill in [(3, "rollout"), (3, "validation"), (4, "committed"), (4, "saved")]:
+        assert run_driver(spec, kill) == -signal.SIGKILL
+    assert run_driver(spec) == 0
+    log = standins.read_log(spec["log"])
+    records = _audit_exactly_once(spec["store"], log, 6)
+    # the resumes happened where the kills say: steps 3 and 4 were run again after a resume
+    # from global_step_2, and step 5 after one from global_step_4 with its rows in flight
+    assert records[4]["carried_in"] and records[2]["carried_in"]
+
+
+def test_v1_colocate_async_uninterrupted_and_refused_resumes(files, tmp_path):
+    """An uninterrupted colocate_async run holds the audit; a resume with another staleness
+    bound, or with a checkpoint's TransferQueue that is not the record's, is refused naming the
+    setting or the folder, with the store unchanged."""
+    spec = _spec(files, tmp_path, str(tmp_path / "store"), num_workers=0, **{**ASYNC, "steps": 4})
+    assert run_driver(spec) == 0
+    _audit_exactly_once(spec["store"], standins.read_log(spec["log"]), 4)
+    before = _versions(spec["store"]), _store_files(spec["store"])
+
+    other = {**spec, "steps": 6, "log": str(tmp_path / "other.jsonl")}
+    other["overrides"] = [o.replace("threshold=1", "threshold=2") for o in ASYNC["overrides"]]
+    out = standins.run_failing_driver(other, timeout=DRIVER_TIMEOUT)
+    assert "trainer.v1.sampler.max_off_policy_threshold: 1 -> 2" in out
+    assert "nothing was changed" in out
+    assert (_versions(spec["store"]), _store_files(spec["store"])) == before
+
+    shutil.rmtree(os.path.join(spec["ckpt"], "global_step_4", "transfer_queue"))
+    more = {**spec, "steps": 6, "log": str(tmp_path / "more.jsonl")}
+    out = standins.run_failing_driver(more, timeout=DRIVER_TIMEOUT)
+    assert "global_step_4/transfer_queue/metadata.json is missing" in out
+    assert "rows in flight" in out
+    assert (_versions(spec["store"]), _store_files(spec["store"])) == before
+    assert standins.read_log(more["log"]) == {}
+
+
 # -- every resume check before anything is committed -------------------------------------------
 
 
@@ -327,22 +447,25 @@ def _config(files: dict, tmp_path, overrides: list[str], mode: str = "sync"):
 @pytest.mark.parametrize(
     ("mode", "overrides", "names"),
     [
-        *(
-            (
-                mode,
-                [],
-                [
-                    mode,
-                    "supported: sync",
-                    "dynstate.verl.main_ppo",
-                    "without naming their rows",  # the reason: verl's evictions leave no rows
-                    'docs/verl.md, "Async modes (colocate_async, separate_async)"',
-                ],
-            )
-            for mode in ("colocate_async", "separate_async")
+        (
+            "separate_async",
+            [],
+            [
+                "separate_async",
+                "supported: sync, colocate_async",
+                "dynstate.verl.main_ppo",
+                "standalone rollout replicas",  # the reason: no kill trial shows it holds
+                'docs/verl.md, "Async modes"',
+            ],
         ),
         ("sync", ["trainer.v1.sampler.sync_refill_failed_groups=true"], ["sync_refill"]),
         ("sync", ["data.gen_batch_size=2"], ["gen_batch_size=2", "train_batch_size=4"]),
+        (
+            "colocate_async",
+            ["trainer.v1.sampler.sync_refill_failed_groups=true"],
+            ["sync_refill_failed_groups", "colocate_async"],
+        ),
+        ("colocate_async", ["skip.rollout_tq.enable=true"], ["skip.rollout_tq.enable"]),
     ],
 )
 def test_v1_refuses_modes_without_exact_resume(files, tmp_path, mode, overrides, names):
@@ -377,6 +500,37 @@ def test_main_ppo_refuses_verl_05_curriculum_sampler_keys(files, tmp_path, use_v
     for policy in ("band (lo, hi, untried)", "learnability (floor, neutral)", "pools (bounds"):
         assert policy in message
     assert not os.path.exists(tmp_path / "store")
+
+
+def test_v1_colocate_async_refuses_mix_mode(files, tmp_path):
+    from dynstate.verl.main_ppo import select_v1_trainer
+
+    spec = _spec(
+        files,
+        tmp_path,
+        str(tmp_path / "store"),
+        trainer_mode="colocate_async",
+        dynstate={"mode": "mix"},
+    )
+    config = standins.compose_config(spec)
+    with pytest.raises(InvalidDataError) as err:
+        select_v1_trainer(config)
+    assert "data.dynstate.mode=mix" in str(err.value) and "mode=epoch" in str(err.value)
+    assert not os.path.exists(tmp_path / "store")
+
+
+def test_v1_colocate_async_is_run_as_dynstates(files, tmp_path):
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+
+    from dynstate.verl import v1_async
+    from dynstate.verl.main_ppo import select_v1_trainer
+
+    config = _config(files, tmp_path, [], "colocate_async")
+    select_v1_trainer(config)
+    assert config.trainer.v1.trainer_mode == v1_async.COLOCATE_MODE == "dynstate_colocate_async"
+    cls = get_trainer_cls("dynstate_colocate_async")
+    assert cls is v1_async.DynstateColocateAsync and issubclass(cls, PPOTrainerColocateAsync)
 
 
 def test_v1_sync_is_run_as_dynstate(files, tmp_path):

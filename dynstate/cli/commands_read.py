@@ -169,7 +169,7 @@ def _print_story(story: dict[str, Any]) -> None:
     pairs.append(("generator", "no state committed" if state is None else text))
     used = story["consumption"]
     if used is not None:
-        names = ("drawn", "trained", "filtered", "dropped", "carried_in", "carry")
+        names = ("drawn", "trained", "filtered", "dropped", "carried_in", "carry", "in_flight")
         counts = [f"{name.replace('_', ' ')} {used[name]['count']:,}" for name in names]
         pairs.append(("consumed", ", ".join(counts)))
         for name, what in (("filtered", "spread"), ("dropped", "reason")):

@@ -217,7 +217,7 @@ def steps_cmd(
         r.echo("no consumption recorded in this version's lineage (rounds committed with "
                "consumption=, as DynamicSampling's loop does, show here)")  # fmt: skip
         return
-    names = ("carried_in", "drawn", "trained", "filtered", "dropped", "carry")
+    names = ("carried_in", "drawn", "trained", "filtered", "dropped", "carry", "in_flight")
     cols = [
         r.Column("step", right=True),
         r.Column("version", right=True),

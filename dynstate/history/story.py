@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 __all__ = ["consumption_series", "drawn_band_series", "step_story", "weight_spread"]
 
 # The lists of a consumption record a story shows (each bounded like the drawn rows).
-_CONSUMED = ("carried_in", "drawn", "trained", "filtered", "dropped", "carry")
+# in_flight: format-2 records only (asynchronous trainers); empty for the others
+_CONSUMED = ("carried_in", "drawn", "trained", "filtered", "dropped", "carry", "in_flight")
 
 
 def _round_records(store: Store, record: Commit) -> pa.Table | None:
@@ -120,7 +121,7 @@ def _consumption_doc(record: dict[str, Any], rows: int) -> dict[str, Any]:
         "settings": record["settings"],
     }
     for name in _CONSUMED:
-        items = record[name]
+        items = record.get(name, [])
         out[name] = {"count": len(items), "rows": items[:rows], "more": max(len(items) - rows, 0)}
     return out
 
@@ -273,12 +274,13 @@ def consumption_series(store: Store, version: int, *, limit: int | None = None) 
     """What each step of ``version``'s lineage consumed, by its consumption record (the
     rounds of dynamic sampling, :mod:`dynstate.loading.consumption`), oldest first: ``steps``,
     one ``{version, step, gen_batches, carried_in, drawn, trained, filtered, dropped, carry,
-    filtered_share}`` each (counts of groups; ``filtered_share``: filtered over drawn, None
-    for a step that drew nothing), and ``totals`` over them (``filtered_share`` over every
-    group drawn). ``limit``: the newest that many steps only, and the lineage is walked back
-    no further than the oldest of them (``complete`` says whether every record is counted)."""
+    in_flight, filtered_share}`` each (counts of groups; ``filtered_share``: filtered over
+    drawn, None for a step that drew nothing), and ``totals`` over them (``filtered_share``
+    over every group drawn). ``limit``: the newest that many steps only, and the lineage is
+    walked back no further than the oldest of them (``complete`` says whether every record is
+    counted)."""
     records = store.consumption.lineage(version, limit)
-    names = ("carried_in", "drawn", "trained", "filtered", "dropped", "carry")
+    names = _CONSUMED
     steps = []
     for v, record in records:
         entry: dict[str, Any] = {
@@ -286,7 +288,7 @@ def consumption_series(store: Store, version: int, *, limit: int | None = None) 
             "step": record["step"],
             "gen_batches": record["gen_batches"],
         }
-        entry.update({name: len(record[name]) for name in names})
+        entry.update({name: len(record.get(name, [])) for name in names})
         entry["filtered_share"] = _share(entry["filtered"], entry["drawn"])
         steps.append(entry)
     totals: dict[str, Any] = {name: sum(e[name] for e in steps) for name in (*names, "gen_batches")}

@@ -179,6 +179,7 @@ def filtered_svg(steps: list[dict[str, Any]], *, width: int = 960) -> str:
         tip = (
             f"step {entry['step']}: {entry['filtered']:,} of {entry['drawn']:,} groups drawn "
             f"filtered ({share:.0%}); {entry['trained']:,} trained, {entry['carry']:,} carried"
+            + (f", {entry['in_flight']:,} in flight" if entry.get("in_flight") else "")
         )
         out.append(
             f'<rect class="share" x="{left + k * col:.2f}" y="{top + plot_h - h:.2f}" '

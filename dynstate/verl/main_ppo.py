@@ -6,7 +6,8 @@ Same Hydra config and overrides as ``python -m verl.trainer.main_ppo``, and like
 - ``use_v1=true``: verl's ``TaskRunnerV1`` with ``trainer.v1.trainer_mode=dynstate``
   (:class:`~dynstate.verl.v1.DynstatePPOTrainer`, verl's ``sync`` trainer with dynstate's
   sampler, round commits and resume; with ``algorithm.filter_groups.enable=true``, dynstate's
-  group filtering). ``sync`` — verl's default — is run as ``dynstate``; the async modes and
+  group filtering). ``sync`` — verl's default — is run as ``dynstate``, ``colocate_async`` as
+  ``dynstate_colocate_async`` (:mod:`dynstate.verl.v1_async`); ``separate_async`` and
   ``sync_refill_failed_groups`` are refused here, before Ray starts
   (:func:`dynstate.verl.v1.check_config`).
 - ``use_v1=false``: verl's legacy ``TaskRunner`` with ``RayPPOTrainer`` replaced by

@@ -18,11 +18,10 @@ these overrides, everything else verl's code:
 - ``_load_checkpoint``: after verl's, :meth:`DynstateRLDataset.resume` rolls the store back to
   the checkpoint's step and loads the loader state.
 
-Only the ``sync`` mode is supported. verl's async modes (``colocate_async``, ``separate_async``)
-are refused at start-up: their ``ReplayBufferAsync`` drops stale, filtered and failed groups
-without naming their rows, and the rows in flight at a checkpoint are kept only in verl's
-``transfer_queue/`` checkpoint, so dynstate cannot yet account for every drawn row (exactly once,
-issue 42.4: designed in docs/verl.md, "Async modes (colocate_async, separate_async)", not built).
+``colocate_async`` runs as :class:`dynstate.verl.v1_async.DynstateColocateAsync`
+(``trainer.v1.trainer_mode=dynstate_colocate_async``: exactly once, every row drawn trained,
+dropped or in flight); ``separate_async`` is refused at start-up (no kill trial shows exactly once
+holding there: docs/verl.md, "Async modes (colocate_async, separate_async)").
 ``trainer.v1.sampler.sync_refill_failed_groups`` is refused too (verl's refill of failed groups
 fetches rows at the poll that finds them).
 
