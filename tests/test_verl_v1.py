@@ -239,7 +239,7 @@ def test_v1_selection_follows_the_policy_and_resumes_exactly(files, tmp_path):
 # -- colocate_async: exactly once (issue 42.4) --------------------------------------------------
 
 ASYNC = {
-    "async": True,
+    "async": "colocate",
     "trainer_mode": standins.STANDIN_MODE,
     "steps": 6,
     "save_freq": 2,
@@ -313,20 +313,27 @@ def _audit_exactly_once(url: str, log: dict[int, dict], steps: int) -> list[dict
 
 
 @pytest.mark.slow
-def test_v1_colocate_async_is_exactly_once_across_kills(files, tmp_path):
-    """verl's colocate_async fit() with dynstate (two loader workers, stale drops every step,
-    DAPO filtering), SIGKILLed in rollout, in validation, right after a round commit whose
+@pytest.mark.parametrize(
+    ("mode", "workers", "kills"),
+    [
+        ("colocate", 2, [(3, "rollout"), (3, "validation"), (4, "committed"), (4, "saved")]),
+        ("separate", 0, [(3, "committed"), (4, "saved")]),
+    ],
+)
+def test_v1_async_is_exactly_once_across_kills(files, tmp_path, mode, workers, kills):
+    """verl's colocate_async / separate_async fit() with dynstate (stale drops every step, DAPO
+    filtering), SIGKILLed in rollout, in validation, right after a round commit whose
     checkpoint was not yet written, and right after a checkpoint, each resuming the previous:
     the final lineage accounts for every row drawn exactly once, across the resumes."""
-    spec = _spec(files, tmp_path, str(tmp_path / "store"), num_workers=2, **ASYNC)
-    for kill in [(3, "rollout"), (3, "validation"), (4, "committed"), (4, "saved")]:
+    spec = _spec(files, tmp_path, str(tmp_path / "store"), **{**ASYNC, "async": mode})
+    spec["num_workers"] = workers
+    for kill in kills:
         assert run_driver(spec, kill) == -signal.SIGKILL
     assert run_driver(spec) == 0
     log = standins.read_log(spec["log"])
     records = _audit_exactly_once(spec["store"], log, 6)
-    # the resumes happened where the kills say: steps 3 and 4 were run again after a resume
-    # from global_step_2, and step 5 after one from global_step_4 with its rows in flight
-    assert records[4]["carried_in"] and records[2]["carried_in"]
+    # step 5 ran after a resume from global_step_4, with that checkpoint's rows in flight
+    assert records[4]["carried_in"] == records[3]["in_flight"] != []
 
 
 def test_v1_colocate_async_uninterrupted_and_refused_resumes(files, tmp_path):
@@ -448,14 +455,12 @@ def _config(files: dict, tmp_path, overrides: list[str], mode: str = "sync"):
     ("mode", "overrides", "names"),
     [
         (
-            "separate_async",
+            "my_async",
             [],
             [
-                "separate_async",
-                "supported: sync, colocate_async",
+                "my_async",
+                "supported: sync, colocate_async, separate_async",
                 "dynstate.verl.main_ppo",
-                "standalone rollout replicas",  # the reason: no kill trial shows it holds
-                'docs/verl.md, "Async modes"',
             ],
         ),
         ("sync", ["trainer.v1.sampler.sync_refill_failed_groups=true"], ["sync_refill"]),
@@ -502,14 +507,15 @@ def test_main_ppo_refuses_verl_05_curriculum_sampler_keys(files, tmp_path, use_v
     assert not os.path.exists(tmp_path / "store")
 
 
-def test_v1_colocate_async_refuses_mix_mode(files, tmp_path):
+@pytest.mark.parametrize("mode", ["colocate_async", "separate_async"])
+def test_v1_async_refuses_mix_mode(files, tmp_path, mode):
     from dynstate.verl.main_ppo import select_v1_trainer
 
     spec = _spec(
         files,
         tmp_path,
         str(tmp_path / "store"),
-        trainer_mode="colocate_async",
+        trainer_mode=mode,
         dynstate={"mode": "mix"},
     )
     config = standins.compose_config(spec)
@@ -519,18 +525,19 @@ def test_v1_colocate_async_refuses_mix_mode(files, tmp_path):
     assert not os.path.exists(tmp_path / "store")
 
 
-def test_v1_colocate_async_is_run_as_dynstates(files, tmp_path):
+@pytest.mark.parametrize("mode", ["colocate_async", "separate_async"])
+def test_v1_async_modes_are_run_as_dynstates(files, tmp_path, mode):
     from verl.trainer.ppo.v1 import get_trainer_cls
-    from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
 
     from dynstate.verl import v1_async
     from dynstate.verl.main_ppo import select_v1_trainer
 
-    config = _config(files, tmp_path, [], "colocate_async")
+    config = _config(files, tmp_path, [], mode)
     select_v1_trainer(config)
-    assert config.trainer.v1.trainer_mode == v1_async.COLOCATE_MODE == "dynstate_colocate_async"
-    cls = get_trainer_cls("dynstate_colocate_async")
-    assert cls is v1_async.DynstateColocateAsync and issubclass(cls, PPOTrainerColocateAsync)
+    assert config.trainer.v1.trainer_mode == f"dynstate_{mode}"
+    cls = get_trainer_cls(f"dynstate_{mode}")
+    assert issubclass(cls, v1_async.AsyncRounds) and mode == cls.VERL_MODE
+    assert issubclass(cls, get_trainer_cls(mode))  # verl's own class under it
 
 
 def test_v1_sync_is_run_as_dynstate(files, tmp_path):

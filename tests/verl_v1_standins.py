@@ -228,6 +228,16 @@ def compose_config(spec: dict) -> Any:
         "data.custom_cls.path=pkg://dynstate.verl",
         "data.custom_cls.name=DynstateRLDataset",
     ]
+    if spec.get("async") == "separate":
+        # verl's separate_async checks: a mini-batch per parameter sync, standalone rollout
+        # GPUs, a weight-sync backend other than naive (the stand-ins sync nothing)
+        overrides += [
+            "trainer.v1.separate_async.parameter_sync_step=1",
+            "actor_rollout_ref.rollout.nnodes=1",
+            "actor_rollout_ref.rollout.n_gpus_per_node=1",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+            "actor_rollout_ref.hybrid_engine=false",
+        ]
     if spec.get("policy") == "dapo":
         path = os.path.join(os.path.dirname(spec["ckpt"]), "standin_agent_loops.yaml")
         with open(path, "w") as f:
@@ -325,6 +335,16 @@ class StandInActorGroup:
         assert "advantages" in data, "update_actor got a batch without advantages"
         return {"metrics": {"mfu": 0.0, "pg_loss": 0.0}}
 
+    # separate_async keeps pi_old on the CPU for Decoupled PPO (one slot per mini-batch)
+    def save_model_to_cpu(self, slot: int) -> None:
+        pass
+
+    def restore_model_from_cpu(self, slot: int) -> None:
+        pass
+
+    def clear_cpu_model(self, slot: int) -> None:
+        pass
+
     def save_checkpoint(self, local_path: str, remote_path: Any, step: int, **_: Any) -> None:
         os.makedirs(local_path, exist_ok=True)
         with open(os.path.join(local_path, "weights.txt"), "w") as f:
@@ -337,14 +357,14 @@ class StandInActorGroup:
 
 
 class StandInCheckpointEngine:
-    def update_weights(self, step: int | None = None) -> None:
-        pass
+    def update_weights(self, step: int | None = None) -> dict:
+        return {}
 
     def sleep_replicas(self) -> None:
         pass
 
     # colocate_async: abort unfinished requests at the end of sampling, resume after the step
-    def abort_replicas(self) -> None:
+    def abort_replicas(self, reject_request: bool = False) -> None:
         pass
 
     def resume_generation_replicas(self) -> None:
@@ -380,13 +400,14 @@ def register_standin_trainer(spec: dict) -> type:
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 
     from dynstate.verl.v1 import DynstatePPOTrainer
-    from dynstate.verl.v1_async import DynstateColocateAsync
+    from dynstate.verl.v1_async import DynstateColocateAsync, DynstateSeparateAsync
 
     if STANDIN_MODE in TRAINER_REGISTRY:
         return TRAINER_REGISTRY[STANDIN_MODE]
     kill = tuple(spec["kill"]) if spec.get("kill") else None
     log_path = spec.get("log")
-    base: type = DynstateColocateAsync if spec.get("async") else DynstatePPOTrainer
+    bases = {"colocate": DynstateColocateAsync, "separate": DynstateSeparateAsync}
+    base: type = bases[spec["async"]] if spec.get("async") else DynstatePPOTrainer
 
     class CPUTrainer(base):  # type: ignore[misc, valid-type]
         def __init__(self, config: Any) -> None:
@@ -409,6 +430,15 @@ def register_standin_trainer(spec: dict) -> type:
                 StandInLLM(self.config.actor_rollout_ref.model.path, spec.get("policy", "plain"))
             )
             self.checkpoint_manager = StandInCheckpointEngine()
+            if spec.get("async") == "separate":
+                # separate_async's own _setup part: standalone rollout replicas (here the same
+                # stand-in client, never paused) with their own weight sync; no replicas on the
+                # training GPUs (actor_rollout_ref.hybrid_engine=false)
+                from verl.trainer.ppo.v1.trainer_separate_async import HybridEngineMode
+
+                self.standalone_server_manager = self.llm_server_manager
+                self.standalone_checkpoint_manager = StandInCheckpointEngine()
+                self.current_mode = HybridEngineMode.TRAINER
             self.checkpoint_manager.sleep_replicas()
             self._load_checkpoint()
 

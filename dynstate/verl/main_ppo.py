@@ -65,8 +65,8 @@ def _task_runner_v1_class() -> Any:
 
     class DynstateTaskRunnerV1(base):  # type: ignore[misc, valid-type]
         def run(self, config: Any) -> Any:
-            # Runs inside the Ray actor, before verl's get_trainer_cls: register the mode here.
-            from . import v1
+            # Runs inside the Ray actor, before verl's get_trainer_cls: register the modes here.
+            from . import v1, v1_async  # noqa: F401  - v1_async registers the async trainers
 
             _log_level()
             v1.check_config(config)
@@ -80,7 +80,7 @@ def select_v1_trainer(config: Any) -> None:
     or raise :class:`~dynstate.InvalidDataError` naming the supported modes."""
     from omegaconf import open_dict
 
-    from . import v1
+    from . import v1, v1_async  # noqa: F401  - v1_async registers the async trainers
 
     with open_dict(config):
         mode = config.trainer.v1.get("trainer_mode", "sync")

@@ -18,10 +18,9 @@ these overrides, everything else verl's code:
 - ``_load_checkpoint``: after verl's, :meth:`DynstateRLDataset.resume` rolls the store back to
   the checkpoint's step and loads the loader state.
 
-``colocate_async`` runs as :class:`dynstate.verl.v1_async.DynstateColocateAsync`
-(``trainer.v1.trainer_mode=dynstate_colocate_async``: exactly once, every row drawn trained,
-dropped or in flight); ``separate_async`` is refused at start-up (no kill trial shows exactly once
-holding there: docs/verl.md, "Async modes (colocate_async, separate_async)").
+``colocate_async`` and ``separate_async`` run as :mod:`dynstate.verl.v1_async`'s trainers
+(``trainer.v1.trainer_mode=dynstate_colocate_async`` / ``dynstate_separate_async``: exactly
+once, every row drawn trained, filtered, dropped or in flight; docs/verl.md, "Async modes").
 ``trainer.v1.sampler.sync_refill_failed_groups`` is refused too (verl's refill of failed groups
 fetches rows at the poll that finds them).
 
@@ -78,21 +77,21 @@ TRAINER_MODE = "dynstate"
 
 # verl's own mode names, and the dynstate trainer each runs as
 SUPPORTED_MODES = ("sync",)
-ASYNC_TRAINERS = {"colocate_async": "dynstate_colocate_async"}  # dynstate.verl.v1_async
-REFUSED_MODES = ("separate_async",)
+# verl's async modes -> dynstate's trainers for them (dynstate.verl.v1_async registers them)
+ASYNC_TRAINERS = {
+    "colocate_async": "dynstate_colocate_async",
+    "separate_async": "dynstate_separate_async",
+}
 
 
 def check_config(config: Any) -> None:
     """Refuse, before anything starts, the V1 settings under which a dynstate run cannot
     resume exactly (see the module docstring). ``config`` is verl's full trainer config."""
-    from . import v1_async  # registers the async trainers; it imports this module
-
     mode = str(config.trainer.v1.get("trainer_mode", "sync"))
     registered_cls = TRAINER_REGISTRY.get(mode)
-    if isinstance(registered_cls, type) and issubclass(
-        registered_cls, v1_async.DynstateColocateAsync
-    ):
-        v1_async.check_async_config(config, mode)
+    # dynstate.verl.v1_async's trainers (and subclasses) name the verl mode they run
+    if getattr(registered_cls, "VERL_MODE", None) in ASYNC_TRAINERS:
+        check_async_config(config, mode)
         return
     ours = isinstance(registered_cls, type) and issubclass(registered_cls, DynstatePPOTrainer)
     if not ours and mode not in SUPPORTED_MODES:
@@ -101,12 +100,6 @@ def check_config(config: Any) -> None:
                 f"verl's own {mode} trainer does not record the rows it draws, evicts and "
                 f"keeps in flight; run it as trainer.v1.trainer_mode={ASYNC_TRAINERS[mode]} "
                 "(`python -m dynstate.verl.main_ppo` does so)"
-            )
-        elif mode in REFUSED_MODES:
-            why = (
-                "its standalone rollout replicas keep generating through checkpoints and weight "
-                "syncs, and dynstate has no kill trial showing every drawn row trained, dropped "
-                'or in flight exactly once there (docs/verl.md, "Async modes")'
             )
         else:
             why = "it is not dynstate's trainer, so nothing installs the sampler or commits rounds"
@@ -143,6 +136,37 @@ def check_config(config: Any) -> None:
             f"trainer.v1.sampler.custom_sampler ({custom.get('name')}) is not supported with a "
             "dynstate dataset: the dynstate trainer relies on verl's sync ReplayBuffer taking "
             "exactly train_batch_size rows per step; remove the custom sampler"
+        )
+
+
+def check_async_config(config: Any, mode: str) -> None:
+    """Refuse what the async trainer cannot account for, naming the key."""
+    dynstate = config.data.get("dynstate", None) or {}
+    if str(dynstate.get("mode", "epoch")) == "mix":
+        raise InvalidDataError(
+            f"data.dynstate.mode=mix is not supported with trainer.v1.trainer_mode={mode}: mix "
+            "mode's lag counts loader batches, and an async trainer's loader hands out one row "
+            "per batch, ahead of training by its warm-up window and refills; use mode=epoch"
+        )
+    sampler = config.trainer.v1.get("sampler", {}) or {}
+    custom = sampler.get("custom_sampler", None) or {}
+    if custom.get("path") and custom.get("name"):
+        raise InvalidDataError(
+            f"trainer.v1.sampler.custom_sampler ({custom.get('name')}) is not supported with a "
+            f"dynstate dataset and trainer.v1.trainer_mode={mode}: dynstate's buffer records "
+            "every group verl evicts; remove the custom sampler"
+        )
+    if sampler.get("sync_refill_failed_groups", False):
+        raise InvalidDataError(
+            "trainer.v1.sampler.sync_refill_failed_groups is a sync-mode setting; unset it with "
+            f"trainer.v1.trainer_mode={mode}"
+        )
+    skip = config.get("skip", {}) or {}
+    if (skip.get("rollout_tq", {}) or {}).get("enable", False):
+        raise InvalidDataError(
+            f"skip.rollout_tq.enable=true is not supported with a dynstate dataset and "
+            f"trainer.v1.trainer_mode={mode}: it trains another run's cached trajectories for "
+            "the rows drawn; set it to false"
         )
 
 

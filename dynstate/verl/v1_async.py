@@ -1,5 +1,6 @@
-"""dynstate for verl's V1 ``colocate_async`` trainer: every row drawn is trained, recorded as
-dropped (with its reason) or listed in flight, exactly once across kills and resumes.
+"""dynstate for verl's V1 async trainers (``colocate_async``, ``separate_async``): every row
+drawn is trained, recorded as filtered or dropped (with its reason) or listed in flight, exactly
+once across kills and resumes.
 
 An asynchronous step's batch depends on which rollouts finish first, so an async run does not
 promise batch equality with another run; it promises *exactly once* (issue 42.4). Each step's
@@ -27,8 +28,10 @@ rolls the store back to the checkpoint's step; verl re-issues the restored promp
 pending or running, and they are the next step's ``carried_in``, not new draws. Orphan
 trajectories (a trained batch's, saved before verl clears them) are deleted.
 
-``separate_async`` stays refused: its standalone rollout replicas and checkpoint engine have no
-CPU stand-ins here, so no kill trial can show the equation holding (docs/verl.md).
+The two modes differ in where rollouts run (``colocate_async`` pauses its replicas while a step
+trains; ``separate_async``'s standalone replicas never stop), not in how prompts enter and leave
+TransferQueue: in both, only the driver submits, samples and evicts prompt entries, so the same
+recording holds (:class:`AsyncRounds`, mixed into each of verl's classes).
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ import transfer_queue as tq
 from torchdata.stateful_dataloader import StatefulDataLoader
 from verl.trainer.ppo.v1 import register_trainer
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 
 from ..errors import CheckpointNotFoundError, InvalidDataError, StateMismatchError
 from ..loading.state import find_sampler_state
@@ -51,45 +56,21 @@ from ..records.consumption import ASYNC_FORMAT
 from . import mirror
 from .dataset import DynstateRLDataset
 from .trainer import checkpoint_dir
-from .v1 import _imported_rows, _trajectory_order, scored_batch
+from .v1 import (
+    ASYNC_TRAINERS,
+    _imported_rows,
+    _trajectory_order,
+    check_async_config,
+    scored_batch,
+)
 
 log = logging.getLogger("dynstate")
 
-COLOCATE_MODE = "dynstate_colocate_async"
-"""The ``trainer.v1.trainer_mode`` value this module registers (verl's ``colocate_async``)."""
+#: the ``trainer.v1.trainer_mode`` values this module registers, for verl's two async modes
+COLOCATE_MODE = ASYNC_TRAINERS["colocate_async"]
+SEPARATE_MODE = ASYNC_TRAINERS["separate_async"]
 ROW_FIELD = "dynstate_row"
 PARTITION = "train"
-
-
-def check_async_config(config: Any, mode: str) -> None:
-    """Refuse what the async trainer cannot account for, naming the key."""
-    dynstate = config.data.get("dynstate", None) or {}
-    if str(dynstate.get("mode", "epoch")) == "mix":
-        raise InvalidDataError(
-            f"data.dynstate.mode=mix is not supported with trainer.v1.trainer_mode={mode}: mix "
-            "mode's lag counts loader batches, and an async trainer's loader hands out one row "
-            "per batch, ahead of training by its warm-up window and refills; use mode=epoch"
-        )
-    sampler = config.trainer.v1.get("sampler", {}) or {}
-    custom = sampler.get("custom_sampler", None) or {}
-    if custom.get("path") and custom.get("name"):
-        raise InvalidDataError(
-            f"trainer.v1.sampler.custom_sampler ({custom.get('name')}) is not supported with a "
-            f"dynstate dataset and trainer.v1.trainer_mode={mode}: dynstate's buffer records "
-            "every group verl evicts; remove the custom sampler"
-        )
-    if sampler.get("sync_refill_failed_groups", False):
-        raise InvalidDataError(
-            "trainer.v1.sampler.sync_refill_failed_groups is a sync-mode setting; unset it with "
-            f"trainer.v1.trainer_mode={mode}"
-        )
-    skip = config.get("skip", {}) or {}
-    if (skip.get("rollout_tq", {}) or {}).get("enable", False):
-        raise InvalidDataError(
-            f"skip.rollout_tq.enable=true is not supported with a dynstate dataset and "
-            f"trainer.v1.trainer_mode={mode}: it trains another run's cached trajectories for "
-            "the rows drawn; set it to false"
-        )
 
 
 def async_settings(config: Any, mode: str) -> dict[str, Any]:
@@ -169,12 +150,12 @@ class _Consumed:
                 self.filtered.append([rows[uid], 0.0])
 
 
-class DynstateColocateAsync(PPOTrainerColocateAsync):
-    """verl's V1 ``colocate_async`` trainer with a dynstate train set: one committed round per
-    step with its consumption record, durable before the step's checkpoint, and a resume that
-    loses and repeats no drawn row."""
+class AsyncRounds(PPOTrainer):
+    """What dynstate adds to a verl V1 async trainer (mixed in before verl's class): one
+    committed round per step with its consumption record, durable before the step's
+    checkpoint, and a resume that loses and repeats no drawn row."""
 
-    VERL_MODE = "colocate_async"
+    VERL_MODE = ""  # verl's mode name, which verl keys its async behaviour on
     train_dataloader: Any
 
     def __init__(self, config: Any) -> None:
@@ -221,8 +202,9 @@ class DynstateColocateAsync(PPOTrainerColocateAsync):
         dataset = self.dynstate_dataset
         if dataset is None:
             raise InvalidDataError(
-                f"trainer.v1.trainer_mode={COLOCATE_MODE} needs a DynstateRLDataset train set "
-                "(data.custom_cls and data.dynstate.url); without one run verl's colocate_async"
+                f"trainer.v1.trainer_mode={ASYNC_TRAINERS[self.VERL_MODE]} needs a "
+                "DynstateRLDataset train set (data.custom_cls and data.dynstate.url); without one "
+                f"run verl's {self.VERL_MODE}"
             )
         old = self.train_dataloader
         sampler = dataset.make_sampler(batch_size=1, drop_last=True)
@@ -248,7 +230,7 @@ class DynstateColocateAsync(PPOTrainerColocateAsync):
         self.steps_per_epoch = max(1, base // train_batch_size)
         if self.config.trainer.total_training_steps is None:
             self.total_training_steps = self.steps_per_epoch * self.config.trainer.total_epochs
-        log.info("dynstate train sampler installed (%s, one row per loader batch)", COLOCATE_MODE)
+        log.info("dynstate train sampler installed (%s, one row per loader batch)", self.VERL_MODE)
 
     # -- what a step consumed ------------------------------------------------------------------
 
@@ -435,4 +417,15 @@ class DynstateColocateAsync(PPOTrainerColocateAsync):
             log.info("cleared %d trajectories of trained groups from the checkpoint", len(orphans))
 
 
-register_trainer(COLOCATE_MODE)(DynstateColocateAsync)
+@register_trainer(COLOCATE_MODE)
+class DynstateColocateAsync(AsyncRounds, PPOTrainerColocateAsync):
+    """verl's ``colocate_async`` trainer with a dynstate train set (:class:`AsyncRounds`)."""
+
+    VERL_MODE = "colocate_async"
+
+
+@register_trainer(SEPARATE_MODE)
+class DynstateSeparateAsync(AsyncRounds, PPOTrainerSeparateAsync):
+    """verl's ``separate_async`` trainer with a dynstate train set (:class:`AsyncRounds`)."""
+
+    VERL_MODE = "separate_async"
