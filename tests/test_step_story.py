@@ -373,3 +373,58 @@ def test_the_step_view_and_the_drawn_chart_in_a_browser(browser, tmp_path: Path)
                 assert drawn == fold_round(sent[v])["rows"], v
         finally:
             context.close()
+
+
+def test_an_async_steps_rows_in_flight_are_shown(tmp_path: Path) -> None:
+    """A format-2 record (an async trainer's: rows still in flight, a group dropped as failed)
+    committed by hand: `dynstate steps` (text and --json), `show` and serve's version page and
+    chart count the rows in flight and name the failed drop, as the record lists them."""
+    url = str(tmp_path / "async")
+    store = Store.open(url, create=True)
+    store.append([{"id": i} for i in range(ROWS)])
+    head = store.head
+    in_flight = [[3, 7, 7], [5, 1]]  # row 7 twice: drawn in two epochs
+    carried: list[int] = []
+    drawn_by_step = [[2, 9, 3, 7, 7, 4], [5, 1, 8]]
+    for step, (drawn, flying) in enumerate(zip(drawn_by_step, in_flight, strict=True), start=1):
+        pool = Counter(carried) + Counter(drawn) - Counter(flying)
+        rest = sorted(pool.elements())
+        record = {
+            "format": 2,
+            "step": step,
+            "rows_version": head,
+            "settings": {"trainer_mode": "colocate_async"},
+            "carried_in": carried,
+            "drawn": drawn,
+            "gen_batches": len(drawn),
+            "trained": rest[2:],
+            "filtered": [[rest[0], 0.0]],
+            "dropped": [[rest[1], "failed"]],
+            "carry": [],
+            "in_flight": flying,
+            "sampler": {},
+        }
+        trained = record["trained"]
+        outcomes = {"row": trained, "step": [step] * len(trained), "score": [1.0] * len(trained)}
+        store.append(
+            [], meta={"step": step}, rows_version=head, consumption=record, outcomes=outcomes
+        )
+        carried = flying
+    done = _cli("steps", url, "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert [(e["step"], e["in_flight"], e["carried_in"]) for e in doc["steps"]] == [
+        (1, 3, 0),
+        (2, 2, 3),
+    ]
+    assert doc["totals"]["in_flight"] == 5
+    text = _cli("steps", url).stdout.splitlines()
+    assert "in flight" in text[1]
+    shown = _cli("show", url).stdout
+    assert "in flight 2" in shown and "(failed)" in shown
+    with served(StoreView(Store.open(url), url=url)) as base:
+        client = Client(base)
+        status, html = client.get(f"/versions/{Store.open(url).head}")
+        assert status == 200 and "in flight" in html and "[5, 1]" in html
+        status, page = client.get("/outcomes")
+        assert status == 200 and "2 in flight" in page and "5 rows" in page

@@ -264,7 +264,9 @@ def _plain_rows(url: str, version: int) -> pa.Table:
     return table
 
 
-def _audit_exactly_once(url: str, log: dict[int, dict], steps: int) -> list[dict]:
+def _audit_exactly_once(
+    url: str, log: dict[int, dict], steps: int, failing: bool = False
+) -> list[dict]:
     """The head's lineage holds one format-2 consumption record per step, chained (a step's
     carried_in is the step before's in_flight), and over the run every row drawn is trained,
     filtered, dropped or still in flight, exactly once; each epoch's draws are a permutation of
@@ -286,7 +288,8 @@ def _audit_exactly_once(url: str, log: dict[int, dict], steps: int) -> list[dict
     gone += [i for r in records for i, _ in r["filtered"]]
     gone += [i for r in records for i, _ in r["dropped"]]
     assert Counter(drawn) == Counter(gone) + Counter(records[-1]["in_flight"])
-    assert {reason for r in records for _, reason in r["dropped"]} == {"stale"}
+    reasons = {reason for r in records for _, reason in r["dropped"]}
+    assert reasons == ({"stale", "failed"} if failing else {"stale"})
     assert any(r["filtered"] for r in records) and all(len(r["trained"]) == 4 for r in records)
     # epochs: each record's sampler state names the epoch under way and the version it pinned
     pinned: dict[int, int] = {}
@@ -316,6 +319,7 @@ def _audit_exactly_once(url: str, log: dict[int, dict], steps: int) -> list[dict
 @pytest.mark.parametrize(
     ("mode", "workers", "kills"),
     [
+        # failing sessions too: groups evicted as failed
         ("colocate", 2, [(3, "rollout"), (3, "validation"), (4, "committed"), (4, "saved")]),
         ("separate", 0, [(3, "committed"), (4, "saved")]),
     ],
@@ -325,13 +329,15 @@ def test_v1_async_is_exactly_once_across_kills(files, tmp_path, mode, workers, k
     filtering), SIGKILLed in rollout, in validation, right after a round commit whose
     checkpoint was not yet written, and right after a checkpoint, each resuming the previous:
     the final lineage accounts for every row drawn exactly once, across the resumes."""
+    failing = mode == "colocate"
+    policy = "dapo_fail" if failing else "dapo"
     spec = _spec(files, tmp_path, str(tmp_path / "store"), **{**ASYNC, "async": mode})
-    spec["num_workers"] = workers
+    spec.update(num_workers=workers, policy=policy)
     for kill in kills:
         assert run_driver(spec, kill) == -signal.SIGKILL
     assert run_driver(spec) == 0
     log = standins.read_log(spec["log"])
-    records = _audit_exactly_once(spec["store"], log, 6)
+    records = _audit_exactly_once(spec["store"], log, 6, failing)
     # step 5 ran after a resume from global_step_4, with that checkpoint's rows in flight
     assert records[4]["carried_in"] == records[3]["in_flight"] != []
 

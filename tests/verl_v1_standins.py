@@ -26,7 +26,10 @@ checkpoint of that step is written), ``validation`` (inside validation after tha
 ``committed`` (right after the round of that step is committed), ``refill`` (group filtering:
 the step's second generation batch drawn, its first scored). ``spec["policy"] = "dapo"`` makes
 the stand-in policy's answers differ between a prompt's responses for some prompts (so that
-group filtering keeps some groups and filters others). Every trained batch is logged
+group filtering keeps some groups and filters others); ``"dapo_fail"`` also fails one session
+of every prompt whose ``a + b`` is a multiple of 7 (an async buffer evicts such a group as
+failed). ``spec["async"]`` (``"colocate"`` or ``"separate"``) runs verl's async trainer of that
+name with dynstate (:mod:`dynstate.verl.v1_async`). Every trained batch is logged
 to ``spec["log"]`` (one JSON line per step, fsynced); the Ray processes the driver started are
 listed in ``spec["pids"]`` so that whoever kills it can end them.
 
@@ -185,6 +188,7 @@ def compose_config(spec: dict) -> Any:
 
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
     batch = spec.get("batch_size", 4)
+    separate = spec.get("async") == "separate"
     overrides = [
         f"trainer.v1.trainer_mode={spec.get('trainer_mode', STANDIN_MODE)}",
         "trainer.device=cpu",
@@ -204,7 +208,8 @@ def compose_config(spec: dict) -> Any:
         "algorithm.use_kl_in_reward=false",
         f"actor_rollout_ref.model.path={spec['model']}",
         "actor_rollout_ref.actor.use_kl_loss=false",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
+        # separate_async: two mini-batches per step, one parameter sync (Decoupled PPO)
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={batch // 2 if separate else batch}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.rollout.name=vllm",
         "actor_rollout_ref.rollout.n=2",
@@ -228,17 +233,18 @@ def compose_config(spec: dict) -> Any:
         "data.custom_cls.path=pkg://dynstate.verl",
         "data.custom_cls.name=DynstateRLDataset",
     ]
-    if spec.get("async") == "separate":
-        # verl's separate_async checks: a mini-batch per parameter sync, standalone rollout
-        # GPUs, a weight-sync backend other than naive (the stand-ins sync nothing)
+    if separate:
+        # verl's separate_async checks: train_batch_size = parameter_sync_step * mini-batch,
+        # standalone rollout GPUs, a weight-sync backend other than naive (the stand-ins sync
+        # nothing)
         overrides += [
-            "trainer.v1.separate_async.parameter_sync_step=1",
+            "trainer.v1.separate_async.parameter_sync_step=2",
             "actor_rollout_ref.rollout.nnodes=1",
             "actor_rollout_ref.rollout.n_gpus_per_node=1",
             "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
             "actor_rollout_ref.hybrid_engine=false",
         ]
-    if spec.get("policy") == "dapo":
+    if spec.get("policy") in ("dapo", "dapo_fail"):
         path = os.path.join(os.path.dirname(spec["ckpt"]), "standin_agent_loops.yaml")
         with open(path, "w") as f:
             f.write(f"- name: {AGENT_LOOP}\n  _target_: verl_v1_standins.SessionAgentLoop\n")
@@ -262,6 +268,10 @@ def compose_config(spec: dict) -> Any:
 # -- stand-ins ---------------------------------------------------------------------------------
 
 
+def session_of(sampling_params: dict) -> int:
+    return int(sampling_params.get("standin_session", 0))
+
+
 class StandInLLM:
     """The LLM server's client, as verl's agent loop awaits it (``generate(prompt_ids=...)``).
     Pickled into the agent-loop worker actor."""
@@ -283,10 +293,14 @@ class StandInLLM:
             i = words.index("What")
             a, b = int(words[i + 2]), int(words[i + 4])
             answer = str(a + b + 1) if (a + b) % 3 == 0 else str(a + b)
-            if self.policy == "dapo":
+            if self.policy == "dapo_fail" and (a + b) % 7 == 0 and session_of(sampling_params):
+                # a rollout session that fails (never session 0, the only one validation runs):
+                # verl's agent loop tags the group `failure`, the async buffer evicts it
+                raise RuntimeError(f"stand-in rollout failure for {a} + {b}")
+            if self.policy in ("dapo", "dapo_fail"):
                 # by a + b mod 3: every response wrong, every one right, or only session 0
                 # right (the one group of three whose rewards differ)
-                session = int(sampling_params.get("standin_session", 0))
+                session = session_of(sampling_params)
                 right = {0: False, 1: True}.get((a + b) % 3, session == 0)
                 answer = str(a + b) if right else str(a + b + 1)
         ids = self._tok.convert_tokens_to_ids(["The", "answer", "is", "####", answer, "<eos>"])
