@@ -27,8 +27,6 @@ import sys
 import time
 import uuid
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import transfer_queue  # noqa: F401  - V1's queue: a missing install must fail here
 import verl  # noqa: F401  - a missing verl must fail, not skip
@@ -254,67 +252,6 @@ ASYNC = {
 }
 
 
-def _plain_rows(url: str, version: int) -> pa.Table:
-    """Version ``version`` the plain way: its shards read whole with pyarrow, concatenated."""
-    snap = dynstate.Store.open(url).snapshot(version)
-    assert snap.schema is not None
-    parts = [pq.read_table(os.path.join(url, s.path)) for s in snap.shards]
-    table = pa.concat_tables(parts, promote_options="default").select(snap.schema.names)
-    assert table.num_rows == snap.num_rows
-    return table
-
-
-def _audit_exactly_once(
-    url: str, log: dict[int, dict], steps: int, failing: bool = False
-) -> list[dict]:
-    """The head's lineage holds one format-2 consumption record per step, chained (a step's
-    carried_in is the step before's in_flight), and over the run every row drawn is trained,
-    filtered, dropped or still in flight, exactly once; each epoch's draws are a permutation of
-    its pinned version's rows (the last one a prefix without repeats); every trained prompt is
-    its row's, read the plain way."""
-    from collections import Counter
-
-    from dynstate.loading.consumption import consumption_records
-
-    records = consumption_records(dynstate.Store.open(url))
-    assert [r["step"] for r in records] == list(range(1, steps + 1))
-    carried: list[int] = []
-    for r in records:
-        assert r["format"] == 2 and r["carry"] == []
-        assert Counter(r["carried_in"]) == Counter(carried), f"step {r['step']} lost its carry"
-        carried = r["in_flight"]
-    drawn = [i for r in records for i in r["drawn"]]
-    gone = [i for r in records for i in r["trained"]]
-    gone += [i for r in records for i, _ in r["filtered"]]
-    gone += [i for r in records for i, _ in r["dropped"]]
-    assert Counter(drawn) == Counter(gone) + Counter(records[-1]["in_flight"])
-    reasons = {reason for r in records for _, reason in r["dropped"]}
-    assert reasons == ({"stale", "failed"} if failing else {"stale"})
-    assert any(r["filtered"] for r in records) and all(len(r["trained"]) == 4 for r in records)
-    # epochs: each record's sampler state names the epoch under way and the version it pinned
-    pinned: dict[int, int] = {}
-    for r in records:
-        pinned.setdefault(int(r["sampler"]["epoch"]), int(r["sampler"]["version"]))
-    assert sorted(pinned) == list(range(len(pinned))) and len(pinned) >= 2
-    start = 0
-    for epoch in sorted(pinned):
-        n = dynstate.Store.open(url).snapshot(pinned[epoch]).num_rows
-        part = drawn[start : start + n]
-        if epoch < max(pinned):
-            assert sorted(part) == list(range(n)), f"epoch {epoch} drew {part}"
-        else:
-            assert len(set(part)) == len(part) and max(part) < n
-        start += n
-    # the rows trained are the rows asked for, and each step's log is its record's
-    table = _plain_rows(url, dynstate.Store.open(url).head)
-    for r in records:
-        entry = log[r["step"]]
-        assert entry["rows"][::2] == r["trained"]  # two responses per prompt, in group order
-        want = table.take(pa.array(entry["rows"])).column("prompt").to_pylist()
-        assert [m[-1]["content"] for m in want] == entry["prompts"]
-    return records
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "workers", "kills"),
@@ -337,34 +274,49 @@ def test_v1_async_is_exactly_once_across_kills(files, tmp_path, mode, workers, k
         assert run_driver(spec, kill) == -signal.SIGKILL
     assert run_driver(spec) == 0
     log = standins.read_log(spec["log"])
-    records = _audit_exactly_once(spec["store"], log, 6, failing)
+    records = standins.audit_exactly_once(spec["store"], log, 6)
+    reasons = {reason for r in records for _, reason in r["dropped"]}
+    assert reasons == ({"stale", "failed"} if failing else {"stale"})
     # step 5 ran after a resume from global_step_4, with that checkpoint's rows in flight
     assert records[4]["carried_in"] == records[3]["in_flight"] != []
 
 
-def test_v1_colocate_async_uninterrupted_and_refused_resumes(files, tmp_path):
-    """An uninterrupted colocate_async run holds the audit; a resume with another staleness
-    bound, or with a checkpoint's TransferQueue that is not the record's, is refused naming the
-    setting or the folder, with the store unchanged."""
+def test_v1_colocate_async_refused_resumes_and_another_worker_count(files, tmp_path):
+    """An uninterrupted colocate_async run holds the audit. Resumes refused with the store
+    unchanged: another staleness bound (naming the key), another checkpoint's data.pt, a
+    checkpoint without its transfer_queue/. A resume with two loader workers instead of none
+    holds the audit over the whole run."""
     spec = _spec(files, tmp_path, str(tmp_path / "store"), num_workers=0, **{**ASYNC, "steps": 4})
     assert run_driver(spec) == 0
-    _audit_exactly_once(spec["store"], standins.read_log(spec["log"]), 4)
-    before = _versions(spec["store"]), _store_files(spec["store"])
+    standins.audit_exactly_once(spec["store"], standins.read_log(spec["log"]), 4)
+
+    def refused(run: dict, *says: str) -> None:
+        before = _versions(spec["store"]), _store_files(spec["store"])
+        out = standins.run_failing_driver(run, timeout=DRIVER_TIMEOUT)
+        for said in says:
+            assert said in out
+        assert (_versions(spec["store"]), _store_files(spec["store"])) == before
+        assert standins.read_log(run["log"]) == {}
 
     other = {**spec, "steps": 6, "log": str(tmp_path / "other.jsonl")}
     other["overrides"] = [o.replace("threshold=1", "threshold=2") for o in ASYNC["overrides"]]
-    out = standins.run_failing_driver(other, timeout=DRIVER_TIMEOUT)
-    assert "trainer.v1.sampler.max_off_policy_threshold: 1 -> 2" in out
-    assert "nothing was changed" in out
-    assert (_versions(spec["store"]), _store_files(spec["store"])) == before
+    refused(other, "trainer.v1.sampler.max_off_policy_threshold: 1 -> 2", "nothing was changed")
 
-    shutil.rmtree(os.path.join(spec["ckpt"], "global_step_4", "transfer_queue"))
-    more = {**spec, "steps": 6, "log": str(tmp_path / "more.jsonl")}
-    out = standins.run_failing_driver(more, timeout=DRIVER_TIMEOUT)
-    assert "global_step_4/transfer_queue/metadata.json is missing" in out
-    assert "rows in flight" in out
-    assert (_versions(spec["store"]), _store_files(spec["store"])) == before
-    assert standins.read_log(more["log"]) == {}
+    step4 = os.path.join(spec["ckpt"], "global_step_4")
+    shutil.copy(os.path.join(step4, "data.pt"), tmp_path / "data.pt")
+    shutil.copy(os.path.join(spec["ckpt"], "global_step_2", "data.pt"), step4)
+    copied = {**spec, "steps": 6, "log": str(tmp_path / "copied.jsonl")}
+    refused(copied, "global_step_4/data.pt does not hold the train loader's position")
+    shutil.copy(tmp_path / "data.pt", step4)
+
+    workers = {**spec, "steps": 6, "num_workers": 2}
+    assert run_driver(workers) == 0
+    records = standins.audit_exactly_once(spec["store"], standins.read_log(spec["log"]), 6)
+    assert records[4]["carried_in"] == records[3]["in_flight"] != []
+
+    shutil.rmtree(os.path.join(spec["ckpt"], "global_step_6", "transfer_queue"))
+    more = {**spec, "steps": 8, "log": str(tmp_path / "more.jsonl")}
+    refused(more, "global_step_6/transfer_queue/metadata.json is missing", "rows in flight")
 
 
 # -- every resume check before anything is committed -------------------------------------------

@@ -529,6 +529,72 @@ def read_log(path: str) -> dict[int, dict]:
     return out
 
 
+def plain_rows(url: str, version: int) -> Any:
+    """Version ``version`` the plain way: its shards read whole with pyarrow, concatenated."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import dynstate
+
+    snap = dynstate.Store.open(url).snapshot(version)
+    assert snap.schema is not None
+    parts = [pq.read_table(os.path.join(url, s.path)) for s in snap.shards]
+    table = pa.concat_tables(parts, promote_options="default").select(snap.schema.names)
+    assert table.num_rows == snap.num_rows
+    return table
+
+
+def audit_exactly_once(url: str, log: dict[int, dict], steps: int) -> list[dict]:
+    """The head's lineage holds one format-2 consumption record per step, chained (a step's
+    carried_in is the step before's in_flight), and over the run every row drawn is trained,
+    filtered, dropped or still in flight, exactly once; each epoch's draws are a permutation of
+    its pinned version's rows (the last one a prefix without repeats); every trained prompt is
+    its row's, read the plain way."""
+    from collections import Counter
+
+    import pyarrow as pa
+
+    import dynstate
+    from dynstate.loading.consumption import consumption_records
+
+    records = consumption_records(dynstate.Store.open(url))
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    carried: list[int] = []
+    for r in records:
+        assert r["format"] == 2 and r["carry"] == []
+        assert Counter(r["carried_in"]) == Counter(carried), f"step {r['step']} lost its carry"
+        carried = r["in_flight"]
+    drawn = [i for r in records for i in r["drawn"]]
+    gone = [i for r in records for i in r["trained"]]
+    gone += [i for r in records for i, _ in r["filtered"]]
+    gone += [i for r in records for i, _ in r["dropped"]]
+    assert Counter(drawn) == Counter(gone) + Counter(records[-1]["in_flight"])
+    assert {reason for r in records for _, reason in r["dropped"]} <= {"stale", "failed"}
+    assert any(r["filtered"] for r in records) and all(len(r["trained"]) == 4 for r in records)
+    # epochs: each record's sampler state names the epoch under way and the version it pinned
+    pinned: dict[int, int] = {}
+    for r in records:
+        pinned.setdefault(int(r["sampler"]["epoch"]), int(r["sampler"]["version"]))
+    assert sorted(pinned) == list(range(len(pinned))) and len(pinned) >= 2
+    start = 0
+    for epoch in sorted(pinned):
+        n = dynstate.Store.open(url).snapshot(pinned[epoch]).num_rows
+        part = drawn[start : start + n]
+        if epoch < max(pinned):
+            assert sorted(part) == list(range(n)), f"epoch {epoch} drew {part}"
+        else:
+            assert len(set(part)) == len(part) and max(part) < n
+        start += n
+    # the rows trained are the rows asked for, and each step's log is its record's
+    table = plain_rows(url, dynstate.Store.open(url).head)
+    for r in records:
+        entry = log[r["step"]]
+        assert entry["rows"][::2] == r["trained"]  # two responses per prompt, in group order
+        want = table.take(pa.array(entry["rows"])).column("prompt").to_pylist()
+        assert [m[-1]["content"] for m in want] == entry["prompts"]
+    return records
+
+
 def store_summary(url: str, storage_options: dict | None = None) -> dict:
     """The head's rows and the rounds on its lineage (step, rows, generator), oldest first."""
     from dynstate.rewind import lineage
