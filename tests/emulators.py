@@ -196,7 +196,7 @@ def _json(url: str, body: dict[str, Any]) -> Any:
 
 def gcs_upload(base: str, bucket: str, name: str, data: bytes) -> None:
     """Upload one object through the emulator's JSON API (``uploadType=media``): the way in
-    that fake-gcs-server serves (see docs/s3.md on its XML PUT)."""
+    that fake-gcs-server serves (see docs/object-stores.md on its XML PUT)."""
     from urllib.parse import quote
 
     req = urllib.request.Request(

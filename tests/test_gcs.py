@@ -6,7 +6,7 @@ The write path is not tested here: fake-gcs-server 1.54 answers the XML API's pl
 PUT that obstore sends with 400 "invalid uploadType" (it takes an XML PUT only as a signed-URL
 upload, and then ignores ``x-goog-if-generation-match``), and gcp-storage-emulator has no XML
 listing, HEAD or DELETE. So the stores read here are written on a local disk and uploaded
-through the emulator's JSON API; docs/s3.md names the gap."""
+through the emulator's JSON API; docs/object-stores.md names the gap."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def open_storage(
         return MemoryStorage(url, storage_options)
     s3_obstore = os.environ.get("DYNSTATE_S3_CLIENT", "").lower() == "obstore"
     if scheme in ("gs", "az") or (scheme in ("s3", "s3a") and s3_obstore):
-        from .s3obstore import ObstoreStorage  # gs://, az://; s3:// opt-in (docs/s3.md)
+        from .s3obstore import ObstoreStorage  # gs://, az://; s3:// opt-in (docs/object-stores.md)
 
         return ObstoreStorage(url, storage_options)
     from .objectstore import ObjectStorage  # its HTTP client's imports: only for a bucket

@@ -73,7 +73,7 @@ S3 = Service(
     "key=... and secret=...",
     "AWS_ENDPOINT_URL or the endpoint_url storage option",
 )
-# gs:// and az:// are served by obstore, which reads these settings (docs/s3.md)
+# gs:// and az:// are served by obstore, which reads these settings (docs/object-stores.md)
 GCS = Service(
     "Google Cloud Storage",
     "GOOGLE_APPLICATION_CREDENTIALS (or GOOGLE_SERVICE_ACCOUNT), or the storage option "

@@ -290,7 +290,7 @@ class ObstoreStorage(ObjectStorage):
             raise InvalidDataError(
                 f"cannot open {self.display_url}: {self.scrub(_short(exc))}; the storage "
                 f"options of {self._cloud}:// are obstore's {CLOUD_SCHEMES[self._cloud]} "
-                "configuration keys (docs/s3.md)"
+                "configuration keys (docs/object-stores.md)"
             ) from None
 
     def _locate(self) -> str:
