@@ -17,8 +17,9 @@ with pyarrow). Exit status 1 on any violation or a driver that fails on its own,
     python tools/soak_verl_async.py --trials 3 --mode colocate
     python tools/soak_verl_async.py --trials 3 --mode separate --kills 4
 
-A driver takes 20-40 s to start on 2 cores, so a kill is drawn from 3 s to 40 s after the
-start; a driver that ends before its kill is simply done.
+A fifth of the kills land anywhere in a driver's start-up (2 to 40 s in), the rest 0 to 8 s
+after the driver logs its first to fourth trained step, wherever that finds it; ``killed_at``
+says how far each killed driver had come. A driver that ends before its kill is simply done.
 """
 
 from __future__ import annotations
@@ -68,9 +69,18 @@ def _spec(folder: str, mode: str, workers: int) -> dict:
     }
 
 
-def _run(spec: dict, kill_after: float | None, pause: bool, out: str) -> int | None:
-    """One driver; SIGKILLed (with its Ray cluster) ``kill_after`` seconds in, first paused
-    with SIGSTOP for a while if ``pause``. Its exit status, or None when it was killed."""
+def _lines(path: str) -> int:
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return sum(1 for line in f if line.strip())
+
+
+def _run(spec: dict, kill: tuple[int, float] | None, pause: bool, out: str) -> int | None:
+    """One driver; SIGKILLed (with its Ray cluster) where ``kill`` says — ``(0, s)``: ``s``
+    seconds after it starts; ``(k, s)``: ``s`` seconds after it logs its ``k``-th trained
+    step — first paused with SIGSTOP for a while if ``pause``. Its exit status, or
+    None when it was killed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     with open(out, "ab") as log:
         proc = subprocess.Popen(
@@ -81,10 +91,17 @@ def _run(spec: dict, kill_after: float | None, pause: bool, out: str) -> int | N
             start_new_session=True,
         )
         try:
-            if kill_after is None:
+            if kill is None:
                 return proc.wait(timeout=900)
+            steps, seconds = kill
+            if steps:  # wait for this driver's steps-th trained step
+                logged, deadline = _lines(spec["log"]), time.monotonic() + 900
+                while proc.poll() is None and _lines(spec["log"]) < logged + steps:
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"a driver trained no step in 900 s; see {out}")
+                    time.sleep(0.2)
             try:
-                return proc.wait(timeout=kill_after)
+                return proc.wait(timeout=seconds)
             except subprocess.TimeoutExpired:
                 pass
             if pause:
@@ -104,11 +121,20 @@ def trial(folder: str, mode: str, kills: int, rng: random.Random) -> dict:
     spec = _spec(folder, mode, 0)
     out = os.path.join(folder, "drivers.txt")
     killed = 0
+    where: list[str] = []  # how far each killed driver had come
     for _ in range(kills):
         spec["num_workers"] = rng.choice([0, 2])  # a resume may change the worker count
-        code = _run(spec, rng.uniform(3.0, 40.0), rng.random() < 0.3, out)
+        # a fifth of the kills anywhere in start-up (imports, Ray, the resume's checks and
+        # rollback), the rest a few seconds after the driver's 1st to 4th trained step: in
+        # rollout, a commit, verl's checkpoint, validation or the next step
+        if rng.random() < 0.2:
+            kill = (0, rng.uniform(2.0, 40.0))
+        else:
+            kill = (rng.randint(1, 4), rng.uniform(0.0, 8.0))
+        code = _run(spec, kill, rng.random() < 0.3, out)
         if code is None:
             killed += 1
+            where.append(_progress(spec))
         elif code != 0:
             raise AssertionError(f"a driver failed on its own (exit {code}); see {out}")
         else:
@@ -120,9 +146,26 @@ def trial(folder: str, mode: str, kills: int, rng: random.Random) -> dict:
     reasons = sorted({reason for r in records for _, reason in r["dropped"]})
     return {
         "killed": killed,
+        "killed_at": where,
         "drop_reasons": reasons,
         "in_flight_end": len(records[-1]["in_flight"]),
     }
+
+
+def _progress(spec: dict) -> str:
+    """Where a killed driver was: the last step logged (by it, or before it) and the newest
+    checkpoint."""
+    logged = 0
+    if os.path.exists(spec["log"]):
+        with open(spec["log"]) as f:
+            lines = [line for line in f if line.strip()]
+        logged = json.loads(lines[-1])["step"] if lines else 0
+    tracker = os.path.join(spec["ckpt"], "latest_checkpointed_iteration.txt")
+    saved = "none"
+    if os.path.exists(tracker):
+        with open(tracker) as f:
+            saved = f.read().strip()
+    return f"last step logged {logged}, checkpoint {saved}"
 
 
 def main() -> int:
