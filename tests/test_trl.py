@@ -21,6 +21,13 @@ from typing import Any
 import pytest
 
 pytest.importorskip("trl")
+# TRL's trainer module imports wandb, whose pydantic Settings class has its docstrings read with
+# ast.parse. On CPython 3.11, ast.parse in a process whose other threads run can fail with
+# "SystemError: AST constructor recursion depth mismatch" (its recursion counter is shared
+# state; python/cpython#106905), which left wandb half-imported for every later test of the
+# worker (seen once, in a full run on 3.11.7). Imported here, at collection, in the main
+# thread, before any test has started a thread.
+import trl.trainer.grpo_trainer  # noqa: F401
 
 import dynstate
 from dynstate import (
