@@ -78,3 +78,21 @@ def pull(local_root: str, url: str, storage_options: dict[str, Any] | None = Non
         fh.write(str(step))
     log.info("fetched global_step_%d from %s", step, redact(url))
     return step
+
+
+def push_saved(trainer: Any, step: int, settings: Any) -> None:
+    """After verl saved ``global_step_<step>`` under ``trainer.default_local_dir`` (verl's
+    ``trainer`` config): mirror it, when ``settings`` (the dataset's ``data.dynstate``) name a
+    ``checkpoint_mirror``."""
+    if settings.checkpoint_mirror:
+        root = str(trainer.default_local_dir)
+        push(root, step, settings.checkpoint_mirror, settings.storage_options)
+
+
+def pull_missing(trainer: Any, settings: Any) -> None:
+    """Before verl loads its latest checkpoint: on a fresh machine (no local tracker), with a
+    ``checkpoint_mirror`` set and resuming on, bring the mirror's latest checkpoint back."""
+    root = str(trainer.default_local_dir)
+    url = settings.checkpoint_mirror
+    if url and trainer.resume_mode != "disable" and not os.path.exists(os.path.join(root, TRACKER)):
+        pull(root, url, settings.storage_options)

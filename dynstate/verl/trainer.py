@@ -143,9 +143,8 @@ class DynstateTrainerMixin:
                 )
             dataset.commit_round(scored[1], self.global_steps)
         result = super()._save_checkpoint()  # type: ignore[misc]
-        if dataset is not None and (url := dataset.live_settings.checkpoint_mirror):
-            root = str(self.config.trainer.default_local_dir)
-            mirror.push(root, self.global_steps, url, dataset.live_settings.storage_options)
+        if dataset is not None:
+            mirror.push_saved(self.config.trainer, self.global_steps, dataset.live_settings)
         return result
 
     def fit(self):
@@ -159,15 +158,9 @@ class DynstateTrainerMixin:
 
     def _load_checkpoint(self):
         dataset = growing(self.train_dataset)
-        root = str(self.config.trainer.default_local_dir)
-        url = dataset.live_settings.checkpoint_mirror if dataset is not None else None
-        if (
-            url
-            and self.config.trainer.resume_mode != "disable"
-            and not os.path.exists(os.path.join(root, mirror.TRACKER))
-        ):
+        if dataset is not None:
             # a fresh machine: bring the latest checkpoint next to the store back first
-            mirror.pull(root, url, dataset.live_settings.storage_options)  # type: ignore[union-attr]
+            mirror.pull_missing(self.config.trainer, dataset.live_settings)
         result = super()._load_checkpoint()  # type: ignore[misc]
         if dataset is not None:
             folder = checkpoint_dir(self.config.trainer, self.global_steps)

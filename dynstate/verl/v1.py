@@ -754,13 +754,8 @@ class DynstatePPOTrainer(PPOTrainerSync):
             self._save_carry(folder)  # where verl's _save_checkpoint writes data.pt
         result = super()._save_checkpoint()
         dataset = self.dynstate_dataset
-        if dataset is not None and dataset.live_settings.checkpoint_mirror:
-            mirror.push(
-                str(self.config.trainer.default_local_dir),
-                self.global_steps,
-                dataset.live_settings.checkpoint_mirror,
-                dataset.live_settings.storage_options,
-            )
+        if dataset is not None:
+            mirror.push_saved(self.config.trainer, self.global_steps, dataset.live_settings)
         return result
 
     def on_step_end(self) -> Any:
@@ -771,15 +766,8 @@ class DynstatePPOTrainer(PPOTrainerSync):
 
     def _load_checkpoint(self) -> Any:
         dataset = self.dynstate_dataset
-        root = str(self.config.trainer.default_local_dir)
-        url = dataset.live_settings.checkpoint_mirror if dataset is not None else None
-        if (
-            dataset is not None
-            and url
-            and self.config.trainer.resume_mode != "disable"
-            and not os.path.exists(os.path.join(root, mirror.TRACKER))
-        ):
-            mirror.pull(root, url, dataset.live_settings.storage_options)
+        if dataset is not None:
+            mirror.pull_missing(self.config.trainer, dataset.live_settings)
         result = super()._load_checkpoint()
         if dataset is not None and self._filter is not None:
             self._resume_filtered(dataset)

@@ -316,13 +316,8 @@ class AsyncRounds(PPOTrainer):
         self.commit_step_round()  # first: the checkpoint's transfer_queue/ is its in_flight
         result = super()._save_checkpoint()
         dataset = self.dynstate_dataset
-        if dataset is not None and dataset.live_settings.checkpoint_mirror:
-            mirror.push(
-                str(self.config.trainer.default_local_dir),
-                self.global_steps,
-                dataset.live_settings.checkpoint_mirror,
-                dataset.live_settings.storage_options,
-            )
+        if dataset is not None:
+            mirror.push_saved(self.config.trainer, self.global_steps, dataset.live_settings)
         return result
 
     def on_step_end(self) -> Any:
@@ -334,14 +329,7 @@ class AsyncRounds(PPOTrainer):
     def _load_checkpoint(self) -> Any:
         dataset = self.dynstate_dataset
         assert dataset is not None
-        root = str(self.config.trainer.default_local_dir)
-        url = dataset.live_settings.checkpoint_mirror
-        if (
-            url
-            and self.config.trainer.resume_mode != "disable"
-            and not os.path.exists(os.path.join(root, mirror.TRACKER))
-        ):
-            mirror.pull(root, url, dataset.live_settings.storage_options)
+        mirror.pull_missing(self.config.trainer, dataset.live_settings)
         result = super()._load_checkpoint()
         step = int(self.global_steps)
         if step <= 0:
