@@ -492,13 +492,9 @@ class DynstateRLDataset(RLHFDataset):
             state = loader_state.checked_resume_state(
                 checkpoint_dir, loader, step, store, round_version
             )
-            if self.data_generator is not None and round_version is not None:
-                # the state committed last on the checkpoint's lineage (the abandoned rounds'
-                # are not on it); loaded before the rollback commit, so a generator that
-                # refuses it leaves the store as it was
-                generator_state = store.generator_state(round_version)
-                if generator_state is not None and load_state(self.data_generator, generator_state):
-                    log.info("generator state of step %d (version %d) loaded", step, round_version)
+            # loaded before the rollback commit, so a generator that refuses it leaves the
+            # store as it was
+            self._restore_generator(step, round_version)
         # Rounds of later steps leave the lineage (empty ones too: the resumed run would
         # otherwise take them for its own and skip those steps).
         rollback(store, step=step, meta={"verl_resume_step": step})
@@ -508,6 +504,15 @@ class DynstateRLDataset(RLHFDataset):
         self.step = step
         self._committed = None
         self._rows.refresh()  # type: ignore[union-attr]
+
+    def _restore_generator(self, step: int, round_version: int | None) -> None:
+        """Load into the generator (if it takes a state) the state committed last on the
+        lineage of step ``step``'s round (the abandoned rounds' are not on it)."""
+        if self.data_generator is None or round_version is None:
+            return
+        generator_state = self.store.generator_state(round_version)
+        if generator_state is not None and load_state(self.data_generator, generator_state):
+            log.info("generator state of step %d (version %d) loaded", step, round_version)
 
     def resume_async(
         self,
@@ -537,11 +542,7 @@ class DynstateRLDataset(RLHFDataset):
                     f"record of step {step} of {store.display_url} names; it was copied from "
                     "another checkpoint — restore this folder's own data.pt (nothing was changed)"
                 )
-            round_version = self.round_of(step)
-            if self.data_generator is not None and round_version is not None:
-                generator_state = store.generator_state(round_version)
-                if generator_state is not None and load_state(self.data_generator, generator_state):
-                    log.info("generator state of step %d (version %d) loaded", step, round_version)
+            self._restore_generator(step, self.round_of(step))
             state = loader_state.for_workers(
                 state, int(loader.num_workers or 0), path, store.display_url
             )
@@ -572,11 +573,7 @@ class DynstateRLDataset(RLHFDataset):
             sampling.resume(None, first_step=1)
             step = 0
         else:
-            round_version = self.round_of(step)
-            if self.data_generator is not None and round_version is not None:
-                generator_state = self.store.generator_state(round_version)
-                if generator_state is not None and load_state(self.data_generator, generator_state):
-                    log.info("generator state of step %d (version %d) loaded", step, round_version)
+            self._restore_generator(step, self.round_of(step))
             sampling.resume(step)
         self.step = step
         self._committed = None
