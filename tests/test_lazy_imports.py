@@ -22,11 +22,13 @@ from dynstate.storage.connect import LOCAL_OPTIONS, known_options
 from dynstate.storage.local import fsspec_local_path
 
 CLIENT_LIBRARIES = ("fsspec", "s3fs", "botocore", "aiobotocore", "aiohttp")
-# What only a store in a bucket needs: the built-in S3 client and its HTTP/TLS stack, and
-# ftplib (whose errors connect translates for ftp://).
+# What only a store in a bucket needs: obstore and the modules that read its configuration,
+# and ftplib (whose errors connect translates for ftp://).
 BUCKET_ONLY = (
     "dynstate.storage.objectstore",
-    "dynstate.storage.s3http",
+    "dynstate.storage.s3config",
+    "dynstate.storage.s3obstore",
+    "obstore",
     "http.client",
     "ftplib",
 )

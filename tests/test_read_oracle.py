@@ -3,8 +3,8 @@ issue 40): the version's shards, named by its manifest, read whole with ``pyarro
 (bytes fetched through fsspec, not through dynstate's storage layer), concatenated, then
 ``take(indices)``.
 
-The paths: local disk, ``memory://`` and S3 (loopback moto; dynstate reads it with its own
-client, :mod:`dynstate.storage.s3http`, and with s3fs); a cold dataset (footer templates
+The paths: local disk, ``memory://`` and S3 (loopback moto; dynstate reads it through
+obstore, :mod:`dynstate.storage.s3obstore`, and through s3fs); a cold dataset (footer templates
 learned within the batch), one whose templates an earlier read taught, one warm across many
 batches and one whose cache is smaller than a version (evictions, large shards read a row
 group at a time, the disk cache); a fresh one that maps the decoded files (shards, blocks)
@@ -369,9 +369,9 @@ def dataset(built: Built, mode: str, version: int, **kwargs: Any) -> VersionedDa
             size = {"cache_bytes": SMALL_CACHE} if mode == "small" else {}
             ds = built.warm[key] = _fresh(built, version, **size, **kwargs)
         ds.pin(version)
-    if built.backend == "s3":  # dynstate's own S3 client, unless a test turned it off
+    if built.backend == "s3":  # obstore, unless a test turned it off
         own = os.environ.get("DYNSTATE_S3_CLIENT", "") != "s3fs"
-        assert (ds.store.storage._reader is not None) == own  # type: ignore[attr-defined]
+        assert ds.store.storage.served == own  # type: ignore[attr-defined]
     return ds
 
 
@@ -509,8 +509,8 @@ def _patched_settings(examples: int) -> Any:
 def test_s3_through_s3fs_matches_the_oracle(
     monkeypatch: pytest.MonkeyPatch, built: Built, data: st.DataObject
 ) -> None:
-    """The same reads on S3 through s3fs (what dynstate reads with when its own client does
-    not know the configuration) rather than its own client."""
+    """The same reads on S3 through s3fs (what dynstate reads with where obstore does not
+    serve the configuration, or in a process forked after obstore ran) rather than obstore."""
     monkeypatch.setenv("DYNSTATE_S3_CLIENT", "s3fs")
     check_reads(built, data.draw(st.sampled_from(["cold", "taught"]), "mode"), data)
 

@@ -2,7 +2,8 @@
 
 ``open_storage(url, options)`` picks the backend: :class:`LocalStorage` for paths and
 ``file://``, :class:`MemoryStorage` for ``memory://``, obstore's backend (:mod:`.s3obstore`)
-for ``gs://`` and ``az://``, :class:`ObjectStorage` for everything else (``s3://``...).
+for ``s3://``, ``gs://`` and ``az://`` (an ``s3://`` store whose configuration only s3fs
+reads goes through s3fs from there), :class:`ObjectStorage` (fsspec) for everything else.
 ``open_location(url, options)`` opens a place outside any store (an export's OUT, a
 checkpoint mirror). Errors are translated (the client-error table in :mod:`.errors`) and
 credentials scrubbed (:mod:`.credentials`) here; :mod:`.preflight` holds the quick checks an
@@ -57,12 +58,11 @@ def open_storage(
         return LocalStorage(url, storage_options)
     if scheme == "memory":
         return MemoryStorage(url, storage_options)
-    s3_obstore = os.environ.get("DYNSTATE_S3_CLIENT", "").lower() == "obstore"
-    if scheme in ("gs", "az") or (scheme in ("s3", "s3a") and s3_obstore):
-        from .s3obstore import ObstoreStorage  # gs://, az://; s3:// opt-in (docs/object-stores.md)
+    if scheme in ("s3", "s3a", "gs", "az"):
+        from .s3obstore import ObstoreStorage  # docs/object-stores.md
 
         return ObstoreStorage(url, storage_options)
-    from .objectstore import ObjectStorage  # its HTTP client's imports: only for a bucket
+    from .objectstore import ObjectStorage  # fsspec's other schemes
 
     return ObjectStorage(url, storage_options)
 

@@ -42,6 +42,9 @@ _REFUSED_CODES = frozenset(
         "AuthorizationPermissionMismatch",
     }
 )
+# Neither obstore nor botocore signs by the service's clock: a host clock over 15 minutes
+# off is refused, and only fixing it helps (never retried).
+_SKEWED_CODES = frozenset({"RequestTimeTooSkewed", "RequestExpired"})
 _NO_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound"})
 _NO_KEY_CODES = frozenset({"NoSuchKey", "404", "NotFound", "BlobNotFound"})
 #: S3 codes of a busy or throttling service (retried, see :mod:`.retry`)
@@ -131,11 +134,24 @@ BUSY = Row(
     StorageError,
     "could not {what} {path}{tries}: the service answered {code} ({detail}); retry later",
 )
+SKEWED = Row(
+    "clock skewed",
+    StorageError,
+    "could not {what} {path}: {service} refused the request because this host's clock is "
+    "more than 15 minutes off its own ({code}); set the host's time (NTP) and retry",
+)
 ANSWERED = Row(
     "refused by the service",
     StorageError,
     "could not {what} {path}: the service answered {code} ({detail}); check the URL, the "
     "permissions and the storage options",
+)
+UNTRUSTED = Row(
+    "certificate not trusted",
+    StorageError,
+    "cannot {what} {path}: the TLS certificate of the endpoint of {url} is not trusted "
+    "({detail}); set AWS_CA_BUNDLE to the bundle of the authority that signed it, or fix "
+    "the endpoint's certificate ({endpoint})",
 )
 UNREACHABLE = Row(
     "endpoint unreachable",
@@ -186,6 +202,7 @@ def _class_rows() -> list[tuple[tuple[type[BaseException], ...], Row]]:
     """(classes, row) for the libraries imported so far, most specific first."""
     boto = "botocore.exceptions"
     rows = [
+        (_classes("ssl", "SSLCertVerificationError"), UNTRUSTED),
         (
             _classes(
                 boto,
@@ -318,6 +335,8 @@ def row_of(exc: BaseException) -> tuple[Row, str]:
                 return NO_KEY, name
             if name in BUSY_CODES or status >= 500 or status == 429:
                 return BUSY, name
+            if name in _SKEWED_CODES:
+                return SKEWED, name
             return ANSWERED, name
     class_rows = _class_rows()
     for link in links:

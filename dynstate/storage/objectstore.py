@@ -1,5 +1,7 @@
-"""Object stores through fsspec (S3 via s3fs, and others): conditional PUTs, retries, and a
-read-back that resolves creates whose reply was lost."""
+"""Object stores through fsspec: s3fs for the ``s3://`` stores obstore does not serve
+(:mod:`.s3config` says which; a process forked after obstore ran), and any other fsspec
+scheme. Conditional PUTs, retries, and a read-back that resolves creates whose reply was
+lost."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ from ..errors import InvalidDataError
 from ..threads import ProcessPool
 from .base import Storage
 from .credentials import guard_loggers, split_userinfo
-from .s3http import S3Config, S3Reader, config_of, root_of
 
 
 class ObjectStorage(Storage):
@@ -33,7 +34,6 @@ class ObjectStorage(Storage):
                 "(key=..., secret=...) or in the environment (AWS_ACCESS_KEY_ID, "
                 "AWS_SECRET_ACCESS_KEY), never in the URL"
             )
-        self._config: S3Config | None = None
         super().__init__(url, storage_options)
         # The client libraries log request headers at DEBUG level; keep our secrets out.
         guard_loggers(self._scrubber._secrets)
@@ -42,22 +42,6 @@ class ObjectStorage(Storage):
         # on a missing key that HEAD is followed by a LIST; one plain GET is a third the cost.
         self._read_kwargs = {"max_concurrency": 1} if s3 else {}
         self._exclusive_ok = None  # probed before the first write
-        # Reads through the standard library's HTTP client where its configuration is fully
-        # known (s3http's docstring says when): no aiobotocore import, client set-up or
-        # per-request hooks for a command that only reads. Writes go through s3fs, built on
-        # the first of them.
-        self._reader = S3Reader(self._config) if self._config is not None else None
-
-    def _check_options(self) -> None:
-        self._config = config_of(self.url, self.storage_options)
-        if self._config is None:
-            super()._check_options()
-        # else every option is one s3http knows, all of them s3fs's own: nothing to refuse,
-        # and no need to import s3fs and aiobotocore to inspect their signatures
-
-    def _locate(self) -> str:
-        root = root_of(self.url) if self._config is not None else None
-        return super()._locate() if root is None else root
 
     def _with_defaults(self, options: dict[str, Any]) -> dict[str, Any]:
         """S3 options with dynstate's defaults where the caller set none: botocore's standard
@@ -71,21 +55,7 @@ class ObjectStorage(Storage):
         return options
 
     def _cat(self, rel: str) -> bytes:
-        if self._reader is not None:
-            return self._reader.get(self.path(rel))
         return self.fs.cat_file(self.path(rel), **self._read_kwargs)
-
-    def _cat_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
-        reader = self._reader
-        if reader is None:
-            return super()._cat_ranges(ranges)
-        if len(ranges) < 2 or _READS.owns_current_thread():
-            return [reader.get(self.path(rel), start, end) for rel, start, end in ranges]
-        return list(
-            _READS.executor(self.max_parallel_reads).map(
-                lambda r: reader.get(self.path(r[0]), r[1], r[2]), ranges
-            )
-        )
 
     def read_many(self, rels: Sequence[str]) -> list[bytes | None]:
         """:meth:`try_read` of each of ``rels`` on a pool of threads, so that n small objects
@@ -94,35 +64,6 @@ class ObjectStorage(Storage):
         if len(rels) < 2 or _READS.owns_current_thread():
             return [self.try_read(rel) for rel in rels]
         return list(_READS.executor(self.max_parallel_reads).map(self.try_read, rels))
-
-    def exists(self, rel: str) -> bool:
-        reader = self._reader
-        if reader is None or not rel:  # the root: a prefix, for s3fs to tell
-            return super().exists(rel)
-        try:
-            self._call("check", rel, lambda: reader.info(self.path(rel)))
-        except FileNotFoundError:
-            return False
-        return True
-
-    def size(self, rel: str) -> int:
-        reader = self._reader
-        if reader is None:
-            return super().size(rel)
-        return int(self._call("stat", rel, lambda: reader.info(self.path(rel))["size"]))
-
-    def modified(self, rel: str) -> float | None:
-        reader = self._reader
-        if reader is None:
-            return super().modified(rel)
-        return self._call("stat", rel, lambda: reader.info(self.path(rel))["mtime"])
-
-    def list(self, rel_dir: str) -> list[str]:
-        reader = self._reader
-        if reader is None:
-            return super().list(rel_dir)
-        entries = self._call("list", rel_dir, lambda: reader.ls(self.path(rel_dir)))
-        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def _create(self, rel: str, data: bytes, durable: bool = True) -> None:
         self._await_ready()

@@ -9,12 +9,14 @@ path.
 :data:`CLOUD_SCHEMES`; their options are obstore's own configuration keys, checked by obstore,
 and obstore reads the ``GOOGLE_*`` / ``AZURE_*`` environment variables itself).
 
-Opt-in for now: ``DYNSTATE_S3_CLIENT=obstore`` selects it for ``s3://`` stores
-(:func:`dynstate.storage.open_storage`). It serves the configurations
-:func:`dynstate.storage.s3http.config_of` knows completely (explicit keys or the
-``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` variables, an endpoint or a named region,
-botocore's retry and timeout settings); anything else (profiles, SSO, roles, a custom CA
-bundle, proxies, other s3fs options) stays on s3fs, as :class:`ObjectStorage` serves it.
+``s3://`` stores are served here where :func:`dynstate.storage.s3config.config_of` reads
+their configuration completely (explicit keys or the ``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY`` variables, an endpoint or a named region, botocore's retry and
+timeout settings, ``AWS_CA_BUNDLE``); anything else (profiles, SSO, roles, proxies, other
+s3fs options, ``DYNSTATE_S3_CLIENT=s3fs``) goes through s3fs, as :class:`ObjectStorage`
+serves it, and so does a process forked after its parent used obstore (see
+:data:`_RUNTIME_PID`). A bucket in another region than the one named is read there, as
+botocore does: the region S3 names in its refusal, or in ``x-amz-bucket-region``.
 
 obstore's failures are turned here into what the rest of the package already reads: the
 builtin ``FileNotFoundError`` / ``FileExistsError`` callers act on, an
@@ -28,23 +30,38 @@ store's own retries (:meth:`Storage._call <dynstate.storage.base.Storage._call>`
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import logging
 import os
 import re
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
 
 from ..errors import InvalidDataError, StorageError, StoreNotFoundError
 from .objectstore import _READS, ObjectStorage
-from .s3http import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S, S3Config
+from .s3config import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_READ_TIMEOUT_S,
+    S3Config,
+    config_of,
+    root_of,
+)
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig
 
 T = TypeVar("T")
+log = logging.getLogger("dynstate")
 
 # What obstore quotes of an S3 reply: "... non-2xx status code: 404 Not Found: <?xml ...
 # <Code>NoSuchKey</Code><Message>...</Message>"; the Rust debug dump after it says no more.
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([^<]{1,64})</Code>")
 _MESSAGE = re.compile(r"<Message>([^<]{0,300})</Message>")
+_REGION = re.compile(r"<Region>([a-z0-9-]{1,32})</Region>")
 # Failures below HTTP (no reply, or a body cut short): obstore's ``HttpError`` kinds.
 _TRANSPORT = re.compile(
     r"HTTP error|error sending request|Http\(|timed out|Timeout|connection|body", re.IGNORECASE
@@ -115,6 +132,56 @@ def as_builtin(exc: BaseException) -> BaseException:
     return err
 
 
+def bucket_region(config: S3Config, bucket: str) -> str | None:
+    """The region S3 names for ``bucket`` in ``x-amz-bucket-region``, asked with an unsigned
+    HEAD of the bucket (S3 names it whatever it answers: 200, 301 or 403); None if it names
+    none or cannot be reached."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    if config.path_style:
+        url = f"{config.scheme}://{config.host}/{bucket}"
+    else:
+        url = f"https://s3.{config.region}.amazonaws.com/{bucket}"
+    context = ssl.create_default_context(cafile=config.ca_bundle) if url[:5] == "https" else None
+    request = urllib.request.Request(url, method="HEAD")
+    try:
+        with urllib.request.urlopen(request, timeout=config.connect_timeout, context=context) as r:
+            return r.headers.get("x-amz-bucket-region")
+    except urllib.error.HTTPError as exc:
+        return exc.headers.get("x-amz-bucket-region")
+    except (OSError, ValueError):
+        return None
+
+
+def untrusted_certificate(config: S3Config) -> BaseException | None:
+    """Why the endpoint's TLS certificate is not trusted (``ssl``'s verification error, with
+    ``AWS_CA_BUNDLE`` added to the trust store as for obstore), or None if it is trusted,
+    the endpoint is plain HTTP, or it cannot be reached. obstore reports a refused
+    certificate as "error sending request", as it reports a dropped connection; one
+    handshake after such a failure tells the two apart, so that a certificate is reported
+    as one and not retried."""
+    import socket
+    import ssl
+
+    if config.scheme != "https":
+        return None
+    context = ssl.create_default_context(cafile=config.ca_bundle)
+    try:
+        endpoint = urlsplit(f"https://{config.host}")
+        host, port = endpoint.hostname or "", endpoint.port or 443
+        with (
+            socket.create_connection((host, port), timeout=config.connect_timeout) as raw,
+            context.wrap_socket(raw, server_hostname=host),
+        ):
+            return None
+    except ssl.SSLCertVerificationError as exc:
+        return exc
+    except (OSError, ValueError):
+        return None
+
+
 def _run(fn: Callable[[], T]) -> T:
     try:
         return fn()
@@ -128,8 +195,9 @@ def _run(fn: Callable[[], T]) -> T:
 
 
 def store_of(config: S3Config, bucket: str) -> Any:
-    """An ``obstore.store.S3Store`` of ``bucket`` with ``config`` (s3http's reading of the
-    storage options: nothing else decides the endpoint, the region or the credentials)."""
+    """An ``obstore.store.S3Store`` of ``bucket`` with ``config`` (:mod:`.s3config`'s reading
+    of the storage options: nothing else decides the endpoint, the region or the
+    credentials)."""
     from obstore.store import S3Store
 
     kwargs: dict[str, Any] = {
@@ -146,13 +214,20 @@ def store_of(config: S3Config, bucket: str) -> Any:
     # One DELETE per object, as dynstate deletes them: the bulk API (POST ?delete) is not on
     # every S3-compatible store, and would cost a request per object all the same.
     kwargs["disable_bulk_delete"] = True
+    client: ClientConfig = {
+        "allow_http": config.scheme == "http",
+        "connect_timeout": timedelta(seconds=config.connect_timeout),
+        "timeout": timedelta(seconds=config.read_timeout),
+        # S3 closes a connection idle for about 20 s; dropping it first spares a request
+        # sent on a closed connection (then retried, below).
+        "pool_idle_timeout": timedelta(seconds=15),
+    }
+    if config.ca_bundle:  # AWS_CA_BUNDLE, as botocore reads it (added to the trusted roots)
+        with open(config.ca_bundle, "rb") as f:
+            client["root_certificate"] = f.read()
     return S3Store(
         bucket,
-        client_options={
-            "allow_http": config.scheme == "http",
-            "connect_timeout": timedelta(seconds=config.connect_timeout),
-            "timeout": timedelta(seconds=config.read_timeout),
-        },
+        client_options=client,
         retry_config={
             "max_retries": max(0, config.attempts - 1),
             "backoff": {
@@ -229,7 +304,7 @@ def cloud_store_of(scheme: str, bucket: str, options: dict[str, Any]) -> Any:
 # The process whose obstore runtime has started. obstore's Tokio runtime does not survive a
 # fork: in a child forked after the parent used obstore, every call (through a new store
 # too) waits forever on threads that were not copied (obstore 0.12.1, seen with DataLoader
-# workers). Such a child reads through s3http and writes through s3fs instead.
+# workers). Such a child reads and writes an s3:// store through s3fs instead.
 _RUNTIME_PID: int | None = None
 
 
@@ -241,14 +316,10 @@ class ObstoreStorage(ObjectStorage):
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         scheme = url.split("://", 1)[0].lower()
         self._cloud = scheme if scheme in CLOUD_SCHEMES else None
+        self._config: S3Config | None = None  # read by _check_options
         super().__init__(url, storage_options)
-        # (self._reader, s3http's, reads where obstore cannot: a forked child, see above)
         self._store_pid = -1
         self._s3: Any = None
-        if self._config is not None and _inherits_session_token(self.storage_options):
-            # obstore reads AWS_SESSION_TOKEN from the environment and cannot be told not
-            # to: explicit keys without a token would be sent with it. s3fs serves these.
-            self._config = None
         bucket, _, prefix = self.root.partition("/")
         self._bucket = bucket
         self._prefix = prefix
@@ -261,7 +332,18 @@ class ObstoreStorage(ObjectStorage):
 
     def _check_options(self) -> None:
         if self._cloud is None:
-            return super()._check_options()
+            self._config = config_of(self.url, self.storage_options)
+            if self._config is not None and importlib.util.find_spec("obstore") is None:
+                self._config = None  # an install without the s3 extra's obstore: s3fs's
+            if self._config is not None and _inherits_session_token(self.storage_options):
+                # obstore reads AWS_SESSION_TOKEN from the environment and cannot be told not
+                # to: explicit keys without a token would be sent with it. s3fs serves these.
+                self._config = None
+            if self._config is None:
+                super()._check_options()
+            # else every option is one s3config reads, all of them s3fs's own: nothing to
+            # refuse, and no need to import s3fs and aiobotocore to inspect their signatures
+            return None
         options = self.storage_options
         client = options.get("client_options")
         if client is not None and not isinstance(client, dict):
@@ -295,7 +377,8 @@ class ObstoreStorage(ObjectStorage):
 
     def _locate(self) -> str:
         if self._cloud is None:
-            return super()._locate()
+            root = root_of(self.url) if self._config is not None else None
+            return super()._locate() if root is None else root
         root = cloud_root(self.url)
         if root is None:
             raise InvalidDataError(
@@ -334,11 +417,51 @@ class ObstoreStorage(ObjectStorage):
 
     @property
     def served(self) -> bool:
-        """Whether obstore serves this store in this process (else s3http reads and s3fs
-        writes, as for :class:`ObjectStorage`): its configuration is known, and obstore's
+        """Whether obstore serves this store in this process (else s3fs does, as for
+        :class:`ObjectStorage`): its configuration is known, and obstore's
         runtime was not started by a process this one was forked from."""
         known = self._config is not None or self._cloud is not None
         return known and _RUNTIME_PID in (None, os.getpid())
+
+    def _run(self, fn: Callable[[], T]) -> T:
+        """:func:`_run`, and once more in the bucket's own region where S3 says the request
+        was signed for another, as botocore does (the region is remembered)."""
+        try:
+            return _run(fn)
+        except ObjectStoreReply as exc:
+            if not self._learn_region(exc):
+                raise
+            return _run(fn)
+        except ConnectionError as exc:
+            failed = exc
+        # Outside the handler, so that a refused certificate is not also (as its context)
+        # a connection error, which would be retried.
+        untrusted = untrusted_certificate(self._config) if self._config is not None else None
+        raise untrusted or failed
+
+    def _learn_region(self, reply: ObjectStoreReply) -> bool:
+        """Whether ``reply`` (a 301, or a 400 naming a region) told this bucket's region to
+        be another than the one signed for; the store is then rebuilt for that region. A
+        reply without a body (to a HEAD) is followed by an unsigned HEAD of the bucket,
+        which S3 answers with ``x-amz-bucket-region``."""
+        config = self._config
+        if self._cloud is not None or config is None or reply.status not in (301, 307, 400):
+            return False
+        found = _REGION.search(str(reply))
+        if found is not None:
+            told: str | None = found.group(1)
+        elif reply.code in (str(reply.status), "PermanentRedirect"):  # no body, or no region
+            told = bucket_region(config, self._bucket)
+        else:
+            return False  # another 400: not the region's
+        if not told or told == config.region:
+            return False
+        log.info(
+            "bucket %s is in region %s, not %s: reading it there", self._bucket, told, config.region
+        )
+        self._config = dataclasses.replace(config, region=told)
+        self._s3 = None
+        return True
 
     def _key(self, rel: str) -> str:
         return "/".join(p for p in (self._prefix, rel) if p)
@@ -350,7 +473,7 @@ class ObstoreStorage(ObjectStorage):
             return super()._cat(rel)
         import obstore
 
-        return _run(lambda: bytes(obstore.get(self.obstore, self._key(rel)).bytes()))
+        return self._run(lambda: bytes(obstore.get(self.obstore, self._key(rel)).bytes()))
 
     def _get_range(self, rel: str, start: int, end: int) -> bytes:
         import obstore
@@ -369,7 +492,7 @@ class ObstoreStorage(ObjectStorage):
                 raise
 
         try:
-            return _run(get)
+            return self._run(get)
         except ObjectStoreReply as exc:
             if exc.status == 416:  # the range starts past the end, as a slice would
                 return b""
@@ -387,7 +510,7 @@ class ObstoreStorage(ObjectStorage):
     def _head(self, rel: str) -> Any:  # obstore.ObjectMeta
         import obstore
 
-        return _run(lambda: obstore.head(self.obstore, self._key(rel)))
+        return self._run(lambda: obstore.head(self.obstore, self._key(rel)))
 
     def exists(self, rel: str) -> bool:
         if self.served and not rel and self._cloud is not None:  # the root: a prefix
@@ -419,7 +542,7 @@ class ObstoreStorage(ObjectStorage):
         try:
             found = self._call("list", rel_dir, lambda: self._list_prefix(rel_dir))
         except StoreNotFoundError:
-            raise  # a missing bucket (a FileNotFoundError too), as s3http reports it
+            raise  # a missing bucket (a FileNotFoundError too), as s3fs reports it
         except FileNotFoundError:
             return []
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in found["common_prefixes"]]
@@ -430,7 +553,7 @@ class ObstoreStorage(ObjectStorage):
         import obstore
 
         prefix = self._key(rel_dir)
-        return _run(lambda: obstore.list_with_delimiter(self.obstore, prefix or None))
+        return self._run(lambda: obstore.list_with_delimiter(self.obstore, prefix or None))
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -440,14 +563,14 @@ class ObstoreStorage(ObjectStorage):
         import obstore
 
         self._await_ready()
-        _run(lambda: obstore.put(self.obstore, self._key(rel), data, mode="create"))
+        self._run(lambda: obstore.put(self.obstore, self._key(rel), data, mode="create"))
 
     def _put(self, rel: str, data: bytes, durable: bool) -> None:
         if not self.served:
             return super()._put(rel, data, durable)
         import obstore
 
-        _run(lambda: obstore.put(self.obstore, self._key(rel), data))
+        self._run(lambda: obstore.put(self.obstore, self._key(rel), data))
 
     def delete(self, rel: str) -> None:
         if not self.served:
@@ -456,7 +579,9 @@ class ObstoreStorage(ObjectStorage):
 
         try:
             self._call(
-                "delete", rel, lambda: _run(lambda: obstore.delete(self.obstore, self._key(rel)))
+                "delete",
+                rel,
+                lambda: self._run(lambda: obstore.delete(self.obstore, self._key(rel))),
             )
         except FileNotFoundError:
             pass
