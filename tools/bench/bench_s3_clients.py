@@ -1,7 +1,9 @@
-"""The S3 rows side by side on the two clients (issue 41.4): today's (s3http for reads, s3fs
-for writes) and obstore (``DYNSTATE_S3_CLIENT=obstore``), on the loopback moto server of
-tools/loopback_s3.py. Each measurement runs in a fresh process, the two clients alternated
-round by round so that the machine's load falls on both alike:
+"""The S3 rows side by side on the clients dynstate can use (issue 41.4): obstore (the
+default) and s3fs (``DYNSTATE_S3_CLIENT=s3fs``, the fallback for configurations obstore
+cannot serve), and, with ``--baseline CHECKOUT``, another checkout of dynstate (for example
+the commit before a change: ``git worktree add /tmp/before <commit>``), on the loopback moto
+server of tools/loopback_s3.py. Each measurement runs in a fresh process, the variants
+alternated round by round so that the machine's load falls on all alike:
 
 - ``ls``: ``dynstate ls URL --limit 20`` on a store of ``--versions`` versions, wall time of
   the process, and the requests it sends;
@@ -13,7 +15,7 @@ round by round so that the machine's load falls on both alike:
   the process, after one warm-up append that builds the client and probes the exclusive
   create).
 
-    python tools/bench/bench_s3_clients.py --versions 100 --repeats 7
+    python tools/bench/bench_s3_clients.py --versions 100 --repeats 7 [--baseline /tmp/before]
 
 Never part of the tests; times depend on the machine and its load.
 """
@@ -33,7 +35,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/, for loopback_s3
 
 BUCKET = "bench-clients"
-CLIENTS = {"s3http+s3fs": "", "obstore": "obstore"}
 
 FIRST_BATCH = """
 import json, sys, tempfile, time
@@ -62,11 +63,10 @@ print(json.dumps({"median": statistics.median(times), "min": min(times)}))
 """
 
 
-def _env(base: dict[str, str], client: str) -> dict[str, str]:
+def _env(base: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
     env = dict(base)
     env.pop("DYNSTATE_S3_CLIENT", None)
-    if client:
-        env["DYNSTATE_S3_CLIENT"] = client
+    env.update(extra)
     return env
 
 
@@ -101,7 +101,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--commits", type=int, default=20)
     parser.add_argument("--rows", type=int, default=50_000, help="rows of the first-batch store")
+    parser.add_argument(
+        "--baseline", metavar="CHECKOUT", help="another dynstate checkout, run as a third column"
+    )
     args = parser.parse_args()
+    clients: dict[str, dict[str, str]] = {}
+    if args.baseline:  # first on sys.path: its dynstate, not the installed one
+        clients["baseline"] = {"PYTHONPATH": str(Path(args.baseline).resolve())}
+    clients["s3fs"] = {"DYNSTATE_S3_CLIENT": "s3fs"}
+    clients["obstore"] = {}
 
     from loopback_s3 import loopback_s3
 
@@ -122,15 +130,15 @@ def main() -> None:
         for s in range(8):
             store.append([{"row": s * per + r, "text": "t" * 200} for r in range(per)])
 
-        results: dict[str, dict[str, list[Any]]] = {c: {} for c in CLIENTS}
-        for flag in CLIENTS.values():  # warm the page cache and the server for each
-            _run([*cli, "ls", listed, "--limit", "20"], _env(base, flag))
+        results: dict[str, dict[str, list[Any]]] = {c: {} for c in clients}
+        for extra in clients.values():  # warm the page cache and the server for each
+            _run([*cli, "ls", listed, "--limit", "20"], _env(base, extra))
         for rep in range(args.repeats):
-            order = list(CLIENTS.items())
+            order = list(clients.items())
             if rep % 2:
                 order.reverse()
-            for name, flag in order:
-                env = _env(base, flag)
+            for name, extra in order:
+                env = _env(base, extra)
                 r = results[name]
                 mark = server.count()
                 wall, _, _ = _run([*cli, "ls", listed, "--limit", "20"], env)
@@ -145,15 +153,15 @@ def main() -> None:
                 _, out, _ = _run([sys.executable, "-c", FIRST_BATCH, rows, str(rep)], env)
                 r.setdefault("first_batch_s", []).append(json.loads(out)["s"])
                 r.setdefault("first_batch_requests", []).append(server.count() - mark)
-        for name, flag in CLIENTS.items():
+        for name, extra in clients.items():
             url = f"s3://{BUCKET}/commits-{name.replace('+', '-')}"
             _, out, _ = _run(
-                [sys.executable, "-c", COMMITS, url, str(args.commits)], _env(base, flag)
+                [sys.executable, "-c", COMMITS, url, str(args.commits)], _env(base, extra)
             )
             results[name]["commit_s"] = [json.loads(out)["median"]]
 
     print(f"loopback S3, {args.repeats} alternated rounds, load {os.getloadavg()[0]:.1f}")
-    print(f"{'':24}" + "".join(f"{n:>16}" for n in CLIENTS))
+    print(f"{'':24}" + "".join(f"{n:>16}" for n in clients))
     keys = [
         ("ls_s", "ls --limit 20 (s)", 3),
         ("ls_requests", "ls requests", 0),
@@ -163,9 +171,9 @@ def main() -> None:
         ("commit_s", "commit median (s)", 4),
     ]
     for key, label, digits in keys:
-        cells = [statistics.median(results[n][key]) for n in CLIENTS]
+        cells = [statistics.median(results[n][key]) for n in clients]
         print(f"{label:24}" + "".join(f"{c:>16.{digits}f}" for c in cells))
-    for n in CLIENTS:
+    for n in clients:
         print(f"{n}: client packages a read-only ls imports: {results[n]['clients_imported']}")
     print(json.dumps(results))
 
