@@ -222,7 +222,13 @@ def store_of(config: S3Config, bucket: str) -> Any:
         # sent on a closed connection (then retried, below).
         "pool_idle_timeout": timedelta(seconds=15),
     }
-    if config.ca_bundle:  # AWS_CA_BUNDLE, as botocore reads it (added to the trusted roots)
+    if config.scheme == "http":
+        # A plain-HTTP endpoint (a local MinIO, a test server) never speaks TLS, and building
+        # the trust store reads every system root certificate (~5 ms, a tenth of a cold
+        # open on loopback). Only a redirect of the endpoint's own to HTTPS would use this,
+        # and that redirect is itself as unauthenticated as the rest of plain HTTP.
+        client["allow_invalid_certificates"] = True
+    elif config.ca_bundle:  # AWS_CA_BUNDLE, as botocore reads it (added to the trusted roots)
         with open(config.ca_bundle, "rb") as f:
             client["root_certificate"] = f.read()
     return S3Store(

@@ -29,6 +29,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,11 @@ def _run(command: list[str], env: dict[str, str]) -> tuple[float, str, str]:
     import time
 
     t = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    # Not from the checkout: `python -m`/`-c` put the working directory first on sys.path,
+    # before PYTHONPATH, which would hide --baseline's dynstate behind this one.
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, check=False, cwd=tempfile.gettempdir()
+    )
     wall = time.perf_counter() - t
     if done.returncode != 0:
         raise SystemExit(f"{command} failed:\n{done.stderr[-3000:]}")
@@ -146,9 +151,9 @@ def main() -> None:
                 r.setdefault("ls_requests", []).append(server.count() - mark)
                 _, _, err = _run([sys.executable, "-X", "importtime", *cli[1:], "ls", listed,
                                   "--limit", "20"], env)  # fmt: skip
-                us, clients = import_us(err)
+                us, packages = import_us(err)
                 r.setdefault("import_ms", []).append(us / 1e3)
-                r["clients_imported"] = clients
+                r["clients_imported"] = packages
                 mark = server.count()
                 _, out, _ = _run([sys.executable, "-c", FIRST_BATCH, rows, str(rep)], env)
                 r.setdefault("first_batch_s", []).append(json.loads(out)["s"])
