@@ -431,17 +431,20 @@ class ObstoreStorage(ObjectStorage):
 
     def _run(self, fn: Callable[[], T]) -> T:
         """:func:`_run`, and once more in the bucket's own region where S3 says the request
-        was signed for another, as botocore does (the region is remembered)."""
+        was signed for another, as botocore does (the region is remembered); a connection
+        failure that a refused certificate caused is raised as that refusal."""
+        # Both follow-ups run outside the handler, so that the reply or the connection error
+        # is not also the context of what they raise (the error table reads the chain).
+        failed: ConnectionError | None = None
         try:
             return _run(fn)
         except ObjectStoreReply as exc:
             if not self._learn_region(exc):
                 raise
-            return _run(fn)
         except ConnectionError as exc:
             failed = exc
-        # Outside the handler, so that a refused certificate is not also (as its context)
-        # a connection error, which would be retried.
+        if failed is None:
+            return _run(fn)  # in the bucket's own region
         untrusted = untrusted_certificate(self._config) if self._config is not None else None
         raise untrusted or failed
 
