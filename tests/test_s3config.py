@@ -87,10 +87,34 @@ def test_the_configuration_it_takes(tmp_path):
     # explicit options win over the environment, as in botocore
     found = config_of("s3://b/r", {"endpoint_url": "http://h:1", "key": "k", "secret": "s"}, env)
     assert found is not None and (found.key, found.secret, found.token) == ("k", "s", None)
-    # a region in the config file: botocore would use it, so s3fs serves
-    (tmp_path / "config").write_text("[default]\nregion = eu-north-1\n")
-    with_file = {**env, "AWS_CONFIG_FILE": str(tmp_path / "config")}
-    assert config_of("s3://b/r", {"endpoint_url": "http://h:1"}, with_file) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "region"),
+    [
+        ("[default]\nregion = eu-north-1\noutput = json\n", "eu-north-1"),
+        ("[profile default]\nregion = eu-north-1\n", "eu-north-1"),
+        ("[profile other]\nendpoint_url = http://elsewhere:1\n", "us-east-1"),
+        ("[default]\nregion = eu-north-1\nendpoint_url = http://elsewhere:1\n", None),
+        ("[default]\ns3 =\n  addressing_style = virtual\n", None),
+        ("[default]\nca_bundle = /ca.pem\n", None),
+        ("[default]\nrole_arn = arn:aws:iam::1:role/r\n", None),
+        ("region = eu-north-1\n", None),  # no section: botocore cannot read it either
+    ],
+)
+def test_the_aws_config_file_is_read_as_botocore_would(tmp_path, text, region):
+    """The default profile's region is the store's where no option or variable names one
+    (botocore's order); a default profile that says anything else about connecting (an
+    endpoint, an addressing style, a CA bundle, a role) sends the store to s3fs, which
+    follows it."""
+    (tmp_path / "config").write_text(text)
+    env = {**ENV, "AWS_CONFIG_FILE": str(tmp_path / "config")}
+    found = config_of("s3://b/r", {"endpoint_url": "http://h:1"}, env)
+    assert (found.region if found else None) == region
+    if region is not None:  # a region named in the environment wins over the file's
+        found = config_of("s3://b/r", {}, {**env, "AWS_DEFAULT_REGION": "ap-south-1"})
+        assert found is not None and found.region == "ap-south-1"
+        assert found.host == "s3.ap-south-1.amazonaws.com"
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,8 @@ through s3fs, reads and writes (:class:`~dynstate.storage.objectstore.ObjectStor
 anything else: credentials from a profile, SSO, a role or instance metadata (only explicit
 options and the ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``
 variables are read, and not when ``AWS_PROFILE`` names a profile); an AWS endpoint whose region
-is not named in the options or the environment; proxies, ``anon``, or any storage option,
+is not named in the options, the environment or the AWS config file; a default profile in that
+file that says more than a region; proxies, ``anon``, or any storage option,
 ``client_kwargs`` or ``config_kwargs`` key beyond the few below. ``DYNSTATE_S3_CLIENT=s3fs``
 sends every store through s3fs.
 """
@@ -58,6 +59,10 @@ _FOREIGN_ENV = (
     "https_proxy",
     "all_proxy",
 )
+# What the default profile of the AWS config file may hold while obstore serves: its region
+# (read) and the CLI's output format; anything else (an endpoint, an addressing style, a CA
+# bundle, a role, a retry mode...) changes how botocore connects.
+_PROFILE_KEYS = frozenset({"region", "output"})
 #: botocore's defaults (seconds, attempts in all)
 DEFAULT_CONNECT_TIMEOUT_S = 60.0
 DEFAULT_READ_TIMEOUT_S = 60.0
@@ -78,7 +83,7 @@ class S3Config:
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S
     read_timeout: float = DEFAULT_READ_TIMEOUT_S
     attempts: int = DEFAULT_ATTEMPTS
-    ca_bundle: str | None = None  # AWS_CA_BUNDLE; None: certifi's, as botocore's default
+    ca_bundle: str | None = None  # AWS_CA_BUNDLE, trusted with the system's root certificates
 
     def __repr__(self) -> str:  # never the secret
         return f"S3Config({self.scheme}://{self.host}, region={self.region})"
@@ -126,9 +131,13 @@ def config_of(url: str, options: dict[str, Any], env: Any = None) -> S3Config | 
         or _str(env.get("AWS_REGION"))
         or _str(env.get("AWS_DEFAULT_REGION"))
     )
+    profile = _default_profile(env)
+    if profile is None or not set(profile) <= _PROFILE_KEYS:
+        return None  # the config file says more than a region: botocore would follow it
+    region = region or _str(profile.get("region"))
     if region is None:
-        if endpoint is None or os.path.exists(_config_file(env)):
-            return None  # the region is the config file's, or for s3fs to discover
+        if endpoint is None:
+            return None  # for s3fs to discover
         region = "us-east-1"  # botocore's for an endpoint of one's own
     if endpoint is None:
         scheme, host, path_style = "https", f"s3.{region}.amazonaws.com", False
@@ -164,5 +173,22 @@ def root_of(url: str) -> str | None:
     return root
 
 
-def _config_file(env: Any) -> str:
-    return env.get("AWS_CONFIG_FILE") or os.path.expanduser("~/.aws/config")
+def _default_profile(env: Any) -> dict[str, str] | None:
+    """The default profile's settings in the AWS config file (``{}`` without one), or None
+    where the file cannot be read as botocore reads it."""
+    import configparser
+
+    path = env.get("AWS_CONFIG_FILE") or os.path.expanduser("~/.aws/config")
+    if not os.path.exists(path):
+        return {}
+    parser = configparser.RawConfigParser()
+    try:
+        with open(path, encoding="utf-8") as f:
+            parser.read_file(f)
+    except (OSError, UnicodeDecodeError, configparser.Error):
+        return None
+    found: dict[str, str] = {}
+    for section in ("default", "profile default"):  # botocore reads both
+        if parser.has_section(section):
+            found.update(parser.items(section))
+    return found
