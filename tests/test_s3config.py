@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import re
+from pathlib import Path
 
 import pytest
 
 from dynstate.errors import StorageError
 from dynstate.storage import open_storage
 from dynstate.storage.retry import is_transient
-from dynstate.storage.s3config import DEFAULT_ATTEMPTS, config_of, root_of
+from dynstate.storage.s3config import DEFAULT_ATTEMPTS, OBSTORE_ONLY_ENV, config_of, root_of
 
 pytest.importorskip("obstore")
 
@@ -55,6 +57,38 @@ ENV = {"AWS_ACCESS_KEY_ID": "AKIDEXAMPLE", "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFE
 def test_serves_only_configurations_it_knows(tmp_path, options, env, served):
     env = {**env, "AWS_CONFIG_FILE": str(tmp_path / "none")}
     assert (config_of("s3://bucket/run", options, env) is not None) is served
+
+
+def test_variables_only_obstore_reads_send_the_store_to_s3fs(tmp_path, monkeypatch):
+    """obstore reads every ``AWS_*`` variable of its own configuration from the environment
+    (botocore reads none of these), so any that changes where or how it connects sends the
+    store to s3fs: with AWS_ENDPOINT set, say, obstore would connect there and s3fs to AWS."""
+    import obstore
+
+    base = {**ENV, "AWS_REGION": "eu-west-1", "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    assert config_of("s3://bucket/run", {}, base) is not None
+    for name in OBSTORE_ONLY_ENV:
+        assert config_of("s3://bucket/run", {}, {**base, name: "x"}) is None, name
+    for name, value in {**base, "AWS_ENDPOINT": "http://127.0.0.1:1"}.items():
+        monkeypatch.setenv(name, value)
+    assert not open_storage("s3://bucket/run").served
+    # The variables obstore's S3 configuration documents (its type stubs), less those
+    # dynstate always passes, those only credential sources read, and unused ones, are
+    # exactly the listed ones: a new one in a later obstore fails here.
+    stubs = Path(obstore.__file__).parent / "_store" / "_aws.pyi"
+    documented = set(re.findall(r"`(AWS_[A-Z0-9_]+)`", stubs.read_text()))
+    passed = {
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+        "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_BUCKET",
+        "AWS_BUCKET_NAME", "AWS_DISABLE_BULK_DELETE",
+    }  # fmt: skip
+    credential_sources = {
+        "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_IMDSV1_FALLBACK", "AWS_METADATA_ENDPOINT",
+        "AWS_ROLE_ARN", "AWS_ROLE_SESSION_NAME", "AWS_STS_ENDPOINT", "AWS_WEB_IDENTITY_TOKEN_FILE",
+    }  # fmt: skip
+    unused = {"AWS_COPY_IF_NOT_EXISTS", "AWS_DISABLE_TAGGING"}  # dynstate never copies or tags
+    assert documented - passed - credential_sources - unused == set(OBSTORE_ONLY_ENV)
 
 
 def test_the_configuration_it_takes(tmp_path):

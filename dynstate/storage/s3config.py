@@ -59,6 +59,26 @@ _FOREIGN_ENV = (
     "https_proxy",
     "all_proxy",
 )
+# What obstore reads from the environment on its own (and botocore does not) that would
+# change where it connects, how it signs, or what it writes: another endpoint, a session
+# token under another name, conditional-put or checksum modes, requester-pays, server-side
+# encryption. (Its credential sources -- roles, web identity, container and instance
+# metadata -- are never used: the keys are always passed.)
+OBSTORE_ONLY_ENV = (
+    "AWS_ENDPOINT",
+    "AWS_TOKEN",
+    "AWS_VIRTUAL_HOSTED_STYLE_REQUEST",
+    "AWS_S3_EXPRESS",
+    "AWS_SKIP_SIGNATURE",
+    "AWS_UNSIGNED_PAYLOAD",
+    "AWS_CHECKSUM_ALGORITHM",
+    "AWS_CONDITIONAL_PUT",
+    "AWS_REQUEST_PAYER",
+    "AWS_SERVER_SIDE_ENCRYPTION",
+    "AWS_SSE_KMS_KEY_ID",
+    "AWS_SSE_BUCKET_KEY_ENABLED",
+    "AWS_SSE_CUSTOMER_KEY_BASE64",
+)
 # What the default profile of the AWS config file may hold while obstore serves: its region
 # (read) and the CLI's output format; anything else (an endpoint, an addressing style, a CA
 # bundle, a role, a retry mode...) changes how botocore connects.
@@ -101,7 +121,9 @@ def config_of(url: str, options: dict[str, Any], env: Any = None) -> S3Config | 
         return None
     if root_of(url) is None:
         return None
-    if not set(options) <= KNOWN_OPTIONS or any(env.get(name) for name in _FOREIGN_ENV):
+    if not set(options) <= KNOWN_OPTIONS or any(
+        env.get(name) for name in (*_FOREIGN_ENV, *OBSTORE_ONLY_ENV)
+    ):
         return None
     client = options.get("client_kwargs") or {}
     config = options.get("config_kwargs") or {}
