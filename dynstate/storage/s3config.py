@@ -44,7 +44,7 @@ _CLIENT_KWARGS = frozenset(
         "aws_session_token",
     }
 )
-_CONFIG_KWARGS = frozenset({"retries", "connect_timeout", "read_timeout", "region_name"})
+_CONFIG_KWARGS = frozenset({"retries", "connect_timeout", "read_timeout", "region_name", "s3"})
 # What would make botocore connect or authenticate differently from obstore.
 _FOREIGN_ENV = (
     "AWS_PROFILE",
@@ -161,6 +161,15 @@ def config_of(url: str, options: dict[str, Any], env: Any = None) -> S3Config | 
         if endpoint is None:
             return None  # for s3fs to discover
         region = "us-east-1"  # botocore's for an endpoint of one's own
+    # botocore's addressing style: path-style is what obstore sends to an endpoint of one's
+    # own (MinIO's docs ask for it), "auto" what it sends anywhere; any other S3 setting
+    # (virtual hosts on one's own endpoint, payload signing, accelerate...) is s3fs's.
+    s3 = config.get("s3") or {}
+    style = s3.get("addressing_style", "auto") if isinstance(s3, dict) else None
+    if not isinstance(s3, dict) or set(s3) - {"addressing_style"}:
+        return None
+    if style not in ("auto", "path") or (style == "path" and endpoint is None):
+        return None
     if endpoint is None:
         scheme, host, path_style = "https", f"s3.{region}.amazonaws.com", False
     else:
