@@ -268,6 +268,35 @@ def test_checkpoint_without_dynstate_state_is_refused_unchanged(example, trained
     assert store.refresh() == head
 
 
+def test_a_folder_killed_while_saved_is_refused_naming_the_whole_one(
+    example, trained, tmp_path
+) -> None:
+    """transformers' get_last_checkpoint picks the newest folder, even one a kill left without
+    dynstate's state: the refusal names the newest checkpoint saved whole, and changes nothing."""
+    import shutil
+
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from dynstate.trl import last_checkpoint
+
+    store, checkpoint = trained
+    out = tmp_path / "out"
+    shutil.copytree(checkpoint, out / "checkpoint-2")
+    shutil.copytree(checkpoint, out / "checkpoint-4")
+    (out / "checkpoint-4" / "dynstate_state.pt").unlink()
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-4")
+    assert last_checkpoint(str(out)) == str(out / "checkpoint-2")
+    head = store.refresh()
+    trainer = _trainer(example, store, out)
+    with pytest.raises(CheckpointNotFoundError) as raised:
+        trainer.train(resume_from_checkpoint=get_last_checkpoint(str(out)))
+    message = str(raised.value)
+    assert "killed while saving" in message
+    assert f"resume from {out / 'checkpoint-2'}," in message
+    assert "dynstate.trl.last_checkpoint(output_dir)" in message
+    assert store.refresh() == head
+
+
 def test_checkpoint_of_another_store_is_refused_unchanged(example, trained, tmp_path) -> None:
     _, checkpoint = trained
     other = _new_store(example, tmp_path / "other")
@@ -313,7 +342,8 @@ def _rounds_run(
     """Rounds of a 4-step run with gradient accumulation ``ga`` (checkpoints every 2 steps), the
     example's generator and selection; ``crash_after``: raise once that step is committed."""
     from transformers import TrainerCallback
-    from transformers.trainer_utils import get_last_checkpoint
+
+    from dynstate.trl import last_checkpoint
 
     store = Store.open(str(base / "store"), create=True)
     if store.head == 0:
@@ -342,9 +372,7 @@ def _rounds_run(
     )
     trainer.add_callback(Record())
     try:
-        trainer.train(
-            resume_from_checkpoint=get_last_checkpoint(str(base / "out")) if resume else None
-        )
+        trainer.train(resume_from_checkpoint=last_checkpoint(str(base / "out")) if resume else None)
     except _Crash:
         pass
     return rounds

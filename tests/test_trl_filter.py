@@ -236,7 +236,7 @@ def test_a_checkpoint_killed_while_saved_is_not_resumed_from(tmp_path, caplog) -
     """A kill between the Trainer's files of checkpoint-N and dynstate's state leaves a folder
     no resume can use: the example (and train(resume_from_checkpoint=True)) resume from the
     newest one saved whole."""
-    from dynstate.trl.trainer import last_checkpoint
+    from dynstate.trl import last_checkpoint
 
     out = tmp_path / "out"
     assert last_checkpoint(str(out)) is None
@@ -407,7 +407,8 @@ def _rounds_run(
     steps), selection (unless ``sampler`` says otherwise) and the example's generator;
     ``crash_after``: raise once that step is committed."""
     from transformers import TrainerCallback
-    from transformers.trainer_utils import get_last_checkpoint
+
+    from dynstate.trl import last_checkpoint
 
     store = Store.open(str(base / "store"), create=True)
     if store.head == 0:
@@ -431,9 +432,7 @@ def _rounds_run(
     )
     trainer.add_callback(Record())
     try:
-        trainer.train(
-            resume_from_checkpoint=get_last_checkpoint(str(base / "out")) if resume else None
-        )
+        trainer.train(resume_from_checkpoint=last_checkpoint(str(base / "out")) if resume else None)
     except _Crash:
         pass
     return rounds

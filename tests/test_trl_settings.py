@@ -62,17 +62,18 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # the same arithmetic in every run, killed or not
     from transformers import TrainerCallback, set_seed
-    from transformers.trainer_utils import get_last_checkpoint
     from trl import GRPOConfig
 
     import dynstate
-    from dynstate.trl import DynstateGRPOTrainer
+    from dynstate.trl import DynstateGRPOTrainer, last_checkpoint
 
     example = _example()
     store = dynstate.Store.open(args.store, create=True)
     if store.snapshot().num_rows == 0:
         store.append(example.first_tasks(0, count=args.first))
-    checkpoint = get_last_checkpoint(args.out) if os.path.isdir(args.out) else None
+    # the newest checkpoint saved whole: a kill while saving leaves a newer folder that
+    # transformers' get_last_checkpoint would pick (and that no resume can use)
+    checkpoint = last_checkpoint(args.out)
     if checkpoint is None:
         dynstate.rollback(store, step=0)
 

@@ -26,8 +26,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from .generator import DynstateGenerator, RoundView, StepBatch
-from .loader import STATE_FILE, read_checkpoint_state
-from .trainer import DynstateGRPOTrainer, FilterGroups, Round, last_checkpoint
+from .loader import STATE_FILE, last_checkpoint, read_checkpoint_state
+from .trainer import DynstateGRPOTrainer, FilterGroups, Round
 
 __all__ = [
     "STATE_FILE",

@@ -30,6 +30,7 @@ optimizer steps.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -39,6 +40,8 @@ from ..loading.dataset import VersionedDataset, decode_index
 from ..loading.state import check_state, find_sampler_state
 from ..store import Store
 from .generator import SOURCE_COLUMN
+
+log = logging.getLogger("dynstate")
 
 STATE_FILE = "dynstate_state.pt"
 CARRY_FILE = "dynstate_carry.pt"
@@ -222,6 +225,27 @@ def read_carry(checkpoint_dir: str, step: int, record: dict[str, Any], url: str)
     return tensors
 
 
+def last_checkpoint(output_dir: str) -> str | None:
+    """The newest ``checkpoint-N`` in ``output_dir`` that was saved whole, or None. The
+    Trainer creates the folder and writes its files before dynstate writes
+    ``dynstate_state.pt``, last, after every rank's files: a run killed while saving leaves a
+    newer folder without it, which ``transformers``' ``get_last_checkpoint`` would pick and no
+    resume could use. ``train(resume_from_checkpoint=True)`` resumes from this one."""
+    if not os.path.isdir(output_dir):
+        return None
+    whole: dict[int, str] = {}
+    for name in os.listdir(output_dir):
+        number = name.removeprefix("checkpoint-")
+        path = os.path.join(output_dir, name)
+        if name.startswith("checkpoint-") and number.isdigit() and os.path.isdir(path):
+            if os.path.isfile(os.path.join(path, STATE_FILE)):
+                whole[int(number)] = path
+            else:
+                log.warning("%s was not saved whole (no %s): not resumed from", path,
+                            STATE_FILE)  # fmt: skip
+    return whole[max(whole)] if whole else None
+
+
 def read_checkpoint_state(checkpoint_dir: str, store: Store) -> dict[str, Any]:
     """The dynstate state of a TRL ``checkpoint-N`` folder, checked against ``store`` and the
     folder's own step (``trainer_state.json``); raises before anything changes:
@@ -234,10 +258,18 @@ def read_checkpoint_state(checkpoint_dir: str, store: Store) -> dict[str, Any]:
     path = os.path.join(checkpoint_dir, STATE_FILE)
     url = store.display_url
     if not os.path.isfile(path):
+        # transformers' get_last_checkpoint picks the newest folder, saved whole or not
+        whole = last_checkpoint(os.path.dirname(os.path.abspath(checkpoint_dir)))
+        instead = (
+            f"resume from {whole}, the newest one saved whole "
+            "(dynstate.trl.last_checkpoint(output_dir) finds it)"
+            if whole is not None
+            else "resume from one of its checkpoints, or start afresh"
+        )
         raise CheckpointNotFoundError(
-            f"no dynstate state at {path}, so {checkpoint_dir} cannot resume {url} exactly: it "
-            "was not written by dynstate.trl.DynstateGRPOTrainer (which saves it in every "
-            "checkpoint); resume from one of its checkpoints, or start afresh"
+            f"no dynstate state at {path}, so {checkpoint_dir} cannot resume {url} exactly: "
+            "it was not written by dynstate.trl.DynstateGRPOTrainer (which saves it in every "
+            f"checkpoint) or the run was killed while saving it; {instead}"
         )
     try:
         state = torch.load(path, weights_only=True)

@@ -440,7 +440,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         store = self.dynstate_store
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = last_checkpoint(str(self.args.output_dir))
+            resume_from_checkpoint = loader_mod.last_checkpoint(str(self.args.output_dir))
             if resume_from_checkpoint is None:
                 raise StateMismatchError(
                     f"resume_from_checkpoint=True but {self.args.output_dir} holds no "
@@ -803,7 +803,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
             if self._world > 1:
                 carry = gather_object([(r, s, {k: v.cpu() for k, v in p.items()})
                                        for r, s, p in carry])  # fmt: skip
-        # dynstate_state.pt marks the checkpoint whole (last_checkpoint): every rank's files
+        # dynstate_state.pt marks the checkpoint whole (loader.last_checkpoint): every rank's files
         # (rng_state_N.pth) are written before rank 0 writes it
         self._barrier()
         if not self.args.should_save:
@@ -1000,27 +1000,6 @@ def _alone(trainer: Any) -> Iterator[None]:
     finally:
         grpo_trainer.gather, grpo_trainer.gather_object = functions
         trainer.accelerator = accelerator
-
-
-def last_checkpoint(output_dir: str) -> str | None:
-    """The newest ``checkpoint-N`` in ``output_dir`` that was saved whole, or None. The
-    Trainer creates the folder and writes its files before dynstate writes
-    ``dynstate_state.pt``, last, after every rank's files: a run killed while saving leaves a
-    newer folder without it, which ``transformers``' ``get_last_checkpoint`` would pick and no
-    resume could use. ``train(resume_from_checkpoint=True)`` resumes from this one."""
-    if not os.path.isdir(output_dir):
-        return None
-    whole: dict[int, str] = {}
-    for name in os.listdir(output_dir):
-        number = name.removeprefix("checkpoint-")
-        path = os.path.join(output_dir, name)
-        if name.startswith("checkpoint-") and number.isdigit() and os.path.isdir(path):
-            if os.path.isfile(os.path.join(path, loader_mod.STATE_FILE)):
-                whole[int(number)] = path
-            else:
-                log.warning("%s was not saved whole (no %s): not resumed from", path,
-                            loader_mod.STATE_FILE)  # fmt: skip
-    return whole[max(whole)] if whole else None
 
 
 def _filter_settings(value: Any, url: str) -> FilterGroups | None:
