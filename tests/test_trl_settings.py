@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=1)
     parser.add_argument("--ga", type=int, default=1)
     parser.add_argument("--first", type=int, default=6)
+    parser.add_argument("--save-total-limit", type=int, default=None)
+    parser.add_argument("--die-in-save", type=int, default=None,
+                        help="SIGKILL this process while it saves this step's checkpoint, "
+                             "after transformers' files and before dynstate's state")  # fmt: skip
     args = parser.parse_args(argv)
 
     import torch
@@ -66,6 +70,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import dynstate
     from dynstate.trl import DynstateGRPOTrainer, last_checkpoint
+    from dynstate.trl import loader as trl_loader
+
+    if args.die_in_save is not None:
+        state_of_checkpoint = trl_loader.checkpoint_state
+
+        def dying(*a: Any, **kw: Any) -> Any:
+            if a[2] == args.die_in_save:  # the global step
+                os.kill(os.getpid(), signal.SIGKILL)
+            return state_of_checkpoint(*a, **kw)
+
+        trl_loader.checkpoint_state = dying
 
     example = _example()
     store = dynstate.Store.open(args.store, create=True)
@@ -104,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         logging_steps=1,
         save_strategy="steps",
         save_steps=args.save_steps,
+        save_total_limit=args.save_total_limit,
         report_to="none",
         seed=0,
         use_cpu=True,
@@ -365,3 +381,35 @@ def test_setting_resumes_exactly_after_sigkill(tmp_path: Path, name: str) -> Non
     a = dynstate.Store.open(str(clean / "store")).snapshot().to_arrow()
     b = dynstate.Store.open(str(run / "store")).snapshot().to_arrow()
     assert a.equals(b)
+
+
+def test_a_kill_while_saving_keeps_a_whole_checkpoint_under_save_total_limit(
+    tmp_path: Path,
+) -> None:
+    """transformers deletes the checkpoints past ``save_total_limit`` as it saves a new one; it
+    must not do so before dynstate's state makes the new one whole. A run killed at that point
+    (after transformers' files of checkpoint-4, before dynstate's state) with
+    ``save_total_limit=1`` still has checkpoint-2 to resume from, and the resumed run finishes,
+    checked against the oracle, with only its last checkpoint left."""
+    from dynstate.trl import last_checkpoint
+
+    options = ["--steps", "6", "--save-steps", "2", "--save-total-limit", "1"]
+    done = subprocess.run(
+        _launch(tmp_path, [*options, "--die-in-save", "4"]), env=_env(), capture_output=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-3000:]
+    out = tmp_path / "out"
+    assert (out / "checkpoint-4" / "trainer_state.json").exists()  # transformers' files...
+    assert not (out / "checkpoint-4" / "dynstate_state.pt").exists()  # ...not dynstate's
+    assert last_checkpoint(str(out)) == str(out / "checkpoint-2")
+
+    done = subprocess.run(_launch(tmp_path, options), env=_env(), capture_output=True, timeout=600)
+    _finished(done, "the run resumed from checkpoint-2")
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-6"
+    ]
+    assert last_checkpoint(str(out)) == str(out / "checkpoint-6")
+    trace = _by_step(tmp_path / "trace.jsonl")
+    assert sorted(trace) == list(range(1, 7))
+    check_against_oracle(tmp_path / "store", trace, 2)

@@ -794,7 +794,15 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 "could not resume GRPO's buffered completions; save at steps that are "
                 f"multiples of {self._per_round}"
             )
-        super()._save_checkpoint(model, trial)
+        # transformers ends its _save_checkpoint by deleting older checkpoints
+        # (save_total_limit) and pushing this one to the Hub: both before dynstate's state is
+        # written, so a kill in between could leave no checkpoint saved whole. Both wait for it.
+        limit, push = self.args.save_total_limit, self.args.push_to_hub
+        self.args.save_total_limit, self.args.push_to_hub = None, False
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit, self.args.push_to_hub = limit, push
         dyn = self._dyn
         carry: list[Any] = []
         if dyn is not None:
@@ -833,6 +841,23 @@ class DynstateGRPOTrainer(GRPOTrainer):
         tmp = os.path.join(folder, loader_mod.STATE_FILE + ".tmp")
         torch.save(state, tmp)
         os.replace(tmp, os.path.join(folder, loader_mod.STATE_FILE))
+        if push:
+            self._push_from_checkpoint(folder)
+        self._rotate_after_save(self._get_output_dir(trial=trial))
+
+    def _rotate_after_save(self, run_dir: str) -> None:
+        """transformers' own deletion of older checkpoints, run once this one is whole."""
+        try:
+            from transformers.trainer_utils import rotate_checkpoints
+        except ImportError:  # transformers 4: a Trainer method
+            self._rotate_checkpoints(use_mtime=False, output_dir=run_dir)  # type: ignore[attr-defined]
+            return
+        rotate_checkpoints(
+            output_dir=run_dir,
+            save_total_limit=self.args.save_total_limit,
+            best_model_checkpoint=self.state.best_model_checkpoint,
+            use_mtime=True,
+        )
 
     # -- the round of a step -----------------------------------------------------------------
 
