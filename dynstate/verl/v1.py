@@ -3,7 +3,8 @@
 verl's V1 trainers are picked by name (``trainer.v1.trainer_mode``) from a registry filled by
 ``@register_trainer``. Importing this module registers :class:`DynstatePPOTrainer` under
 ``trainer.v1.trainer_mode=dynstate``: verl's ``sync`` trainer (its own ``fit``/``step``) with
-these overrides, everything else verl's code:
+these overrides (the round per step in :class:`dynstate.verl.v1_rounds.StepRounds`, shared
+with the async modes), everything else verl's code:
 
 - ``_init_dataloader``: after verl's, the train loader is rebuilt with the dataset's
   :class:`~dynstate.VersionedSampler` (verl hard-codes ``create_rl_sampler``);
@@ -50,10 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 import transfer_queue as tq
-from tensordict import TensorDict
-from torchdata.stateful_dataloader import StatefulDataLoader
 from transfer_queue import KVBatchMeta
-from verl import DataProto
 from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
@@ -65,10 +63,10 @@ from ..errors import (
     VersionCollectedError,
 )
 from ..loading.consumption import DynamicSampling, FilterRule, StepBatch, group_std
-from . import mirror
 from .dataset import DynstateRLDataset
 from .settings import Settings, uses_dynstate
 from .trainer import checkpoint_dir
+from .v1_rounds import StepRounds, loader_over, trajectory_order
 
 log = logging.getLogger("dynstate")
 
@@ -309,53 +307,8 @@ def _imported_rows(dataset: DynstateRLDataset) -> int:
     return store.snapshot(version).num_rows
 
 
-def _trajectory_order(key: str, prompt_order: dict[str, int]) -> tuple[int, int, int]:
-    # keys are {uid}_{session}_{index} (agent_loop_tq); uids come in loader order
-    uid, _, rest = key.partition("_")
-    session, _, index = rest.partition("_")
-    return (
-        prompt_order.get(uid, len(prompt_order)),
-        int(session) if session.isdigit() else 0,
-        int(index) if index.isdigit() else 0,
-    )
-
-
-def _to_numpy_objects(values: Any) -> np.ndarray:
-    items = list(values.tolist() if hasattr(values, "tolist") else values)
-    out = np.empty(len(items), dtype=object)
-    out[:] = items
-    return out
-
-
-def scored_batch(keys: list[str], partition_id: str, pad_token_id: int) -> DataProto:
-    """The trajectories ``keys`` of a step, read from TransferQueue as one ``DataProto``:
-    tensors right-padded (``pad_token_id`` for token ids, 0 elsewhere), ``rm_scores`` also as
-    ``token_level_scores``, every non-tensor field (``raw_prompt``, ``dynstate_row``, the
-    dataset's columns, ``uid`` …) as an object array — what the legacy trainer's batch holds
-    after reward."""
-    data = tq.kv_batch_get(keys=keys, partition_id=partition_id)
-    tensors: dict[str, torch.Tensor] = {}
-    non_tensors: dict[str, np.ndarray] = {}
-    for name in list(data.keys()):
-        value = data.get(name)
-        if isinstance(value, torch.Tensor):
-            if value.is_nested:
-                pad = pad_token_id if name in ("prompts", "responses", "input_ids") else 0
-                value = value.to_padded_tensor(padding=pad)
-            tensors[name] = value
-        else:
-            non_tensors[name] = _to_numpy_objects(value)
-    if "rm_scores" in tensors:
-        tensors["token_level_scores"] = tensors["rm_scores"]
-    return DataProto(
-        batch=TensorDict(tensors, batch_size=len(keys)) if tensors else None,
-        non_tensor_batch=non_tensors,
-        meta_info={},
-    )
-
-
 @register_trainer(TRAINER_MODE)
-class DynstatePPOTrainer(PPOTrainerSync):
+class DynstatePPOTrainer(StepRounds, PPOTrainerSync):
     """verl's V1 ``sync`` trainer with a dynstate train set: one committed round per step,
     durable before the step's checkpoint, and an exact resume."""
 
@@ -363,8 +316,6 @@ class DynstatePPOTrainer(PPOTrainerSync):
 
     def __init__(self, config: Any) -> None:
         check_config(config)
-        self._scored: tuple[int, DataProto] | None = None
-        self._step_metrics: dict | None = None
         self._prompt_order: dict[str, int] = {}
         # group filtering: read before verl's _init_dataloader forces data.gen_batch_size to 1
         self._filter = filter_settings(config)
@@ -398,13 +349,6 @@ class DynstatePPOTrainer(PPOTrainerSync):
             gen_batch_size=train_batch_size,
         )
 
-    @property
-    def dynstate_dataset(self) -> DynstateRLDataset | None:
-        dataset = getattr(self, "train_dataset", None)
-        if isinstance(dataset, DynstateRLDataset) and not dataset.fixed:
-            return dataset
-        return None
-
     # -- the sampler ---------------------------------------------------------------------------
 
     def _init_dataloader(self) -> None:
@@ -429,19 +373,9 @@ class DynstatePPOTrainer(PPOTrainerSync):
             # check_config keeps gen_batch_size at train_batch_size: one loader batch is one
             # training step, which is what the sampler counts (mix mode's lag, epoch pinning)
             sampler = dataset.make_sampler(batch_size=old.batch_size, drop_last=old.drop_last)
-            kwargs: dict[str, Any] = {}
-            if old.num_workers > 0:
-                kwargs["prefetch_factor"] = old.prefetch_factor
-            self.train_dataloader = StatefulDataLoader(
-                dataset=old.dataset,
-                batch_size=old.batch_size,
-                num_workers=old.num_workers,
-                drop_last=old.drop_last,
-                collate_fn=old.collate_fn,
-                sampler=sampler,
-                **kwargs,
+            self.train_dataloader = loader_over(
+                dataset, old, sampler, batch_size=old.batch_size, drop_last=old.drop_last
             )
-            dataset.check_loader(sampler, self.train_dataloader)
         self.train_dataloader_it = None
         # verl derives the epoch length from len(dataset), which grows as rounds commit; take
         # the imported rows instead, so a resumed run counts epochs (and, without
@@ -517,7 +451,7 @@ class DynstatePPOTrainer(PPOTrainerSync):
         order = {uid: i for i, uid in enumerate(trained)}
         keys = sorted(
             (k for k in items if k.split("_")[0] in order and not items[k].get("is_prompt")),
-            key=lambda k: _trajectory_order(k, order),
+            key=lambda k: trajectory_order(k, order),
         )
         assert isinstance(self.replay_buffer, _FilteredBuffer)
         self.replay_buffer.prepared = KVBatchMeta(
@@ -572,7 +506,7 @@ class DynstatePPOTrainer(PPOTrainerSync):
                 out[uid].append(key)
         order = {u: 0 for u in uids}
         for uid in out:
-            out[uid].sort(key=lambda k: _trajectory_order(k, order))
+            out[uid].sort(key=lambda k: trajectory_order(k, order))
         return out
 
     def _group_scores(
@@ -624,7 +558,7 @@ class DynstatePPOTrainer(PPOTrainerSync):
         for g, uid in zip(carry, uids, strict=True):
             keys = sorted(
                 (k for k in items if k.split("_")[0] == uid and k != uid),
-                key=lambda k: _trajectory_order(k, {uid: 0}),
+                key=lambda k: trajectory_order(k, {uid: 0}),
             )
             groups.append(
                 {"row": g.row, "uid": uid, "keys": keys, "tags": [items[k] for k in keys]}
@@ -712,69 +646,35 @@ class DynstatePPOTrainer(PPOTrainerSync):
 
     def step(self, metrics: dict, timing_raw: dict) -> Any:
         self._prompt_order = {}
-        self._step_metrics = metrics  # verl logs this very dict after on_step_end
-        batch = super().step(metrics, timing_raw)
-        if self.dynstate_dataset is not None:
-            keys = [
-                key
-                for key, tag in zip(batch.keys, batch.tags, strict=True)
-                if not tag.get("is_padding", False)
-            ]
-            keys.sort(key=lambda k: _trajectory_order(k, self._prompt_order))
-            pad = self.tokenizer.pad_token_id
-            scored = scored_batch(keys, batch.partition_id, 0 if pad is None else int(pad))
-            self._scored = (self.global_steps, scored)
-        return batch
+        return super().step(metrics, timing_raw)
 
-    def commit_step_round(self) -> int | None:
-        """Commit the round of the current step if it is not yet; returns its version."""
-        dataset = self.dynstate_dataset
-        if dataset is None or self._scored is None:
-            return None
-        step, batch = self._scored
-        if step != self.global_steps:
-            return None
-        record = None
+    def _order_of(self, keys: list[str]) -> dict[str, int]:
+        return self._prompt_order  # the loader's order (_next_train_batch), or the filter's
+
+    def _consumption(self, step: int) -> dict | None:
         if self._step_batch is not None and self._step_batch.step == step:
-            record = self._step_batch.record
-        version = dataset.commit_round(batch, step, consumption=record)
-        self._step_batch = None
-        self._scored = None
-        if self._step_metrics is not None:
-            self._step_metrics.update(dataset.last_metrics)
-        return version
+            return self._step_batch.record
+        return None
 
-    def _save_checkpoint(self) -> Any:
-        self.commit_step_round()  # the round first: a checkpoint never exists without it
+    def _committed(self, record: dict | None) -> None:
+        self._step_batch = None
+
+    def _before_checkpoint(self) -> None:
         if self._dyn is not None:
             # before verl writes its tracker file: a checkpoint never exists without its carry
             folder = os.path.join(
                 str(self.config.trainer.default_local_dir), f"global_step_{self.global_steps}"
             )
             self._save_carry(folder)  # where verl's _save_checkpoint writes data.pt
-        result = super()._save_checkpoint()
-        dataset = self.dynstate_dataset
-        if dataset is not None:
-            mirror.push_saved(self.config.trainer, self.global_steps, dataset.live_settings)
-        return result
-
-    def on_step_end(self) -> Any:
-        self.commit_step_round()
-        return super().on_step_end()
 
     # -- resume ----------------------------------------------------------------------------------
 
-    def _load_checkpoint(self) -> Any:
-        dataset = self.dynstate_dataset
-        if dataset is not None:
-            mirror.pull_missing(self.config.trainer, dataset.live_settings)
-        result = super()._load_checkpoint()
-        if dataset is not None and self._filter is not None:
+    def _resume(self, dataset: DynstateRLDataset) -> None:
+        if self._filter is not None:
             self._resume_filtered(dataset)
-        elif dataset is not None:
+        else:
             folder = checkpoint_dir(self.config.trainer, self.global_steps)
             dataset.resume(folder, self.train_dataloader, self.global_steps)
-        return result
 
 
 def registered() -> type:

@@ -43,26 +43,18 @@ from collections import Counter
 from typing import Any
 
 import transfer_queue as tq
-from torchdata.stateful_dataloader import StatefulDataLoader
 from verl.trainer.ppo.v1 import register_trainer
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
-from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 
 from ..errors import CheckpointNotFoundError, InvalidDataError, StateMismatchError
 from ..loading.state import find_sampler_state
 from ..records.consumption import ASYNC_FORMAT
-from . import mirror
 from .dataset import DynstateRLDataset
 from .trainer import checkpoint_dir
-from .v1 import (
-    ASYNC_TRAINERS,
-    _imported_rows,
-    _trajectory_order,
-    check_async_config,
-    scored_batch,
-)
+from .v1 import ASYNC_TRAINERS, _imported_rows, check_async_config
+from .v1_rounds import StepRounds, loader_over
 
 log = logging.getLogger("dynstate")
 
@@ -150,7 +142,7 @@ class _Consumed:
                 self.filtered.append([rows[uid], 0.0])
 
 
-class AsyncRounds(PPOTrainer):
+class AsyncRounds(StepRounds):
     """What dynstate adds to a verl V1 async trainer (mixed in before verl's class): one
     committed round per step with its consumption record, durable before the step's
     checkpoint, and a resume that loses and repeats no drawn row."""
@@ -162,8 +154,6 @@ class AsyncRounds(PPOTrainer):
         check_async_config(config, self.VERL_MODE)
         self._settings = async_settings(config, self.VERL_MODE)
         self._consumed = _Consumed([])
-        self._scored: tuple[int, Any] | None = None
-        self._step_metrics: dict | None = None
         super().__init__(config)
 
     # verl keys its async behaviour (TransferQueue checkpoints, re-issue of in-flight prompts,
@@ -188,13 +178,6 @@ class AsyncRounds(PPOTrainer):
     def _evicted(self, stale: set[str], filtered: set[str], failed: set[str]) -> None:
         self._consumed.evicted(stale, filtered, failed)
 
-    @property
-    def dynstate_dataset(self) -> DynstateRLDataset | None:
-        dataset = getattr(self, "train_dataset", None)
-        if isinstance(dataset, DynstateRLDataset) and not dataset.fixed:
-            return dataset
-        return None
-
     # -- the sampler ---------------------------------------------------------------------------
 
     def _init_dataloader(self) -> None:
@@ -211,19 +194,7 @@ class AsyncRounds(PPOTrainer):
         # An async step draws a varying number of rows; an epoch pins the version of the round
         # of the last step that ended before the draw (never a round not yet committed).
         sampler.round_clock = lambda _sampler_step: max(0, int(self.global_steps) - 1)
-        kwargs: dict[str, Any] = {}
-        if old.num_workers > 0:
-            kwargs["prefetch_factor"] = old.prefetch_factor
-        self.train_dataloader = StatefulDataLoader(
-            dataset=old.dataset,
-            batch_size=1,
-            num_workers=old.num_workers,
-            drop_last=True,
-            collate_fn=old.collate_fn,
-            sampler=sampler,
-            **kwargs,
-        )
-        dataset.check_loader(sampler, self.train_dataloader)
+        self.train_dataloader = loader_over(dataset, old, sampler, batch_size=1, drop_last=True)
         self.train_dataloader_it = None
         train_batch_size = int(self.config.data.train_batch_size)
         base = _imported_rows(dataset)
@@ -241,20 +212,16 @@ class AsyncRounds(PPOTrainer):
         self._consumed.drawn += [int(r) for r in rows]
         return batch
 
-    def step(self, metrics: dict, timing_raw: dict) -> Any:
-        self._step_metrics = metrics  # verl logs this very dict after on_step_end
-        batch = super().step(metrics, timing_raw)
-        keys = [
-            key
-            for key, tag in zip(batch.keys, batch.tags, strict=True)
-            if not tag.get("is_padding", False)
-        ]
+    def _order_of(self, keys: list[str]) -> dict[str, int]:
         order: dict[str, int] = {}
         for key in keys:
             order.setdefault(key.split("_")[0], len(order))
-        keys.sort(key=lambda k: _trajectory_order(k, order))
-        pad = self.tokenizer.pad_token_id
-        scored = scored_batch(keys, batch.partition_id, 0 if pad is None else int(pad))
+        return order
+
+    def step(self, metrics: dict, timing_raw: dict) -> Any:
+        batch = super().step(metrics, timing_raw)
+        assert self._scored is not None  # the dataset is dynstate's (_init_dataloader)
+        scored = self._scored[1]
         seen: set[str] = set()
         for uid, row in zip(
             scored.non_tensor_batch["uid"], scored.non_tensor_batch[ROW_FIELD], strict=True
@@ -262,7 +229,6 @@ class AsyncRounds(PPOTrainer):
             if uid not in seen:
                 seen.add(uid)
                 self._consumed.trained.append(int(row))
-        self._scored = (self.global_steps, scored)
         return batch
 
     def _record(self, step: int) -> dict[str, Any]:
@@ -295,47 +261,21 @@ class AsyncRounds(PPOTrainer):
 
     # -- one round per step ----------------------------------------------------------------------
 
-    def commit_step_round(self) -> int | None:
-        """Commit the round of the current step, with its consumption record, if it is not
-        yet; returns its version."""
-        dataset = self.dynstate_dataset
-        if dataset is None or self._scored is None:
-            return None
-        step, batch = self._scored
-        if step != self.global_steps:
-            return None
-        record = self._record(step)
-        version = dataset.commit_round(batch, step, consumption=record)
-        self._scored = None
+    def _consumption(self, step: int) -> dict | None:
+        return self._record(step)
+
+    def _committed(self, record: dict | None) -> None:
+        assert record is not None
         self._consumed = _Consumed(record["in_flight"])
-        if self._step_metrics is not None:
-            self._step_metrics.update(dataset.last_metrics)
-        return version
-
-    def _save_checkpoint(self) -> Any:
-        self.commit_step_round()  # first: the checkpoint's transfer_queue/ is its in_flight
-        result = super()._save_checkpoint()
-        dataset = self.dynstate_dataset
-        if dataset is not None:
-            mirror.push_saved(self.config.trainer, self.global_steps, dataset.live_settings)
-        return result
-
-    def on_step_end(self) -> Any:
-        self.commit_step_round()
-        return super().on_step_end()
 
     # -- resume ----------------------------------------------------------------------------------
 
-    def _load_checkpoint(self) -> Any:
-        dataset = self.dynstate_dataset
-        assert dataset is not None
-        mirror.pull_missing(self.config.trainer, dataset.live_settings)
-        result = super()._load_checkpoint()
+    def _resume(self, dataset: DynstateRLDataset) -> None:
         step = int(self.global_steps)
         if step <= 0:
             dataset.resume_async(None, self.train_dataloader, 0)
             self._consumed = _Consumed([])
-            return result
+            return
         folder = checkpoint_dir(self.config.trainer, step)
         assert folder is not None
         record = self._checked_record(dataset, folder, step)
@@ -345,7 +285,6 @@ class AsyncRounds(PPOTrainer):
         log.info(
             "step %d: %d rows in flight restored from %s", step, len(record["in_flight"]), folder
         )
-        return result
 
     def _checked_record(self, dataset: DynstateRLDataset, folder: str, step: int) -> dict:
         """The consumption record of ``step``, checked against this run's settings and the
