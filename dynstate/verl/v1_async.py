@@ -231,7 +231,7 @@ class AsyncRounds(StepRounds):
                 self._consumed.trained.append(int(row))
         return batch
 
-    def _record(self, step: int) -> dict[str, Any]:
+    def _consumption(self, step: int) -> dict[str, Any]:
         """The step's consumption record, with the prompt entries now in TransferQueue as its
         ``in_flight`` and the loader's position as its ``sampler``."""
         entries = _prompt_entries()
@@ -260,9 +260,6 @@ class AsyncRounds(StepRounds):
         }
 
     # -- one round per step ----------------------------------------------------------------------
-
-    def _consumption(self, step: int) -> dict | None:
-        return self._record(step)
 
     def _committed(self, record: dict | None) -> None:
         assert record is not None
