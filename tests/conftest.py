@@ -92,6 +92,15 @@ def decode_what_this_process_wrote() -> Iterator[None]:
     fresh.FRESH.max_bytes = bound
 
 
+@pytest.fixture
+def no_decoded_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For tests of the decode paths themselves (row groups read in part, pieces of one
+    decode): a second dataset over a local store would otherwise map the shards the first
+    decoded whole (:class:`dynstate.loading.cache.Decoded`, on by default) and decode
+    nothing. The damage tests keep the default: a shard changed on disk is found either way."""
+    monkeypatch.setenv("DYNSTATE_DECODED_CACHE", "0")
+
+
 def s3_url(name: str = "") -> str:
     return f"s3://{S3_BUCKET}/{name or uuid.uuid4().hex}"
 

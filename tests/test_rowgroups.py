@@ -22,7 +22,7 @@ from dynstate.records.rowgroups import ROW_GROUP_ROWS, write_shard
 ROWS = 4 * ROW_GROUP_ROWS + 100  # five row groups per shard
 
 # Shards read back here must be decoded: the decode paths are what this module holds.
-pytestmark = pytest.mark.usefixtures("decode_what_this_process_wrote")
+pytestmark = pytest.mark.usefixtures("decode_what_this_process_wrote", "no_decoded_files")
 
 
 def _table(start: int, n: int) -> pa.Table:

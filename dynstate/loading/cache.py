@@ -6,13 +6,15 @@ joined into the whole shard, which can then join a block.
 
 A shard decoded whole is also written, once, as an Arrow IPC file in a folder on local disk
 (:class:`Decoded`), and every later read of it in any process — a DataLoader worker, the next
-epoch's workers, a resumed run — maps that file instead of decoding the Parquet again: a shard's
-file is named by its content checksums, so it never goes stale."""
+epoch's workers, a resumed run — maps that file instead of decoding the Parquet again: the
+file is named by the shard's content checksums and, on a local store, by the shard file's
+identity and change times, so it never answers for other bytes."""
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -41,6 +43,9 @@ DEFAULT_CACHE_BYTES = 512 * 2**20
 _DECODED_FROM = b"dynstate.decoded_from"
 # A writer's temporary file older than this is one whose process died mid-write.
 _STALE_TMP_S = 3600.0
+# A shard file changed more recently than this is not named for a decoded file yet: the kernel
+# stamps change times by a coarse clock (a few ms), so two changes inside one tick look alike.
+_RACY_NS = 50_000_000
 
 
 def _key(
@@ -145,57 +150,74 @@ class _Shard:
 
 
 class Decoded:
-    """Decoded shards on local disk: one uncompressed Arrow IPC file per shard, named by its
-    :func:`cache_id` (content checksums: a name never goes stale), written atomically (a
-    temporary file, then a rename) by the first process that decodes the shard whole, and
-    memory-mapped by every later read in any process. Processes that map one file share its
-    pages through the OS page cache, so a DataLoader's workers hold one copy, not one each, and
-    a fresh worker's first batches cost a map (~0.1 ms a shard) instead of a decode (~3 ms a
-    10k-row shard). The folder is kept under ``max_bytes`` (oldest files first out); deleting it
-    is always safe.
+    """Decoded shards on local disk: one uncompressed Arrow IPC file per shard, written
+    atomically (a temporary file, then a rename) by the first process that decodes the shard
+    whole, and memory-mapped by every later read in any process. Processes that map one file
+    share its pages through the OS page cache, so a DataLoader's workers hold one copy, not
+    one each, and a fresh worker's first batches cost a map (~0.1 ms a shard) instead of a
+    decode (~3 ms a 10k-row shard). The folder is kept under ``max_bytes`` (oldest files first
+    out); deleting it is always safe.
 
-    It holds derived data only: the store's bytes were verified against their commit record
+    It holds derived data only: a shard's bytes are verified against their commit record
     before being decoded into it, and a file that does not open as Arrow, names other content
     or holds another row count is ignored and decoded afresh (a write cut short by a crash
-    never has the final name)."""
+    never has the final name). A file's name (:meth:`name`) is a digest of the shard's content
+    checksums and, on a local store, of the shard file's identity and change times as
+    ``os.stat`` gives them: a shard damaged or replaced on disk after it was decoded has
+    another ctime (which no ``utime`` can set back), so no decoded file answers for it and its
+    read verifies the bytes and raises, as without the cache (SPEC §3.9). An object store's
+    shard is named by content alone: its objects are not changed in place.
+
+    On by default for local stores, in one folder per user (:func:`default_folder`); for
+    object stores under the dataset's ``cache_dir`` with ``DYNSTATE_DECODED_CACHE=1``;
+    ``DYNSTATE_DECODED_CACHE=0`` turns it off."""
 
     def __init__(self, folder: str | None, max_bytes: int):
-        self.folder = folder  # None: chosen from the store's id on first use
+        self.folder = folder  # None: the default folder for a local store, chosen on first use
         self.max_bytes = max_bytes
-        self._bytes: int | None = None  # the folder's size, once scanned
-        self._lock = threading.Lock()
+        # By shard: its file name, worked out once per process (a stat): a shard changed on
+        # disk later reads here as a shard already in memory does (as committed).
+        self._names: dict[tuple[str, str], str | None] = {}
 
     def where(self, store: Store) -> str | None:
-        """The folder, or None while the cache is off. Off unless ``DYNSTATE_DECODED_CACHE=1``
-        (or a folder is set): a mapped file is not checked against the shard again, so a
-        shard damaged after it was decoded goes unnoticed (its committed rows are still
-        returned), where a plain read raises; whether that is the default is undecided."""
-        if self.folder is None and os.environ.get("DYNSTATE_DECODED_CACHE") == "1":
-            self.folder = os.path.join(
-                tempfile.gettempdir(), "dynstate-cache", store.store_id, "decoded"
-            )
+        """The folder, or None while the cache is off."""
+        if self.folder is None and store.reads_in_place and _switch() != "0":
+            self.folder = default_folder()
         return self.folder
 
     def path(self, folder: str, name: str) -> str:
         return os.path.join(folder, f"{name}.arrow")
 
-    def has(self, store: Store, shard: m.ShardRef) -> bool:
-        folder = self.where(store)
-        return folder is not None and os.path.exists(self.path(folder, _decoded_name(shard)))
-
-    def read(self, store: Store, shard: m.ShardRef) -> pa.Table | None:
-        """The shard as it was written (not conformed), mapped; None if no good file."""
-        folder = self.where(store)
-        if folder is None:
+    def name(self, store: Store, shard: m.ShardRef) -> str | None:
+        """The name ``shard``'s decoded file has now, or None (the cache is off, or a local
+        shard's file cannot be stat'ed: its read reports why). Taken before the shard's bytes
+        are read, so a change to the file between the two fails their verification, and one
+        after it changes the name."""
+        if self.where(store) is None:
             return None
-        return self.read_named(folder, _decoded_name(shard), shard.rows)
+        key = cache_id(shard)
+        if key in self._names:
+            return self._names[key]
+        text = "".join(key)
+        if store.reads_in_place:
+            try:
+                st = os.stat(store.storage.path(shard.path))
+            except OSError:
+                return None  # not cached: the read raises MissingShardError, naming it
+            if time.time_ns() - st.st_ctime_ns < _RACY_NS:
+                # Changed within the file system's clock tick: a change made now could keep
+                # these very times, so this read decodes (asked again next time).
+                return None
+            text += f"@{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+        name = m.sha256(text.encode())
+        if len(self._names) > 65536:
+            self._names.clear()  # a memo only: forgetting costs a stat
+        self._names[key] = name
+        return name
 
-    def write(self, store: Store, shard: m.ShardRef, table: pa.Table) -> None:
-        """Keep ``table`` (the shard as written, decoded from verified bytes) for later
-        reads; a failure only costs them a decode."""
-        folder = self.where(store)
-        if folder is not None:
-            self.write_named(folder, _decoded_name(shard), table)
+    def has(self, store: Store, shard: m.ShardRef) -> bool:
+        name = self.name(store, shard)
+        return name is not None and os.path.exists(self.path(self.folder or "", name))
 
     def read_named(self, folder: str, name: str, rows: int) -> pa.Table | None:
         """The table kept under ``name``, mapped, if it is there, whole and names the content
@@ -213,6 +235,8 @@ class Decoded:
         return table.replace_schema_metadata(_strip(table.schema.metadata))
 
     def write_named(self, folder: str, name: str, table: pa.Table) -> None:
+        """Keep ``table`` (decoded from verified bytes) for later reads; a failure only costs
+        them a decode."""
         path = self.path(folder, name)
         if os.path.exists(path):
             return
@@ -230,16 +254,20 @@ class Decoded:
             log.debug("decoded cache write of %s failed: %s", name, exc)
             _unlink(tmp)
             return
-        with self._lock:
-            if self._bytes is not None:
-                self._bytes += size
-            over = self._bytes is None or self._bytes > self.max_bytes
+        with _FOLDERS_LOCK:
+            known = _FOLDERS.get(folder)
+            if known is not None:
+                known[0] += size
+                known[1] += 1
+            over = known is None or known[0] > self.max_bytes or known[1] > MAX_DECODED_FILES
         if over:
             self._trim(folder)
 
     def _trim(self, folder: str) -> None:
-        """Scan the folder (its size counts every process's files) and delete the oldest
-        files until it fits; a reader that mapped one keeps its pages."""
+        """Scan the folder (its size counts every process's files: once a process, then
+        kept up to date with its own writes) and delete the oldest files until it holds at
+        most ``max_bytes`` and :data:`MAX_DECODED_FILES`; a reader that mapped one keeps its
+        pages."""
         files = []
         now = time.time()
         try:
@@ -258,24 +286,71 @@ class Decoded:
             return
         files.sort()
         total = sum(size for _, size, _ in files)
-        while total > self.max_bytes and len(files) > 1:
-            _, size, path = files.pop(0)
+        drop = 0
+        while len(files) - drop > 1 and (
+            total > self.max_bytes or len(files) - drop > MAX_DECODED_FILES
+        ):
+            _, size, path = files[drop]
             _unlink(path)
             total -= size
-        with self._lock:
-            self._bytes = total
+            drop += 1
+        with _FOLDERS_LOCK:
+            _FOLDERS[folder] = [total, len(files) - drop]
 
 
-def _decoded_name(shard: m.ShardRef) -> str:
-    """One digest of the shard's :func:`cache_id` (its segment checksums are too long for a
-    file name)."""
-    return m.sha256("".join(cache_id(shard)).encode())
+# What this process knows of each folder of decoded files: [bytes, files], from one scan
+# and its own writes since (another process's writes are found by its own scans).
+_FOLDERS: dict[str, list[int]] = {}
+_FOLDERS_LOCK = threading.Lock()
+# The folder's file count is bounded too: its scan (once a process) stats every file.
+MAX_DECODED_FILES = 16384
 
 
-def _block_name(key: tuple[Any, ...]) -> str:
+def _switch() -> str | None:
+    return os.environ.get("DYNSTATE_DECODED_CACHE")
+
+
+_default: list[str | None] = []  # the default folder, once worked out (per process)
+
+
+def default_folder() -> str | None:
+    """The decoded files of local stores: ``$TMPDIR/dynstate-decoded-<uid>``, one folder for
+    every store (names are unique to a shard file), bounded as a whole. Used only while it is
+    a directory of this user that no one else may write to: another user who could put a file
+    in it could make reads return rows no commit wrote. Else None (off, said once)."""
+    if not _default:
+        folder: str | None = os.path.join(
+            tempfile.gettempdir(), f"dynstate-decoded-{os.getuid() if hasattr(os, 'getuid') else 0}"
+        )
+        assert folder is not None
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            log.info("decoded shards are not kept on disk: cannot create %s (%s)", folder, exc)
+            folder = None
+        if folder is not None:
+            try:
+                st = os.lstat(folder)
+                mine = not hasattr(os, "getuid") or st.st_uid == os.getuid()
+                if not stat.S_ISDIR(st.st_mode) or not mine or st.st_mode & 0o022:
+                    log.warning(
+                        "decoded shards are not kept on disk: %s is not a folder that only "
+                        "this user may write to; remove it, or set DYNSTATE_DECODED_CACHE=0",
+                        folder,
+                    )
+                    folder = None
+            except OSError:
+                folder = None
+        _default.append(folder)
+    return _default[0]
+
+
+def _block_name(key: tuple[Any, ...], parts: list[str]) -> str:
     """A block's file name: one digest of its cache key (the parts' digest and the schema
-    fingerprint they were conformed to)."""
-    return m.sha256(repr(key).encode())
+    fingerprint they were conformed to) and its shards' file names (:meth:`Decoded.name`)."""
+    return m.sha256((repr(key) + "".join(parts)).encode())
 
 
 def _strip(meta: dict[bytes, bytes] | None) -> dict[bytes, bytes] | None:
@@ -301,7 +376,7 @@ class ShardCache:
         self.disk_dir = disk_dir
         self.decoded = Decoded(
             os.path.join(disk_dir, "decoded")
-            if disk_dir is not None and os.environ.get("DYNSTATE_DECODED_CACHE") == "1"
+            if disk_dir is not None and _switch() == "1"
             else None,
             max_bytes,
         )
@@ -346,11 +421,16 @@ class ShardCache:
         # A shard this process committed is taken as it wrote it (:mod:`dynstate.fresh`),
         # and conformed below like any other.
         table = fresh.FRESH.get(shard)
+        name = folder = None
         if table is None:
-            table = self.decoded.read(store, shard)
+            name = self.decoded.name(store, shard)  # before the bytes are read (its docstring)
+            folder = self.decoded.folder
+            if name is not None and folder is not None:
+                table = self.decoded.read_named(folder, name, shard.rows)
         if table is None:
             table = self._load(store, shard, version)
-            self.decoded.write(store, shard, table)
+            if name is not None and folder is not None:
+                self.decoded.write_named(folder, name, table)
         entry = _Shard(conform(table, schema) if schema is not None else table)
         with self._lock:
             if key not in self._shards:
@@ -487,7 +567,7 @@ class ShardCache:
         self._shards[(cid, fp)] = entry
         self._bytes += entry.nbytes
 
-    def block(self, view: View, block: int, store: Store | None = None) -> _Shard | None:
+    def block(self, view: View, block: int, store: Store) -> _Shard | None:
         """Consecutive shards of a version as one contiguous table, so that a batch spread
         over them costs one take per column instead of one per shard. Formed only from
         shards already decoded (a concatenation, no decode: a cache too small to hold them
@@ -508,9 +588,14 @@ class ShardCache:
             parts = view.parts(block)
         lo, hi = view.blocks[block]
         rows = (view.offsets[hi] if hi < len(view.offsets) else view.num_rows) - view.offsets[lo]
-        folder = self.decoded.where(store) if store is not None else self.decoded.folder
+        folder = self.decoded.where(store)
+        name = None
         if folder is not None:
-            mapped = self.decoded.read_named(folder, _block_name(key), rows)
+            names = [self.decoded.name(store, s) for s in view.shards[lo:hi]]
+            if None not in names:
+                name = _block_name(key, names)  # type: ignore[arg-type]  # no None, above
+        if folder is not None and name is not None:
+            mapped = self.decoded.read_named(folder, name, rows)
             if mapped is not None:
                 entry = _Shard(mapped)
                 if entry.nbytes > self.max_bytes // 4:
@@ -532,10 +617,10 @@ class ShardCache:
             entry = _Shard(pa.concat_tables(tables))
         except (pa.ArrowInvalid, pa.ArrowTypeError):
             return None  # parts that do not line up (never for one version's shards)
-        if folder is not None:
-            # Named by the parts' checksums and the schema they were conformed to: a process
+        if folder is not None and name is not None:
+            # Named by the parts' files and the schema they were conformed to: a process
             # that later reads this version maps the block, not its parts one by one.
-            self.decoded.write_named(folder, _block_name(key), entry.table)
+            self.decoded.write_named(folder, name, entry.table)
         return self._enter_block(key, parts, entry)
 
     def _enter_block(self, key: tuple[Any, ...], parts: list[Any], entry: _Shard) -> _Shard:

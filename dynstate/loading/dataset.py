@@ -250,7 +250,7 @@ class VersionedDataset(Dataset):
             block = bisect.bisect_right(view.block_starts, row) - 1
             lo, hi = view.blocks[block]
             if hi - lo > 1:
-                data = self.cache.block(view, block)
+                data = self.cache.block(view, block, self.store)
                 local = row - view.offsets[lo]
         if data is None:
             shard = bisect.bisect_right(view.offsets, row) - 1

@@ -1,0 +1,245 @@
+"""Decoded shards kept on local disk and mapped by later readers (dynstate/loading/cache.py,
+``Decoded``), on by default for local stores: every read through them gives the rows the
+shard files hold (the oracle: each shard read whole with pyarrow, then ``take``), and a shard
+changed on disk after it was decoded is still found and refused, as without them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dynstate import CorruptStoreError, Store, VersionedDataset
+from dynstate.loading import cache as cache_module
+
+# The fresh round's kept tables would answer this process's reads of its own shards.
+pytestmark = pytest.mark.usefixtures("decode_what_this_process_wrote")
+
+
+@pytest.fixture
+def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The default folder of decoded files, under this test's own temporary directory."""
+    monkeypatch.delenv("DYNSTATE_DECODED_CACHE", raising=False)
+    monkeypatch.setattr(cache_module.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(cache_module, "_default", [])
+    return tmp_path / "tmp" / f"dynstate-decoded-{os.getuid()}"
+
+
+def _store(tmp_path: Path, rounds: int = 4, rows: int = 3000) -> tuple[Store, Path]:
+    root = tmp_path / "s"
+    store = Store.open(str(root), create=True)
+    for r in range(rounds):
+        ids = np.arange(r * rows, (r + 1) * rows)
+        store.append(
+            pa.table(
+                {
+                    "id": pa.array(ids, pa.int64()),
+                    "prompt": pa.array([f"round {r} task {i}" for i in ids.tolist()]),
+                    "score": pa.array(ids / 7.0),
+                }
+            )
+        )
+    # A shard file changed within the last clock tick is not named for a decoded file yet.
+    time.sleep(cache_module._RACY_NS / 1e9)
+    return store, root
+
+
+def _oracle(store: Store, root: Path, idx: list[int]) -> list[dict]:
+    """The shards read whole with pyarrow from their files, then ``take``."""
+    snap = store.snapshot()
+    whole = pa.concat_tables([pq.read_table(root / s.path) for s in snap.shards])
+    return whole.take(pa.array(idx, pa.int64())).to_pylist()
+
+
+def _decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count whole-shard Parquet decodes from here on."""
+    calls: list[int] = []
+    real = cache_module.read_parquet
+
+    def counted(data):
+        calls.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(cache_module, "read_parquet", counted)
+    return calls
+
+
+def _indices(n: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, 700).tolist()
+    return idx + idx[:50] + [n - 1, 0, n - 1]  # unsorted, with repeats
+
+
+def test_a_later_reader_maps_what_an_earlier_one_decoded(tmp_path, folder, monkeypatch):
+    """The first dataset decodes each shard once and leaves a file per shard (and per block)
+    in the default folder; a second one, with a cache of its own, maps them: no decode, and
+    the same rows as the shard files, in the order asked, repeats included."""
+    store, root = _store(tmp_path)
+    n = store.snapshot().num_rows
+    every = list(range(n))
+    first = VersionedDataset(str(root))
+    assert first.read_batch(every) == _oracle(store, root, every)
+    files = sorted(p.name for p in folder.iterdir())
+    assert len([f for f in files if f.endswith(".arrow")]) >= 4, files
+    assert folder.stat().st_mode & 0o777 == 0o700
+
+    decodes = _decodes(monkeypatch)
+    second = VersionedDataset(str(root))
+    for seed in range(3):
+        idx = _indices(n, seed)
+        assert second.read_batch(idx) == _oracle(store, root, idx)
+        assert second.read_batch(idx, "arrow").to_pylist() == _oracle(store, root, idx)
+    assert [second[i] for i in (5, n - 1, 3001)] == _oracle(store, root, [5, n - 1, 3001])
+    assert decodes == []
+
+
+@pytest.mark.parametrize("damage", ["flip", "flip, times set back", "cut", "swapped"])
+def test_a_shard_changed_after_it_was_decoded_is_refused(tmp_path, folder, monkeypatch, damage):
+    """A shard damaged on disk after an earlier reader decoded it: a new reader does not take
+    the decoded file for it (the file's name holds the shard file's identity and change
+    times), so it reads the bytes, verifies them and raises, naming the shard, as it does
+    with no decoded files — also when the damage set the file's times back."""
+    store, root = _store(tmp_path)
+    n = store.snapshot().num_rows
+    every = list(range(n))
+    VersionedDataset(str(root)).read_batch(every)  # decoded and kept
+    ok = [i for i in _indices(n, 7) if not 6000 <= i < 9000]
+    expected = _oracle(store, root, ok)  # read before the damage
+    shard = store.snapshot().shards[2]
+    path = root / shard.path
+    before = path.stat()
+    data = path.read_bytes()
+    if damage.startswith("flip"):
+        with open(path, "r+b") as fh:  # in place: same inode, same size
+            fh.seek(len(data) // 3)
+            fh.write(bytes([data[len(data) // 3] ^ 0xFF]))
+        if damage.endswith("back"):
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+            assert path.stat().st_mtime_ns == before.st_mtime_ns
+    elif damage == "cut":
+        with open(path, "r+b") as fh:
+            fh.truncate(len(data) - 10)
+    else:  # another shard's bytes under this one's name
+        other = root / store.snapshot().shards[1].path
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(other.read_bytes())
+        os.replace(tmp, path)
+
+    fresh = VersionedDataset(str(root))
+    with pytest.raises(CorruptStoreError, match=shard.path):
+        fresh.read_batch(every)
+    # The other shards still read through their decoded files, as their files hold.
+    assert VersionedDataset(str(root)).read_batch(ok) == expected
+
+
+def test_off_with_the_switch_and_for_a_folder_others_may_write(tmp_path, folder, monkeypatch):
+    """``DYNSTATE_DECODED_CACHE=0`` keeps nothing. A default folder that another user could
+    write to is never used: a file put there could make reads return rows no commit wrote."""
+    store, root = _store(tmp_path, rounds=2)
+    every = list(range(store.snapshot().num_rows))
+    monkeypatch.setenv("DYNSTATE_DECODED_CACHE", "0")
+    assert VersionedDataset(str(root)).read_batch(every) == _oracle(store, root, every)
+    assert not folder.exists()
+
+    monkeypatch.delenv("DYNSTATE_DECODED_CACHE")
+    folder.mkdir()
+    folder.chmod(0o777)
+    decodes = _decodes(monkeypatch)
+    for _ in range(2):
+        assert VersionedDataset(str(root)).read_batch(every) == _oracle(store, root, every)
+    assert list(folder.iterdir()) == []
+    assert len(decodes) == 4  # each dataset decoded both shards: nothing was kept
+
+
+def test_the_folder_is_bounded_in_bytes_across_stores(tmp_path, folder, monkeypatch):
+    """One folder for every store, kept under the reader's cache size (oldest files first
+    out); what was trimmed is decoded again, the same rows."""
+    store, root = _store(tmp_path, rounds=6)
+    every = list(range(store.snapshot().num_rows))
+    one = pq.read_table(root / store.snapshot().shards[0].path).get_total_buffer_size()
+    bound = int(2.5 * one)
+    ds = VersionedDataset(str(root), cache_bytes=bound)
+    assert ds.read_batch(every) == _oracle(store, root, every)
+    sizes = [p.stat().st_size for p in folder.iterdir() if p.name.endswith(".arrow")]
+    assert len(sizes) >= 1 and sum(sizes) <= bound
+    again = VersionedDataset(str(root), cache_bytes=bound)
+    assert again.read_batch(every[::-1]) == _oracle(store, root, every[::-1])
+
+
+def test_a_dataloader_worker_process_maps_what_the_parent_decoded(tmp_path, folder):
+    """Another process (here a fresh interpreter, as a spawned DataLoader worker is) reads
+    the shards through the files this one left, with no Parquet decode, and gets the rows
+    the shard files hold."""
+    store, root = _store(tmp_path)
+    n = store.snapshot().num_rows
+    VersionedDataset(str(root)).read_batch(list(range(n)))
+    idx = _indices(n, 3)
+    program = textwrap.dedent(
+        """
+        import json, sys, tempfile
+        tempfile.tempdir = sys.argv[2]
+        import dynstate.loading.cache as c
+        calls = []
+        real = c.read_parquet
+        c.read_parquet = lambda data: calls.append(1) or real(data)
+        from dynstate import VersionedDataset
+        rows = VersionedDataset(sys.argv[1]).read_batch(json.loads(sys.argv[3]))
+        print(json.dumps({"rows": rows, "decodes": len(calls)}))
+        """
+    )
+    import json
+
+    out = subprocess.run(
+        [sys.executable, "-c", program, str(root), str(folder.parent), json.dumps(idx)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={k: v for k, v in os.environ.items() if k != "DYNSTATE_DECODED_CACHE"},
+    )
+    got = json.loads(out.stdout)
+    assert got["decodes"] == 0
+    assert got["rows"] == _oracle(store, root, idx)
+
+
+def test_a_shard_mapped_under_a_wider_schema_is_conformed(tmp_path, folder):
+    """A shard read under a wider schema (a column added later) is conformed after the map,
+    as after a decode: the decoded file holds the shard as written."""
+    store, root = _store(tmp_path, rounds=2)
+    VersionedDataset(str(root)).read_batch(list(range(6000)))
+    store.append(
+        pa.table(
+            {
+                "id": pa.array([6000], pa.int64()),
+                "prompt": pa.array(["late"]),
+                "score": pa.array([1.0]),
+                "extra": pa.array(["x"]),
+            }
+        ),
+        allow_new_columns=True,
+    )
+    got = VersionedDataset(str(root)).read_batch([0, 5999, 6000, 3])
+    assert [r.get("extra") for r in got] == [None, None, "x", None]
+    assert [r["id"] for r in got] == [0, 5999, 6000, 3]
+
+
+def test_a_shard_changed_within_the_clock_tick_is_decoded_not_named(tmp_path, folder):
+    """A shard file whose change time is newer than the file system's clock tick gets no
+    decoded file yet (a change in the same tick could leave the same times); once older it
+    does."""
+    store = Store.open(str(tmp_path / "s"), create=True)
+    store.append(pa.table({"id": pa.array(range(100), pa.int64())}))
+    shard = store.snapshot().shards[0]
+    decoded = cache_module.Decoded(None, 2**30)
+    assert decoded.name(store, shard) is None
+    time.sleep(cache_module._RACY_NS / 1e9)
+    name = decoded.name(store, shard)
+    assert name is not None and decoded.name(store, shard) == name
