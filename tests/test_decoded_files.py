@@ -30,7 +30,7 @@ def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("DYNSTATE_DECODED_CACHE", raising=False)
     monkeypatch.setattr(cache_module.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    monkeypatch.setattr(cache_module, "_default", [])
+    monkeypatch.setattr(cache_module, "_default", {})
     return tmp_path / "tmp" / f"dynstate-decoded-{os.getuid()}"
 
 
@@ -158,6 +158,14 @@ def test_off_with_the_switch_and_for_a_folder_others_may_write(tmp_path, folder,
         assert VersionedDataset(str(root)).read_batch(every) == _oracle(store, root, every)
     assert list(folder.iterdir()) == []
     assert len(decodes) == 4  # each dataset decoded both shards: nothing was kept
+
+    if os.getuid() == 0:  # a folder of another user, even one only it may write to
+        folder.chmod(0o700)
+        os.chown(folder, 65534, 65534)
+        monkeypatch.setattr(cache_module, "_default", {})
+        assert VersionedDataset(str(root)).read_batch(every) == _oracle(store, root, every)
+        assert list(folder.iterdir()) == []
+        assert len(decodes) == 6
 
 
 def test_the_folder_is_bounded_in_bytes_across_stores(tmp_path, folder, monkeypatch):

@@ -310,7 +310,8 @@ def _switch() -> str | None:
     return os.environ.get("DYNSTATE_DECODED_CACHE")
 
 
-_default: list[str | None] = []  # the default folder, once worked out (per process)
+# The default folder by temporary directory, once checked (per process).
+_default: dict[str, str | None] = {}
 
 
 def default_folder() -> str | None:
@@ -318,33 +319,36 @@ def default_folder() -> str | None:
     every store (names are unique to a shard file), bounded as a whole. Used only while it is
     a directory of this user that no one else may write to: another user who could put a file
     in it could make reads return rows no commit wrote. Else None (off, said once)."""
-    if not _default:
-        folder: str | None = os.path.join(
-            tempfile.gettempdir(), f"dynstate-decoded-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    tmp = tempfile.gettempdir()
+    if tmp not in _default:
+        _default[tmp] = _checked(os.path.join(tmp, f"dynstate-decoded-{_uid()}"))
+    return _default[tmp]
+
+
+def _uid() -> int:
+    return os.getuid() if hasattr(os, "getuid") else 0
+
+
+def _checked(folder: str) -> str | None:
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        log.info("decoded shards are not kept on disk: cannot create %s (%s)", folder, exc)
+        return None
+    try:
+        st = os.lstat(folder)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != _uid() or st.st_mode & 0o022:
+        log.warning(
+            "decoded shards are not kept on disk: %s is not a folder that only this user may "
+            "write to; remove it, or set DYNSTATE_DECODED_CACHE=0 to silence this",
+            folder,
         )
-        assert folder is not None
-        try:
-            os.mkdir(folder, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            log.info("decoded shards are not kept on disk: cannot create %s (%s)", folder, exc)
-            folder = None
-        if folder is not None:
-            try:
-                st = os.lstat(folder)
-                mine = not hasattr(os, "getuid") or st.st_uid == os.getuid()
-                if not stat.S_ISDIR(st.st_mode) or not mine or st.st_mode & 0o022:
-                    log.warning(
-                        "decoded shards are not kept on disk: %s is not a folder that only "
-                        "this user may write to; remove it, or set DYNSTATE_DECODED_CACHE=0",
-                        folder,
-                    )
-                    folder = None
-            except OSError:
-                folder = None
-        _default.append(folder)
-    return _default[0]
+        return None
+    return folder
 
 
 def _block_name(key: tuple[Any, ...], parts: list[str]) -> str:
