@@ -58,11 +58,13 @@ class FreshShards:
     def nbytes(self) -> int:
         return self._bytes
 
-    def keep(self, written: Sequence[tuple[ShardRef, pa.Table]]) -> None:
+    def keep(self, written: Sequence[tuple[ShardRef, pa.Table]]) -> list[tuple[ShardRef, pa.Table]]:
         """After the commit that names them: keep each shard's table (as written: the rows
-        and schema the file holds), where a decode of the file gives that very table."""
+        and schema the file holds), where a decode of the file gives that very table.
+        Returns those kept."""
+        kept: list[tuple[ShardRef, pa.Table]] = []
         if self.max_bytes <= 0:
-            return
+            return kept
         for shard, table in written:
             if table.num_rows != shard.rows or table.get_total_buffer_size() > self.max_bytes // 8:
                 continue  # a large round: not kept (and not copied)
@@ -80,6 +82,7 @@ class FreshShards:
             if not copy.schema.equals(schema, check_metadata=True):
                 continue
             size = copy.get_total_buffer_size()
+            kept.append((shard, copy))
             with self._lock:
                 old = self._tables.pop(shard, None)
                 if old is not None:
@@ -89,6 +92,7 @@ class FreshShards:
                 while self._bytes > self.max_bytes and self._tables:
                     _, gone = self._tables.popitem(last=False)
                     self._bytes -= gone.get_total_buffer_size()
+        return kept
 
     def get(self, shard: ShardRef) -> pa.Table | None:
         """The table this process committed as ``shard`` (exactly that record entry), or

@@ -156,8 +156,13 @@ class Writer:
             rows_version=read_at,
             consumption=consumed,
         )
-        # Committed: this process's next read of the round's shards takes these tables.
-        fresh.FRESH.keep(written)
+        # Committed: this process's next read of the round's shards takes these tables, and
+        # on a local store another process's first read maps them (their decoded files).
+        kept = fresh.FRESH.keep(written)
+        if kept and self.storage.reads_in_place:
+            from .loading.cache import keep_decoded
+
+            keep_decoded(self.storage, kept)
         return version
 
     def _check_consumption(

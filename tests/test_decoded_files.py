@@ -251,3 +251,63 @@ def test_a_shard_changed_within_the_clock_tick_is_decoded_not_named(tmp_path, fo
     time.sleep(cache_module._RACY_NS / 1e9)
     name = decoded.name(store, shard)
     assert name is not None and decoded.name(store, shard) == name
+
+
+def _read_elsewhere(root: Path, tmp: Path, idx: list[int]) -> dict:
+    """``read_batch(idx)`` in a fresh interpreter (as a spawned DataLoader worker), counting
+    its whole-shard Parquet decodes."""
+    import json
+
+    program = textwrap.dedent(
+        """
+        import json, sys, tempfile
+        tempfile.tempdir = sys.argv[2]
+        import dynstate.loading.cache as c
+        calls = []
+        real = c.read_parquet
+        c.read_parquet = lambda data: calls.append(1) or real(data)
+        from dynstate import VersionedDataset
+        rows = VersionedDataset(sys.argv[1]).read_batch(json.loads(sys.argv[3]))
+        print(json.dumps({"rows": rows, "decodes": len(calls)}))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", program, str(root), str(tmp), json.dumps(idx)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={k: v for k, v in os.environ.items() if k != "DYNSTATE_DECODED_CACHE"},
+    )
+    return json.loads(out.stdout)
+
+
+def test_the_committing_process_leaves_the_decoded_files_of_its_round(tmp_path, folder):
+    """A round's shards are written as decoded files by the commit itself (from the table the
+    committing process keeps, exactly what a decode gives), so the first read in another
+    process maps them: no decode, the rows of the shard files. Rounds too small to be worth a
+    file (a decode of ~0.1 ms) leave none."""
+    from dynstate import fresh
+
+    store, root = _store(tmp_path, rounds=1, rows=100)  # ~4 KiB: no file
+    assert not folder.exists() or list(folder.iterdir()) == []
+    fresh.FRESH.max_bytes = 64 * 2**20  # this module turns kept tables off; a writer has them
+    ids = np.arange(100, 20100)
+    store.append(
+        pa.table(
+            {
+                "id": pa.array(ids, pa.int64()),
+                "prompt": pa.array([f"later task {i} " + "x" * 64 for i in ids.tolist()]),
+                "score": pa.array(ids / 3.0),
+            }
+        ),
+        shard_bytes=512 * 1024,  # several shards of one round, each worth a file
+    )
+    shards = store.snapshot().shards[1:]
+    assert len(shards) > 1
+    assert len([p for p in folder.iterdir() if p.name.endswith(".arrow")]) == len(shards)
+    time.sleep(cache_module._RACY_NS / 1e9)
+    idx = [int(i) for i in np.random.default_rng(5).permutation(np.arange(100, 20100))[:600]]
+    idx += idx[:20]
+    got = _read_elsewhere(root, folder.parent, idx)
+    assert got["decodes"] == 0
+    assert got["rows"] == _oracle(store, root, idx)

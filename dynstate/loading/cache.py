@@ -32,6 +32,7 @@ from ..records import manifest as m
 from ..records.rounds import conform
 from ..records.rowgroups import read_parquet
 from ..snapshot import verify_shard_bytes
+from ..storage import Storage
 from ..store import Store
 from .ranged import Footers, read_groups
 from .view import View, cache_id
@@ -46,6 +47,8 @@ _STALE_TMP_S = 3600.0
 # A shard file changed more recently than this is not named for a decoded file yet: the kernel
 # stamps change times by a coarse clock (a few ms), so two changes inside one tick look alike.
 _RACY_NS = 50_000_000
+# A committed shard's table at least this large is written as a decoded file at its commit.
+KEEP_DECODED_BYTES = 256 * 1024
 
 
 def _key(
@@ -198,18 +201,9 @@ class Decoded:
         key = cache_id(shard)
         if key in self._names:
             return self._names[key]
-        text = "".join(key)
-        if store.reads_in_place:
-            try:
-                st = os.stat(store.storage.path(shard.path))
-            except OSError:
-                return None  # not cached: the read raises MissingShardError, naming it
-            if time.time_ns() - st.st_ctime_ns < _RACY_NS:
-                # Changed within the file system's clock tick: a change made now could keep
-                # these very times, so this read decodes (asked again next time).
-                return None
-            text += f"@{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
-        name = m.sha256(text.encode())
+        name = decoded_name(store.storage, shard)
+        if name is None:
+            return None  # not remembered: a shard changed within the clock tick is asked again
         if len(self._names) > 65536:
             self._names.clear()  # a memo only: forgetting costs a stat
         self._names[key] = name
@@ -304,6 +298,48 @@ _FOLDERS: dict[str, list[int]] = {}
 _FOLDERS_LOCK = threading.Lock()
 # The folder's file count is bounded too: its scan (once a process) stats every file.
 MAX_DECODED_FILES = 16384
+
+
+def decoded_name(storage: Storage, shard: m.ShardRef, *, written: bool = False) -> str | None:
+    """The name of ``shard``'s decoded file (:meth:`Decoded.name`): a digest of its content
+    checksums and, in a local store, of ``os.stat`` of its file; None if the file cannot be
+    stat'ed or changed within the last clock tick (unless this process just ``written`` it,
+    holding the very table it committed)."""
+    text = "".join(cache_id(shard))
+    if storage.reads_in_place:
+        try:
+            st = os.stat(storage.path(shard.path))
+        except OSError:
+            return None  # not cached: the read raises MissingShardError, naming it
+        if not written and time.time_ns() - st.st_ctime_ns < _RACY_NS:
+            # Changed within the file system's clock tick: a change made now could keep
+            # these very times, so this read decodes.
+            return None
+        text += f"@{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    return m.sha256(text.encode())
+
+
+def keep_decoded(storage: Storage, kept: Sequence[tuple[m.ShardRef, pa.Table]]) -> None:
+    """After a commit to a local store: write the decoded file of each shard whose table the
+    committing process kept (:mod:`dynstate.fresh`, exactly what a decode of the file gives)
+    and that is worth it (:data:`KEEP_DECODED_BYTES`), so that the first read in another
+    process — a DataLoader worker over the new round — maps it instead of decoding. Never
+    raises (the round is committed; a file not written costs a decode)."""
+    if not storage.reads_in_place or _switch() == "0":
+        return
+    folder = default_folder()
+    if folder is None:
+        return
+    decoded = Decoded(folder, DEFAULT_CACHE_BYTES)
+    for shard, table in kept:
+        if table.get_total_buffer_size() < KEEP_DECODED_BYTES:
+            continue  # decoded in ~0.1 ms: not worth a file
+        try:
+            name = decoded_name(storage, shard, written=True)
+            if name is not None:
+                decoded.write_named(folder, name, table)
+        except Exception as exc:  # committed: nothing here may raise
+            log.debug("decoded file of %s not written: %s", shard.path, exc)
 
 
 def _switch() -> str | None:
