@@ -13,9 +13,10 @@ it (the schema pyarrow reads back: a list's item field is named ``element`` ther
 only where it holds what that decode holds: no type whose values a Parquet round trip
 changes (dictionaries, which a read rebuilds; ``date64``, stored as days), and a read-back
 schema that differs from the written one in nested field names at most.
-Other processes never see it: they decode the file. Reads conform it to their version's
-schema as they do a decoded shard (:meth:`dynstate.loading.cache.ShardCache.shard`, the one
-reader).
+Other processes never see it: they map the decoded file that the commit wrote from it on a
+local store (:func:`dynstate.loading.cache.keep_decoded`), or decode the file. Reads conform
+it to their version's schema as they do a decoded shard
+(:meth:`dynstate.loading.cache.ShardCache.shard`, the one reader).
 
 ``DYNSTATE_FRESH_BYTES`` bounds it (default 64 MiB; 0 turns it off); a table over an eighth
 of the bound (a large round) is not kept."""
