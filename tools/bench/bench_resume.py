@@ -68,6 +68,10 @@ def build_store(path: Path, table: pa.Table, rounds: int) -> Store:
     for k in range(rounds):
         store.append(table.slice(k * step, step), meta={"step": k})
     print(f"  built {path.name} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    # Read as a new process finds it: not through the tables this one kept of its commits.
+    from dynstate import fresh
+
+    fresh.FRESH.clear()
     return store
 
 
