@@ -155,6 +155,11 @@ class Store:
         nothing to cache on disk or prefetch (:attr:`dynstate.storage.Storage.reads_in_place`)."""
         return self.storage.reads_in_place
 
+    def shard_file(self, shard: ShardRef) -> str | None:
+        """The path of ``shard``'s file where this process reads it in place (a local store),
+        else None (an object store)."""
+        return self.storage.path(shard.path) if self.storage.reads_in_place else None
+
     @property
     def head(self) -> int:
         """The latest committed version number (as of the last refresh or own commit)."""

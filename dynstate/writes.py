@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from . import fresh
+from .decoded import keep_decoded
 from .errors import (
     CommitConflictError,
     DynstateError,
@@ -160,9 +161,7 @@ class Writer:
         # on a local store another process's first read maps them (their decoded files).
         kept = fresh.FRESH.keep(written)
         if kept and self.storage.reads_in_place:
-            from .loading.cache import keep_decoded
-
-            keep_decoded(self.storage, kept)
+            keep_decoded(kept, lambda shard: self.storage.path(shard.path))
         return version
 
     def _check_consumption(

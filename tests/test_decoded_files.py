@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dynstate import CorruptStoreError, Store, VersionedDataset
+from dynstate import decoded as decoded_module
 from dynstate.loading import cache as cache_module
 
 # The fresh round's kept tables would answer this process's reads of its own shards.
@@ -28,9 +29,9 @@ pytestmark = pytest.mark.usefixtures("decode_what_this_process_wrote")
 def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The default folder of decoded files, under this test's own temporary directory."""
     monkeypatch.delenv("DYNSTATE_DECODED_CACHE", raising=False)
-    monkeypatch.setattr(cache_module.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(decoded_module.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    monkeypatch.setattr(cache_module, "_default", {})
+    monkeypatch.setattr(decoded_module, "_default", {})
     return tmp_path / "tmp" / f"dynstate-decoded-{os.getuid()}"
 
 
@@ -49,7 +50,7 @@ def _store(tmp_path: Path, rounds: int = 4, rows: int = 3000) -> tuple[Store, Pa
             )
         )
     # A shard file changed within the last clock tick is not named for a decoded file yet.
-    time.sleep(cache_module._RACY_NS / 1e9)
+    time.sleep(decoded_module._RACY_NS / 1e9)
     return store, root
 
 
@@ -162,7 +163,7 @@ def test_off_with_the_switch_and_for_a_folder_others_may_write(tmp_path, folder,
     if os.getuid() == 0:  # a folder of another user, even one only it may write to
         folder.chmod(0o700)
         os.chown(folder, 65534, 65534)
-        monkeypatch.setattr(cache_module, "_default", {})
+        monkeypatch.setattr(decoded_module, "_default", {})
         assert VersionedDataset(str(root)).read_batch(every) == _oracle(store, root, every)
         assert list(folder.iterdir()) == []
         assert len(decodes) == 6
@@ -246,9 +247,9 @@ def test_a_shard_changed_within_the_clock_tick_is_decoded_not_named(tmp_path, fo
     store = Store.open(str(tmp_path / "s"), create=True)
     store.append(pa.table({"id": pa.array(range(100), pa.int64())}))
     shard = store.snapshot().shards[0]
-    decoded = cache_module.Decoded(None, 2**30)
+    decoded = decoded_module.Decoded(None, 2**30)
     assert decoded.name(store, shard) is None
-    time.sleep(cache_module._RACY_NS / 1e9)
+    time.sleep(decoded_module._RACY_NS / 1e9)
     name = decoded.name(store, shard)
     assert name is not None and decoded.name(store, shard) == name
 
@@ -305,7 +306,7 @@ def test_the_committing_process_leaves_the_decoded_files_of_its_round(tmp_path, 
     shards = store.snapshot().shards[1:]
     assert len(shards) > 1
     assert len([p for p in folder.iterdir() if p.name.endswith(".arrow")]) == len(shards)
-    time.sleep(cache_module._RACY_NS / 1e9)
+    time.sleep(decoded_module._RACY_NS / 1e9)
     idx = [int(i) for i in np.random.default_rng(5).permutation(np.arange(100, 20100))[:600]]
     idx += idx[:20]
     got = _read_elsewhere(root, folder.parent, idx)

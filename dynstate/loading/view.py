@@ -12,6 +12,7 @@ import numpy as np
 
 from ..errors import InvalidDataError
 from ..records import manifest as m
+from ..records.manifest import cache_id
 
 if TYPE_CHECKING:
     from ..snapshot import Snapshot
@@ -23,15 +24,6 @@ Key = tuple[tuple[str, str], str | None]  # a whole shard's key in the cache
 # Decoded Arrow bytes per Parquet byte assumed when planning blocks (text compresses ~2-4x);
 # an underestimate only makes a block that the cache then declines to form.
 _DECODED_PER_PARQUET_BYTE = 3
-
-
-def cache_id(shard: m.ShardRef) -> tuple[str, str]:
-    """What a decoded shard or row group is cached under: the file's checksum and, for a
-    shard read a row group at a time, the checksums of its segments. A row-group read
-    verifies the segments, never the whole file, so a record naming another shard's
-    checksum (tampered) must not find that shard's rows in the cache: the segment
-    checksums, which every byte was checked against, tell them apart."""
-    return (shard.sha256, shard.groups.sha256 if shard.groups is not None else "")
 
 
 class View:

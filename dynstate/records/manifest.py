@@ -519,3 +519,12 @@ def describe_schema_diff(expected: pa.Schema, got: pa.Schema) -> str:
     if changed:
         parts.append("changed types: " + ", ".join(changed))
     return "; ".join(parts) or "column order or nullability differs"
+
+
+def cache_id(shard: ShardRef) -> tuple[str, str]:
+    """What a decoded shard or row group is cached under: the file's checksum and, for a
+    shard read a row group at a time, the checksums of its segments. A row-group read
+    verifies the segments, never the whole file, so a record naming another shard's
+    checksum (tampered) must not find that shard's rows in the cache: the segment
+    checksums, which every byte was checked against, tell them apart."""
+    return (shard.sha256, shard.groups.sha256 if shard.groups is not None else "")
