@@ -67,7 +67,9 @@ class FreshShards:
         if self.max_bytes <= 0:
             return kept
         for shard, table in written:
-            if table.num_rows != shard.rows or table.get_total_buffer_size() > self.max_bytes // 8:
+            # nbytes, not the buffers' size: a round passed as a slice of a larger table holds
+            # all of its parent's buffers, and would never be kept.
+            if table.num_rows != shard.rows or table.nbytes > self.max_bytes // 8:
                 continue  # a large round: not kept (and not copied)
             # Never raises: the round is committed, and a table not kept costs a decode.
             try:

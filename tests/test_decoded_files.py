@@ -312,3 +312,28 @@ def test_the_committing_process_leaves_the_decoded_files_of_its_round(tmp_path, 
     got = _read_elsewhere(root, folder.parent, idx)
     assert got["decodes"] == 0
     assert got["rows"] == _oracle(store, root, idx)
+
+
+def test_a_round_passed_as_a_slice_of_a_larger_table_is_kept_and_written(tmp_path, folder):
+    """A round given as a slice of a larger table (buffers shared with all of it) is kept by
+    its size, not its parent's: the commit writes its decoded file, which another process
+    maps."""
+    from dynstate import fresh
+
+    fresh.FRESH.max_bytes = 64 * 2**20
+    ids = np.arange(400_000)
+    big = pa.table(  # ~36 MB: over an eighth of the kept tables' bound
+        {
+            "id": pa.array(ids, pa.int64()),
+            "prompt": pa.array(np.char.add("task ", ids.astype(str)).tolist()),
+            "score": pa.array(ids / 9.0),
+        }
+    )
+    store = Store.open(str(tmp_path / "s"), create=True)
+    store.append(big.slice(1000, 20_000))
+    assert len([p for p in folder.iterdir() if p.name.endswith(".arrow")]) == 1
+    time.sleep(decoded_module._RACY_NS / 1e9)
+    idx = [19_999, 0, 7, 7, 12_345]
+    got = _read_elsewhere(tmp_path / "s", folder.parent, idx)
+    assert got["decodes"] == 0
+    assert got["rows"] == _oracle(store, tmp_path / "s", idx)

@@ -21,8 +21,7 @@ the same rows and the same indices, reported as ratios; never part of the tests.
 
     python tools/bench/bench_loader.py                   # store built once under --dir
     python tools/bench/bench_loader.py --sections batch,row --repeats 11
-    DYNSTATE_DECODED_CACHE=1 python tools/bench/bench_loader.py --rows 1000000 --rounds 100 \
-        --sections warmup
+    python tools/bench/bench_loader.py --rows 1000000 --rounds 100 --sections warmup
 """
 
 from __future__ import annotations
@@ -267,9 +266,10 @@ def bench_warmup(
     first_root = Path(tempfile.mkdtemp(prefix="dynstate-bench-first-"))
 
     def run_first() -> float:
-        # The first warm-up after the shards were written: no process has decoded them. Its
-        # decoded files go to a temporary root of its own (workers fork with it), emptied
-        # before each run, so that they neither help it nor the other case.
+        # A warm-up with no decoded files: a machine other than the one that committed the
+        # shards, where no process decoded them yet. Its decoded files go to a temporary root
+        # of its own (workers fork with it), emptied before each run, so that they neither
+        # help it nor the other case.
         shutil.rmtree(first_root, ignore_errors=True)
         first_root.mkdir()
         saved, tempfile.tempdir = tempfile.tempdir, str(first_root)
@@ -412,9 +412,11 @@ def main() -> None:
                 f"{args.warmup_batches} batches of {args.warmup_batch}, fresh loader each run, "
                 f"ms (median of {args.loader_repeats})"
             )
-            label = "ours, shards decoded by an earlier process"
+            # The decoded files of a local store's shards are written by its commits (rounds
+            # of 256 KiB and more) and by readers that decode a shard whole.
+            label = "ours, decoded files there (the commits')"
             print(f"  {label:<40}{r['ours_s'] * 1e3:>10.1f}")
-            label = "ours, first reader since the commit"
+            label = "ours, no decoded files (a new machine)"
             print(f"  {label:<40}{r['ours_first_s'] * 1e3:>10.1f}")
             print(f"  {'datasets.Dataset in memory':<40}{r['datasets_s'] * 1e3:>10.1f}")
             print(f"  {'datasets.load_from_disk':<40}{r['datasets_disk_s'] * 1e3:>10.1f}")
@@ -423,7 +425,7 @@ def main() -> None:
                 f"{r['disk_ratio']:.2f}x (per-run ratios, median)"
             )
             print(
-                f"  first reader: / in memory {r['first_ratio']:.2f}x, / from disk "
+                f"  no decoded files: / in memory {r['first_ratio']:.2f}x, / from disk "
                 f"{r['first_disk_ratio']:.2f}x",
                 flush=True,
             )
