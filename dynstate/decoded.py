@@ -12,6 +12,7 @@ processes")."""
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import stat
 import tempfile
@@ -112,23 +113,27 @@ class Decoded:
         return name is not None and os.path.exists(self.path(self.folder or "", name))
 
     def read_named(self, folder: str, name: str, rows: int) -> pa.Table | None:
-        """The table kept under ``name``, mapped, if it is there, whole and names the content
-        it was asked under; else None."""
+        """The table kept under ``name``, mapped, if it is there, a file of this user's, whole
+        and names the content it was asked under; else None."""
         try:
-            reader = pa.ipc.open_file(pa.memory_map(self.path(folder, name)))
+            data = _map_ours(self.path(folder, name))
+            if data is None:
+                return None
+            reader = pa.ipc.open_file(pa.BufferReader(data))
             meta = reader.schema.metadata or {}
             if meta.get(_DECODED_FROM) != name.encode():
                 return None
             table = reader.read_all()
-        except (OSError, pa.ArrowException):
+        except (OSError, ValueError, pa.ArrowException):
             return None  # absent (the common case), torn or not ours: decode instead
         if table.num_rows != rows:
             return None
         return table.replace_schema_metadata(_strip(table.schema.metadata))
 
     def write_named(self, folder: str, name: str, table: pa.Table) -> None:
-        """Keep ``table`` (decoded from verified bytes) for later reads; a failure only costs
-        them a decode."""
+        """Keep ``table`` (decoded from verified bytes) for later reads, readable by this
+        user alone, in a folder only this user may write to; a failure only costs them a
+        decode."""
         path = self.path(folder, name)
         if os.path.exists(path):
             return
@@ -137,7 +142,13 @@ class Decoded:
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             os.makedirs(folder, mode=0o700, exist_ok=True)
-            with pa.OSFile(tmp, "wb") as sink:
+            if not _ours_alone(folder):
+                # Replaced since it was checked (a /tmp cleaner, then someone else): another
+                # user could read the rows here, or put a file in their place.
+                log.debug("decoded files not written: %s is not this user's alone", folder)
+                return
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+            with os.fdopen(os.open(tmp, flags, 0o600), "wb") as sink:
                 with pa.ipc.new_file(sink, table.schema.with_metadata(meta)) as writer:
                     writer.write_table(table)
                 size = sink.tell()
@@ -272,6 +283,32 @@ def _uid() -> int:
     return os.getuid() if hasattr(os, "getuid") else 0
 
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _map_ours(path: str) -> pa.Buffer | None:
+    """The file at ``path`` memory-mapped, if it is a plain file of this user's (checked on the
+    open descriptor, so that no file swapped in after a check is read); else None."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != _uid() or st.st_size == 0:
+            return None
+        return pa.py_buffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+    finally:
+        os.close(fd)
+
+
+def _ours_alone(folder: str) -> bool:
+    """Whether ``folder`` is a directory of this user's that no one else may write to."""
+    try:
+        st = os.lstat(folder)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == _uid() and not st.st_mode & 0o022
+
+
 def _checked(folder: str) -> str | None:
     try:
         os.mkdir(folder, 0o700)
@@ -280,11 +317,7 @@ def _checked(folder: str) -> str | None:
     except OSError as exc:
         log.info("decoded shards are not kept on disk: cannot create %s (%s)", folder, exc)
         return None
-    try:
-        st = os.lstat(folder)
-    except OSError:
-        return None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != _uid() or st.st_mode & 0o022:
+    if not _ours_alone(folder):
         log.warning(
             "decoded shards are not kept on disk: %s is not a folder that only this user may "
             "write to; remove it, or set DYNSTATE_DECODED_CACHE=0 to silence this",

@@ -337,3 +337,36 @@ def test_a_round_passed_as_a_slice_of_a_larger_table_is_kept_and_written(tmp_pat
     got = _read_elsewhere(tmp_path / "s", folder.parent, idx)
     assert got["decodes"] == 0
     assert got["rows"] == _oracle(store, tmp_path / "s", idx)
+
+
+def test_files_are_this_users_alone_and_another_users_file_is_not_read(
+    tmp_path, folder, monkeypatch
+):
+    """Decoded files are written readable by their user only (the rows of a store are no
+    one else's to read), and a file in the folder that is not the user's own — put there by
+    someone who could write to it at some point — is never mapped: the shard is decoded."""
+    store, root = _store(tmp_path, rounds=2)
+    every = list(range(store.snapshot().num_rows))
+    VersionedDataset(str(root)).read_batch(every)
+    files = [p for p in folder.iterdir() if p.name.endswith(".arrow")]
+    assert files and all(p.stat().st_mode & 0o077 == 0 for p in files)
+    if os.getuid() != 0:
+        pytest.skip("handing a file to another user needs root")
+    for p in files:
+        os.chown(p, 65534, 65534)
+    decodes = _decodes(monkeypatch)
+    assert VersionedDataset(str(root)).read_batch(every) == _oracle(store, root, every)
+    assert len(decodes) == 2
+
+
+def test_a_folder_replaced_after_its_check_gets_no_file(tmp_path, folder, monkeypatch):
+    """The default folder is checked once a process; if it is then deleted (a /tmp cleaner)
+    and made again by someone whom it lets write, or who owns it, nothing is written there."""
+    store, root = _store(tmp_path, rounds=2)
+    every = list(range(store.snapshot().num_rows))
+    VersionedDataset(str(root), cache_bytes=2**30).read_batch(every[:10])  # checked: ours
+    for p in folder.iterdir():
+        p.unlink()
+    folder.chmod(0o777)  # as if made again by another user, open to all
+    VersionedDataset(str(root)).read_batch(every)
+    assert list(folder.iterdir()) == []
