@@ -5,6 +5,7 @@ changed on disk after it was decoded is still found and refused, as without them
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -72,6 +73,32 @@ def _decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(cache_module, "read_parquet", counted)
     return calls
+
+
+def _read_elsewhere(root: Path, tmp: Path, idx: list[int]) -> dict:
+    """``read_batch(idx)`` in a fresh interpreter (as a spawned DataLoader worker), counting
+    its whole-shard Parquet decodes."""
+    program = textwrap.dedent(
+        """
+        import json, sys, tempfile
+        tempfile.tempdir = sys.argv[2]
+        import dynstate.loading.cache as c
+        calls = []
+        real = c.read_parquet
+        c.read_parquet = lambda data: calls.append(1) or real(data)
+        from dynstate import VersionedDataset
+        rows = VersionedDataset(sys.argv[1]).read_batch(json.loads(sys.argv[3]))
+        print(json.dumps({"rows": rows, "decodes": len(calls)}))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", program, str(root), str(tmp), json.dumps(idx)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={k: v for k, v in os.environ.items() if k != "DYNSTATE_DECODED_CACHE"},
+    )
+    return json.loads(out.stdout)
 
 
 def _indices(n: int, seed: int) -> list[int]:
@@ -184,37 +211,15 @@ def test_the_folder_is_bounded_in_bytes_across_stores(tmp_path, folder, monkeypa
     assert again.read_batch(every[::-1]) == _oracle(store, root, every[::-1])
 
 
-def test_a_dataloader_worker_process_maps_what_the_parent_decoded(tmp_path, folder):
-    """Another process (here a fresh interpreter, as a spawned DataLoader worker is) reads
-    the shards through the files this one left, with no Parquet decode, and gets the rows
-    the shard files hold."""
+def test_another_process_maps_what_this_one_decoded(tmp_path, folder):
+    """Another process (a fresh interpreter, as a spawned DataLoader worker is) reads the
+    shards through the files this one left, with no Parquet decode, and gets the rows the
+    shard files hold."""
     store, root = _store(tmp_path)
     n = store.snapshot().num_rows
     VersionedDataset(str(root)).read_batch(list(range(n)))
     idx = _indices(n, 3)
-    program = textwrap.dedent(
-        """
-        import json, sys, tempfile
-        tempfile.tempdir = sys.argv[2]
-        import dynstate.loading.cache as c
-        calls = []
-        real = c.read_parquet
-        c.read_parquet = lambda data: calls.append(1) or real(data)
-        from dynstate import VersionedDataset
-        rows = VersionedDataset(sys.argv[1]).read_batch(json.loads(sys.argv[3]))
-        print(json.dumps({"rows": rows, "decodes": len(calls)}))
-        """
-    )
-    import json
-
-    out = subprocess.run(
-        [sys.executable, "-c", program, str(root), str(folder.parent), json.dumps(idx)],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={k: v for k, v in os.environ.items() if k != "DYNSTATE_DECODED_CACHE"},
-    )
-    got = json.loads(out.stdout)
+    got = _read_elsewhere(root, folder.parent, idx)
     assert got["decodes"] == 0
     assert got["rows"] == _oracle(store, root, idx)
 
@@ -252,34 +257,6 @@ def test_a_shard_changed_within_the_clock_tick_is_decoded_not_named(tmp_path, fo
     time.sleep(decoded_module._RACY_NS / 1e9)
     name = decoded.name(store, shard)
     assert name is not None and decoded.name(store, shard) == name
-
-
-def _read_elsewhere(root: Path, tmp: Path, idx: list[int]) -> dict:
-    """``read_batch(idx)`` in a fresh interpreter (as a spawned DataLoader worker), counting
-    its whole-shard Parquet decodes."""
-    import json
-
-    program = textwrap.dedent(
-        """
-        import json, sys, tempfile
-        tempfile.tempdir = sys.argv[2]
-        import dynstate.loading.cache as c
-        calls = []
-        real = c.read_parquet
-        c.read_parquet = lambda data: calls.append(1) or real(data)
-        from dynstate import VersionedDataset
-        rows = VersionedDataset(sys.argv[1]).read_batch(json.loads(sys.argv[3]))
-        print(json.dumps({"rows": rows, "decodes": len(calls)}))
-        """
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", program, str(root), str(tmp), json.dumps(idx)],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={k: v for k, v in os.environ.items() if k != "DYNSTATE_DECODED_CACHE"},
-    )
-    return json.loads(out.stdout)
 
 
 def test_the_committing_process_leaves_the_decoded_files_of_its_round(tmp_path, folder):
