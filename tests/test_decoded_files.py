@@ -347,3 +347,64 @@ def test_a_folder_replaced_after_its_check_gets_no_file(tmp_path, folder, monkey
     folder.chmod(0o777)  # as if made again by another user, open to all
     VersionedDataset(str(root)).read_batch(every)
     assert list(folder.iterdir()) == []
+
+
+def _count_decodes_into(path: str) -> None:
+    """A loader worker's init: count its whole-shard Parquet decodes in the file ``path``."""
+    real = cache_module.read_parquet
+
+    def counted(data):
+        with open(path, "a") as fh:
+            fh.write("decode\n")
+        return real(data)
+
+    cache_module.read_parquet = counted
+
+
+def test_spawned_loader_workers_map_the_rounds_the_commits_wrote(tmp_path, folder, monkeypatch):
+    """A ``StatefulDataLoader`` with two spawned workers over a store whose rounds this
+    process committed: the workers map the decoded files the commits wrote (no decode in
+    either), and the batches hold the shard files' rows in the sampler's order."""
+    import functools
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from dynstate import fresh
+
+    # The workers find the files in this test's temporary directory, as spawned children
+    # of a process whose TMPDIR it is.
+    monkeypatch.setenv("TMPDIR", str(folder.parent))
+    fresh.FRESH.max_bytes = 64 * 2**20
+    root = tmp_path / "s"
+    store = Store.open(str(root), create=True)
+    for r in range(3):
+        ids = np.arange(r * 8000, (r + 1) * 8000)
+        store.append(
+            pa.table(
+                {
+                    "id": pa.array(ids, pa.int64()),
+                    "prompt": pa.array([f"round {r} task {i} " + "y" * 40 for i in ids.tolist()]),
+                }
+            )
+        )
+    assert len([p for p in folder.iterdir() if p.name.endswith(".arrow")]) == 3
+    time.sleep(decoded_module._RACY_NS / 1e9)
+    counter = tmp_path / "decodes.txt"
+    order = np.random.default_rng(2).permutation(24_000)[:3000].tolist()
+    order += order[:100]
+    loader = StatefulDataLoader(
+        VersionedDataset(str(root)),
+        batch_size=100,
+        sampler=order,
+        num_workers=2,
+        collate_fn=list,
+        multiprocessing_context="spawn",
+        worker_init_fn=functools.partial(_call_with, str(counter)),
+    )
+    got = [row for batch in loader for row in batch]
+    assert got == _oracle(store, root, order)
+    assert not counter.exists(), counter.read_text()
+
+
+def _call_with(path: str, worker_id: int) -> None:
+    _count_decodes_into(path)
