@@ -408,3 +408,46 @@ def test_spawned_loader_workers_map_the_rounds_the_commits_wrote(tmp_path, folde
 
 def _call_with(path: str, worker_id: int) -> None:
     _count_decodes_into(path)
+
+
+_CONCURRENT = """
+import sys, tempfile
+tempfile.tempdir = sys.argv[2]
+import numpy as np, pyarrow as pa, pyarrow.parquet as pq
+from pathlib import Path
+from dynstate import Store, VersionedDataset
+root, seed, cache = Path(sys.argv[1]), int(sys.argv[3]), int(sys.argv[4])
+store = Store.open(str(root))
+whole = pa.concat_tables([pq.read_table(root / s.path) for s in store.snapshot().shards])
+rng = np.random.default_rng(seed)
+for k in range(25):
+    ds = VersionedDataset(str(root), cache_bytes=cache)  # a new reader: maps or decodes
+    idx = rng.integers(0, whole.num_rows, 300).tolist()
+    if ds.read_batch(idx) != whole.take(pa.array(idx)).to_pylist():
+        sys.exit(f"rows differ at {k}")
+print("ok")
+"""
+
+
+def test_readers_writing_mapping_and_trimming_at_once_read_the_shards_rows(tmp_path, folder):
+    """Three processes read the same store at once through new datasets with a bound under
+    the store's decoded size: each writes decoded files, maps the others', and trims the
+    folder while the others map from it. Every batch is the shard files' rows."""
+    store, root = _store(tmp_path, rounds=6)
+    one = pq.read_table(root / store.snapshot().shards[0].path).get_total_buffer_size()
+    argv = [sys.executable, "-c", _CONCURRENT, str(root), str(folder.parent)]
+    procs = [
+        subprocess.Popen(
+            [*argv, str(s), str(3 * one)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={k: v for k, v in os.environ.items() if k != "DYNSTATE_DECODED_CACHE"},
+        )
+        for s in range(3)
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0 and out.strip() == "ok", err[-2000:]
+    sizes = [p.stat().st_size for p in folder.iterdir() if p.name.endswith(".arrow")]
+    assert sizes, "no process kept a decoded file"
