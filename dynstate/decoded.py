@@ -280,7 +280,7 @@ def default_folder() -> str | None:
 
 
 def _uid() -> int:
-    return os.getuid() if hasattr(os, "getuid") else 0
+    return os.geteuid() if hasattr(os, "geteuid") else 0  # the owner of the files it makes
 
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)

@@ -33,7 +33,7 @@ def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(decoded_module.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(decoded_module, "_default", {})
-    return tmp_path / "tmp" / f"dynstate-decoded-{os.getuid()}"
+    return tmp_path / "tmp" / f"dynstate-decoded-{os.geteuid()}"
 
 
 def _store(tmp_path: Path, rounds: int = 4, rows: int = 3000) -> tuple[Store, Path]:
@@ -187,7 +187,7 @@ def test_off_with_the_switch_and_for_a_folder_others_may_write(tmp_path, folder,
     assert list(folder.iterdir()) == []
     assert len(decodes) == 4  # each dataset decoded both shards: nothing was kept
 
-    if os.getuid() == 0:  # a folder of another user, even one only it may write to
+    if os.geteuid() == 0:  # a folder of another user, even one only it may write to
         folder.chmod(0o700)
         os.chown(folder, 65534, 65534)
         monkeypatch.setattr(decoded_module, "_default", {})
@@ -327,7 +327,7 @@ def test_files_are_this_users_alone_and_another_users_file_is_not_read(
     VersionedDataset(str(root)).read_batch(every)
     files = [p for p in folder.iterdir() if p.name.endswith(".arrow")]
     assert files and all(p.stat().st_mode & 0o077 == 0 for p in files)
-    if os.getuid() != 0:
+    if os.geteuid() != 0:
         pytest.skip("handing a file to another user needs root")
     for p in files:
         os.chown(p, 65534, 65534)
