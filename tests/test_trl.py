@@ -297,6 +297,43 @@ def test_a_folder_killed_while_saved_is_refused_naming_the_whole_one(
     assert store.refresh() == head
 
 
+def test_a_checkpoint_is_durable_before_dynstate_marks_it_whole(
+    example, tmp_path, monkeypatch
+) -> None:
+    """Through TRL's ``train()``: every file and folder of the checkpoint transformers wrote
+    is fsynced before ``dynstate_state.pt`` appears under its name (itself fsynced, then its
+    folder), and all of it before ``save_total_limit`` deletes the older checkpoint: after a
+    power cut, a checkpoint marked whole is whole, and the one deleted is not needed."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any) -> None:
+        real_replace(src, dst)
+        events.append(("replace", str(dst)))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    store = _new_store(example, tmp_path / "store")
+    out = tmp_path / "out"
+    config = {"max_steps": 4, "save_total_limit": 1}
+    trainer = _trainer(example, dynstate.VersionedDataset(store), out, config=config)
+    trainer.train()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4"]
+    checkpoint = out / "checkpoint-4"
+    marked = events.index(("replace", str(checkpoint / "dynstate_state.pt")))
+    synced = {path for kind, path in events[:marked] if kind == "fsync"}
+    files = {str(p) for p in checkpoint.rglob("*") if p.name != "dynstate_state.pt"}
+    assert files <= synced, sorted(files - synced)
+    assert str(out) in synced  # the checkpoint's own entry in the run's folder
+    after = [path for kind, path in events[marked:] if kind == "fsync"]
+    assert str(checkpoint) in after  # the rename made durable
+    assert not (out / "checkpoint-2").exists()
+
+
 def test_checkpoint_of_another_store_is_refused_unchanged(example, trained, tmp_path) -> None:
     _, checkpoint = trained
     other = _new_store(example, tmp_path / "other")

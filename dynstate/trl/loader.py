@@ -169,7 +169,6 @@ def save_carry(folder: str, step: int, carry: list[tuple[int, Any, dict[str, Any
     rows per group). The store holds the carry's rows and scores (the step's consumption
     record), not its completions: a resume trains them from here, as the uninterrupted run
     does."""
-    import torch
 
     state = {
         "format": STATE_FORMAT,
@@ -179,9 +178,45 @@ def save_carry(folder: str, step: int, carry: list[tuple[int, Any, dict[str, Any
         "scores": [[float(s) for s in scores] for _, scores, _ in carry],
         "tensors": [{k: v.detach().cpu() for k, v in part.items()} for _, _, part in carry],
     }
-    tmp = os.path.join(folder, CARRY_FILE + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, os.path.join(folder, CARRY_FILE))
+    save_durably(state, os.path.join(folder, CARRY_FILE))
+
+
+def save_durably(state: Any, path: str) -> None:
+    """``torch.save(state)`` as ``path``: to a temporary file, fsynced, then renamed over
+    ``path`` and the folder fsynced, so that after a crash or a power cut ``path`` is either
+    the old file or the whole new one."""
+    import torch
+
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as fh:
+        torch.save(state, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_folder(os.path.dirname(path))
+
+
+def sync_checkpoint(folder: str) -> None:
+    """fsync every file and folder of a checkpoint that transformers wrote (it fsyncs none),
+    before :data:`STATE_FILE` marks it whole: after a power cut, a checkpoint marked whole is
+    whole, and the older ones deleted after it (``save_total_limit``) are not needed."""
+    for here, _dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(here, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_folder(here)
+    _fsync_folder(os.path.dirname(os.path.abspath(folder)))  # the checkpoint's own entry
+
+
+def _fsync_folder(path: str) -> None:
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_carry(checkpoint_dir: str, step: int, record: dict[str, Any], url: str) -> list[Any]:

@@ -838,9 +838,9 @@ class DynstateGRPOTrainer(GRPOTrainer):
         )
         if dyn is not None:
             loader_mod.save_carry(folder, self.state.global_step, carry)
-        tmp = os.path.join(folder, loader_mod.STATE_FILE + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, os.path.join(folder, loader_mod.STATE_FILE))
+        # The marker last, durably, over a checkpoint made durable first.
+        loader_mod.sync_checkpoint(folder)
+        loader_mod.save_durably(state, os.path.join(folder, loader_mod.STATE_FILE))
         if push:
             self._push_from_checkpoint(folder)
         self._rotate_after_save(self._get_output_dir(trial=trial))
