@@ -394,6 +394,11 @@ def test_request_counts_per_operation(proxy):
 
 
 def _read_in_child(storage: Storage, queue) -> None:
+    import faulthandler
+
+    # A hang here (seen once in ~6 full runs, not reproduced alone) prints every thread's
+    # stack to the test's captured stderr before the parent gives up: where it waits.
+    faulthandler.dump_traceback_later(45, exit=True)
     try:
         queue.put(storage.read("blob"))
     except Exception as exc:  # reported to the parent, which fails the test with it
@@ -408,7 +413,14 @@ def test_storage_survives_fork(proxy):
     queue = ctx.Queue()
     child = ctx.Process(target=_read_in_child, args=(storage, queue))
     child.start()
-    result = queue.get(timeout=60)
+    try:
+        result = queue.get(timeout=60)
+    except Exception as exc:
+        child.join(timeout=5)
+        raise AssertionError(
+            f"the forked child gave no result in 60 s (exit code {child.exitcode}); its "
+            "threads' stacks, if it hung, are in the captured stderr"
+        ) from exc
     child.join(timeout=60)
     assert result == b"payload"
 
