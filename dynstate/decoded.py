@@ -205,6 +205,17 @@ class Decoded:
 # and its own writes since (another process's writes are found by its own scans).
 _FOLDERS: dict[str, list[int]] = {}
 _FOLDERS_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    # A lock another thread held at the fork would stay held in the child (a DataLoader
+    # worker forked while the parent wrote a decoded file).
+    global _FOLDERS_LOCK
+    _FOLDERS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 # The folder's file count is bounded too: its scan (once a process) stats every file.
 MAX_DECODED_FILES = 16384
 

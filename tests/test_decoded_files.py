@@ -451,3 +451,28 @@ def test_readers_writing_mapping_and_trimming_at_once_read_the_shards_rows(tmp_p
         assert p.returncode == 0 and out.strip() == "ok", err[-2000:]
     sizes = [p.stat().st_size for p in folder.iterdir() if p.name.endswith(".arrow")]
     assert sizes, "no process kept a decoded file"
+
+
+def _read_all_into(root: str, queue) -> None:
+    ds = VersionedDataset(root)
+    queue.put(len(ds.read_batch(list(range(len(ds))))))
+
+
+def test_a_child_forked_while_a_thread_writes_a_decoded_file_writes_its_own(tmp_path, folder):
+    """A DataLoader worker forked while another thread of its parent held the decoded files'
+    bookkeeping lock reads (and writes decoded files) without waiting on that lock."""
+    import multiprocessing
+
+    store, root = _store(tmp_path, rounds=2)
+    VersionedDataset(str(root)).read_batch([0])  # the folder checked in the parent
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    with decoded_module._FOLDERS_LOCK:  # as a writing thread holds it at the fork
+        child = ctx.Process(target=_read_all_into, args=(str(root), queue))
+        child.start()
+        try:
+            assert queue.get(timeout=60) == store.snapshot().num_rows
+        finally:
+            child.join(timeout=10)
+            if child.is_alive():
+                child.kill()
