@@ -49,6 +49,8 @@ _STALE_TMP_S = 3600.0
 _RACY_NS = 50_000_000
 # A committed shard's table at least this large is written as a decoded file at its commit.
 KEEP_DECODED_BYTES = 256 * 1024
+# The folder's file count is bounded too: its scan (once a process) stats every file.
+MAX_DECODED_FILES = 16384
 
 
 class Decoded:
@@ -216,8 +218,6 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-# The folder's file count is bounded too: its scan (once a process) stats every file.
-MAX_DECODED_FILES = 16384
 
 
 def decoded_name(shard: m.ShardRef, path: str | None, *, written: bool = False) -> str | None:
