@@ -43,6 +43,7 @@ DRIVER_TIMEOUT = 900
 STEPS = 5
 FILTER = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=reward"]
 # what the log's record keeps (version numbers differ between runs: resets renumber them)
+CARRY = "dynstate_carry.pt"  # the carry's trajectories, in verl's global_step_N
 RECORD_KEYS = ("carried_in", "drawn", "gen_batches", "trained", "filtered", "dropped", "carry")
 
 pytestmark = pytest.mark.filterwarnings("ignore:.* engine is not available:UserWarning")
@@ -168,7 +169,7 @@ def tracked_filter_figures(output: str) -> dict[int, dict[str, float]]:
 @pytest.fixture(scope="module")
 def reference(files, tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("dapo_ref")
-    spec = _spec(files, folder, "ref")
+    spec = _spec(files, folder, "ref", trace=str(folder / "ref-trace.jsonl"))
     assert run_driver(spec) == 0
     return {"spec": spec, "log": standins.read_log(spec["log"])}
 
@@ -196,6 +197,31 @@ def test_dapo_uninterrupted_records_filter_and_carry(reference):
         }
     # the carry's trajectories are in the checkpoint that needs them
     assert os.path.exists(os.path.join(spec["ckpt"], "global_step_2", "dynstate_carry.pt"))
+
+
+@pytest.mark.slow
+def test_dapo_carry_is_durable_before_verl_names_the_checkpoint(reference):
+    """In every checkpoint ``fit()`` saved: the carry file was written to a temporary name and
+    fsynced, renamed into place, and its folder and the folder's own entry fsynced, all before
+    verl opened its tracker file (``latest_checkpointed_iteration.txt``), which is what a
+    resume trusts; so a power cut never leaves a named checkpoint without its carry."""
+    spec = reference["spec"]
+    ckpt = os.path.abspath(spec["ckpt"])
+    with open(spec["trace"]) as f:
+        saves = [json.loads(line) for line in f]
+    assert len(saves) == STEPS // spec["save_freq"] + (STEPS % spec["save_freq"] > 0)
+    for events in saves:
+        tracker = events.index(["open", os.path.join(ckpt, "latest_checkpointed_iteration.txt")])
+        carries = [p for kind, p in events if kind == "replace" and p.endswith("/" + CARRY)]
+        assert len(carries) == 1, events
+        folder = os.path.dirname(carries[0])
+        carry, tmp = carries[0], carries[0] + ".tmp"
+        before = events[:tracker]
+        assert ["fsync", tmp] in before, events
+        assert before.index(["fsync", tmp]) < before.index(["replace", carry]), events
+        renamed = before.index(["replace", carry])
+        after = [p for kind, p in before[renamed:] if kind == "fsync"]
+        assert folder in after and ckpt in after, events
 
 
 @pytest.mark.slow

@@ -38,10 +38,13 @@ One file because it is one driver: run as a script, and verl loads its generator
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import json
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -406,6 +409,35 @@ def _die(spec_kill: tuple | None, step: int, instant: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def _traced_files(path: str) -> Iterator[None]:
+    """Appends to ``path`` a JSON line per fsync (the file or folder it names), rename and
+    file opened for writing inside the block: the order a checkpoint's files become durable."""
+    real_fsync, real_replace, real_open = os.fsync, os.replace, builtins.open
+    events: list[list[str]] = []
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        events.append(["fsync", os.readlink(f"/proc/self/fd/{fd}")])
+
+    def replace(src: Any, dst: Any, **kw: Any) -> None:
+        real_replace(src, dst, **kw)
+        events.append(["replace", os.path.abspath(str(dst))])
+
+    def open_(file: Any, mode: str = "r", *args: Any, **kw: Any) -> Any:
+        if isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wax+"):
+            events.append(["open", os.path.abspath(str(file))])
+        return real_open(file, mode, *args, **kw)
+
+    os.fsync, os.replace, builtins.open = fsync, replace, open_
+    try:
+        yield
+    finally:
+        os.fsync, os.replace, builtins.open = real_fsync, real_replace, real_open
+        with real_open(path, "a") as f:
+            f.write(json.dumps(events) + "\n")
+
+
 def register_standin_trainer(spec: dict) -> type:
     """dynstate's V1 trainer with only ``_setup``'s GPU part replaced by stand-ins, plus the
     kill instants and the batch log (wrappers that call the real methods)."""
@@ -500,7 +532,11 @@ def register_standin_trainer(spec: dict) -> type:
             return version
 
         def _save_checkpoint(self) -> Any:
-            result = super()._save_checkpoint()
+            if spec.get("trace"):
+                with _traced_files(spec["trace"]):
+                    result = super()._save_checkpoint()
+            else:
+                result = super()._save_checkpoint()
             _die(kill, self.global_steps, "saved")
             return result
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import CheckpointNotFoundError, InvalidDataError, StateMismatchError
 from .dataset import VersionedDataset, decode_index
@@ -386,3 +386,57 @@ def load_loader_state(loader: Any, state: dict[str, Any]) -> None:
         )
 
     loader.load_state_dict(carry_loader_state(state, num_workers, refuse))
+
+
+# -- dynstate's files in a trainer's checkpoint ------------------------------------------
+
+
+def save_durably(state: Any, path: str) -> None:
+    """``torch.save(state)`` as ``path``, by :func:`write_durably`."""
+    import torch
+
+    _replace_durably(path, lambda fh: torch.save(state, fh))
+
+
+def write_durably(path: str, data: bytes) -> None:
+    """``data`` as ``path``: to a temporary file, fsynced, then renamed over ``path``, and its
+    folder and that folder's own entry fsynced (the folder may be new: verl's ``global_step_N``
+    is made by dynstate's carry file, before verl writes into it), so that after a crash or a
+    power cut ``path`` is either the old file or the whole new one."""
+    _replace_durably(path, lambda fh: fh.write(data))
+
+
+def _replace_durably(path: str, write: Callable[[BinaryIO], object]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as fh:
+        write(fh)  # streamed: a carry's tensors are not held twice
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    folder = os.path.dirname(os.path.abspath(path))
+    _fsync_folder(folder)
+    _fsync_folder(os.path.dirname(folder))
+
+
+def sync_checkpoint(folder: str) -> None:
+    """fsync every file and folder of a checkpoint that the trainer wrote (transformers fsyncs
+    none), before dynstate's file marks it whole (TRL: ``dynstate_state.pt``): after a power
+    cut, a checkpoint marked whole is whole, and the older ones deleted after it
+    (``save_total_limit``) are not needed."""
+    for here, _dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(here, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_folder(here)
+    _fsync_folder(os.path.dirname(os.path.abspath(folder)))  # the checkpoint's own entry
+
+
+def _fsync_folder(path: str) -> None:
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

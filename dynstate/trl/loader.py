@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, InvalidDataError, StateMismatchError
+from ..loading.checkpoint import save_durably
 from ..loading.dataset import VersionedDataset, decode_index
 from ..loading.state import check_state, find_sampler_state
 from ..store import Store
@@ -179,44 +180,6 @@ def save_carry(folder: str, step: int, carry: list[tuple[int, Any, dict[str, Any
         "tensors": [{k: v.detach().cpu() for k, v in part.items()} for _, _, part in carry],
     }
     save_durably(state, os.path.join(folder, CARRY_FILE))
-
-
-def save_durably(state: Any, path: str) -> None:
-    """``torch.save(state)`` as ``path``: to a temporary file, fsynced, then renamed over
-    ``path`` and the folder fsynced, so that after a crash or a power cut ``path`` is either
-    the old file or the whole new one."""
-    import torch
-
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as fh:
-        torch.save(state, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_folder(os.path.dirname(path))
-
-
-def sync_checkpoint(folder: str) -> None:
-    """fsync every file and folder of a checkpoint that transformers wrote (it fsyncs none),
-    before :data:`STATE_FILE` marks it whole: after a power cut, a checkpoint marked whole is
-    whole, and the older ones deleted after it (``save_total_limit``) are not needed."""
-    for here, _dirs, files in os.walk(folder, topdown=False):
-        for name in files:
-            fd = os.open(os.path.join(here, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_folder(here)
-    _fsync_folder(os.path.dirname(os.path.abspath(folder)))  # the checkpoint's own entry
-
-
-def _fsync_folder(path: str) -> None:
-    fd = os.open(path or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_carry(checkpoint_dir: str, step: int, record: dict[str, Any], url: str) -> list[Any]:

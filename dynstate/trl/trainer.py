@@ -53,7 +53,7 @@ from trl import GRPOTrainer
 
 from .. import rollback, version_at_step
 from ..errors import InvalidDataError, StateMismatchError
-from ..loading.checkpoint import load_loader_state
+from ..loading.checkpoint import load_loader_state, save_durably, sync_checkpoint
 from ..loading.consumption import DynamicSampling
 from ..loading.dataset import VersionedDataset
 from ..loading.sampler import VersionedSampler
@@ -839,8 +839,8 @@ class DynstateGRPOTrainer(GRPOTrainer):
         if dyn is not None:
             loader_mod.save_carry(folder, self.state.global_step, carry)
         # The marker last, durably, over a checkpoint made durable first.
-        loader_mod.sync_checkpoint(folder)
-        loader_mod.save_durably(state, os.path.join(folder, loader_mod.STATE_FILE))
+        sync_checkpoint(folder)
+        save_durably(state, os.path.join(folder, loader_mod.STATE_FILE))
         if push:
             self._push_from_checkpoint(folder)
         self._rotate_after_save(self._get_output_dir(trial=trial))

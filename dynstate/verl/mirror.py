@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from typing import Any
 
 from ..errors import CorruptStoreError, StorageError, StoreNotFoundError
+from ..loading.checkpoint import sync_checkpoint, write_durably
 from ..storage import Location, open_location, redact
 
 log = logging.getLogger("dynstate")
@@ -72,10 +74,15 @@ def pull(local_root: str, url: str, storage_options: dict[str, Any] | None = Non
     where, root = _mirror(url, storage_options)
     os.makedirs(local_root, exist_ok=True)
     partial = f"{target}.partial"
+    if os.path.exists(partial):  # an earlier pull's, cut short: only this function writes it
+        log.warning("removing %s, left by an interrupted fetch from %s", partial, redact(url))
+        shutil.rmtree(partial)
     where.download(f"{root}/global_step_{step}", partial)
+    # durable before the tracker names it: after a power cut the local tracker never names a
+    # torn copy (the mirror would no longer be asked, the local folder not being empty)
+    sync_checkpoint(partial)
     os.replace(partial, target)
-    with open(os.path.join(local_root, TRACKER), "w") as fh:
-        fh.write(str(step))
+    write_durably(os.path.join(local_root, TRACKER), str(step).encode())
     log.info("fetched global_step_%d from %s", step, redact(url))
     return step
 

@@ -62,6 +62,7 @@ from ..errors import (
     StateMismatchError,
     VersionCollectedError,
 )
+from ..loading.checkpoint import save_durably
 from ..loading.consumption import DynamicSampling, FilterRule, StepBatch, group_std
 from .dataset import DynstateRLDataset
 from .settings import Settings, uses_dynstate
@@ -566,10 +567,10 @@ class DynstatePPOTrainer(StepRounds, PPOTrainerSync):
         flat: list[str] = [k for grp in groups for k in grp["keys"]]
         fields = tq.kv_batch_get(keys=flat, partition_id="train") if flat else None
         os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, CARRY_FILE)
-        tmp = path + ".tmp"
-        torch.save({"step": self.global_steps, "groups": groups, "fields": fields}, tmp)
-        os.replace(tmp, path)
+        # durable before verl's tracker file names this checkpoint (a power cut in between
+        # must not leave a checkpoint that resumes without its carry)
+        state = {"step": self.global_steps, "groups": groups, "fields": fields}
+        save_durably(state, os.path.join(folder, CARRY_FILE))
 
     def _resume_filtered(self, dataset: DynstateRLDataset) -> None:
         """Resume group filtering at ``global_steps``: the consumption record of the step is
