@@ -1,4 +1,5 @@
-"""What a training checkpoint refers to: store, version, position and the next batch's rows.
+"""What a training checkpoint refers to: store, version, position and the next batch's rows;
+and how dynstate writes its own files into one, durably (both integrations).
 
 Reads a verl ``global_step_N`` directory, a ``data.pt`` file or any ``torch.save``d dict that
 holds a StatefulDataLoader state with a :class:`~dynstate.VersionedSampler` inside.
