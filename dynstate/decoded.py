@@ -40,6 +40,10 @@ class ShardFiles(Protocol):
     def shard_file(self, shard: m.ShardRef) -> str | None: ...
 
 
+# What a decode gives depends on the code that decodes: part of every name, so that an
+# interpreter with another pyarrow, or a dynstate whose decode changed (bump the number), never
+# maps a file that an older or newer one wrote; each decodes and writes its own.
+_DECODE = f"decode-1;pyarrow-{pa.__version__}"
 # The schema metadata key of a decoded file: the content it was decoded from.
 _DECODED_FROM = b"dynstate.decoded_from"
 # A writer's temporary file older than this is one whose process died mid-write.
@@ -222,11 +226,11 @@ if hasattr(os, "register_at_fork"):
 
 def decoded_name(shard: m.ShardRef, path: str | None, *, written: bool = False) -> str | None:
     """The name of ``shard``'s decoded file (:meth:`Decoded.name`): a digest of its content
-    checksums and, for a shard read in place from ``path`` (a local store; None for an object
-    store), of ``os.stat`` of that file. None if the file cannot be stat'ed, or changed within
+    checksums, the decoding code's version (:data:`_DECODE`) and, for a shard read in place
+    from ``path`` (a local store; None for an object store), of ``os.stat`` of that file. None if the file cannot be stat'ed, or changed within
     the last clock tick (unless this process just ``written`` it and holds the very table it
     committed)."""
-    text = "".join(cache_id(shard))
+    text = _DECODE + "".join(cache_id(shard))
     if path is not None:
         try:
             st = os.stat(path)

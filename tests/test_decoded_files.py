@@ -75,13 +75,17 @@ def _decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def _read_elsewhere(root: Path, tmp: Path, idx: list[int]) -> dict:
+def _read_elsewhere(root: Path, tmp: Path, idx: list[int], pyarrow: str | None = None) -> dict:
     """``read_batch(idx)`` in a fresh interpreter (as a spawned DataLoader worker), counting
-    its whole-shard Parquet decodes."""
+    its whole-shard Parquet decodes; ``pyarrow``: the version that interpreter's pyarrow
+    says it is."""
     program = textwrap.dedent(
         """
         import json, sys, tempfile
         tempfile.tempdir = sys.argv[2]
+        if len(sys.argv) > 4:
+            import pyarrow
+            pyarrow.__version__ = sys.argv[4]
         import dynstate.loading.cache as c
         calls = []
         real = c.read_parquet
@@ -92,7 +96,8 @@ def _read_elsewhere(root: Path, tmp: Path, idx: list[int]) -> dict:
         """
     )
     out = subprocess.run(
-        [sys.executable, "-c", program, str(root), str(tmp), json.dumps(idx)],
+        [sys.executable, "-c", program, str(root), str(tmp), json.dumps(idx)]
+        + ([pyarrow] if pyarrow else []),
         capture_output=True,
         text=True,
         check=True,
@@ -222,6 +227,25 @@ def test_another_process_maps_what_this_one_decoded(tmp_path, folder):
     got = _read_elsewhere(root, folder.parent, idx)
     assert got["decodes"] == 0
     assert got["rows"] == _oracle(store, root, idx)
+
+
+def test_an_interpreter_with_another_pyarrow_decodes_its_own(tmp_path, folder):
+    """Files are named by the decoding code too: an interpreter whose pyarrow is another
+    version maps none of this one's files (its decode could give other types), decodes, and
+    writes its own, which this one then does not map either; both read the shard files' rows."""
+    store, root = _store(tmp_path)
+    n = store.snapshot().num_rows
+    VersionedDataset(str(root)).read_batch(list(range(n)))
+    idx = _indices(n, 5)
+    other = _read_elsewhere(root, folder.parent, idx, pyarrow="99.0.0")
+    assert other["decodes"] == len(store.snapshot().shards)
+    assert other["rows"] == _oracle(store, root, idx)
+    mine = _read_elsewhere(root, folder.parent, idx)
+    assert mine["decodes"] == 0 and mine["rows"] == other["rows"]
+    # the other interpreter's files are there, beside this one's, and not taken by it
+    assert len(list(folder.glob("*.arrow"))) > len(store.snapshot().shards)
+    again = _read_elsewhere(root, folder.parent, idx, pyarrow="99.0.0")
+    assert again["decodes"] == 0 and again["rows"] == other["rows"]
 
 
 def test_a_shard_mapped_under_a_wider_schema_is_conformed(tmp_path, folder):
