@@ -227,9 +227,9 @@ if hasattr(os, "register_at_fork"):
 def decoded_name(shard: m.ShardRef, path: str | None, *, written: bool = False) -> str | None:
     """The name of ``shard``'s decoded file (:meth:`Decoded.name`): a digest of its content
     checksums, the decoding code's version (:data:`_DECODE`) and, for a shard read in place
-    from ``path`` (a local store; None for an object store), of ``os.stat`` of that file. None if the file cannot be stat'ed, or changed within
-    the last clock tick (unless this process just ``written`` it and holds the very table it
-    committed)."""
+    from ``path`` (a local store; None for an object store), of ``os.stat`` of that file.
+    None if the file cannot be stat'ed, or changed within the last clock tick (unless this
+    process just ``written`` it and holds the very table it committed)."""
     text = _DECODE + "".join(cache_id(shard))
     if path is not None:
         try:
