@@ -57,6 +57,10 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# A finite ttl whose quarter a heartbeat can wait (threading.TIMEOUT_MAX): ~31 years.
+MAX_LEASE_TTL_S = 1e9
+
+
 class Store:
     """A versioned store at an fsspec URL. Open with :meth:`Store.open`.
 
@@ -104,9 +108,12 @@ class Store:
         if (
             isinstance(lease_ttl_s, bool)
             or not isinstance(lease_ttl_s, (int, float))
-            or not (lease_ttl_s > 0)
+            or not (0 < lease_ttl_s <= MAX_LEASE_TTL_S)
         ):
-            raise InvalidDataError(f"lease_ttl_s must be a positive number, not {lease_ttl_s!r}")
+            raise InvalidDataError(
+                f"lease_ttl_s must be a positive number of seconds up to {MAX_LEASE_TTL_S:g}, "
+                f"not {lease_ttl_s!r}"
+            )
         storage = open_storage(url, storage_options)
         # The files the first refresh reads come in the same round trip as store.json.
         raw, *first = storage.read_many((paths.STORE_FILE, *ROOT_FILES))

@@ -191,6 +191,8 @@ def head_cmd(url, version, rows: int, offset: int, tail: bool, added: bool, colu
         hi = min(hi, start + rows)
     numbers = range(start, hi)
     out = _read_rows(snap, start, hi, wanted)
+    if jsonl or as_json:
+        out = [r.json_row(row) for row in out]
     if jsonl:
         for row in out:
             r.echo(json.dumps(row, default=str, ensure_ascii=False))
@@ -233,6 +235,7 @@ def _head_by_stats(store: Any, snap: Any, picks: dict[str, Any], span: tuple[int
     out = read_rows_at(snap, picked.tolist(), wanted)
     figures = row_stats(stats, picked)
     if jsonl or as_json:
+        out = [r.json_row(row) for row in out]
         rows = [
             {
                 "_dynstate_row": f["row"],

@@ -41,6 +41,14 @@ def print_json(obj: Any) -> None:
     click.echo(clean(json.dumps(obj, indent=2, default=str, ensure_ascii=False)))
 
 
+def json_row(row: Any) -> Any:
+    """A row as strict JSON takes it (NaN and infinities as null, bytes as base64 text),
+    as ``dynstate serve``'s API gives it."""
+    from ..serve.rows import jsonable
+
+    return jsonable(row)
+
+
 def human_size(n: int | None) -> str:
     """``1536`` as ``"1.5 KiB"``: powers of 1024, one decimal from KiB on."""
     if n is None:

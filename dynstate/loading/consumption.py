@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DynstateError, InvalidDataError, StateMismatchError
 from ..records.consumption import CONSUMPTION_FORMAT, check_scores
+from ..records.inputs import check_plain
 from .dataset import VersionedDataset, decode_index, encode_index
 from .sampler import VersionedSampler, _dist_world
 from .state import find_sampler_state
@@ -81,8 +82,13 @@ class FilterRule:
             name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
         if not isinstance(name, str) or not name:
             raise InvalidDataError(f"a FilterRule's name must be a non-empty str, not {name!r}")
-        self.name = name
-        self.params = dict(params or {})
+        if params is not None and not isinstance(params, dict):
+            raise InvalidDataError(f"a FilterRule's params must be a dict, not {params!r}")
+        # plain types (tuples as lists): they go into every consumption record's settings
+        self.name = check_plain(name, "a FilterRule's name", "name", depth=0)
+        self.params = check_plain(
+            params or {}, f"params of FilterRule {name!r}", "params", depth=16, tuples=True
+        )
 
     def identity(self) -> dict[str, Any]:
         return {"name": self.name, "params": self.params}

@@ -129,16 +129,20 @@ class VersionedSampler(Sampler[int]):
             raise InvalidDataError("shuffle and drop_last must be True or False")
         if not _is_int(first_step) or first_step < 0:
             raise InvalidDataError(f"first_step must be an int >= 0, not {first_step!r}")
-        if mode == "mix":
-            if batch_size is None:
-                raise InvalidDataError(
-                    "mode='mix' keys each step's rows by the loader's step; pass batch_size "
-                    "(the loader's per-rank batch size) to VersionedSampler"
-                )
-            if not isinstance(fresh_share, (int, float)) or not 0.0 < fresh_share <= 1.0:
-                raise InvalidDataError(f"fresh_share must be in (0, 1], not {fresh_share!r}")
-            if not _is_int(lag) or lag < 1:
-                raise InvalidDataError(f"lag must be an int >= 1, not {lag!r}")
+        if mode == "mix" and batch_size is None:
+            raise InvalidDataError(
+                "mode='mix' keys each step's rows by the loader's step; pass batch_size "
+                "(the loader's per-rank batch size) to VersionedSampler"
+            )
+        # in every mode: the state records both, and check_state checks them in every mode
+        if (
+            isinstance(fresh_share, bool)
+            or not isinstance(fresh_share, (int, float))
+            or not 0.0 < fresh_share <= 1.0
+        ):
+            raise InvalidDataError(f"fresh_share must be in (0, 1], not {fresh_share!r}")
+        if not _is_int(lag) or lag < 1:
+            raise InvalidDataError(f"lag must be an int >= 1, not {lag!r}")
         world = _dist_world() if num_replicas is None or rank is None else None
         if num_replicas is None:
             num_replicas = world[0] if world else 1

@@ -301,6 +301,7 @@ class FunctionPolicy(Policy):
             name = f"{fn.__module__}.{qual}"
         if not isinstance(name, str) or not name:
             raise InvalidDataError(f"a policy name must be a non-empty string, not {name!r}")
+        check_plain(name, "a policy name", "name", depth=0)  # UTF-8 text, as records hold
         _check_signature(fn, name)
         self.fn, self.user_name = fn, name
         # plain types: they go into the sampler state, two levels inside the policy's

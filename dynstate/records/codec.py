@@ -32,8 +32,10 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+def canonical(obj: Any, *, allow_nan: bool = True) -> bytes:
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=allow_nan
+    ).encode()
 
 
 def encode(obj: dict[str, Any]) -> bytes:
@@ -43,11 +45,14 @@ def encode(obj: dict[str, Any]) -> bytes:
     re-encoding what it parsed."""
     body = {k: v for k, v in obj.items() if k != "checksum"}
     try:
-        text = canonical(body)
-    except ValueError as exc:  # an int past this process's sys.set_int_max_str_digits
+        text = canonical(body, allow_nan=False)  # RFC 8259: no NaN or Infinity
+    except ValueError as exc:  # that, or an int past this process's sys.set_int_max_str_digits
+        if "float" in str(exc):
+            advice = "a record holds finite numbers only (no NaN or infinity)"
+        else:
+            advice = f"keep integers within {MAX_INT_DIGITS:,} digits"
         raise InvalidDataError(
-            f"a record cannot be written: {exc}; nothing was written — keep integers within "
-            f"{MAX_INT_DIGITS:,} digits"
+            f"a record cannot be written: {exc}; nothing was written — {advice}"
         ) from exc
     # A process whose int limit is lifted writes what every other reader refuses (the
     # inputs were checked already, naming the value: check_int; this is the last line).
@@ -57,7 +62,7 @@ def encode(obj: dict[str, Any]) -> bytes:
             f"{MAX_INT_DIGITS:,} every reader of the store accepts; nothing was written — "
             "store such a value as a string"
         )
-    return canonical({**body, "checksum": sha256(text)})
+    return canonical({**body, "checksum": sha256(text)}, allow_nan=False)
 
 
 def _canonical_file_matches(data: bytes, expected: str) -> bool:

@@ -134,7 +134,7 @@ def check_record(record: Any, url: str, step: Any = None) -> dict[str, Any]:
     own = record["step"]
     if type(own) is not int or own < 0:
         raise _bad(url, f"step {own!r} is not an int >= 0")
-    if step is not None and step != own:
+    if step is not None and (type(step) is not int or step != own):
         raise _bad(url, f"the record is of step {own} but the round's meta['step'] is {step!r}")
     rows_version = record["rows_version"]
     if rows_version is not None and (type(rows_version) is not int or rows_version < 0):

@@ -34,7 +34,7 @@ def check_plain(value: Any, label: str, root: str, *, depth: int, tuples: bool =
         if value is None or isinstance(value, bool):
             return value
         if isinstance(value, str):
-            return str.__str__(value)
+            return _utf8(str.__str__(value), f"{label} at {at}")
         if isinstance(value, int):
             check_int(value, f"{label} at {at}")
             return int.__int__(value)
@@ -58,7 +58,8 @@ def check_plain(value: Any, label: str, root: str, *, depth: int, tuples: bool =
                         f"{label} has a key {key!r} of type {type(key).__name__} at {at}; "
                         f"{root} keys must be str"
                     )
-                out[str.__str__(key)] = walk(item, f"{where}[{key!r}]", budget - 1)
+                key = _utf8(str.__str__(key), f"{label} at {at}")
+                out[key] = walk(item, f"{where}[{key!r}]", budget - 1)
             return out
         if nested:
             return [walk(item, f"{where}[{i}]", budget - 1) for i, item in enumerate(value)]
@@ -71,6 +72,18 @@ def check_plain(value: Any, label: str, root: str, *, depth: int, tuples: bool =
         )
 
     return walk(value, root, depth)
+
+
+def _utf8(text: str, what: str) -> str:
+    """``text``, or InvalidDataError if UTF-8 cannot encode it (a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidDataError(
+            f"{what} holds a str with a lone surrogate ({exc.object[exc.start : exc.end]!r}): "
+            "surrogates not allowed in UTF-8 JSON; decode text with errors='replace'"
+        ) from None
+    return text
 
 
 def plain_json(
@@ -87,7 +100,8 @@ def plain_json(
     JSON of at most ``max_bytes`` bytes (``advice``: what to do instead), as stored."""
     plain = check_plain(value, label, root, depth=depth, tuples=tuples)
     try:
-        text = json.dumps(plain, allow_nan=False, ensure_ascii=False)
+        # keys sorted, as the canonical record every other handle reads
+        text = json.dumps(plain, allow_nan=False, ensure_ascii=False, sort_keys=True)
         size = len(text.encode())
     except (TypeError, ValueError, OverflowError) as exc:
         # what the walk lets through and JSON still refuses: a lone surrogate in a str

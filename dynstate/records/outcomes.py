@@ -218,7 +218,13 @@ def _numeric(col: pa.ChunkedArray, name: str, url: str, *, nulls: bool) -> pa.Ch
             )
         return col
     if name == "score":
-        return col.cast(pa.float64())
+        try:
+            return col.cast(pa.float64())
+        except pa.ArrowInvalid:
+            raise InvalidDataError(
+                f"outcomes for {url}: column 'score' holds an integer beyond 2**53, which a "
+                "float64 score cannot hold exactly; pass scores as floats"
+            ) from None
     return col.cast(pa.int64()) if t != pa.uint64() else _uint(col, name, url)
 
 

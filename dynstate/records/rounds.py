@@ -37,6 +37,14 @@ def check_meta(meta: dict[str, Any] | None, url: str) -> dict[str, Any]:
         return {}
     if not isinstance(meta, dict):
         raise InvalidDataError(f"meta for {url} must be a dict, not {type(meta).__name__}")
+    step = meta.get("step")
+    if step is not None and type(step) is not int:
+        # every reader counts only an int as a step (log/steps.py own_step): a round of step
+        # 1.0 or "1" would read as one of the step before it, and a rollback would keep it
+        raise InvalidDataError(
+            f"meta['step'] for {url} is {step!r}; a training step is an int — pass "
+            "int(step), or leave 'step' out for a round of no step"
+        )
     return plain_json(
         meta,
         f"meta for {url}",
