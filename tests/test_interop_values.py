@@ -301,3 +301,32 @@ def test_a_record_with_nan_is_refused_naming_finite_numbers() -> None:
         with pytest.raises(InvalidDataError, match="finite numbers"):
             encode({"ttl_s": value})
     assert _strict_loads(encode({"x": -0.0, "y": 1e308}))["y"] == 1e308
+
+
+@pytest.mark.parametrize(
+    "scores",
+    [
+        [np.float32(0.5), np.float64(1.0), np.int64(0)],
+        [torch.tensor(0.5), torch.tensor(1), np.array(0.25)],
+    ],
+    ids=["numpy-scalars", "0-d-tensors"],
+)
+def test_a_score_function_may_return_numpy_and_0d_tensor_scores(tmp_path, scores) -> None:
+    """A reward function's numbers as frameworks give them (numpy scalars, 0-d tensors) are
+    scores, stored as the floats they hold, and the step commits; a bool, a str or a
+    many-element tensor is refused naming the row."""
+    store, url = _store(tmp_path)
+    dyn = _dynamic(url)
+    dyn.resume(None)
+    batch = dyn.next_batch(0, lambda items, step: [[*scores, 1.0] for _ in items])
+    assert list(batch.groups[0].scores) == [*(float(s) for s in scores), 1.0]
+    store.append(
+        [], meta={"step": 0}, outcomes=batch.outcomes(), rows_version=batch.rows_version,
+        consumption=batch.record,
+    )  # fmt: skip
+    _, other = _store(tmp_path / "other")
+    for bad in (True, "1.0", torch.tensor([0.5, 1.0]), np.bool_(True), torch.tensor(True)):
+        dyn = _dynamic(other)
+        dyn.resume(None)
+        with pytest.raises(InvalidDataError, match="scores of row"):
+            dyn.next_batch(0, lambda items, step, bad=bad: [[bad, 0.0] for _ in items])

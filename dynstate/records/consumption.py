@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections import Counter
 from typing import Any
 
@@ -99,10 +100,27 @@ def check_scores(value: Any, url: str, where: str) -> list[float]:
         return list(value)  # finite floats already (inf - inf and nan - nan are nan)
     out = []
     for s in value:
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(float(s)):
-            raise InvalidDataError(f"{where} for {url} holds {s!r}, not a finite number")
-        out.append(float(s))
+        number = _score(s)
+        if number is None or not math.isfinite(number):
+            raise InvalidDataError(
+                f"{where} for {url} holds {s!r}, not a finite number (a Python or numpy int "
+                "or float, or a one-element tensor; not a bool)"
+            )
+        out.append(number)
     return out
+
+
+def _score(s: Any) -> float | None:
+    """``s`` as a float if it is one number as a reward function returns it: a Python or
+    numpy int or float, or a 0-d array or tensor of a numeric dtype; else None."""
+    if isinstance(s, bool) or "bool" in str(getattr(s, "dtype", "")):
+        return None  # True is not a score: a pass/fail reward is 1.0 / 0.0
+    if isinstance(s, numbers.Real) or getattr(s, "ndim", None) == 0:
+        try:
+            return float(s)
+        except (TypeError, ValueError):
+            return None
+    return None
 
 
 def _pairs(value: Any, url: str, where: str, second: str) -> list[list[Any]]:
