@@ -11,9 +11,9 @@ lost round, empty rounds and a compaction, shown in headless Chromium (Debian's 
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
-import sys
 import tempfile
 import threading
 import time
@@ -159,5 +159,10 @@ def main(out_dir: str, *, outcomes: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--outcomes"]
-    main(args[0] if args else "docs", outcomes="--outcomes" in sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", nargs="?", default="docs", help="where the PNGs go")
+    parser.add_argument(
+        "--outcomes", action="store_true", help="the run with outcomes, and its two pictures"
+    )
+    cli = parser.parse_args()
+    main(cli.out_dir, outcomes=cli.outcomes)
