@@ -289,6 +289,8 @@ def main() -> None:
     )
     parser.add_argument("--shuffle", action="store_true", help="the default; kept for old commands")
     args = parser.parse_args()
+    if args.dir is not None:
+        os.makedirs(args.dir, exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix="dynstate-bench-commit-", dir=args.dir))
     try:
         if args.profile:

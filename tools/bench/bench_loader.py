@@ -397,6 +397,11 @@ def main() -> None:
             )
             print(f"  ours columns / datasets {r['columns_ratio']:.2f}x", flush=True)
     if "warmup" in sections:
+        if args.warmup_batches * args.warmup_batch > args.rows:
+            parser.error(
+                f"--warmup-batches {args.warmup_batches} x --warmup-batch {args.warmup_batch} "
+                f"is more than the {args.rows:,} rows of --rows"
+            )
         for workers in [int(w) for w in args.workers.split(",")]:
             r = bench_warmup(
                 url,

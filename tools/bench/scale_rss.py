@@ -71,19 +71,19 @@ def main() -> int:
         build(args.path, args.rows)
         return 0
     # Building in this process would leave its allocations in the baseline; build apart.
-    from dynstate import Store
+    from dynstate import Store, StoreNotFoundError
 
-    if Store.open(str(args.path)).snapshot().num_rows != args.rows:
+    try:
+        rows = Store.open(str(args.path)).snapshot().num_rows
+    except StoreNotFoundError:
+        rows = None
+    if rows != args.rows:
         raise SystemExit(f"{args.path} does not hold {args.rows} rows; run with --build-only")
 
     import torch  # noqa: F401  (imported before the baseline so it is not counted)
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    try:
-        from dynstate import VersionedDataset, VersionedSampler
-    except ImportError:  # not exported yet while the lead finishes the public API
-        from dynstate.loading.dataset import VersionedDataset
-        from dynstate.loading.sampler import VersionedSampler
+    from dynstate import VersionedDataset, VersionedSampler
 
     before = _rss_mib()
     dataset = VersionedDataset(str(args.path), cache_bytes=args.cache_mib * 2**20)
