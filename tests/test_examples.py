@@ -206,7 +206,7 @@ def documented_cli_commands() -> list[tuple[str, str]]:
 
 
 def _docs_store(root: Path, checkpoints: list[str]) -> None:
-    """The store the docs' examples talk about: ./runs/run1 with 50 versions (an import, then
+    """The store the docs' examples talk about: ./runs/run1 with versions 0-50 (an import, then
     one round of prompt/answer/n rows per step), the tag ``ckpt``, and the checkpoints they
     inspect, written as verl writes ``data.pt`` (the StatefulDataLoader's state)."""
     import torch
