@@ -25,10 +25,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from .errors import InvalidDataError
+
 __all__ = [
     "SOURCE_COLUMN",
     "AbstractDataGenerator",
     "DynstateGenerator",
+    "check_generator",
     "generator_name",
     "load_state",
     "run_generator",
@@ -66,6 +69,18 @@ class DynstateGenerator(ABC):
         DataFrame or a pyarrow Table, with the store's columns and optionally
         ``_dynstate_source``. ``dataset.outcome_stats()`` gives the per-row statistics of the
         earlier steps (``pending=True``: and of this one)."""
+
+
+def check_generator(generator: Any, where: str) -> None:
+    """Refuse, before any step, what cannot be called as a generator: a class instead of an
+    instance, or an object without a ``generate`` method (``where``: who was given it)."""
+    if generator is None:
+        return
+    if isinstance(generator, type) or not callable(getattr(generator, "generate", None)):
+        raise InvalidDataError(
+            f"{where}: generator must be an object with a generate() method (an instance of "
+            f"a DynstateGenerator or AbstractDataGenerator subclass), not {generator!r}"
+        )
 
 
 def generator_name(generator: Any) -> str:

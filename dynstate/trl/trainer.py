@@ -53,6 +53,7 @@ from trl import GRPOTrainer
 
 from .. import rollback, version_at_step
 from ..errors import InvalidDataError, StateMismatchError
+from ..generators import check_generator
 from ..loading.checkpoint import load_loader_state, save_durably, sync_checkpoint
 from ..loading.consumption import DynamicSampling
 from ..loading.dataset import VersionedDataset
@@ -162,6 +163,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
         if kwargs.get("eval_dataset") is not None:
             log.info("eval_dataset is evaluated by GRPOTrainer as usual; dynstate records nothing")
         store = train_dataset.store
+        check_generator(generator, f"DynstateGRPOTrainer over {store.display_url}")
         # GRPOTrainer type-checks train_dataset as a datasets.Dataset and reads no row of it
         # when get_train_dataloader is ours: a one-row placeholder passes the check; the store
         # takes its place right after.
@@ -397,7 +399,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
             mode=s["mode"],
             fresh_share=s["fresh_share"],
             lag=s["lag"],
-            batch_size=gen if isinstance(gen, int) and gen > 0 else None,
+            batch_size=gen if type(gen) is int and gen > 0 else None,
             # several processes draw in lockstep from one position, each sampler step's rows
             # dealt to the ranks that still need groups (docs/dynamic-sampling.md)
             num_replicas=self._world,

@@ -84,7 +84,13 @@ def load_generator(datagen_config: Any) -> AbstractDataGenerator | DynstateGener
             "generator class defined in that file"
         )
     _install_old_module_alias()
-    cls = load_extern_object(path, name)
+    try:
+        cls = load_extern_object(path, name)
+    except (AttributeError, ImportError, OSError) as exc:
+        raise InvalidDataError(
+            f"cannot load data.datagen.name={name!r} from data.datagen.path={path!r}: {exc}; "
+            "give the path of a Python file (or an importable module) and a class defined in it"
+        ) from exc
     if not isinstance(cls, type) or not callable(getattr(cls, "generate", None)):
         raise InvalidDataError(
             f"data.datagen {name!r} in {path} is not a generator class; define a class with a "

@@ -21,11 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from ..errors import InvalidDataError
 from ..loading.selection import FunctionPolicy, Policy, as_policy
 from ..loading.state import MODES
 
+# mix mode's lag bound, as the sampler's state allows it (loading/state.py)
+MAX_LAG = 2**40
 # verl 0.9.1 builds both trainers' train loaders without a prefetch_factor: torch's default
 PREFETCH_FACTOR = 2
 
@@ -92,6 +95,23 @@ class Settings:
                 "data.dynstate.url is not set; add e.g. +data.dynstate.url=/path/to/store (or "
                 "s3://bucket/run) so DynstateRLDataset knows where the training data lives"
             )
+        if not isinstance(plain["url"], str):
+            raise InvalidDataError(
+                "data.dynstate.url must be a string such as /path/to/store or s3://bucket/run, "
+                f"not {plain['url']!r}"
+            )
+        options = plain.get("storage_options") or {}
+        if not isinstance(options, dict):
+            raise InvalidDataError(
+                "data.dynstate.storage_options must be a mapping of the store's options (e.g. "
+                f"{{endpoint_url: ...}}), not {options!r}"
+            )
+        mirror = plain.get("checkpoint_mirror")
+        if mirror is not None and not isinstance(mirror, str):
+            raise InvalidDataError(
+                "data.dynstate.checkpoint_mirror must be a URL such as "
+                f"s3://bucket/run-checkpoints (or null for none), not {mirror!r}"
+            )
         mode, fresh_share, lag = _mix_settings(plain)
         on_error = plain.get("on_generator_error", "raise")
         if on_error not in ("raise", "skip"):
@@ -113,16 +133,19 @@ class Settings:
                 f"data.dynstate.max_carry must be an int >= 0 or null, not {max_carry!r}"
             )
         return cls(
-            url=str(plain["url"]),
-            storage_options=dict(plain.get("storage_options") or {}),
+            url=plain["url"],
+            storage_options={str(k): v for k, v in options.items()},
             mode=mode,
             fresh_share=fresh_share,
             lag=lag,
             on_generator_error=on_error,
-            batch_size=int(config.get("gen_batch_size") or config.get("train_batch_size") or 1),
-            shuffle=bool(config.get("shuffle", True)),
-            seed=int(config.get("seed") or 0),
-            checkpoint_mirror=plain.get("checkpoint_mirror"),
+            # verl's own keys the sampler is built from, read as strictly as dynstate's
+            batch_size=_data_int(config, "gen_batch_size")
+            or _data_int(config, "train_batch_size")
+            or 1,
+            shuffle=_data_bool(config, "shuffle", True),
+            seed=_data_int(config, "seed", least=-(2**63)) or 0,
+            checkpoint_mirror=mirror,
             select=select_policy(plain.get("select")),
             surplus=str(surplus),
             max_carry=max_carry,
@@ -144,16 +167,48 @@ def _mix_settings(plain: dict[str, Any]) -> tuple[str, float, int]:
             f"data.dynstate.fresh_share must be a number in (0, 1], not {share!r}"
         )
     lag = plain.get("lag", 1)
-    if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
-        raise InvalidDataError(f"data.dynstate.lag must be an int >= 1, not {lag!r}")
+    if isinstance(lag, bool) or not isinstance(lag, int) or not 1 <= lag < MAX_LAG:
+        raise InvalidDataError(
+            f"data.dynstate.lag must be an int in [1, 2**40), not {lag!r} (the steps a fresh "
+            "row waits before it may be drawn)"
+        )
     return str(mode), float(share), lag
 
 
+def _data_int(config: Any, key: str, *, least: int = 1) -> int | None:
+    """verl's ``data.<key>`` as an int (None when unset, or 0 for a batch size: verl's "as
+    train_batch_size"), refused naming the key otherwise (``2.5``, ``True``, ``"abc"``)."""
+    value = config.get(key, None)
+    if value is None or (least == 1 and value == 0 and type(value) is int):
+        return None
+    if type(value) is not int or value < least:
+        raise InvalidDataError(f"data.{key} must be an int >= {least}, not {value!r}")
+    return value
+
+
+def _data_bool(config: Any, key: str, default: bool) -> bool:
+    """verl's ``data.<key>`` as a bool: ``"false"`` is not True."""
+    value = config.get(key, None)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidDataError(f"data.{key} must be true or false, not {value!r}")
+    return value
+
+
 def _plain(section: Any) -> dict[str, Any]:
-    if OmegaConf.is_config(section):
-        out = OmegaConf.to_container(section, resolve=True)
-    else:
-        out = dict(section)
+    try:
+        out = (
+            OmegaConf.to_container(section, resolve=True)
+            if OmegaConf.is_config(section)
+            else section
+        )
+    except OmegaConfBaseException as exc:  # ${oc.env:UNSET}, a missing key's ${...}
+        key = getattr(exc, "full_key", None) or "data.dynstate"
+        raise InvalidDataError(
+            f"{key} does not resolve: {getattr(exc, 'msg', exc)}; set what it refers to, or "
+            "give the value itself"
+        ) from None
     if not isinstance(out, dict):
         raise InvalidDataError(f"data.dynstate must be a mapping, not {type(out).__name__}")
     return {str(k): v for k, v in out.items()}
