@@ -198,3 +198,23 @@ def test_filter_groups_gen_prompts_true_is_refused_naming_gen_prompts(
 
     with pytest.raises(InvalidDataError, match="gen_prompts"):
         _new_trainer(example, tmp_path, filter_groups=FilterGroups(gen_prompts=True))
+
+
+def test_pool_names_given_as_one_string_are_refused() -> None:
+    """Pool names are a list: the str "abc" would make three pools named a, b and c."""
+    from dynstate.loading.selection import as_policy
+
+    with pytest.raises(InvalidDataError, match="pool names"):
+        as_policy({"policy": "pools", "bounds": [0.3, 0.7], "names": "abc", "shares": [1, 1, 1],
+                   "unseen": "a"})  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("seed", ["7", 2.0, True], ids=["str", "float", "bool"])
+def test_a_sampler_seed_that_is_not_an_int_is_refused_naming_sampler_seed(
+    example, tmp_path: Path, seed: Any
+) -> None:
+    """DynstateGRPOTrainer(sampler_seed=...) is an int or None, refused naming sampler_seed
+    (not the sampler's own "seed") when the trainer is made."""
+    with pytest.raises(InvalidDataError, match="sampler_seed"):
+        _new_trainer(example, tmp_path, sampler_seed=seed)

@@ -230,6 +230,8 @@ class DifficultyPools(Policy):
             raise InvalidDataError(
                 f"pool bounds {bounds} must increase strictly inside (0, 1), e.g. [0.2, 0.8]"
             )
+        if isinstance(names, str):  # list("abc") would make three pools of one letter
+            raise InvalidDataError(f"pool names must be a list of names, not the str {names!r}")
         names = list(names)
         if len(names) != len(bounds) + 1 or not all(isinstance(n, str) and n for n in names):
             raise InvalidDataError(

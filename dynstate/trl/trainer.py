@@ -164,6 +164,11 @@ class DynstateGRPOTrainer(GRPOTrainer):
             log.info("eval_dataset is evaluated by GRPOTrainer as usual; dynstate records nothing")
         store = train_dataset.store
         check_generator(generator, f"DynstateGRPOTrainer over {store.display_url}")
+        if sampler_seed is not None and type(sampler_seed) is not int:
+            raise InvalidDataError(
+                f"DynstateGRPOTrainer over {store.display_url}: sampler_seed must be an int (or "
+                f"None for args.seed), not {sampler_seed!r}"
+            )
         # GRPOTrainer type-checks train_dataset as a datasets.Dataset and reads no row of it
         # when get_train_dataloader is ours: a one-row placeholder passes the check; the store
         # takes its place right after.
