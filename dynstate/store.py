@@ -20,6 +20,7 @@ from .errors import (
     DynstateError,
     InvalidDataError,
     MissingShardError,
+    StorageError,
     StoreExistsError,
     StoreNotFoundError,
     VersionNotFoundError,
@@ -116,11 +117,26 @@ class Store:
             )
         storage = open_storage(url, storage_options)
         # The files the first refresh reads come in the same round trip as store.json.
-        raw, *first = storage.read_many((paths.STORE_FILE, *ROOT_FILES))
+        try:
+            raw, *first = storage.read_many((paths.STORE_FILE, *ROOT_FILES))
+        except StorageError as exc:
+            if not isinstance(exc.__cause__, NotADirectoryError):
+                raise
+            raise StoreNotFoundError(
+                f"no dynstate store at {storage.display_url}: it is a file, not a folder; "
+                "check the URL"
+            ) from None
         if raw is None:
             if not create:
+                rest = str(url).partition("://")[2]
+                hidden = (
+                    " (its query string or fragment, not shown, was read as part of the path: "
+                    "remove it)"
+                    if any(c in rest for c in "?#")
+                    else ""
+                )
                 raise StoreNotFoundError(
-                    f"no dynstate store at {storage.display_url}; check the URL, or pass "
+                    f"no dynstate store at {storage.display_url}{hidden}; check the URL, or pass "
                     "create=True to make a new store there"
                 )
             raw = cls._create(storage, single_writer)
@@ -228,7 +244,7 @@ class Store:
                 f"version must be an int, a tag name or None, not {version!r} ({self.display_url})"
             )
         if isinstance(version, str):
-            if not version.isdigit():
+            if not (version.isascii() and version.isdigit()):
                 return self._tags.version(version)
             version = int(version)
         self.log.check_version(version)
@@ -244,10 +260,11 @@ class Store:
         """Name a version. Tags are never moved unless ``force=True``; gc never collects a
         tagged version. Tagging a version gc collected (seen from any handle, however old)
         raises :class:`VersionCollectedError`."""
-        if not paths.is_safe_name(name) or name.isdigit():
+        if not paths.is_safe_name(name) or name.isdigit() or name == "head":
             raise InvalidDataError(
                 f"invalid tag name {name!r} for {self.display_url}: use letters, digits, '.', "
-                "'_' and '-', starting with a letter or digit, and not only digits"
+                "'_' and '-', starting with a letter or digit, not only digits, and not 'head' "
+                "(which the dynstate commands read as the latest version)"
             )
         self.refresh()  # a stale handle must see the current gc floor
         target = self.resolve(version)

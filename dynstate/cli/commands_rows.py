@@ -10,7 +10,7 @@ import click
 
 from ..text import preview_order
 from . import render as r
-from .options import Count, json_option, open_store, store_command, version_arg
+from .options import Count, Finite, json_option, open_store, store_command, version_arg
 
 
 def _columns(snap: Any, columns: str | None, url: str) -> list[str]:
@@ -138,12 +138,8 @@ def _check_sort(ctx: click.Context, param: click.Parameter, value: str | None) -
     help="Order rows by an outcome statistic: pass_rate, attempts, successes, mean_score, "
     "ewma_score, first_step or last_step; a leading '-' for descending.",
 )
-@click.option(
-    "--min-pass-rate", type=click.FloatRange(0, 1), help="Only trained rows at least this."
-)
-@click.option(
-    "--max-pass-rate", type=click.FloatRange(0, 1), help="Only trained rows at most this."
-)
+@click.option("--min-pass-rate", type=Finite(0, 1), help="Only trained rows at least this.")
+@click.option("--max-pass-rate", type=Finite(0, 1), help="Only trained rows at most this.")
 @click.option("--min-attempts", type=Count(0), help="Only rows with at least this many outcomes.")
 @click.option(
     "--max-attempts", type=Count(0), help="Only rows with at most this many (0: never trained)."
@@ -167,6 +163,8 @@ def head_cmd(url, version, rows: int, offset: int, tail: bool, added: bool, colu
       dynstate head ./runs/run1 23 --added --tail -n 3
       dynstate head ./runs/run1 --sort pass_rate --min-attempts 1 -n 5
     """
+    if jsonl and as_json:
+        raise click.UsageError("give either --json or --jsonl, not both")
     store = open_store(url, storage_options)
     snap = store.snapshot(version_arg(version))
     wanted = _columns(snap, columns, store.display_url)

@@ -45,6 +45,13 @@ def serve(
     """
     from ..serve.net import address, allowed_hosts, bind, is_loopback, require_web_stack
 
+    if not host.strip():
+        raise click.BadParameter(
+            "an empty host would listen on every interface; write 0.0.0.0 for that, "
+            "or leave --host out for this machine only",
+            param_hint="--host",
+        )
+
     require_web_stack()
     import uvicorn
 
@@ -57,7 +64,12 @@ def serve(
     store = open_store(url, options)
     view = StoreView(store, checkpoints=checkpoints, url=url, storage_options=options)
     app = create_app(view, allowed_hosts=allowed_hosts(host))
-    sock = bind(host, port)
+    from .errors import Failure
+
+    try:
+        sock = bind(host, port)
+    except click.ClickException as exc:
+        raise Failure(exc.message) from None
     where = address(sock)
     click.echo(f"serving {store.display_url} (head {store.head}) at {where}/  (Ctrl-C stops)")
     if not is_loopback(host):

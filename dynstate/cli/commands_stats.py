@@ -12,7 +12,7 @@ import click
 
 from . import render as r
 from .commands_rows import preview_column, read_rows_at
-from .options import Count, json_option, open_store, store_command, version_arg
+from .options import Count, Finite, json_option, open_store, store_command, version_arg
 
 BAR_WIDTH = 40
 
@@ -46,7 +46,7 @@ def _score(value: float | None) -> str:
     "--success-above",
     "--threshold",
     "success_above",
-    type=float,
+    type=Finite(),
     default=None,
     help="A success is a score above this (default 0.5: incremental).",
 )
@@ -59,7 +59,7 @@ def _score(value: float | None) -> str:
 )
 @click.option(
     "--half-life",
-    type=float,
+    type=Finite(0, min_open=True),
     default=None,
     help="EWMA half-life in steps (default 10: incremental).",
 )

@@ -110,6 +110,19 @@ class Count(click.IntRange):
         return min(super().convert(value, param, ctx), sys.maxsize)
 
 
+class Finite(click.FloatRange):
+    """A float in [min, max] (open below with ``min_open``); NaN and infinities are usage
+    errors (exit 2) naming the flag, never passed to the library."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        import math
+
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return super().convert(number, param, ctx)
+
+
 class Duration(click.ParamType):
     """``90``, ``30s``, ``15m``, ``2h``, ``7d``, ``1w`` -> seconds; anything else is a usage
     error (exit 2)."""
@@ -135,11 +148,16 @@ class Size(click.ParamType):
     name = "SIZE"
     _re = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
+    @staticmethod
+    def _bytes(match: re.Match[str]) -> float:
+        power = " kmgt".index(match.group(2).lower() or " ")
+        return float(match.group(1)) * (1024 if match.group(3) else 1000) ** power
+
     def convert(self, value: Any, param: Any, ctx: Any) -> int:
         if isinstance(value, int):
             return value
         match = self._re.match(str(value))
-        if match is None or float(match.group(1)) <= 0:
+        if match is None or float(match.group(1)) <= 0 or self._bytes(match) < 1:
             self.fail(
                 f"cannot read size {value!r}; write e.g. 128MiB, 100MB or 1048576", param, ctx
             )

@@ -301,7 +301,14 @@ class Log(Catalog):
         record = self.record(version)
         if record is None:
             if version < self._head:
-                raise self.collected(version)
+                if version < self.read_floor():
+                    raise self.collected(version)
+                where = self.where(paths.log_path(version))
+                raise CorruptStoreError(
+                    f"the commit record of version {version} ({where}) is missing, though gc "
+                    "keeps it: the store is damaged; run `dynstate verify`, and restore the "
+                    "record from a backup or reset to a version above it"
+                )
             raise VersionNotFoundError(self.not_found(version))
         return record
 

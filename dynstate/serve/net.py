@@ -77,8 +77,11 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
+        import errno
+
+        fix = "choose another --port" if exc.errno == errno.EADDRINUSE else "check --host"
         raise click.ClickException(
-            f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --port"
+            f"cannot listen on {host!r} port {port}: {exc.strerror or exc}; {fix}"
         ) from exc
     sock.listen(128)
     return sock

@@ -112,6 +112,12 @@ def preflight(url: str, options: dict[str, Any]) -> None:
     with no endpoint set, when AWS's regional host cannot be reached. Other URLs pass."""
     if not _is_s3(url):
         return
+    where = url.partition("://")[2].split("?", 1)[0].split("#", 1)[0].rstrip("/")
+    if not where or "" in where.split("/"):
+        raise InvalidDataError(
+            f"{redact(url)} is not a store URL; write s3://bucket/prefix, with a bucket and "
+            "no empty path segment"
+        )
     endpoint = endpoint_of(options)
     if endpoint is None:
         _check_aws_reachable(options)
