@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynstate import CorruptStoreError, Store
+from dynstate import CorruptStoreError, Store, paths
 from dynstate.maintenance.verify import verify_store
 from dynstate.records import manifest as m
 
@@ -80,3 +80,21 @@ def test_a_new_store_has_the_log_s_first_version(tmp_path) -> None:
     assert store.log.checkpoint(0) == []
     assert store.log.checkpoint_versions() == [0]
     assert verify_store(store, all_versions=True).ok
+
+
+def test_removed_newest_records_are_found_through_the_head_hint(tmp_path) -> None:
+    """The head is found by probing record names, so deleting the newest commit records makes
+    the store read as an older head without an error; verify finds it, because the head hint
+    names the newer version, and says which records are gone."""
+    root = tmp_path / "s"
+    store = Store.open(str(root), create=True)
+    for i in range(4):
+        store.append([{"x": i}])
+    assert store.head == 4
+    assert verify_store(Store.open(str(root))).problems == []
+    for version in (3, 4):
+        (root / paths.log_path(version)).unlink()
+    reopened = Store.open(str(root))
+    assert reopened.head == 2
+    problems = verify_store(reopened).problems
+    assert any("names version 4" in p and "3-4 were removed" in p for p in problems), problems

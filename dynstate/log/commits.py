@@ -167,6 +167,18 @@ class Log(Catalog):
 
     # -- the head --------------------------------------------------------------------------
 
+    def hinted_head(self) -> int | None:
+        """The version the head hint names now (None: no hint, or one that does not read). A
+        hint is written only after its version's record is durable, so a hint above the head
+        means records were removed."""
+        raw = self.storage.try_read(paths.HEAD_HINT)
+        if raw is None:
+            return None
+        try:
+            return int(m.load_json(raw, self.where(paths.HEAD_HINT))["version"])
+        except (ValueError, KeyError, TypeError, OverflowError, CorruptStoreError):
+            return None
+
     def refresh(self, *, read: tuple[bytes | None, bytes | None] | None = None) -> int:
         """Read the floor and find the head: from the largest of the known head, the floor and
         the hint, gallop and bisect over record names (records are gap-free). No LIST.

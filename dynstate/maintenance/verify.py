@@ -59,6 +59,16 @@ def verify_store(
     head = store.refresh()
     floor = store.floor
     report = VerifyReport(store.display_url, head, floor)
+    hinted = store.log.hinted_head()
+    if hinted is not None and hinted > head:
+        # the head is found by probing record names, so removed newest records would make
+        # the store read as an older head, silently; the hint remembers the newer one
+        report.problems.append(
+            f"the head hint of {store.display_url} ({paths.HEAD_HINT}) names version {hinted}, "
+            f"but the log ends at version {head}: the commit records of versions "
+            f"{head + 1}-{hinted} were removed; restore them from a backup (until then the "
+            f"store reads as of version {head})"
+        )
     records = _check_records(store, floor, head, report, records_progress)
     _check_schemas(store, records, report)
     _check_checkpoints(store, floor, report)
