@@ -104,7 +104,7 @@ def plain_json(
         text = json.dumps(plain, allow_nan=False, ensure_ascii=False, sort_keys=True)
         size = len(text.encode())
     except (TypeError, ValueError, OverflowError) as exc:
-        # what the walk lets through and JSON still refuses: a lone surrogate in a str
+        # the last line under the walk (which refuses NaN, big ints and lone surrogates)
         raise InvalidDataError(
             f"{label} must be JSON-serializable (str, numbers, lists, dicts): {exc}"
         ) from exc
