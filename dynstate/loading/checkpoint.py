@@ -435,6 +435,11 @@ def sync_checkpoint(folder: str) -> None:
     _fsync_folder(os.path.dirname(os.path.abspath(folder)))  # the checkpoint's own entry
 
 
+def sync_folder(path: str) -> None:
+    """fsync the folder ``path``: the names created or removed in it are durable."""
+    _fsync_folder(path)
+
+
 def _fsync_folder(path: str) -> None:
     fd = os.open(path or ".", os.O_RDONLY)
     try:

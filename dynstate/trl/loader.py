@@ -144,6 +144,7 @@ def checkpoint_state(
     filter_settings: Any = None,
     steps_per_round: int = 1,
     processes: int | None = None,
+    model_only: bool = False,
 ) -> dict[str, Any]:
     state: dict[str, Any] = {
         "format": STATE_FORMAT,
@@ -160,6 +161,8 @@ def checkpoint_state(
         state["processes"] = int(processes)
     if steps_per_round != 1:  # absent: 1, as every checkpoint saved before it existed
         state["steps_per_round"] = int(steps_per_round)
+    if model_only:  # save_only_model: no optimizer, scheduler or RNG state beside it
+        state["save_only_model"] = True
     return state
 
 
@@ -305,5 +308,18 @@ def read_checkpoint_state(checkpoint_dir: str, store: Store) -> dict[str, Any]:
             f"{path} holds the position after step {step}, but {checkpoint_dir} is a "
             f"checkpoint of step {global_step}; it was copied from another checkpoint of {url} "
             "— resume from that checkpoint itself, or restore this folder's own file"
+        )
+    for key in ("steps_per_round", "processes"):
+        value = state.get(key, 1)
+        if type(value) is not int or value < 1:
+            raise StateMismatchError(
+                f"{path} has {key}={value!r}, not an int >= 1: it is damaged; resume {url} "
+                "from another checkpoint"
+            )
+    if state.get("save_only_model"):
+        raise StateMismatchError(
+            f"{checkpoint_dir} was saved with save_only_model=True: it holds no optimizer, "
+            f"scheduler or RNG state, so it cannot resume {url} exactly; resume from a "
+            "checkpoint saved without save_only_model — nothing was changed"
         )
     return state

@@ -40,9 +40,10 @@ groups; with filtering also a ``num_generations`` that does not split over
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,7 @@ from trl import GRPOTrainer
 from .. import rollback, version_at_step
 from ..errors import InvalidDataError, StateMismatchError
 from ..generators import check_generator
-from ..loading.checkpoint import load_loader_state, save_durably, sync_checkpoint
+from ..loading.checkpoint import load_loader_state, save_durably, sync_checkpoint, sync_folder
 from ..loading.consumption import DynamicSampling
 from ..loading.dataset import VersionedDataset
 from ..loading.sampler import VersionedSampler
@@ -184,6 +185,8 @@ class DynstateGRPOTrainer(GRPOTrainer):
         self.dynstate_store = store
         self.dynstate_generator = generator
         self.dynstate_round: Round | None = None
+        # a resume's changes, made once transformers has loaded the checkpoint
+        self._after_load: Callable[[], None] | None = None
         self._sampler_args = {
             "select": select,
             "mode": mode,
@@ -440,9 +443,8 @@ class DynstateGRPOTrainer(GRPOTrainer):
     # -- the Trainer's hooks -----------------------------------------------------------------
 
     def get_train_dataloader(self) -> Any:
-        if self._dyn is not None:
-            return loader_mod.Ticks()
-        return self._batches
+        inner = loader_mod.Ticks() if self._dyn is not None else self._batches
+        return _UntilMaxSteps(self, inner)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         store = self.dynstate_store
@@ -453,6 +455,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
                     f"resume_from_checkpoint=True but {self.args.output_dir} holds no "
                     f"whole checkpoint-N folder; start {store.display_url} afresh instead"
                 )
+        self._after_load = None  # a resume that transformers refused before its start
         if resume_from_checkpoint:
             self._resume(str(resume_from_checkpoint))
         else:
@@ -472,7 +475,9 @@ class DynstateGRPOTrainer(GRPOTrainer):
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
 
     def _resume(self, checkpoint: str) -> None:
-        """Every check first, then the rollback and the loads (nothing changes on a refusal)."""
+        """Every check and the sampler's load now; the rollback once transformers has loaded
+        the checkpoint (:meth:`_finish_resume`): nothing in the store changes on a refusal,
+        dynstate's or transformers'."""
         store = self.dynstate_store
         state = loader_mod.read_checkpoint_state(checkpoint, store)
         step, version = state["step"], state["version"]
@@ -496,8 +501,8 @@ class DynstateGRPOTrainer(GRPOTrainer):
             raise StateMismatchError(
                 f"{checkpoint} was saved at version {version} of {store.display_url} (the "
                 f"round of step {step}), but the head's lineage has version {target} for that "
-                "step: the store was reset or rewritten since; restore it to the checkpoint's "
-                f"history (dynstate reset {version}) to resume"
+                "step: the store was reset, rewritten or appended to since; restore it to the "
+                f"checkpoint's history (dynstate reset {store.display_url} {version}) to resume"
             )
         if self._dyn is not None or "filter_groups" in state:
             self._resume_filtered(checkpoint, state, target)
@@ -514,6 +519,13 @@ class DynstateGRPOTrainer(GRPOTrainer):
             ) from exc
         # saved with another dataloader_num_workers: carried into this loader's shape
         load_loader_state(self._loader, state["loader"])
+        self._after_load = functools.partial(self._roll_back, step, target)
+
+    def _roll_back(self, step: int, target: int) -> None:
+        """The store back to the checkpoint's round, and the generator's state of it; run once
+        transformers has loaded the checkpoint (``on_train_begin``), so that a checkpoint it
+        cannot load is refused with the store as it was."""
+        store = self.dynstate_store
         # every rank has checked the store before rank 0 rolls it back, and sees the rollback
         # before it draws: one writer, as for the rounds
         self._barrier()
@@ -524,10 +536,17 @@ class DynstateGRPOTrainer(GRPOTrainer):
         load_state(self.dynstate_generator, store.generator_state(head))
         log.info("resuming %s at step %d from version %d", store.display_url, step, head)
 
+    def _finish_resume(self) -> None:
+        """What a resume changes (the store's rollback, the carry), once transformers has
+        loaded the checkpoint: called from ``on_train_begin``."""
+        todo, self._after_load = self._after_load, None
+        if todo is not None:
+            todo()
+
     def _resume_filtered(self, checkpoint: str, state: dict[str, Any], target: int) -> None:
         """Resume under ``filter_groups``: the checkpoint's settings, the store's consumption
-        record of its step and the carried completions in the checkpoint checked first, then
-        :meth:`DynamicSampling.resume` (the rollback, the sampler's position and the carry)."""
+        record of its step and the carried completions in the checkpoint checked now, then,
+        once transformers has loaded the checkpoint, :meth:`_resume_carry`."""
         store, dyn, step = self.dynstate_store, self._dyn, state["step"]
         url = store.display_url
         theirs = state.get("filter_groups")
@@ -577,6 +596,13 @@ class DynstateGRPOTrainer(GRPOTrainer):
         # be carried twice)
         positions: list[Any] = list(range(len(tensors)))
         mine: list[Any] = dyn.rank_carry({"carry": positions, "sampler": record["sampler"]})
+        self._after_load = functools.partial(self._resume_carry, step, target, tensors, mine)
+
+    def _resume_carry(self, step: int, target: int, tensors: list[Any], mine: list[Any]) -> None:
+        """:meth:`DynamicSampling.resume` (the rollback, the sampler's position and the carry)
+        and the carried completions, once transformers has loaded the checkpoint."""
+        store, dyn, url = self.dynstate_store, self._dyn, self.dynstate_store.display_url
+        assert dyn is not None
         dyn.resume(step, first_step=FIRST_STEP)
         device = self.accelerator.device
         self._parts = {
@@ -804,6 +830,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
         # transformers ends its _save_checkpoint by deleting older checkpoints
         # (save_total_limit) and pushing this one to the Hub: both before dynstate's state is
         # written, so a kill in between could leave no checkpoint saved whole. Both wait for it.
+        self._unmark(trial, step)
         limit, push = self.args.save_total_limit, self.args.push_to_hub
         self.args.save_total_limit, self.args.push_to_hub = None, False
         try:
@@ -842,6 +869,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
             filter_settings=None if dyn is None else dyn.settings(),
             steps_per_round=self._per_round,
             processes=None if dyn is None else self._world,
+            model_only=bool(self.args.save_only_model),
         )
         if dyn is not None:
             loader_mod.save_carry(folder, self.state.global_step, carry)
@@ -851,6 +879,26 @@ class DynstateGRPOTrainer(GRPOTrainer):
         if push:
             self._push_from_checkpoint(folder)
         self._rotate_after_save(self._get_output_dir(trial=trial))
+
+    def _unmark(self, trial: Any, step: int) -> None:
+        """A ``checkpoint-N`` folder saved a second time (a run resumed from an earlier
+        checkpoint reaches step N again) loses its old dynstate files, durably, before
+        transformers writes into it: a kill in between must not leave the new weights marked
+        whole by the abandoned branch's state."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        if self.args.should_save:
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{step}"
+            )
+            removed = False
+            for name in (loader_mod.STATE_FILE, loader_mod.CARRY_FILE):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(folder, name))
+                    removed = True
+            if removed:
+                sync_folder(folder)
+        self._barrier()  # no rank writes its files into the folder before
 
     def _rotate_after_save(self, run_dir: str) -> None:
         """transformers' own deletion of older checkpoints, run once this one is whole."""
@@ -1047,12 +1095,36 @@ def _filter_settings(value: Any, url: str) -> FilterGroups | None:
     )
 
 
+class _UntilMaxSteps:
+    """The train loader, empty once the run has reached ``max_steps``. dynstate's loader has no
+    length, so transformers gives it endless epochs and stops at ``max_steps`` only after a
+    step: a finished run started again (a scheduler's restart, ``resume_from_checkpoint=True``)
+    would train, commit and save one step more each time."""
+
+    def __init__(self, trainer: Any, inner: Any):
+        self.trainer, self.inner = trainer, inner
+
+    def __iter__(self) -> Any:
+        state = self.trainer.state
+        if state.max_steps and state.global_step >= state.max_steps:
+            return iter(())
+        return iter(self.inner)
+
+    def __getattr__(self, name: str) -> Any:  # what transformers asks of a loader
+        return getattr(self.inner, name)
+
+
 class _RoundCallback(TrainerCallback):
     """Commits the step's round right after its optimizer step, before the Trainer logs or
     saves the checkpoint of that step (both come after ``on_step_end``)."""
 
     def __init__(self, trainer: DynstateGRPOTrainer):
         self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        # after transformers loaded the checkpoint's model, optimizer and scheduler
+        self.trainer._finish_resume()
+        return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         self.trainer._commit_round(int(state.global_step))
