@@ -34,6 +34,14 @@ ROOT = Path(__file__).resolve().parents[1]
 CLI_MD = ROOT / "docs" / "cli.md"
 DOC_BUCKET = "bucket"  # the bucket the docs' S3 URLs name
 
+
+def _run_as_written(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``command`` through the installed ``dynstate``, in ``cwd``, as a user types it."""
+    return subprocess.run(
+        _argv(command, cwd), cwd=cwd, capture_output=True, text=True, timeout=120, env=_env()
+    )
+
+
 # -- parsing the console examples of docs/cli.md -----------------------------------------------
 
 
@@ -244,14 +252,7 @@ def test_cli_md_console_output_is_what_the_command_prints(
     )
     s3 = request.getfixturevalue("s3_server") if builder in NEEDS_S3 else None
     builder(tmp_path, s3)
-    result = subprocess.run(
-        _argv(example.command, tmp_path),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=_env(),
-    )
+    result = _run_as_written(example.command, tmp_path)
     assert result.returncode == 0, f"{example.command}\n{result.stdout}{result.stderr}"
     loose = [pattern for pattern, _ in LOOSE.get(example.command, [])]
     expected = _normal(example.expected, tmp_path, loose)
@@ -360,14 +361,7 @@ def test_docs_s3_bucket_commands_run_against_s3(s3_server: Any, tmp_path: Path) 
         if shlex.split(command)[1] in NOT_RUN:
             continue
         before = Store.open(shlex.split(command)[2])
-        result = subprocess.run(
-            _argv(command, tmp_path),
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=_env(),
-        )
+        result = _run_as_written(command, tmp_path)
         assert result.returncode == 0, f"{doc}: {command}\n{result.stdout}{result.stderr}"
         _facts(command, result.stdout, s3_server, before)
         ran.append(shlex.split(command)[1])
