@@ -233,3 +233,17 @@ def test_serve_on_an_address_it_cannot_bind_says_to_change_the_host(store_url) -
     assert result.stderr.startswith("error: "), result.stderr
     assert "192.0.2.1" in result.stderr and "--host" in result.stderr, result.stderr
     assert "another --port" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("head", "{url}", "--columns", ","), ("diff", "{url}", "1", "3", "--columns", "nope")],
+    ids=["head-no-column", "diff-columns-without-rows"],
+)
+def test_columns_that_choose_nothing_are_usage_errors(store_url, args) -> None:
+    """`--columns ,` names no column, and `diff --columns` without `--rows` would choose the
+    columns of nothing: both are usage errors naming --columns, not a silent table of row
+    numbers or an ignored flag."""
+    result = invoke(*(a.format(url=store_url) for a in args))
+    assert result.exit_code == 2, result.output
+    assert "--columns" in result.output

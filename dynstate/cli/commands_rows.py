@@ -16,6 +16,11 @@ from .options import Count, Finite, json_option, open_store, store_command, vers
 def _columns(snap: Any, columns: str | None, url: str) -> list[str]:
     names = [f.name for f in snap.schema or []]
     wanted = [c.strip() for c in columns.split(",") if c.strip()] if columns else names
+    if columns is not None and not wanted:
+        raise click.BadParameter(
+            f"{columns!r} names no column; columns of version {snap.version}: {', '.join(names)}",
+            param_hint="--columns",
+        )
     unknown = [c for c in wanted if c not in names]
     if unknown:
         raise click.BadParameter(
