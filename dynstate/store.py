@@ -268,6 +268,7 @@ class Store:
             )
         self.refresh()  # a stale handle must see the current gc floor
         target = self.resolve(version)
+        self.commit_record(target)  # a version whose record is damaged or gone is no target
         self.log.require_writable()
         self._tags.create(name, target, force=force)
 

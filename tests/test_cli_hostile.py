@@ -9,11 +9,12 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from dynstate import Store
+from dynstate import Store, paths
 from dynstate.cli import cli
 
 
@@ -247,3 +248,13 @@ def test_columns_that_choose_nothing_are_usage_errors(store_url, args) -> None:
     result = invoke(*(a.format(url=store_url) for a in args))
     assert result.exit_code == 2, result.output
     assert "--columns" in result.output
+
+
+def test_a_version_whose_record_is_gone_is_not_tagged(store_url) -> None:
+    """A tag pins a version for every later reader: a version whose commit record was deleted
+    (damage) is refused as a target, naming the record, and no tag is written."""
+    (Path(store_url) / paths.log_path(2)).unlink()
+    result = invoke("tag", store_url, "pinned", "2")
+    assert result.exit_code == 1, result.output
+    assert "commit record of version 2" in result.output
+    assert not (Path(store_url) / paths.tag_path("pinned")).exists()
