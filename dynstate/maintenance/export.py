@@ -99,6 +99,8 @@ def _target(
     store: Any, out: str, storage_options: dict[str, Any] | None, action: str = "export to"
 ) -> Location:
     """The location of ``out``, refused where it overlaps the store or any other store."""
+    if not out.strip():  # '' is the current folder to a path join: the store's, often
+        raise InvalidDataError(f"cannot {action} {out!r}: name a file or an object URL as OUT")
     where = open_location(out, storage_options)
     _refuse_overlap(store, out, where, action)
     _refuse_any_store(where, out, action)

@@ -48,7 +48,7 @@ def open_storage(
     """The backend for ``url`` (a URL string or a local path, ``pathlib.Path`` included)."""
     if isinstance(url, os.PathLike):
         url = os.fspath(url)
-    if not isinstance(url, str) or not url:
+    if not isinstance(url, str) or not url.strip():
         raise InvalidDataError(
             f"a store URL must be a non-empty string or a path, not {url!r}; pass e.g. "
             "'runs/run1' or 's3://bucket/runs/run1'"
