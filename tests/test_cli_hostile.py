@@ -265,9 +265,12 @@ def test_a_version_whose_record_is_gone_is_not_tagged(store_url) -> None:
     [(("ls", " "), "non-empty"), (("export", "{url}", "3", " "), "name a file")],
     ids=["blank-url", "blank-out"],
 )
-def test_a_blank_url_or_out_is_refused_saying_what_to_pass(store_url, args, said) -> None:
+def test_a_blank_url_or_out_is_refused_saying_what_to_pass(
+    store_url, args, said, tmp_path, monkeypatch
+) -> None:
     """A URL or OUT of spaces (an unset shell variable in quotes) is refused saying what to
     pass, not as "no dynstate store at ;" or "cannot export to :"."""
+    monkeypatch.chdir(tmp_path)  # where a blank OUT would have been written
     result = invoke(*(a.format(url=store_url) for a in args))
     assert result.exit_code == 1, result.output
     assert said in result.output
