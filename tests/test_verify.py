@@ -98,3 +98,23 @@ def test_removed_newest_records_are_found_through_the_head_hint(tmp_path) -> Non
     assert reopened.head == 2
     problems = verify_store(reopened).problems
     assert any("names version 4" in p and "3-4 were removed" in p for p in problems), problems
+
+
+def test_a_commit_landing_while_verify_runs_is_not_taken_for_removed_records(
+    tmp_path, monkeypatch
+) -> None:
+    """A writer that commits (and moves the head hint) after verify found the head is not
+    damage: the hinted version's record is there."""
+    root = tmp_path / "s"
+    store = Store.open(str(root), create=True)
+    store.append([{"x": 0}])
+    writer = Store.open(str(root))
+    real = type(store.log).hinted_head
+
+    def late_commit(log):
+        writer.append([{"x": 1}])  # lands between verify's refresh and its read of the hint
+        return real(log)
+
+    monkeypatch.setattr(type(store.log), "hinted_head", late_commit)
+    report = verify_store(Store.open(str(root)))
+    assert report.problems == [], report.problems
