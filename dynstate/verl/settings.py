@@ -140,8 +140,8 @@ class Settings:
             lag=lag,
             on_generator_error=on_error,
             # verl's own keys the sampler is built from, read as strictly as dynstate's
-            batch_size=_data_int(config, "gen_batch_size")
-            or _data_int(config, "train_batch_size")
+            batch_size=_data_int(config, "gen_batch_size", zero_is_unset=True)
+            or _data_int(config, "train_batch_size", zero_is_unset=True)
             or 1,
             shuffle=_data_bool(config, "shuffle", True),
             seed=_data_int(config, "seed", least=-(2**63)) or 0,
@@ -175,11 +175,12 @@ def _mix_settings(plain: dict[str, Any]) -> tuple[str, float, int]:
     return str(mode), float(share), lag
 
 
-def _data_int(config: Any, key: str, *, least: int = 1) -> int | None:
-    """verl's ``data.<key>`` as an int (None when unset, or 0 for a batch size: verl's "as
-    train_batch_size"), refused naming the key otherwise (``2.5``, ``True``, ``"abc"``)."""
+def _data_int(config: Any, key: str, *, least: int = 1, zero_is_unset: bool = False) -> int | None:
+    """verl's ``data.<key>`` as an int (None when unset; also 0 with ``zero_is_unset``, a batch
+    size's "as train_batch_size"), refused naming the key otherwise (``2.5``, ``True``,
+    ``"abc"``)."""
     value = config.get(key, None)
-    if value is None or (least == 1 and value == 0 and type(value) is int):
+    if value is None or (zero_is_unset and value == 0 and type(value) is int):
         return None
     if type(value) is not int or value < least:
         raise InvalidDataError(f"data.{key} must be an int >= {least}, not {value!r}")
