@@ -71,6 +71,20 @@ def test_checkpoint_mirror_that_is_not_a_url_string_is_refused_before_ray(value:
     _refused("data.dynstate.checkpoint_mirror", {"url": "/x", "checkpoint_mirror": value})
 
 
+def test_checkpoint_mirror_of_a_protocol_nothing_serves_is_refused_before_ray() -> None:
+    """A mirror URL whose protocol no filesystem serves (a typo: ``s4://``) is refused by
+    check_settings, not accepted and then refused at the first push, a step into the run."""
+    message = _refused(
+        "data.dynstate.checkpoint_mirror", {"url": "/x", "checkpoint_mirror": "s4://b/ckpt"}
+    )
+    assert "s4://" in message, message
+
+
+def test_checkpoint_mirror_of_a_known_protocol_is_accepted() -> None:
+    settings = _check({"url": "/x", "checkpoint_mirror": "s3://bucket/ckpt"})
+    assert settings is not None and settings.checkpoint_mirror == "s3://bucket/ckpt"
+
+
 def test_lag_beyond_what_a_sampler_state_holds_is_refused_before_ray() -> None:
     """A lag the sampler refuses (out of [1, 2**40)) is refused by check_settings naming
     data.dynstate.lag, not accepted there and refused in the Ray actor as 'lag=... is out of

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import InvalidDataError
 from .base import DeferredSync, ShardSink, Storage, is_safe_name
+from .connect import check_protocol
 from .credentials import redact
 from .errors import is_client_error, translate
 from .local import LocalStorage
@@ -32,6 +33,7 @@ __all__ = [
     "ObjectStorage",
     "ShardSink",
     "Storage",
+    "check_protocol",
     "is_client_error",
     "is_safe_name",
     "is_transient",

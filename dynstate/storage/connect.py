@@ -35,6 +35,30 @@ def protocol_of(url: str) -> str:
     return url.split("://", 1)[0].lower() if "://" in url else "file"
 
 
+def check_protocol(url: str, shown: str) -> None:
+    """Refuse a URL whose protocol no installed filesystem serves, without building one: a
+    setting kept for later (a checkpoint mirror) is checked when it is given, not at its first
+    use, steps into a run."""
+    protocol = protocol_of(url)
+    if protocol in ("file", "local", "memory"):
+        return
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ImportError:
+        extra = _EXTRAS.get(protocol, protocol)
+        raise MissingDependencyError(
+            f"cannot open {shown}: the {protocol}:// filesystem is not installed; "
+            f"pip install 'dynstate[{extra}]'"
+        ) from None
+    except ValueError:
+        raise InvalidDataError(
+            f"cannot open {shown}: no filesystem serves {protocol}://; use a local path or a "
+            "URL such as s3://bucket/path, gs://bucket/path or az://container/path"
+        ) from None
+
+
 def _option_sinks(protocol: str) -> list[type]:
     """Classes the filesystem hands unknown options on to (their names are valid too)."""
     if protocol not in ("s3", "s3a"):

@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ..errors import InvalidDataError
 from ..loading.selection import FunctionPolicy, Policy, as_policy
 from ..loading.state import MODES
+from ..storage import check_protocol, redact
 
 # mix mode's lag bound, as the sampler's state allows it (loading/state.py)
 MAX_LAG = 2**40
@@ -112,6 +113,8 @@ class Settings:
                 "data.dynstate.checkpoint_mirror must be a URL such as "
                 f"s3://bucket/run-checkpoints (or null for none), not {mirror!r}"
             )
+        if mirror:  # refused now, not at the first push, a step into the run
+            check_protocol(mirror, f"data.dynstate.checkpoint_mirror={redact(mirror)}")
         mode, fresh_share, lag = _mix_settings(plain)
         on_error = plain.get("on_generator_error", "raise")
         if on_error not in ("raise", "skip"):
