@@ -32,6 +32,7 @@ from .errors import (
     VersionCollectedError,
 )
 from .log import Log, shard_path
+from .log.consumption import check_new_record
 from .log.leases import host_id, process_gone
 from .log.outcomes import Pending, outcomes_of
 from .records import manifest as m
@@ -174,12 +175,15 @@ class Writer:
         if consumption is None:
             return None
         url = self.display_url
-        if "step" not in meta:
+        step = meta.get("step")
+        if isinstance(step, bool) or not isinstance(step, int):
+            # None too: a round with no step is found by no resume (Consumption.of_step)
             raise InvalidDataError(
                 f"consumption for {url} is what a step consumed: pass the step's number as "
-                "meta={'step': N} with it; nothing was committed"
+                f"meta={{'step': N}} with it (not {step!r}); nothing was committed"
             )
-        record = check_record(consumption, url, meta["step"])
+        record = check_record(consumption, url, step)
+        check_new_record(self.log, head.version, record["step"])
         rows_version = record["rows_version"]
         if rows_version is not None:
             if rows_version > head.version:
@@ -710,9 +714,12 @@ class Writer:
         if consumption is not None:
             record, checked_at = consumption
             consumed_at = record["rows_version"]
-            if consumed_at is not None and parent.version != checked_at:
-                # the same rule as the outcomes': a reset since may have moved the rows
-                self.log.require_on_lineage(consumed_at, parent.version, "consumption")
+            if parent.version != checked_at:
+                # the same rules as the outcomes': a reset since may have moved the rows, and
+                # another writer may have committed this step's record meanwhile
+                if consumed_at is not None:
+                    self.log.require_on_lineage(consumed_at, parent.version, "consumption")
+                check_new_record(self.log, parent.version, record["step"])
         fp = m.schema_fingerprint(schema) if schema is not None else parent.schema
         if parent.schema != validated and schema is not None:
             # Another writer changed the schema after we checked: only a round whose written

@@ -277,9 +277,12 @@ def consumption_series(store: Store, version: int, *, limit: int | None = None) 
     in_flight, filtered_share}`` each (counts of groups; ``filtered_share``: filtered over
     drawn, None for a step that drew nothing), and ``totals`` over them (``filtered_share``
     over every group drawn). ``limit``: the newest that many steps only, and the lineage is
-    walked back no further than the oldest of them (``complete`` says whether every record is
-    counted)."""
-    records = store.consumption.lineage(version, limit)
+    walked back no further than the record before the oldest of them (``complete`` says
+    whether every record is counted: whether there is no such record)."""
+    records = store.consumption.lineage(version, None if limit is None else limit + 1)
+    complete = limit is None or len(records) <= limit
+    if not complete:
+        records = records[1:]  # oldest first: the one past the limit
     names = _CONSUMED
     steps = []
     for v, record in records:
@@ -297,7 +300,7 @@ def consumption_series(store: Store, version: int, *, limit: int | None = None) 
         "version": version,
         "steps": steps,
         "totals": totals,
-        "complete": limit is None or len(records) < limit,
+        "complete": complete,
     }
 
 

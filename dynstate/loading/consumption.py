@@ -444,7 +444,7 @@ class DynamicSampling:
             for row, scores in self.rank_carry(record)
         ]
         self._rollback(step)
-        position = {k: v for k, v in record["sampler"].items() if k != CARRY_BY_RANK}
+        position = _position(record)
         self.sampler.load_state_dict(position)
         self._position = position
         # Rows are immutable: read again, they are the items the crashed run drew.
@@ -484,6 +484,9 @@ class DynamicSampling:
                 f"max_carry={self.max_carry}; resume with more ranks or a larger max_carry — "
                 "nothing was changed"
             )
+        # The sampler's checks too (its seed, shuffle, a collected version...): refused after
+        # the rollback, they would leave the store rolled back to a checkpoint not resumed.
+        self.sampler._checked_state(_position(record))
         return record
 
     def _rollback(self, step: int) -> None:
@@ -734,3 +737,8 @@ def consumption_records(store: Store, version: int | str | None = None) -> list[
     audits and views; a resume reads only the record of its step."""
     head = store.resolve(version)
     return [{**record, "version": v} for v, record in store.consumption.lineage(head)]
+
+
+def _position(record: dict[str, Any]) -> dict[str, Any]:
+    """The sampler state a consumption record holds (its carry by rank left out)."""
+    return {k: v for k, v in record["sampler"].items() if k != CARRY_BY_RANK}

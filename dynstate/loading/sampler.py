@@ -516,6 +516,16 @@ class VersionedSampler(Sampler[int]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (any rank's, any world size's); checked in full first: a
         bad state raises :class:`StateMismatchError` and leaves the sampler as it was."""
+        batching, position = self._checked_state(state)
+        self._batching = batching
+        self.pos = position
+        self._pinned_now = False
+        self._open = self.pos.version is not None and self._step_shape() is not None
+
+    def _checked_state(self, state: dict[str, Any]) -> tuple[Batching, Position]:
+        """What :meth:`load_state_dict` would adopt from ``state``, every check made and
+        nothing changed: a caller that must refuse before it changes the store (a resume's
+        rollback) checks here first."""
         url = self.dataset.store.display_url
         state = check_state(state, self.dataset.store_id, url)
         # lag and share shape the stream only in mix mode; epoch mode may change them freely
@@ -560,7 +570,4 @@ class VersionedSampler(Sampler[int]):
             # Written while the sampler counted no steps: take them up after the newest round.
             last = store.steps.latest(store.refresh())
             position = replace(position, step=0 if last is None else last + 1)
-        self._batching = batching
-        self.pos = position
-        self._pinned_now = False
-        self._open = self.pos.version is not None and self._step_shape() is not None
+        return batching, position

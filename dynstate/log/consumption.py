@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import CorruptStoreError
+from ..errors import CorruptStoreError, InvalidDataError
 from ..records.consumption import check_record
 from .commits import Log
-from .steps import own_step, round_of
+from .steps import latest_step, own_step, round_of
 
-__all__ = ["Consumption", "lineage_records", "record_of_step"]
+__all__ = ["Consumption", "check_new_record", "lineage_records", "record_of_step"]
 
 
 def _checked(log: Log, version: int, record: dict[str, Any]) -> dict[str, Any]:
@@ -38,6 +38,38 @@ def record_of_step(log: Log, head: int, step: int) -> tuple[int, dict[str, Any]]
     if record.consumption is None or own_step(record) != step or record.op != "append":
         return None
     return version, _checked(log, version, record.consumption)
+
+
+def check_new_record(log: Log, head: int, step: int) -> None:
+    """Refuse (:class:`InvalidDataError`) a consumption record of ``step`` on top of ``head``
+    unless it is the ledger's next: every record of ``head``'s lineage is of an earlier step,
+    and no round of a later step is on it. A step's record committed twice would count its
+    rows twice; one older than the lineage's newest round would be found by no resume
+    (:func:`record_of_step` walks back by step). Walks back as :func:`round_of` does, only as
+    far as the newest round before ``step``."""
+    url = log.display_url
+    newest = latest_step(log, head)
+    if newest is not None and newest > step:
+        raise InvalidDataError(
+            f"consumption for {url}: step {step} is older than step {newest}, the newest step "
+            f"of the lineage of version {head}; a step's record is committed with its round, "
+            "in step order (roll back to before that step to run it again); nothing was "
+            "committed"
+        )
+    for version in log.lineage(head):
+        record = log.commit_record(version)
+        own = own_step(record)
+        if own is not None and own < step:
+            return
+        if record.consumption is not None and record.op == "append":
+            theirs = record.consumption.get("step")
+            if isinstance(theirs, int) and theirs >= step:
+                raise InvalidDataError(
+                    f"consumption for {url}: version {version} already holds the consumption "
+                    f"record of step {theirs}, so step {step}'s rows would count twice; each "
+                    "step's record is committed once (roll back to before that step to run it "
+                    "again); nothing was committed"
+                )
 
 
 def lineage_records(

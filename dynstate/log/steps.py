@@ -17,7 +17,10 @@ Two readings of one walk over the head's lineage, oldest first, down to the gc f
   when it was asked.
 * :func:`version_at_step` — the store *as of the end* of step ``N``: the newest version whose
   step, or the step of the newest round before it (a version without a step — the import, a
-  compaction, a reset — belongs to the step before it), is at most ``N``. Rollback uses it.
+  compaction, a reset — belongs to the step before it), is at most ``N``; an append without
+  a step that records outcomes of a step past ``N`` is not (:func:`outcome_step`: those
+  outcomes are step ``N + 1``'s or later, and a rollback to ``N`` must drop them). Rollback
+  uses it.
 
 Steps along a lineage are expected to grow; both readings stop at the first version whose step
 exceeds ``N``, so a lineage whose steps go back answers by its prefix.
@@ -35,6 +38,7 @@ from .commits import Log
 __all__ = [
     "Steps",
     "latest_step",
+    "outcome_step",
     "own_step",
     "round_of",
     "round_version",
@@ -52,6 +56,16 @@ def own_step(record: Commit) -> int | None:
     if step is None and record.op == "reset":
         step = record.meta.get("rollback_step")
     return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def outcome_step(record: Commit) -> int | None:
+    """The newest step of the outcomes an append recorded (its outcome field's step ranges;
+    a reset's or a compaction's field lists its whole lineage's, so only appends count), or
+    None."""
+    if record.op != "append" or not record.outcomes:
+        return None
+    ranges = record.outcomes.get("steps") or []
+    return max((int(last) for _, last in ranges), default=None)
 
 
 def steps_after(log: Log, head: int, after: int = -1) -> list[tuple[int, int | None]]:
@@ -124,7 +138,11 @@ def version_at_step(log: Log, head: int, step: int) -> int:
     effective: int | None = None
     best: int | None = None
     for version, own in chain:
-        if own is not None:
+        if own is None:
+            late = outcome_step(log.commit_record(version))
+            if late is not None and late > step:
+                break
+        else:
             if own > step:
                 break
             effective = own
