@@ -26,7 +26,7 @@ def setup(tmp_path):
     ds = VersionedDataset(store)
     sampler = VersionedSampler(ds, seed=1, batch_size=4, mode="mix", lag=2)
     it = iter(sampler)
-    for _ in range(6):
+    for _ in range(8):  # two whole steps: a state at a step's end (format 2)
         next(it)
     return ds, sampler.state_dict()
 
@@ -72,6 +72,14 @@ BAD = [
     ("zero replicas", _with(num_replicas=0), "num_replicas=0"),
     ("nan share", _with(fresh_share=float("nan")), "fresh_share"),
     ("no version yet a position", _with(version=None, fresh_version=None), "no version"),
+    ("format 4 without within_step", _with(format=4, select=None), "within_step=None"),
+    ("negative within_step", _with(format=4, select=None, within_step=-1), "within_step=-1"),
+    ("within_step as text", _with(format=4, select=None, within_step="2"), "within_step='2'"),
+    (
+        "within_step with no version",
+        _with(format=4, select=None, within_step=2, version=None, fresh_version=None),
+        "without a pinned version",
+    ),
     ("other store", _with(store_id="0" * 32), "belongs to store"),
     ("rows differ", _with(base_rows=19, position=4, base_next=4), "has 20 rows"),
     ("other seed", _with(seed=2), "seed=2"),
@@ -99,7 +107,8 @@ def test_newer_format_says_upgrade(setup):
     ds, good = setup
     sampler = VersionedSampler(ds, seed=1, batch_size=4, mode="mix", lag=2)
     with pytest.raises(UnsupportedFormatError, match="upgrade dynstate"):
-        sampler.load_state_dict({**good, "format": 4})  # 3: a state with a selection policy
+        # 3: a state with a selection policy; 4: one saved within a step
+        sampler.load_state_dict({**good, "format": 5})
 
 
 def test_constructor_refuses_bad_settings(setup):

@@ -223,7 +223,8 @@ def test_resume_with_another_policy_is_refused(tmp_path):
     store = _store_with_rates(str(tmp_path / "s"), [2] * 4, [1] * 4)
     ds = VersionedDataset(store)
     sampler = VersionedSampler(ds, batch_size=2, select=PassRateBand(0.1, 0.9))
-    next(iter(sampler))
+    it = iter(sampler)
+    next(it), next(it)  # the whole first step: a state at its end
     state = sampler.state_dict()
     assert state["format"] == 3
     assert state["select"] == {"policy": "band", "params": {"lo": 0.1, "hi": 0.9, "untried": True}}
@@ -233,7 +234,8 @@ def test_resume_with_another_policy_is_refused(tmp_path):
             fresh.load_state_dict(state)
         assert fresh.pos.version is None  # left as it was
     plain = VersionedSampler(ds, batch_size=2)
-    next(iter(plain))
+    it = iter(plain)
+    next(it), next(it)
     assert plain.state_dict()["format"] == 2 and "select" not in plain.state_dict()
     with pytest.raises(StateMismatchError, match="select="):
         VersionedSampler(ds, batch_size=2, select=Learnability()).load_state_dict(
@@ -244,7 +246,7 @@ def test_resume_with_another_policy_is_refused(tmp_path):
             {**state, "select": {"policy": "band", "params": {"lo": float("nan")}}}
         )
     with pytest.raises(UnsupportedFormatError):
-        sampler.load_state_dict({**state, "format": 4})
+        sampler.load_state_dict({**state, "format": 5})
 
 
 # -- resume equivalence over a growing store with outcomes every step ------------------------
@@ -504,7 +506,8 @@ def test_a_step_is_drawn_without_replaying_earlier_steps(tmp_path):
     policy = Learnability()
     sampler = VersionedSampler(ds, batch_size=4, select=policy, seed=11)
     it = iter(sampler)
-    next(it)
+    for _ in range(4):  # the whole first step: a state at its end
+        next(it)
     state = {**sampler.state_dict(), "step": 10_000}
     resumed = VersionedSampler(ds, batch_size=4, select=Learnability(), seed=11)
     resumed.load_state_dict(state)

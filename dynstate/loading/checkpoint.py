@@ -296,6 +296,31 @@ def saved_workers(state: Any) -> int | None:
     return None
 
 
+# The entries torchdata 0.11 writes, and reads back at the next iter(), by layout.
+_SINGLE_KEYS = (*_MAIN_KEYS, _SHARED_SEED, _NUM_YIELDED, _FETCHER_STATE, _DATASET_STATE, _FINISHED)
+_MULTI_KEYS = (_SNAPSHOT, _STEPS_SINCE, _FINISHED)
+_SNAPSHOT_KEYS = (_SNAPSHOT_STEP, _LAST_WORKER, _MAIN, _WORKERS)
+_MULTI_MAIN_KEYS = (*_MAIN_KEYS, _SHARED_SEED, _NUM_WORKERS, _BASE_SEED)
+
+
+def _missing_entry(state: dict[str, Any], num_workers: int) -> str | None:
+    """The first entry of ``num_workers``'s layout that ``state`` lacks, or None."""
+    if num_workers == 0:
+        return next((k for k in _SINGLE_KEYS if k not in state), None)
+    for keys, part in (
+        (_MULTI_KEYS, state),
+        (_SNAPSHOT_KEYS, state.get(_SNAPSHOT)),
+        (_MULTI_MAIN_KEYS, (state.get(_SNAPSHOT) or {}).get(_MAIN)),
+    ):
+        if not isinstance(part, dict):
+            return keys[0]
+        missing = next((k for k in keys if k not in part), None)
+        if missing is not None:
+            return missing
+    workers = state[_SNAPSHOT][_WORKERS]
+    return None if isinstance(workers, dict) else _WORKERS
+
+
 def carry_loader_state(
     state: dict[str, Any], num_workers: int, refuse: Callable[[str], Exception]
 ) -> dict[str, Any]:
@@ -305,6 +330,11 @@ def carry_loader_state(
     nothing."""
     saved = saved_workers(state)
     if saved == num_workers:
+        # loaded as it is, but checked as whole first: torchdata reads it only at the next
+        # iter(), and a missing entry then fails with a bare KeyError
+        missing = _missing_entry(state, num_workers)
+        if missing is not None:
+            raise refuse(f"it lacks torchdata's {missing!r} entry (a damaged state)")
         return state
     if saved is None:
         raise refuse("its layout is not one torchdata 0.11 writes")
@@ -379,6 +409,11 @@ def load_loader_state(loader: Any, state: dict[str, Any]) -> None:
     saved = saved_workers(state)
 
     def refuse(why: str) -> StateMismatchError:
+        if saved == num_workers:  # the state itself is damaged
+            return StateMismatchError(
+                f"this loader state cannot be loaded: {why}; pass the state "
+                "StatefulDataLoader.state_dict() returned, or resume from an earlier checkpoint"
+            )
         was = "an unknown number of" if saved is None else str(saved)
         return StateMismatchError(
             f"this loader state was saved by a StatefulDataLoader with {was} worker(s), "

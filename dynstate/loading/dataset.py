@@ -8,6 +8,7 @@ unpickling (``_view``, ``store``, ``cache``). What a read needs of one version l
 from __future__ import annotations
 
 import bisect
+import operator
 import os
 import tempfile
 from collections.abc import Sequence
@@ -42,7 +43,14 @@ def encode_index(version: int, row: int) -> int:
 
 def decode_index(index: int) -> tuple[int | None, int]:
     """(version or None, row) of a dataset index; plain row numbers have no version."""
-    index = int(index)
+    try:
+        # an int or what stands for one (numpy ints, an int tensor), never a float truncated
+        # or a string parsed: a row nobody asked for
+        index = operator.index(index)
+    except TypeError:
+        raise InvalidDataError(
+            f"a dataset index is an int (a row, or a VersionedSampler index), not {index!r}"
+        ) from None
     if index < 0:
         raise RowOutOfRangeError(
             f"negative row index {index}; VersionedDataset indices are row numbers from 0"
@@ -237,11 +245,11 @@ class VersionedDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         try:
             version, row = decode_index(index)
-        except (TypeError, ValueError) as exc:
+        except InvalidDataError:
             raise InvalidDataError(
                 f"a dataset index must be an int (a row, or a VersionedSampler index) for "
                 f"{self.url}, not {index!r}; use __getitems__ or read_batch for several"
-            ) from exc
+            ) from None
         view = self._plain_view(row) if version is None else self._tagged_view(version, index)
         if row >= view.num_rows:
             raise self._out_of_range(view, row)
@@ -279,13 +287,15 @@ class VersionedDataset(Dataset):
         None there in the columnar formats."""
         if format not in BATCH_FORMATS:
             raise InvalidDataError(f"format must be one of {BATCH_FORMATS}, not {format!r}")
-        groups = self._groups(indices)
+        idx = self._index_array(indices)
+        groups = self._groups(idx)
+        n = len(idx)
         if format == "arrow":
             empty = groups[0][1] if groups else self._view(self.version)
-            batch = arrow_batch(self.cache, self.store, groups, len(indices), empty)
+            batch = arrow_batch(self.cache, self.store, groups, n, empty)
             if self.row_column is None:
                 return batch
-            numbers = int64_array(self._row_numbers(groups, len(indices)))
+            numbers = int64_array(self._row_numbers(groups, n))
             return batch.append_column(self.row_column, numbers)
         cache, store = self.cache, self.store
         parts = [
@@ -293,22 +303,22 @@ class VersionedDataset(Dataset):
             for positions, view, rows in groups
         ]
         if format == "columns":
-            columns = _merge_columns(parts, len(indices))
+            columns = _merge_columns(parts, n)
             if self.row_column is not None:
-                columns[self.row_column] = self._row_numbers(groups, len(indices))
+                columns[self.row_column] = self._row_numbers(groups, n)
             return columns
         if len(parts) == 1:
             _, view, values = parts[0]
-            out = _rows(view.names, values, len(indices))
+            out = _rows(view.names, values, n)
         else:
-            out = [{} for _ in range(len(indices))]  # every position is filled below
+            out = [{} for _ in range(n)]  # every position is filled below
             for positions, view, values in parts:
                 for p, row in zip(
                     positions.tolist(), _rows(view.names, values, len(positions)), strict=True
                 ):
                     out[p] = row
         if self.row_column is not None:
-            for item, number in zip(out, self._row_numbers(groups, len(indices)), strict=True):
+            for item, number in zip(out, self._row_numbers(groups, n), strict=True):
                 item[self.row_column] = number
         return out
 
@@ -322,15 +332,55 @@ class VersionedDataset(Dataset):
 
     # -- batch internals ---------------------------------------------------------------------
 
-    def _groups(self, indices: Sequence[int]) -> list[tuple[np.ndarray, View, np.ndarray]]:
-        """(positions in the batch, view, rows) per version the batch reads, rows checked."""
+    def _index_array(self, indices: Sequence[int]) -> np.ndarray:
+        """``indices`` as int64, refused unless they are a flat sequence of ints: a float is
+        not truncated, a string not parsed, a nested list not flattened and a boolean mask
+        not read as rows 0 and 1 (each would return rows nobody asked for)."""
+        what = (
+            f"dataset indices must be a flat sequence of non-negative ints (rows, or "
+            f"VersionedSampler's indices) for {self.url}"
+        )
+        if isinstance(indices, (str, bytes)):
+            raise InvalidDataError(f"{what}, not the string {indices!r}")
         try:
-            idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        except (TypeError, ValueError, OverflowError) as exc:
+            raw = np.asarray(indices)
+        except (TypeError, ValueError) as exc:
+            raise InvalidDataError(f"{what}: {exc}") from None
+        if raw.ndim != 1:
+            shape = "one index" if raw.ndim == 0 else f"an array of shape {raw.shape}"
+            raise InvalidDataError(f"{what}, not {shape}; ds[i] reads one row")
+        if raw.size == 0:
+            return np.empty(0, dtype=np.int64)
+        kind = raw.dtype.kind
+        if kind == "b":
             raise InvalidDataError(
-                f"dataset indices must be non-negative ints (rows, or VersionedSampler's "
-                f"indices) for {self.url}: {exc}"
-            ) from None
+                f"{what}, not a boolean mask; pass the rows it selects (numpy.flatnonzero(mask))"
+            )
+        if kind == "u" and raw.dtype.itemsize == 8 and int(raw.max()) > np.iinfo(np.int64).max:
+            raise RowOutOfRangeError(f"row index {int(raw.max())} for {self.url} is out of range")
+        if kind == "O":  # Python ints past int64, or a mix: each must be an int itself
+            try:
+                raw = np.array([operator.index(i) for i in raw.tolist()], dtype=object)
+            except TypeError:
+                bad = next(i for i in raw.tolist() if not hasattr(type(i), "__index__"))
+                raise InvalidDataError(f"{what}, not {bad!r}") from None
+            if any(i > np.iinfo(np.int64).max for i in raw.tolist()):
+                top = max(raw.tolist())
+                raise RowOutOfRangeError(f"row index {top} for {self.url} is out of range")
+            if any(i < 0 for i in raw.tolist()):
+                low = min(raw.tolist())
+                raise RowOutOfRangeError(
+                    f"negative row index {low} for {self.url}; VersionedDataset indices are "
+                    "row numbers from 0"
+                )
+        elif kind not in "iu":
+            first = raw.reshape(-1)[0]
+            raise InvalidDataError(f"{what}, not {raw.dtype} values such as {first!r}")
+        return raw.astype(np.int64, copy=False)
+
+    def _groups(self, idx: np.ndarray) -> list[tuple[np.ndarray, View, np.ndarray]]:
+        """(positions in the batch, view, rows) per version the batch reads, rows checked;
+        ``idx``: :meth:`_index_array`'s."""
         if len(idx) and idx.min() < 0:
             raise RowOutOfRangeError(
                 f"negative row index {int(idx[idx < 0][0])} for {self.url}; VersionedDataset "

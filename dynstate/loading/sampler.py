@@ -34,7 +34,16 @@ from .batching import Batching, check_lag
 from .dataset import VersionedDataset, encode_index
 from .permutation import EpochOrder, FeistelPermutation
 from .selection import Policy, as_policy
-from .state import MODES, SELECT_FORMAT, STATE_KIND, Position, _is_int, check_settings, check_state
+from .state import (
+    MODES,
+    SELECT_FORMAT,
+    STATE_KIND,
+    WITHIN_FORMAT,
+    Position,
+    _is_int,
+    check_settings,
+    check_state,
+)
 from .weights import Selector, step_rng
 
 log = logging.getLogger("dynstate")
@@ -143,6 +152,15 @@ class VersionedSampler(Sampler[int]):
             raise InvalidDataError(f"fresh_share must be in (0, 1], not {fresh_share!r}")
         if not _is_int(lag) or lag < 1:
             raise InvalidDataError(f"lag must be an int >= 1, not {lag!r}")
+        if (
+            isinstance(wait_timeout, bool)
+            or not isinstance(wait_timeout, (int, float))
+            or not wait_timeout >= 0  # NaN too: it would wait forever for a missing round
+        ):
+            raise InvalidDataError(
+                f"wait_timeout must be a number of seconds >= 0 (math.inf: no bound), not "
+                f"{wait_timeout!r}"
+            )
         world = _dist_world() if num_replicas is None or rank is None else None
         if num_replicas is None:
             num_replicas = world[0] if world else 1
@@ -174,7 +192,7 @@ class VersionedSampler(Sampler[int]):
         self.lag = int(lag) if _is_int(lag) else lag
         self.num_replicas = int(num_replicas)
         self.rank = int(rank)
-        self.wait_timeout = wait_timeout
+        self.wait_timeout = float(wait_timeout)
         self.prefetch = prefetch
         self.first_step = int(first_step)
         self.select: Policy | None = policy
@@ -184,6 +202,13 @@ class VersionedSampler(Sampler[int]):
         self._prefetched = -1
         self._open = False  # an epoch is under way: it started and not all its indices left
         self._pinned_now = False  # __iter__ just pinned the first epoch
+        # The position counts whole steps, and moves before a step's indices leave. A state
+        # asked for between two of them is the step's start (``_step_start``) and how many of
+        # them this rank handed out (``within_step``); ``_owed``: how many it has not yet.
+        self._owed = 0
+        self._taken = 0
+        self._step_start = self.pos
+        self._skip = 0  # a loaded state's within_step: the next step's indices to leave out
         # Maps a step of this sampler's count to the step of the round (``meta["step"]``)
         # that rules it: the same number when each training step draws one sampler step;
         # DynamicSampling, whose training steps draw a varying number, sets its own
@@ -233,8 +258,10 @@ class VersionedSampler(Sampler[int]):
 
     def check_loader(self, loader: Any) -> Any:
         """Check that ``loader`` batches as this sampler counts, and that mix mode's ``lag`` is
-        deeper than its prefetch; returns the loader. The batch checks also run by themselves
-        at ``len(loader)`` and the first draw of every epoch; the ``lag`` check needs this call."""
+        deeper than its prefetch; returns the loader. Without this call nothing compares them:
+        a loader that batches by another size still resumes exactly (:meth:`state_dict` saves
+        how far into a step it was), but the sampler's steps are not the loader's, and the
+        ``lag`` is not checked."""
         batch_sampler = getattr(loader, "batch_sampler", None)
         if getattr(loader, "sampler", None) is not self and (
             getattr(batch_sampler, "sampler", None) is not self
@@ -285,6 +312,7 @@ class VersionedSampler(Sampler[int]):
         # A generator: later epochs start at their first index, by the step rule, so the
         # extra iter() calls StatefulDataLoader makes while restoring have no effect.
         pinned_now, self._pinned_now = self._pinned_now, False
+        self._owed = 0  # a new iterator: an abandoned one's step is not this one's
         if self.pos.version is None or (self._step_shape() is None and not pinned_now):
             self._start_epoch()
         if self.mode == "epoch":
@@ -397,8 +425,20 @@ class VersionedSampler(Sampler[int]):
             # the batch is complete, and every rank must hold the same state.
             slot = self.pos.slot + slots
             counted = self.batch_size is not None
+            begun = self.pos
             self.pos = replace(self.pos, slot=slot, base_next=slot, step=self.pos.step + counted)
-            yield from [tag | row for row in (rows[rank::replicas] if replicas > 1 else rows)]
+            yield from self._hand_out(
+                begun, [tag | row for row in (rows[rank::replicas] if replicas > 1 else rows)]
+            )
+
+    def _hand_out(self, start: Position, indices: list[int]) -> Iterator[int]:
+        """This rank's indices of the step that starts at ``start``, counted (see
+        :meth:`state_dict`); a loaded state's ``within_step`` first ones left out."""
+        skip, self._skip = self._skip, 0
+        self._step_start = start
+        for taken in range(skip + 1, len(indices) + 1):
+            self._taken, self._owed = taken, len(indices) - taken
+            yield indices[taken - 1]
 
     # -- selection -----------------------------------------------------------------------
 
@@ -427,8 +467,11 @@ class VersionedSampler(Sampler[int]):
             slots, per_rank = shape
             rows = self._selected(self.pos.version, per_rank * replicas)  # type: ignore[arg-type]
             slot = self.pos.slot + slots
+            start = self.pos
             self.pos = replace(self.pos, slot=slot, base_next=slot, step=self.pos.step + 1)
-            yield from [tag | row for row in (rows[rank::replicas] if replicas > 1 else rows)]
+            yield from self._hand_out(
+                start, [tag | row for row in (rows[rank::replicas] if replicas > 1 else rows)]
+            )
 
     def _iter_mix(self) -> Iterator[int]:
         assert self.batch_size is not None
@@ -461,7 +504,7 @@ class VersionedSampler(Sampler[int]):
                 fresh_version=fresh_version,
                 step=p.step + 1,
             )
-            yield from batch[rank::replicas] if replicas > 1 else batch
+            yield from self._hand_out(p, batch[rank::replicas] if replicas > 1 else batch)
 
     def _round_step(self, step: int) -> int:
         """The round step (``meta["step"]``) that sampler step ``step`` is ruled by."""
@@ -493,11 +536,23 @@ class VersionedSampler(Sampler[int]):
     # -- state -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        """The position as plain types. Asked for between two indices of one step (a loader
+        that batches by another size than the sampler counts, or a loop that iterates the
+        sampler itself), it is the step's start and ``within_step``, how many of this rank's
+        indices of the step were handed out: a resume hands out the rest of the step."""
         # Format 3 only with a policy: a dynstate without selection refuses such a state
-        # (newer format) instead of resuming without the policy; other states stay format 2.
-        selection = {} if self.select is None else {"select": self.select.identity()}
+        # (newer format) instead of resuming without the policy; format 4 only mid-step, so
+        # that a dynstate that cannot continue one refuses it; other states stay format 2.
+        within = self._taken if self._owed else 0
+        identity = None if self.select is None else self.select.identity()
+        selection: dict[str, Any] = {} if identity is None else {"select": identity}
+        fmt = SELECT_FORMAT if identity is not None else 2
+        if within:
+            fmt = WITHIN_FORMAT
+            selection = {"select": identity, "within_step": within}
+        pos = self._step_start if within else self.pos
         return {
-            "format": SELECT_FORMAT if self.select is not None else 2,
+            "format": fmt,
             "kind": STATE_KIND,
             "store_id": self.dataset.store_id,
             "store_url": self.dataset.store.display_url,
@@ -509,20 +564,23 @@ class VersionedSampler(Sampler[int]):
             "lag": self.lag,
             "drop_last": self.drop_last,
             "num_replicas": self.num_replicas,
-            **self.pos.state(self.mode),
+            **pos.state(self.mode),
             **selection,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (any rank's, any world size's); checked in full first: a
         bad state raises :class:`StateMismatchError` and leaves the sampler as it was."""
-        batching, position = self._checked_state(state)
+        batching, position, within = self._checked_state(state)
         self._batching = batching
         self.pos = position
         self._pinned_now = False
+        self._owed = self._taken = 0
+        self._step_start = position
+        self._skip = within
         self._open = self.pos.version is not None and self._step_shape() is not None
 
-    def _checked_state(self, state: dict[str, Any]) -> tuple[Batching, Position]:
+    def _checked_state(self, state: dict[str, Any]) -> tuple[Batching, Position, int]:
         """What :meth:`load_state_dict` would adopt from ``state``, every check made and
         nothing changed: a caller that must refuse before it changes the store (a resume's
         rollback) checks here first."""
@@ -532,6 +590,10 @@ class VersionedSampler(Sampler[int]):
         keys = ["mode", "shuffle", "seed"]
         if self._batching.given:
             keys += ["drop_last", "batch_size"]
+        elif state["batch_size"] is None and max(self.num_replicas, state["num_replicas"]) > 1:
+            # uncounted steps keep this sampler's drop_last (adopt below), which decides over
+            # several ranks whether an epoch's end is dropped or padded
+            keys.append("drop_last")
         if self.mode == "mix":
             keys += ["fresh_share", "lag"]
         for key in keys:
@@ -570,4 +632,12 @@ class VersionedSampler(Sampler[int]):
             # Written while the sampler counted no steps: take them up after the newest round.
             last = store.steps.latest(store.refresh())
             position = replace(position, step=0 if last is None else last + 1)
-        return batching, position
+        within = state["within_step"]
+        if within and state["num_replicas"] != self.num_replicas:
+            raise StateMismatchError(
+                f"sampler state for {url} was saved within a step by "
+                f"num_replicas={state['num_replicas']}, after {within} of each rank's indices; "
+                f"this sampler has num_replicas={self.num_replicas}, whose ranks share the step "
+                "otherwise; resume with the same number of ranks"
+            )
+        return batching, position, within

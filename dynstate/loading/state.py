@@ -14,8 +14,10 @@ from ..errors import InvalidDataError, StateMismatchError, UnsupportedFormatErro
 from ..records.codec import MAX_COUNT, int_fits
 from ..records.inputs import check_plain
 
-STATE_FORMAT = 3  # written only by a sampler with a selection policy; else 2
-SELECT_FORMAT = 3
+STATE_FORMAT = 4  # written only when asked for within a step (see within_step); else 2 or 3
+SELECT_FORMAT = 3  # written by a sampler with a selection policy
+WITHIN_FORMAT = 4  # holds ``within_step``: this rank's indices of the step at the position
+# already handed out, when the state is asked for between two of them
 STATE_KIND = "dynstate.VersionedSampler"
 MODES = ("epoch", "mix")
 _MAX_ROWS = 2**40  # rows of one version; an index carries its row in 40 bits
@@ -174,6 +176,21 @@ def check_state(state: Any, store_id: str, url: str) -> dict[str, Any]:
                 "VersionedSampler.state_dict() writes it"
             )
         out["select"] = select
+    out["within_step"] = 0
+    if fmt >= WITHIN_FORMAT:
+        within = state.get("within_step")
+        if type(within) is not int or not 0 <= within < _MAX_ROWS:
+            raise StateMismatchError(
+                f"sampler state for {url} (format {fmt}) has within_step="
+                f"{_QUOTE.repr(within)}; expected a plain int in [0, 2**40), as "
+                "VersionedSampler.state_dict() writes it"
+            )
+        if within and (state["version"] is None or state["batch_size"] is None):
+            raise StateMismatchError(
+                f"sampler state for {url} is inconsistent: within_step={within} without a "
+                "pinned version and a batch_size"
+            )
+        out["within_step"] = within
     if fmt == 1:
         # Format 1 counted only base rows in ``position``; slots include the fresh ones drawn.
         fresh_drawn = state["fresh_next"] - state["base_rows"] if state["mode"] == "mix" else 0

@@ -41,6 +41,10 @@ def for_workers(state: dict[str, Any], num_workers: int, path: str, url: str) ->
     saved = saved_workers(state)
 
     def refuse(why: str) -> StateMismatchError:
+        if saved == num_workers:  # the state itself is damaged
+            return StateMismatchError(
+                f"{path} cannot be loaded: {why}; resume {url} from an earlier checkpoint"
+            )
         was = "an unknown number of" if saved is None else str(saved)
         return StateMismatchError(
             f"{path} was written by a train loader with {was} worker(s) "
