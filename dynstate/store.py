@@ -246,7 +246,13 @@ class Store:
         if isinstance(version, str):
             if not (version.isascii() and version.isdigit()):
                 return self._tags.version(version)
-            version = int(version)
+            digits = version.lstrip("0") or "0"
+            if len(digits) > 20:  # past any head, and past int()'s digit limit at 4,300
+                self.refresh()
+                raise VersionNotFoundError(
+                    self.log.not_found(f"{digits[:20]}... ({len(digits)} digits)")
+                )
+            version = int(digits)
         self.log.check_version(version)
         return version
 

@@ -27,6 +27,7 @@ from ..errors import (
     CorruptStoreError,
     DynstateError,
     LeaseExpiredError,
+    StoreNotFoundError,
     VersionCollectedError,
     VersionNotFoundError,
 )
@@ -186,6 +187,10 @@ class Log(Catalog):
         caller read just now (:meth:`dynstate.store.Store.open` reads them together with
         ``store.json``); otherwise both are read here, together."""
         gc_raw, hint = read if read is not None else self.storage.read_many(ROOT_FILES)
+        if gc_raw is None and hint is None and self._head > 0:
+            # Neither file, though versions were seen: the hint is lost (it is best effort),
+            # or the store is gone, which the cached records would otherwise hide.
+            self.require_store()
         self._set_floor(gc_raw)
         start = max(self._head, self._floor)
         if hint is not None:
@@ -235,6 +240,15 @@ class Log(Catalog):
                 hi = mid
         self._head = lo
         return lo
+
+    def require_store(self) -> None:
+        """:class:`StoreNotFoundError` unless the store's ``store.json`` is there (a store
+        deleted while a handle had it open)."""
+        if self.storage.try_read(paths.STORE_FILE) is None:
+            raise StoreNotFoundError(
+                f"no dynstate store at {self.display_url} any more: its {paths.STORE_FILE} is "
+                "gone (the store was deleted or moved while open); check the URL"
+            )
 
     # -- records ---------------------------------------------------------------------------
 

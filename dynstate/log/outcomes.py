@@ -315,7 +315,11 @@ class Outcomes:
         outcomes is created, so a version that holds them is never missed."""
         if self._since is not None:
             return self._since
-        obj = m.decode(self.storage.read(m.STORE_FILE), self.log.where(m.STORE_FILE))
+        raw = self.storage.try_read(m.STORE_FILE)
+        if raw is None:
+            self.log.require_store()  # raises: the store was deleted while open
+            raw = self.storage.read(m.STORE_FILE)  # it came back meanwhile
+        obj = m.decode(raw, self.log.where(m.STORE_FILE))
         if obj.get("format", 1) < m.OUTCOMES_FORMAT:
             return None
         since = obj.get("outcomes_since", -1)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..errors import DynstateError, VersionNotFoundError
+from ..errors import DynstateError, VersionCollectedError, VersionNotFoundError
 from ..history import describe, diff, growth, summary, version_rows
 from ..history.outcomes import NO_OUTCOMES, OutcomeViews, RowSelection, outcome_records_count
 from ..history.story import consumption_series, drawn_band_series, step_story
@@ -107,15 +107,17 @@ class StoreView:
 
     # -- store -------------------------------------------------------------------------------
 
-    def growth(self) -> dict[str, Any]:
-        """The head lineage's growth (:func:`dynstate.history.growth`), cached per head (a
-        later head re-reads only records it has not read before, which the store caches)."""
-        head = self.store.refresh()
+    def growth(self, head: int | None = None) -> dict[str, Any]:
+        """The growth (:func:`dynstate.history.growth`) of the lineage of ``head`` (default:
+        the head read now), cached per head (a later head re-reads only records it has not
+        read before, which the store caches)."""
+        if head is None:
+            head = self.store.refresh()
         with self._growth_lock:
             if self._growth is not None and self._growth[0] == head:
                 return self._growth[1]
             try:
-                data = growth(self.store)
+                data = growth(self.store, self.lineage.chain(head))
             except DynstateError:
                 raise
             except (ArithmeticError, ValueError, TypeError, MemoryError) as exc:
@@ -135,15 +137,20 @@ class StoreView:
         info["checkpoints"] = [{"id": k, "path": path} for k, path in enumerate(self.checkpoints)]
         info["outcome_records"] = outcome_records_count(self.store, info["head"])
         if with_growth:
-            info["growth"] = self.growth()
+            info["growth"] = self.growth(info["head"])
         return info
 
     # -- versions ----------------------------------------------------------------------------
 
-    def versions_page(self, *, limit: str | None = None, before: str | None = None) -> dict:
+    def versions_page(
+        self, *, limit: str | None = None, before: str | None = None, head: int | None = None
+    ) -> dict:
         """Versions newest first: ``limit`` of them below ``before`` (default: from the head).
-        Reads the records shown and the head's lineage down to the oldest one shown."""
-        head = self.store.refresh()
+        Reads the records shown and the head's lineage down to the oldest one shown. ``head``:
+        the head a caller has just read (:meth:`store_info`'s), for a page that names one head
+        however the store moves meanwhile; by default it is read now."""
+        if head is None:
+            head = self.store.refresh()
         floor = self.store.floor
         n = int_param(limit, "limit", 50, 1, MAX_LIMIT)
         top = int_param(before, "before", head + 1, 0, None)
@@ -277,8 +284,12 @@ class StoreView:
         seg = rounds.of_row(i)
         round_info = None
         if seg is not None and seg.version is not None:
-            record = self.store.commit_record(seg.version)
-            round_info = {**seg.to_json(), "op": record.op, "meta": record.meta}
+            try:
+                record = self.store.commit_record(seg.version)
+            except VersionCollectedError:
+                record = None  # collected since the rounds were read: no round, as docs say
+            if record is not None:
+                round_info = {**seg.to_json(), "op": record.op, "meta": record.meta}
         up, up_edges = ancestors(snap, i, values, self.rows.read)
         index = self.lineage.index(v)
         down, down_edges = descendants(index, i)

@@ -8,9 +8,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from importlib import resources
 from typing import Any
+from urllib.parse import quote
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -35,7 +36,7 @@ from .chart import growth_svg
 from .graph import graph_svg
 from .outcome_charts import band_color, band_svg, filtered_svg, pass_rate_svg
 from .render import dumps, environment, qs, web_terms
-from .rows import OUTCOME_PARAMS, RESERVED
+from .rows import OUTCOME_PARAMS, column_filters
 
 log = logging.getLogger("dynstate")
 
@@ -93,13 +94,22 @@ class Site:
     def json(self, data: Any, status: int = 200) -> Response:
         return Response(self.body(dumps(data)), status, media_type="application/json")
 
-    def error(self, request: Request, status: int, message: str) -> Response:
+    def error(
+        self,
+        request: Request,
+        status: int,
+        message: str,
+        headers: Mapping[str, str] | None = None,
+    ) -> Response:
         message = scrub(web_terms(message), self.view.secrets)
         if request.url.path.startswith("/api/"):
-            return self.json({"error": message, "status": status}, status)
-        return self.page(
-            request, "error.html", "/api/store", status, status=status, message=message
-        )
+            response = self.json({"error": message, "status": status}, status)
+        else:
+            response = self.page(
+                request, "error.html", "/api/store", status, status=status, message=message
+            )
+        response.headers.update(headers or {})
+        return response
 
     def warm_up(self) -> None:
         """Build the growth chart and the head's outcome bands in a background thread, once."""
@@ -139,24 +149,26 @@ class Site:
     async def not_found(self, request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 404
         detail = exc.detail if isinstance(exc, HTTPException) else "not found"
+        # A 405 names the methods allowed in its Allow header (RFC 9110 §15.5.6).
+        headers = exc.headers if isinstance(exc, HTTPException) else None
         if status == 404:
             detail = f"no page at {request.url.path}; the store page is /, the API is /api/store"
-        return self.error(request, status, str(detail))
+        elif status == 405:
+            detail = f"{request.method} is not allowed: the web view is read-only (GET only)"
+        return self.error(request, status, str(detail), headers)
 
     # -- documents shared by a page and its twin ---------------------------------------------
 
-    def rows(self, request: Request) -> dict[str, Any]:
+    def rows(self, request: Request, version: int | None = None) -> dict[str, Any]:
+        """The rows document of the path's version, or of ``version`` (the number a page has
+        resolved already: a page shows one version however the head moves meanwhile)."""
         q = request.query_params
-        filters: dict[str, list[str]] = {}
-        for key, value in q.multi_items():
-            if key not in RESERVED:
-                filters.setdefault(key, []).append(value)
         return self.view.rows_page(
-            request.path_params["v"],
+            request.path_params["v"] if version is None else version,
             offset=q.get("offset"),
             limit=q.get("limit"),
             q=q.get("q"),
-            filters=filters,
+            filters=column_filters(q.multi_items()),
             outcome={k: q.get(k) for k in OUTCOME_PARAMS},
         )
 
@@ -201,8 +213,9 @@ class Site:
 
     def store_page(self, request: Request) -> Response:
         view = self.view
+        # One head for the whole page: the summary's, read once (a writer may commit meanwhile).
         info = view.store_info()
-        recent = view.versions_page(limit="15")
+        recent = view.versions_page(limit="15", head=info["head"])
         try:
             chart = growth_svg(info["growth"], link=f"{_base(request)}/versions/")
         except (ArithmeticError, ValueError, TypeError, MemoryError) as exc:
@@ -219,7 +232,7 @@ class Site:
 
     def version_page(self, request: Request) -> Response:
         info = self.view.version_info(request.path_params["v"])
-        rows = self.rows(request)
+        rows = self.rows(request, info["version"])
         api_path = f"/api/versions/{info['version']}/rows{qs(request)}"
         return self.page(request, "version.html", api_path, info=info, rows=rows)
 
@@ -260,7 +273,9 @@ class Site:
     def diff_form(self, request: Request) -> Response:
         q = request.query_params
         if q.get("a") and q.get("b"):
-            return RedirectResponse(f"{_base(request)}/diff/{q['a']}/{q['b']}", status_code=303)
+            # Each of what was typed is one path segment: its own page answers for it.
+            a, b = quote(q["a"], safe=""), quote(q["b"], safe="")
+            return RedirectResponse(f"{_base(request)}/diff/{a}/{b}", status_code=303)
         head = self.view.store.refresh()
         return self.page(request, "diff_form.html", "/api/store", head=head)
 

@@ -129,7 +129,12 @@ def source_edges(table: pa.Table, offset: int) -> tuple[np.ndarray, np.ndarray]:
     if SOURCE_COLUMN not in table.column_names or table.num_rows == 0:
         return np.empty(0, np.int64), np.empty(0, np.int64)
     column = table.column(SOURCE_COLUMN).combine_chunks()
-    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+    if not (
+        (pa.types.is_list(column.type) or pa.types.is_large_list(column.type))
+        and pa.types.is_integer(column.type.value_type)
+    ):
+        # Sources are row numbers; a list of text, floats or booleans names no row (as
+        # graph.sources reads one row's), so it adds no edge rather than a cast one.
         return np.empty(0, np.int64), np.empty(0, np.int64)
     flat = pc.list_flatten(column)
     parents = pc.list_parent_indices(column)
@@ -145,7 +150,9 @@ class LineageCache:
     def __init__(self, store: Store, *, max_versions: int = 8):
         self.store = store
         self.max_versions = max_versions
-        self._rounds: OrderedDict[int, Rounds] = OrderedDict()
+        # by (version, gc floor): a round whose record gc collected has no number for a fresh
+        # reader, and must have none here once the floor rose past it
+        self._rounds: OrderedDict[tuple[int, int], Rounds] = OrderedDict()
         self._indexes: OrderedDict[int, DescendantIndex] = OrderedDict()
         self._lock = threading.Lock()
         self._building: dict[int, threading.Lock] = {}
@@ -156,15 +163,17 @@ class LineageCache:
         return [self.store.commit_record(v) for v in reversed(lineage(self.store, version, floor))]
 
     def rounds(self, version: int) -> Rounds:
+        key = (version, self.store.floor)
         with self._lock:
-            cached = self._rounds.get(version)
+            cached = self._rounds.get(key)
             if cached is not None:
-                self._rounds.move_to_end(version)
+                self._rounds.move_to_end(key)
                 return cached
         record = self.store.commit_record(version)
-        rounds = Rounds(version, record.num_rows, self.chain(version), self.store.floor)
+        floor = self.store.floor
+        rounds = Rounds(version, record.num_rows, self.chain(version), floor)
         with self._lock:
-            self._rounds[version] = rounds
+            self._rounds[(version, floor)] = rounds
             while len(self._rounds) > 4 * self.max_versions:
                 self._rounds.popitem(last=False)
         return rounds

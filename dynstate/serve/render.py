@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlencode
 
@@ -16,8 +17,9 @@ from .._version import __version__
 from ..text import chat_text
 from .chart import COLORS
 from .lineage import SOURCE_COLUMN
+from .rows import filter_param, filter_params
 
-__all__ = ["dumps", "environment", "qs", "web_terms"]
+__all__ = ["dumps", "environment", "filter_qs", "qs", "web_terms"]
 
 
 # The library's advice names Python arguments and CLI commands; a page names pages.
@@ -112,13 +114,21 @@ def environment(templates: str) -> jinja2.Environment:
     )
     env.filters.update(bytes=_fmt_bytes, num=_fmt_int, cell=_cell, messages=_messages)
     env.globals.update(
-        version=__version__, colors=COLORS, scalar=_scalar, source_column=SOURCE_COLUMN, qs=qs
+        version=__version__,
+        colors=COLORS,
+        scalar=_scalar,
+        source_column=SOURCE_COLUMN,
+        qs=qs,
+        filter_qs=filter_qs,
+        filter_param=filter_param,
     )
     return env
 
 
-def qs(request: Request, **changes: Any) -> str:
-    """The current query string with some parameters replaced (None removes one)."""
+def qs(request: Request, changes: Mapping[str, Any] | None = None) -> str:
+    """The current query string with the parameters in ``changes`` replaced (None removes
+    one, a list repeats it). A mapping, not keywords, so that any column name can be a key."""
+    changes = changes or {}
     items = [(k, v) for k, v in request.query_params.multi_items() if k not in changes]
     for key, value in changes.items():
         if value is None:
@@ -126,3 +136,12 @@ def qs(request: Request, **changes: Any) -> str:
         for v in value if isinstance(value, list) else [value]:
             items.append((key, str(v)))
     return "?" + urlencode(items) if items else "?"
+
+
+def filter_qs(request: Request, column: str, value: Any) -> str:
+    """The current query string, from its first page, with ``column`` filtered by ``value``
+    alone (None: not filtered), under the parameter no page parameter can be
+    (:func:`~dynstate.serve.rows.filter_param`)."""
+    changes: dict[str, Any] = {"offset": None, **dict.fromkeys(filter_params(column))}
+    changes[filter_param(column)] = value
+    return qs(request, changes)

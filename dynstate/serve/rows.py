@@ -1,6 +1,10 @@
 """A page of a version's rows: filters on columns and on the round that wrote each row,
 a text search over string columns, facets, and reading only the shards a page needs.
 
+A filter's query parameter is ``col.NAME`` for any column (``col.limit=7`` filters a column
+named ``limit``) or the plain ``NAME`` for a name that is none of the page's own parameters:
+the pages build ``col.NAME`` links, so no column name collides with a page parameter.
+
 Round filters (``generator``, ``step``, ``round``) select row ranges from the commit records
 alone. Data filters and the search scan the version's shards in order and stop once the page is
 full; a scan that reaches the end is cached, so its count and facets are exact.
@@ -11,10 +15,11 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import decimal
+import json
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +36,8 @@ MAX_LIMIT = 500
 # Query parameters that choose rows by their outcome statistics (dynstate.history.outcomes).
 OUTCOME_PARAMS = ("sort", "min_pass_rate", "max_pass_rate", "min_attempts", "max_attempts")
 RESERVED = frozenset({"offset", "limit", "q", *OUTCOME_PARAMS})
+# The query parameter ``col.NAME`` filters column NAME, whatever the name.
+FILTER_PREFIX = "col."
 # Filters that select rows by the round that wrote them, unless the data has such a column.
 ROUND_FIELDS = ("generator", "step", "round")
 
@@ -50,6 +57,47 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, (dt.timedelta, decimal.Decimal)):
         return str(value)
     return value
+
+
+def filter_param(column: str) -> str:
+    """The query parameter that filters ``column``, whatever its name."""
+    return FILTER_PREFIX + column
+
+
+def filter_params(column: str) -> tuple[str, ...]:
+    """Every query parameter that filters ``column``: ``col.NAME``, and the plain name unless
+    it is a page parameter or itself reads as ``col.…``."""
+    if column in RESERVED or column.startswith(FILTER_PREFIX):
+        return (filter_param(column),)
+    return (filter_param(column), column)
+
+
+def column_filters(items: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
+    """The column filters of a query string's ``(key, value)`` pairs, by column name: every
+    ``col.NAME``, and every other key that is not a page parameter."""
+    filters: dict[str, list[str]] = {}
+    for key, value in items:
+        if key.startswith(FILTER_PREFIX):
+            filters.setdefault(key[len(FILTER_PREFIX) :], []).append(value)
+        elif key not in RESERVED:
+            filters.setdefault(key, []).append(value)
+    return filters
+
+
+def round_text(value: Any) -> str:
+    """A round's step or generator (any JSON value its meta holds) as the round filters
+    compare it and the facets count it: ``null``, text as is, a number as Python writes it,
+    a list or an object as JSON."""
+    if value is None:
+        return "null"
+    if isinstance(value, (str, int, float)):
+        return str(value)
+    return json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
+
+
+def _facet_key(value: Any) -> Any:
+    # A list or an object in meta cannot key a dict: counted (and shown) by its text.
+    return value if value is None or isinstance(value, (str, int, float)) else round_text(value)
 
 
 def int_param(value: str | None, name: str, default: int, lo: int, hi: int | None) -> int:
@@ -225,19 +273,19 @@ class RowQuery:
                 rows = _in_ranges(matches, _round_ranges(rounds, others))
                 idx = rounds.of_rows(rows)
                 for seg_i, c in zip(*np.unique(idx, return_counts=True), strict=True):
-                    value = getattr(rounds.segments[int(seg_i)], field)
+                    value = _facet_key(getattr(rounds.segments[int(seg_i)], field))
                     counts[value] = counts.get(value, 0) + int(c)
             else:
                 for seg in rounds.segments:
                     if _round_ranges_pass(seg, others):
-                        value = getattr(seg, field)
+                        value = _facet_key(getattr(seg, field))
                         counts[value] = counts.get(value, 0) + seg.stop - seg.start
             selected = set(round_filters.get(field, []))
             ordered = sorted(counts.items(), key=lambda kv: (-kv[1], _order(kv[0])))
             out[field] = {
                 "exact": exact or scanned,
                 "values": [
-                    {"value": value, "count": c, "selected": str(value) in selected}
+                    {"value": value, "count": c, "selected": round_text(value) in selected}
                     for value, c in ordered[:50]
                 ],
                 "more": max(0, len(ordered) - 50),
@@ -296,9 +344,7 @@ def _round_ranges(rounds: Rounds, filters: Mapping[str, Sequence[str]]) -> list[
 
 def _round_ranges_pass(seg: Any, filters: Mapping[str, Sequence[str]]) -> bool:
     for key, values in filters.items():
-        value = getattr(seg, "version" if key == "round" else key)
-        text = "null" if value is None else str(value)
-        if text not in values:
+        if round_text(getattr(seg, "version" if key == "round" else key)) not in values:
             return False
     return True
 
@@ -341,10 +387,10 @@ def _mask(
             )
         try:
             wanted = pa.array([_parse(value, column.type) for value in values], column.type)
-        except (ValueError, pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        except (ValueError, OverflowError, pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise InvalidDataError(
                 f"cannot compare column {name!r} ({column.type}) of version {version} of {url} "
-                f"with {list(values)}: {exc}"
+                f"with {list(values)}: {exc}; filter it by values of its type"
             ) from None
         hit = pc.is_in(column, value_set=wanted)
         mask &= hit.to_numpy(zero_copy_only=False).astype(bool) & ~np.asarray(
@@ -372,7 +418,16 @@ def _comparable(t: pa.DataType) -> bool:
 
 def _parse(value: str, t: pa.DataType) -> Any:
     if pa.types.is_integer(t):
-        return int(value)
+        number = int(value)
+        signed = pa.types.is_signed_integer(t)
+        lo, hi = (
+            (-(2 ** (t.bit_width - 1)), 2 ** (t.bit_width - 1) - 1)
+            if signed
+            else (0, 2**t.bit_width - 1)
+        )
+        if not lo <= number <= hi:
+            raise ValueError(f"{value} is outside {t}'s range, {lo} to {hi}")
+        return number
     if pa.types.is_floating(t):
         return float(value)
     if pa.types.is_boolean(t):
