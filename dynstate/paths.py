@@ -79,6 +79,12 @@ def is_hex(text: str) -> bool:
     return text.isascii() and not text.encode().translate(None, _HEX_DIGITS)
 
 
+def is_id(text: Any) -> bool:
+    """Whether ``text`` is an id :func:`new_id` makes (a lease, a holder): 32 lower-case hex
+    digits, so a name built from it stays in its folder."""
+    return isinstance(text, str) and len(text) == 32 and is_hex(text)
+
+
 def is_digest(text: Any) -> bool:
     """Whether ``text`` is a SHA-256 in lower-case hex (a chunk id, a schema fingerprint, a
     checksum), as chunk and schema file names hold them."""

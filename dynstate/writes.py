@@ -35,6 +35,7 @@ from .log import Log, shard_path
 from .log.consumption import check_new_record
 from .log.leases import host_id, process_gone
 from .log.outcomes import Pending, outcomes_of
+from .paths import is_id, match_shard
 from .records import manifest as m
 from .records.consumption import check_record, indices_of
 from .records.manifest import Commit, ShardRef
@@ -183,7 +184,6 @@ class Writer:
                 f"meta={{'step': N}} with it (not {step!r}); nothing was committed"
             )
         record = check_record(consumption, url, step)
-        check_new_record(self.log, head.version, record["step"])
         rows_version = record["rows_version"]
         if rows_version is not None:
             if rows_version > head.version:
@@ -201,6 +201,7 @@ class Writer:
                     "nothing was committed — a group's row must be a row of the version it "
                     "was drawn from"
                 )
+        check_new_record(self.log, head.version, record)  # the ledger's next, after its rows
         return record, head.version
 
     def _check_outcomes(
@@ -300,6 +301,9 @@ class Writer:
         """Remove files no record names (what a failed or discarded write left), as far as
         the storage lets us now: gc removes the rest."""
         for path in paths:
+            if match_shard(path) is None:  # only names dynstate writes, as gc (never a path
+                log.warning("not removing %s: no shard name dynstate writes", path)  # given)
+                continue
             try:
                 self.storage.delete(path)
             except DynstateError as exc:
@@ -357,14 +361,19 @@ class Writer:
                 pending = outcomes_of(self.log).write(checked)
                 if pending.lease:
                     leases.add(pending.lease)
-            schemas = {m.schema_fingerprint(p.schema) for p in parts if p.schema is not None}
+            # A part without shards writes nothing its schema could mean: it takes no part in
+            # the check (a task that generated nothing before another writer added a column
+            # must not sink the round), unless no part has shards.
+            typed = [p for p in parts if p.schema is not None]
+            typed = [p for p in typed if p.shards] or typed
+            schemas = {m.schema_fingerprint(p.schema) for p in typed if p.schema is not None}
             if len(schemas) > 1:
                 raise SchemaMismatchError(
                     f"staged parts for {self.display_url} have different schemas; stage every "
                     "part of a round with the same columns"
                 )
-            schema = next((p.schema for p in parts if p.schema is not None), None)
-            validated = next((p.validated for p in parts if p.schema is not None), None)
+            schema = typed[0].schema if typed else None
+            validated = typed[0].validated if typed else None
             return lambda parent: self._append_record(
                 parent, shards, schema, validated, meta, pending, rows_version, consumption
             )
@@ -437,21 +446,47 @@ class Writer:
         self.log.leases.end(leases, committed=True, tombstone=not private)
         return version
 
+    def _check_part(self, part: Any, what: str = "commit_staged") -> None:
+        """Refuse a part that :meth:`stage` did not make as it is: of another store, or whose
+        fields (it crossed processes: Ray pickles it) name files that are not its own — a
+        lease that is no lease id, a shard path outside ``data/`` or written under another
+        lease (a shard another part committed: its rows would land twice). A commit and a
+        discard build file names from them and delete what they name."""
+        url = self.display_url
+        if not isinstance(part, Staged):
+            raise InvalidDataError(
+                f"{what} for {url} takes Staged parts (from Store.stage), not {type(part).__name__}"
+            )
+        if part.store is not None and part.store != self.store_id:
+            raise StateMismatchError(
+                f"a part was staged for store {part.store}, not {self.store_id} "
+                f"({url}); {what} it with the store it was staged in"
+            )
+        if part.lease is not None and not is_id(part.lease):
+            raise InvalidDataError(
+                f"a staged part for {url} names lease {part.lease!r}, which is no lease id "
+                "(32 hex digits): it was changed after Store.stage made it; nothing was done"
+            )
+        if not isinstance(part.shards, tuple):
+            raise InvalidDataError(f"a staged part for {url} has no tuple of shards")
+        for shard in part.shards:
+            if not isinstance(shard, ShardRef):
+                raise InvalidDataError(f"a staged part for {url} lists {shard!r} as a shard")
+            ShardRef.from_json(shard.to_json(), f"a staged part for {url}")  # UnsafePathError
+            name = match_shard(shard.path)
+            if name is None or name.lease != part.lease:
+                raise InvalidDataError(
+                    f"a staged part for {url} (lease {part.lease}) lists shard {shard.path}, "
+                    "which was not written under its lease: it was changed after Store.stage "
+                    "made it; nothing was done"
+                )
+
     def _check_parts(self, parts: Sequence[Staged]) -> None:
-        """Refuse, before anything is written, parts of another store and parts (or shards)
-        given twice: each staged shard lands exactly once."""
+        """Refuse, before anything is written, parts :meth:`_check_part` refuses and parts (or
+        shards) given twice: each staged shard lands exactly once."""
         seen: set[str] = set()
         for part in parts:
-            if not isinstance(part, Staged):
-                raise InvalidDataError(
-                    f"commit_staged for {self.display_url} takes Staged parts (from "
-                    f"Store.stage), not {type(part).__name__}"
-                )
-            if part.store is not None and part.store != self.store_id:
-                raise StateMismatchError(
-                    f"a part was staged for store {part.store}, not {self.store_id} "
-                    f"({self.display_url}); commit it with the store it was staged in"
-                )
+            self._check_part(part)
             for shard in part.shards:
                 if shard.path in seen:
                     raise InvalidDataError(
@@ -632,6 +667,8 @@ class Writer:
         first, by the same exclusive outcome create a commit and gc race for: a part whose
         lease ended (discarded or collected) is left alone, and a part committed (or being
         committed) by another call raises :class:`CommitConflictError` — its files stay."""
+        for part in parts:
+            self._check_part(part, "discard")
         self._discard(parts, uuid.uuid4().hex, strict=True)
 
     def _discard(
@@ -719,7 +756,7 @@ class Writer:
                 # another writer may have committed this step's record meanwhile
                 if consumed_at is not None:
                     self.log.require_on_lineage(consumed_at, parent.version, "consumption")
-                check_new_record(self.log, parent.version, record["step"])
+                check_new_record(self.log, parent.version, record)
         fp = m.schema_fingerprint(schema) if schema is not None else parent.schema
         if parent.schema != validated and schema is not None:
             # Another writer changed the schema after we checked: only a round whose written

@@ -265,6 +265,16 @@ def _write_datasets(
         ) from exc
     tables = list(_tables(snap, progress))
     table = pa.concat_tables(tables) if tables else snap.to_arrow()
+    for field in table.schema:
+        # a type datasets has no feature for is the data's, not the location's: no retry fixes it
+        try:
+            datasets.Features.from_arrow_schema(pa.schema([field]))
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            raise InvalidDataError(
+                f"cannot export version {snap.version} of {snap.store.display_url} as a datasets "
+                f"directory: its column {field.name!r} ({field.type}) has no datasets feature "
+                f"({exc}); export it with --format parquet"
+            ) from None
     target = tmp if "://" not in out else f"{out.split('://', 1)[0]}://{tmp}"
     with _quiet_datasets():
         # datasets writes through fsspec itself; its failures are translated all the same
