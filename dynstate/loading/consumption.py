@@ -58,8 +58,11 @@ CARRY_BY_RANK = "carry_by_rank"
 def group_std(scores: Sequence[float]) -> float:
     """The population standard deviation of a group's scores (DAPO's spread), in a fixed
     summation order so that every process computes the same bits."""
+    if min(scores) == max(scores):
+        return 0.0  # exactly: the rounded mean of equal scores may differ from them
     mean = math.fsum(scores) / len(scores)
-    return math.sqrt(math.fsum((s - mean) ** 2 for s in scores) / len(scores))
+    # a product, not ** 2: past 1e154 it is inf (a spread), where ** raises OverflowError
+    return math.sqrt(math.fsum((s - mean) * (s - mean) for s in scores) / len(scores))
 
 
 class FilterRule:
@@ -432,8 +435,11 @@ class DynamicSampling:
             if said is not None:
                 raise StateMismatchError(f"rank {rank} refused to resume {url}: {said[1]}")
         if step is None:
-            # No checkpoint: the rounds a crashed run committed before its first are dropped.
+            # No checkpoint: the rounds a crashed run committed before its first are dropped,
+            # and the sampler starts afresh (one reused in this process after a failed step
+            # has handed out rows that no record holds: drawn again, not skipped).
             self._rollback(first_step - 1)
+            self.sampler._restart()
             self._next_step = first_step
             self._handed = self.sampler.step
             return first_step

@@ -580,6 +580,14 @@ class VersionedSampler(Sampler[int]):
         self._skip = within
         self._open = self.pos.version is not None and self._step_shape() is not None
 
+    def _restart(self) -> None:
+        """Back to where a new sampler of these settings starts (no epoch pinned, step
+        ``first_step``): a run started afresh on a sampler that handed out rows already."""
+        self.pos = Position(step=self.first_step)
+        self._open = self._pinned_now = False
+        self._owed = self._taken = self._skip = 0
+        self._step_start = self.pos
+
     def _checked_state(self, state: dict[str, Any]) -> tuple[Batching, Position, int]:
         """What :meth:`load_state_dict` would adopt from ``state``, every check made and
         nothing changed: a caller that must refuse before it changes the store (a resume's

@@ -40,14 +40,15 @@ def record_of_step(log: Log, head: int, step: int) -> tuple[int, dict[str, Any]]
     return version, _checked(log, version, record.consumption)
 
 
-def check_new_record(log: Log, head: int, step: int) -> None:
-    """Refuse (:class:`InvalidDataError`) a consumption record of ``step`` on top of ``head``
-    unless it is the ledger's next: every record of ``head``'s lineage is of an earlier step,
-    and no round of a later step is on it. A step's record committed twice would count its
-    rows twice; one older than the lineage's newest round would be found by no resume
-    (:func:`record_of_step` walks back by step). Walks back as :func:`round_of` does, only as
-    far as the newest round before ``step``."""
-    url = log.display_url
+def check_new_record(log: Log, head: int, record: dict[str, Any]) -> None:
+    """Refuse (:class:`InvalidDataError`) a consumption ``record`` (checked alone already) on
+    top of ``head`` unless it is the ledger's next: no record of its step or a later one on
+    ``head``'s lineage (its rows would count twice), no round of a later step (a resume, which
+    walks back by step, would not find it), and, after a record of an earlier step, that of
+    the step just before, whose carry is what this one carries in (a step whose record was
+    never committed would leave its rows in none). Walks back as :func:`round_of` does, only
+    as far as the newest round before ``step``."""
+    url, step = log.display_url, record["step"]
     newest = latest_step(log, head)
     if newest is not None and newest > step:
         raise InvalidDataError(
@@ -56,13 +57,11 @@ def check_new_record(log: Log, head: int, step: int) -> None:
             "in step order (roll back to before that step to run it again); nothing was "
             "committed"
         )
+    before: tuple[int, dict[str, Any]] | None = None
     for version in log.lineage(head):
-        record = log.commit_record(version)
-        own = own_step(record)
-        if own is not None and own < step:
-            return
-        if record.consumption is not None and record.op == "append":
-            theirs = record.consumption.get("step")
+        found = log.commit_record(version)
+        if found.consumption is not None and found.op == "append":
+            theirs = found.consumption.get("step")
             if isinstance(theirs, int) and theirs >= step:
                 raise InvalidDataError(
                     f"consumption for {url}: version {version} already holds the consumption "
@@ -70,6 +69,32 @@ def check_new_record(log: Log, head: int, step: int) -> None:
                     "step's record is committed once (roll back to before that step to run it "
                     "again); nothing was committed"
                 )
+            before = version, _checked(log, version, found.consumption)
+            break
+        own = own_step(found)
+        if own is not None and own < step:
+            break  # the round of an earlier step without a record: the ledger starts here
+    if before is None:
+        return
+    version, previous = before
+    if previous["step"] != step - 1:
+        raise InvalidDataError(
+            f"consumption for {url}: the newest record on the lineage of version {head} is "
+            f"step {previous['step']}'s (version {version}), so step {step - 1} committed none "
+            f"and the rows it drew would be in no record; commit each step's round with its "
+            f"record, in order (roll back to step {previous['step']} and run the steps after "
+            "it again); nothing was committed"
+        )
+    if record["format"] == previous["format"] == 1:
+        carried = sorted(row for row, _ in previous["carry"])
+        if sorted(record["carried_in"]) != carried:
+            raise InvalidDataError(
+                f"consumption for {url}: step {step} carries in rows "
+                f"{sorted(record['carried_in'])[:8]}, but step {previous['step']} (version "
+                f"{version}) carried out {carried[:8]}; pass the record DynamicSampling."
+                "next_batch returned for the step after the one committed (StepBatch.record), "
+                "unchanged; nothing was committed"
+            )
 
 
 def lineage_records(

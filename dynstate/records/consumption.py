@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import re
 from collections import Counter
 from typing import Any
 
@@ -110,17 +111,34 @@ def check_scores(value: Any, url: str, where: str) -> list[float]:
     return out
 
 
+# The dtypes a score may have, as numpy and torch name them (torch's without "torch.").
+_NUMERIC = re.compile(
+    r"u?int(8|16|32|64)|float(16|32|64)|bfloat16|half|float|double|long|int|short"
+)
+
+
 def _score(s: Any) -> float | None:
     """``s`` as a float if it is one number as a reward function returns it: a Python or
-    numpy int or float, or a 0-d array or tensor of a numeric dtype; else None."""
-    if isinstance(s, bool) or "bool" in str(getattr(s, "dtype", "")):
+    numpy int or float, or a 0-d or one-element array or tensor of an integer or float dtype;
+    else None (a bool, text, a complex number, an int past float's range)."""
+    if isinstance(s, bool):
         return None  # True is not a score: a pass/fail reward is 1.0 / 0.0
-    if isinstance(s, numbers.Real) or getattr(s, "ndim", None) == 0:
+    dtype = getattr(s, "dtype", None)
+    if dtype is None:
+        if not isinstance(s, numbers.Real):
+            return None
         try:
             return float(s)
-        except (TypeError, ValueError):
+        except (OverflowError, TypeError, ValueError):
             return None
-    return None
+    if not _NUMERIC.fullmatch(str(dtype).removeprefix("torch.")):
+        return None  # bool, str, bytes, complex, object: not a reward
+    if tuple(getattr(s, "shape", ())) not in ((), (1,)):
+        return None
+    try:
+        return float(s.item() if hasattr(s, "item") else s)
+    except (OverflowError, TypeError, ValueError):
+        return None
 
 
 def _pairs(value: Any, url: str, where: str, second: str) -> list[list[Any]]:
