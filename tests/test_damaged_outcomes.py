@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -155,27 +153,12 @@ def test_the_cli_prints_one_line(damaged, command: list[str]) -> None:
 
 @contextmanager
 def _served(url: str) -> Iterator[str]:
-    import uvicorn
+    from serving import served
 
     from dynstate.serve.api import StoreView
-    from dynstate.serve.app import create_app
-    from dynstate.serve.net import address, bind
 
-    sock = bind("127.0.0.1", 0)
-    app = create_app(StoreView(Store.open(url), url=url), warm=False)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
-        yield address(sock)
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    with served(StoreView(Store.open(url), url=url), log_level="critical", warm=False) as base:
+        yield base
 
 
 def _get(url: str) -> tuple[int, str]:

@@ -8,13 +8,11 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,14 +21,13 @@ import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 from conftest import s3_url
+from serving import served
 
 from dynstate import MissingDependencyError, Store
 from dynstate.cli.commands_serve import serve as serve_command
 from dynstate.maintenance.compact import compact
 from dynstate.maintenance.gc import collect_garbage
 from dynstate.serve.api import StoreView
-from dynstate.serve.app import create_app
-from dynstate.serve.net import address, bind
 
 SECRET = "wJalrXUtnFEMI-serve-test-SECRET"
 SCHEMA = pa.schema(
@@ -115,27 +112,6 @@ def build_run(url: str, options: dict[str, Any]) -> Run:
     collect_garbage(store, keep=13, grace_s=0, dry_run=False)
     run.store = Store.open(url, storage_options=options)
     return run
-
-
-@contextmanager
-def served(view: StoreView) -> Iterator[str]:
-    """The app on a real uvicorn server on 127.0.0.1, in a thread."""
-    import uvicorn
-
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(view), log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
-        yield address(sock)
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 class Client:

@@ -11,43 +11,21 @@ import html
 import http.client
 import json
 import re
-import threading
-import time
 import urllib.parse
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pyarrow as pa
+from serving import served as serving
 
 from dynstate import Store
 from dynstate.maintenance.compact import compact
 from dynstate.maintenance.gc import collect_garbage
 from dynstate.serve.api import StoreView
-from dynstate.serve.app import create_app
-from dynstate.serve.net import address, bind
 
 
-@contextmanager
-def served(view: StoreView, **kwargs: Any) -> Iterator[str]:
-    """The app on a real uvicorn server on 127.0.0.1, in a thread (as tests/test_serve.py)."""
-    import uvicorn
-
-    sock = bind("127.0.0.1", 0)
-    app = create_app(view, warm=False, **kwargs)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
-        yield address(sock)
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+def served(view: StoreView) -> Any:
+    """The view served quietly, with no warm-up thread (tests/serving.py)."""
+    return serving(view, log_level="critical", warm=False)
 
 
 def request(
