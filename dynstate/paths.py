@@ -32,6 +32,7 @@ PROBE_DIR = f"{META_DIR}/probe"
 LEASE_DIR = f"{META_DIR}/leases"
 OUTCOME_DIR = f"{META_DIR}/outcomes"
 AGGREGATE_DIR = f"{META_DIR}/aggregates"
+TAG_INTENT_DIR = f"{META_DIR}/tag-intents"
 # The sub-folders of META_DIR that hold files dynstate writes (gc lists each of them).
 META_SUBDIRS = (
     LOG_DIR,
@@ -43,6 +44,7 @@ META_SUBDIRS = (
     LEASE_DIR,
     OUTCOME_DIR,
     AGGREGATE_DIR,
+    TAG_INTENT_DIR,
 )
 
 STORE_FILE = f"{META_DIR}/store.json"
@@ -163,6 +165,15 @@ match_schema = _one(rf"{SCHEMA_DIR}/{_HEX64}\.json")
 
 def tag_path(name: str) -> str:
     return f"{TAG_DIR}/{name}.json"
+
+
+def tag_intent_path(unique: str) -> str:
+    """A tagger's intent: the version it is about to tag, which gc keeps while the tag's own
+    create may still land (written before it, removed once its outcome is known)."""
+    return f"{TAG_INTENT_DIR}/{unique}.json"
+
+
+match_tag_intent = _one(rf"{TAG_INTENT_DIR}/{_HEX32}\.json")
 
 
 def match_tag(rel: str) -> str | None:
@@ -311,6 +322,7 @@ MATCHERS: dict[str, Callable[[str], Any]] = {
     "chunk": match_chunk,
     "schema": match_schema,
     "tag": match_tag,
+    "tag_intent": match_tag_intent,
     "shard": match_shard,
     "lease": match_lease,
     "claim": match_claim,
@@ -321,10 +333,10 @@ MATCHERS: dict[str, Callable[[str], Any]] = {
     "tmp": match_tmp,
 }
 # The kinds gc may delete when no kept version needs them (leases go by the lease survey;
-# tags and the fixed files never).
+# tags and the fixed files never; a tag intent once it is older than any late request).
 COLLECTABLE = frozenset(
     {"log", "checkpoint", "chunk", "schema", "shard", "outcome_checkpoint", "aggregate", "probe"}
-    | {"tmp"}
+    | {"tmp", "tag_intent"}
 )
 # Files named by a version number: collected once the version is below the gc floor.
 BY_VERSION = frozenset({"log", "checkpoint", "outcome_checkpoint"})

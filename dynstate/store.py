@@ -281,6 +281,11 @@ class Store:
     def untag(self, name: str) -> None:
         self._tags.remove(name)
 
+    def pending_tags(self) -> dict[str, int]:
+        """The versions tags are being created for, which gc keeps as it keeps tagged ones
+        (see :mod:`dynstate.log.tags`), by intent file."""
+        return self._tags.pending()
+
     def check_tags(self) -> tuple[dict[str, int], dict[str, DynstateError]]:
         """Every readable tag with its version, and the error of each damaged tag file by
         name (:meth:`tags` raises on the first instead). Raises only if tags cannot be listed."""

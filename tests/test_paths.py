@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from dynstate import Store, paths
 from dynstate.maintenance.gc import collect_garbage
 from dynstate.maintenance.verify import verify_store
+from dynstate.records import manifest as m
 
 VERSIONS = st.integers(min_value=0, max_value=10**20 - 1)
 HEX32 = st.text("0123456789abcdef", min_size=32, max_size=32)
@@ -199,7 +200,10 @@ def _populate(root: Path) -> Store:
     digest = hashlib.sha256(b"x").hexdigest()
     tmp = paths.tmp_path(paths.chunk_path(digest))
     (root / tmp).write_bytes(b"{}")
-    for rel in (probe, tmp):
+    # and the intent of a tagger killed between its intent and its tag's create
+    intent = paths.tag_intent_path(paths.new_id())
+    store.storage.put(intent, m.encode({"format": m.FORMAT, "version": 1, "tag": "t"}))
+    for rel in (probe, tmp, intent):
         stamp = os.stat(root / rel).st_mtime - 7200
         os.utime(root / rel, (stamp, stamp))
     return store
@@ -240,7 +244,7 @@ def test_gc_deletes_only_what_the_matchers_accept(tmp_path: Path) -> None:
     result = collect_garbage(Store.open(str(root)), grace_s=0, dry_run=False)
     removed = {r.path: paths.classify(r.path) for r in result.removed}
     assert all(match is not None and match.kind in paths.COLLECTABLE for match in removed.values())
-    assert {match.kind for match in removed.values() if match} == {"probe", "tmp"}
+    assert {match.kind for match in removed.values() if match} == {"probe", "tmp", "tag_intent"}
     for rel in near + odd:
         assert (root / rel).exists(), rel
     assert set(odd) <= set(result.foreign)

@@ -26,6 +26,8 @@ from dynstate import (
     VersionedSampler,
     consumption_records,
 )
+from dynstate.maintenance.gc import collect_garbage
+from dynstate.maintenance.verify import verify_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -74,7 +76,36 @@ def _oracle(endpoint: str, url: str) -> tuple[dict[int, dict], set[str], dict[st
     return records, keys, rows
 
 
-# -- defect: a tag PUT that lands after its client gave up ------------------------------------
+# -- a tag PUT that lands after its client gave up --------------------------------------------
+
+
+def test_a_tag_put_that_lands_after_gc_names_a_kept_version(proxy, s3_endpoint):
+    """Every PUT of the tag's file is held, so ``tag`` fails with its outcome unknown; gc
+    then runs with keep=1 and grace 0, and only then the held PUT lands. Before tag intents
+    the late tag named a collected version (SPEC §3.10: a tag of a collected version is
+    refused whatever request lands after its client gave up). Now the intent the tagger
+    wrote before its create keeps the version: the tag reads, verify passes, and once the
+    intent is old (past INTENT_S by the storage's clock) gc may collect what no tag names."""
+    url = s3_url()
+    direct = {"endpoint_url": s3_endpoint}
+    writer = Store.open(url, create=True, storage_options=direct)
+    for i in range(4):
+        writer.append([{"id": i}])
+    store = _store(proxy, url)
+    proxy.hold(method="PUT", path_contains="/_dynstate/tags/")
+    with pytest.raises(StorageError):
+        store.tag("keep", 1)
+    proxy.stop_holding()
+    gc_store = Store.open(url, storage_options=direct)
+    collect_garbage(gc_store, keep=1, grace_s=0, dry_run=False)
+    assert gc_store.floor <= 1, "gc collected the version a tag was being created for"
+    assert proxy.release() == 200  # the late PUT lands now
+    fresh = Store.open(url, storage_options=direct)
+    assert fresh.tags() == {"keep": 1}
+    assert fresh.snapshot("keep").to_arrow().column("id").to_pylist() == [0]
+    assert verify_store(fresh, all_versions=True).ok
+    records, keys, _ = _oracle(s3_endpoint, url)
+    assert min(records) <= 1 and any(k.startswith("_dynstate/tag-intents/") for k in keys)
 
 
 def test_dynamic_sampling_step_whose_record_lands_late_is_committed_once(proxy, s3_endpoint):

@@ -1,9 +1,14 @@
 """Tags: names for versions, which gc never collects.
 
-A tag is created exclusively and checked against the gc floor *after* it exists: a gc that
-publishes its floor reads the tags afterwards, so either gc sees the tag (and keeps the
-version) or the tagger sees the new floor (and removes its tag, refusing the collected
-version). There is no interleaving in which neither sees the other.
+A tagger first writes an *intent* naming the version (``_dynstate/tag-intents/<id>.json``),
+then reads the gc floor, then creates the tag. A gc that publishes its floor reads the tags
+and the intents afterwards, so either gc sees the intent (and keeps the version) or the
+tagger sees the new floor (and refuses the collected version before sending anything).
+There is no interleaving in which neither sees the other. The intent is removed once the
+tag's create has an outcome; when it has none (a request failed with its outcome unknown, on
+an object store it may still land after its client gave up) the intent stays, and gc keeps
+the version while the intent is younger than :data:`INTENT_S` by the storage's clock, then
+removes it: a tag that lands late never names a collected version.
 """
 
 from __future__ import annotations
@@ -11,11 +16,21 @@ from __future__ import annotations
 import logging
 
 from .. import paths
-from ..errors import CorruptStoreError, DynstateError, StoreExistsError, VersionNotFoundError
+from ..errors import (
+    CorruptStoreError,
+    DynstateError,
+    StoreExistsError,
+    VersionCollectedError,
+    VersionNotFoundError,
+)
 from ..records import manifest as m
 from .commits import Log
 
 log = logging.getLogger("dynstate")
+
+#: How long gc honours a tag intent: longer than any request of the tag's create can be late
+#: (gc's own BUSY_S for files a live writer may still use).
+INTENT_S = 3600.0
 
 
 class Tags:
@@ -82,6 +97,62 @@ class Tags:
         return tags, damaged
 
     def create(self, name: str, target: int, *, force: bool) -> None:
+        intent = paths.tag_intent_path(paths.new_id())
+        body = {"format": m.FORMAT, "version": target, "tag": name, "created": m.utc_now()}
+        # Fails before anything else is sent; if it lands late it only keeps target longer.
+        self.storage.create(intent, m.encode(body))
+        settled = False
+        try:
+            if target < self.log.read_floor():  # a gc published first: nothing is sent
+                settled = True
+                raise self.log.collected(target)
+            self._create(name, target, force=force)
+            settled = True
+        except (StoreExistsError, VersionCollectedError, CorruptStoreError):
+            settled = True  # refused by us, with no request in flight
+            raise
+        finally:
+            if settled:
+                try:
+                    self.storage.delete(intent)
+                except DynstateError as exc:  # gc removes it within INTENT_S
+                    log.warning("could not remove %s of %s: %s", intent, self.log.display_url, exc)
+            else:
+                log.warning(
+                    "tag %s of %s: its create may still land; gc keeps version %d for %.0f s",
+                    name,
+                    self.log.display_url,
+                    target,
+                    INTENT_S,
+                )
+
+    def pending(self) -> dict[str, int]:
+        """Versions tags are being created for (intents younger than :data:`INTENT_S` by the
+        storage's clock; all of them where it keeps no times), by intent file."""
+        out: dict[str, int] = {}
+        now = None
+        for file_name in sorted(self.storage.list(paths.TAG_INTENT_DIR)):
+            rel = f"{paths.TAG_INTENT_DIR}/{file_name}"
+            if paths.match_tag_intent(rel) is None:
+                continue
+            raw = self.storage.try_read(rel)
+            if raw is None:
+                continue  # removed while we listed
+            try:
+                version = m.decode(raw, self.log.where(rel)).get("version")
+            except CorruptStoreError as exc:
+                log.warning("ignoring damaged tag intent %s: %s", rel, exc)
+                continue
+            if type(version) is not int or version < 0:
+                continue
+            now = self.storage.now() if now is None else now
+            modified = self.storage.modified(rel)
+            if now is not None and modified is not None and now - modified > INTENT_S:
+                continue  # no request is that late: gc removes it
+            out[rel] = version
+        return out
+
+    def _create(self, name: str, target: int, *, force: bool) -> None:
         raw = m.encode({"format": m.FORMAT, "version": target, "created": m.utc_now()})
         rel = paths.tag_path(name)
         previous: bytes | None = None

@@ -31,6 +31,7 @@ from .. import paths
 from ..errors import CommitConflictError, DynstateError, InvalidDataError, StorageError
 from ..log import LeaseState, survey
 from ..log.survey import Clock
+from ..log.tags import INTENT_S
 from ..store import Store
 from .references import References, references_below
 from .retention import Retention, parse_duration, retention_floor, retention_plan, tagged
@@ -369,6 +370,8 @@ def _min_age(rel: str, grace_s: float) -> float:
     use (temporary files, probes, schemas and chunks it just wrote) gets at least BUSY_S."""
     if rel.startswith(paths.DATA_DIR + "/"):
         return grace_s
+    if rel.startswith(paths.TAG_INTENT_DIR + "/"):
+        return max(grace_s, INTENT_S)  # honoured until then (dynstate.log.tags)
     return max(grace_s, BUSY_S)
 
 

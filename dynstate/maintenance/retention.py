@@ -190,13 +190,17 @@ def _asked_floor(
 
 
 def tags_from(store: Store, floor: int) -> dict[str, int]:
-    """Tags naming versions from ``floor`` on (a tag below it names a collected version)."""
+    """Tags naming versions from ``floor`` on (a tag below it names a collected version), and
+    the versions tags are being created for (by intent file: their creates may still land)."""
     out = {}
     for name, version in store.tags().items():
         if version < floor:
             log.warning("tag %r of %s names collected version %d", name, store.display_url, version)
         else:
             out[name] = version
+    for intent, version in store.pending_tags().items():
+        if version >= floor:
+            out[intent] = version
     return out
 
 
