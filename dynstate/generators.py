@@ -25,21 +25,27 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+import pyarrow as pa
+
 from .errors import InvalidDataError
+from .records.rounds import to_table
 
 __all__ = [
     "SOURCE_COLUMN",
+    "SOURCE_TYPE",
     "AbstractDataGenerator",
     "DynstateGenerator",
     "check_generator",
     "generator_name",
     "load_state",
+    "round_table",
     "run_generator",
     "state_of",
 ]
 
 # The column a generated row names its source rows in (a list of store row numbers).
 SOURCE_COLUMN = "_dynstate_source"
+SOURCE_TYPE = pa.list_(pa.int64())
 
 
 class AbstractDataGenerator(ABC):
@@ -109,3 +115,31 @@ def load_state(generator: Any, state: Any) -> bool:
         return False
     method(state)
     return True
+
+
+def round_table(
+    rows: Any, generator: Any, schema: pa.Schema | None, url: str
+) -> tuple[pa.Table | list[Any], bool]:
+    """What ``generator`` returned, as the round a trainer appends, and whether the round
+    brings the lineage column new to the store (append it with ``allow_new_columns``, which
+    this allows for that column alone). The lineage column is optional in a round: an
+    old-interface generator cannot know lineage (its rows come from ``dataset.dataframe``,
+    which leaves the column out), so the column is dropped from its rows; a round without it
+    in a store that has it gets nulls there."""
+    if rows is None or (isinstance(rows, list) and not rows):
+        return [], False
+    table = to_table(rows, url)
+    if table.num_rows == 0:
+        return [], False
+    names = set(table.column_names)
+    if SOURCE_COLUMN in names and not isinstance(generator, DynstateGenerator):
+        table, names = table.drop_columns([SOURCE_COLUMN]), names - {SOURCE_COLUMN}
+    stored = set() if schema is None else set(schema.names)
+    if SOURCE_COLUMN in names:
+        i = table.column_names.index(SOURCE_COLUMN)
+        table = table.set_column(i, SOURCE_COLUMN, table.column(SOURCE_COLUMN).cast(SOURCE_TYPE))
+    elif SOURCE_COLUMN in stored:
+        table = table.append_column(SOURCE_COLUMN, pa.nulls(table.num_rows, SOURCE_TYPE))
+        names.add(SOURCE_COLUMN)
+    new_source = schema is not None and names - stored == {SOURCE_COLUMN}
+    return table, new_source

@@ -54,7 +54,7 @@ from trl import GRPOTrainer
 
 from .. import rollback, version_at_step
 from ..errors import InvalidDataError, StateMismatchError
-from ..generators import check_generator
+from ..generators import check_generator, round_table
 from ..loading.checkpoint import load_loader_state, save_durably, sync_checkpoint, sync_folder
 from ..loading.consumption import DynamicSampling
 from ..loading.dataset import VersionedDataset
@@ -221,7 +221,9 @@ class DynstateGRPOTrainer(GRPOTrainer):
             self._make_loader()  # refuses bad sampler settings here, at start-up
         else:
             self._make_filter(store)
-        self.add_callback(_RoundCallback(self))
+        # First, so that the callbacks a user passed see the round of the step that ended
+        # (dynstate_round) in on_step_end, as those added after construction do.
+        self.callback_handler.callbacks.insert(0, _RoundCallback(self))
 
     # -- start-up checks ---------------------------------------------------------------------
 
@@ -1021,10 +1023,12 @@ class DynstateGRPOTrainer(GRPOTrainer):
             added_rows = run_generator(generator, batch, step, view)
             gen_state = state_of(generator)
             meta["generator"] = generator_name(generator)
-        rows = [] if added_rows is None else added_rows
-        before = store.snapshot(store.refresh()).num_rows
+        head = store.snapshot(store.refresh())
+        before = head.num_rows
+        rows, new_source = round_table(added_rows, generator, head.schema, store.display_url)
         version = store.append(
             rows,
+            allow_new_columns=new_source,  # the lineage column alone (round_table)
             meta=meta,
             outcomes=outcomes,
             generator_state=gen_state,

@@ -28,6 +28,7 @@ import pyarrow as pa
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
 from ..errors import InvalidDataError, StateMismatchError
+from ..generators import SOURCE_TYPE
 from ..loading.consumption import DynamicSampling
 from ..loading.dataset import VersionedDataset, decode_index
 from ..loading.sampler import VersionedSampler
@@ -61,7 +62,6 @@ from .settings import Settings, check_lag
 log = logging.getLogger("dynstate")
 
 IMPORT_META = "verl_import"
-SOURCE_TYPE = pa.list_(pa.int64())
 
 __all__ = ["IMPORT_META", "DynstateRLDataset", "StoreFrame", "read_loader_state"]
 
