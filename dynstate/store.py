@@ -315,15 +315,7 @@ class Store:
         A gc since this handle last read the floor may have collected records on the way
         from an older floor: then the floor is read again and the walk starts over from
         it, or, if ``version`` itself is below it now, :class:`VersionCollectedError`."""
-        floor = self.log.floor
-        try:
-            return self.log.materialize(version)
-        except DynstateError:
-            if self.log.read_floor() == floor and version >= floor:
-                raise
-        if version < self.log.floor:
-            raise self.log.collected(version)
-        return self.log.materialize(version)
+        return self.log.walk_kept(version, self.log.materialize)
 
     def schema_of(self, record: Commit) -> pa.Schema | None:
         return self.log.schema(record.schema, record.version)

@@ -301,8 +301,8 @@ class Writer:
         """Remove files no record names (what a failed or discarded write left), as far as
         the storage lets us now: gc removes the rest."""
         for path in paths:
-            if match_shard(path) is None:  # only names dynstate writes, as gc (never a path
-                log.warning("not removing %s: no shard name dynstate writes", path)  # given)
+            if match_shard(path) is None:  # only names dynstate writes, as gc: never any path
+                log.warning("not removing %s: no shard name dynstate writes", path)
                 continue
             try:
                 self.storage.delete(path)
@@ -366,7 +366,7 @@ class Writer:
             # must not sink the round), unless no part has shards.
             typed = [p for p in parts if p.schema is not None]
             typed = [p for p in typed if p.shards] or typed
-            schemas = {m.schema_fingerprint(p.schema) for p in typed if p.schema is not None}
+            schemas = {m.schema_fingerprint(p.schema) for p in typed}
             if len(schemas) > 1:
                 raise SchemaMismatchError(
                     f"staged parts for {self.display_url} have different schemas; stage every "

@@ -359,20 +359,20 @@ class VersionedDataset(Dataset):
         if kind == "u" and raw.dtype.itemsize == 8 and int(raw.max()) > np.iinfo(np.int64).max:
             raise RowOutOfRangeError(f"row index {int(raw.max())} for {self.url} is out of range")
         if kind == "O":  # Python ints past int64, or a mix: each must be an int itself
-            try:
-                raw = np.array([operator.index(i) for i in raw.tolist()], dtype=object)
-            except TypeError:
-                bad = next(i for i in raw.tolist() if not hasattr(type(i), "__index__"))
-                raise InvalidDataError(f"{what}, not {bad!r}") from None
-            if any(i > np.iinfo(np.int64).max for i in raw.tolist()):
-                top = max(raw.tolist())
-                raise RowOutOfRangeError(f"row index {top} for {self.url} is out of range")
-            if any(i < 0 for i in raw.tolist()):
-                low = min(raw.tolist())
+            values = []
+            for item in raw.tolist():
+                try:
+                    values.append(operator.index(item))
+                except TypeError:
+                    raise InvalidDataError(f"{what}, not {item!r}") from None
+            if max(values) > np.iinfo(np.int64).max:
+                raise RowOutOfRangeError(f"row index {max(values)} for {self.url} is out of range")
+            if min(values) < 0:
                 raise RowOutOfRangeError(
-                    f"negative row index {low} for {self.url}; VersionedDataset indices are "
-                    "row numbers from 0"
+                    f"negative row index {min(values)} for {self.url}; VersionedDataset indices "
+                    "are row numbers from 0"
                 )
+            return np.array(values, dtype=np.int64)
         elif kind not in "iu":
             first = raw.reshape(-1)[0]
             raise InvalidDataError(f"{what}, not {raw.dtype} values such as {first!r}")

@@ -197,23 +197,28 @@ class VersionedSampler(Sampler[int]):
         self.first_step = int(first_step)
         self.select: Policy | None = policy
         self._selector = None if self.select is None else Selector(self.select)
-        self.pos = Position(step=self.first_step)
         self._order = EpochOrder(shuffle, self.seed, _BLOCK)
         self._prefetched = -1
-        self._open = False  # an epoch is under way: it started and not all its indices left
-        self._pinned_now = False  # __iter__ just pinned the first epoch
-        # The position counts whole steps, and moves before a step's indices leave. A state
-        # asked for between two of them is the step's start (``_step_start``) and how many of
-        # them this rank handed out (``within_step``); ``_owed``: how many it has not yet.
-        self._owed = 0
-        self._taken = 0
-        self._step_start = self.pos
-        self._skip = 0  # a loaded state's within_step: the next step's indices to leave out
+        self._restart()
         # Maps a step of this sampler's count to the step of the round (``meta["step"]``)
         # that rules it: the same number when each training step draws one sampler step;
         # DynamicSampling, whose training steps draw a varying number, sets its own
         # (the last training step that ended by then). Not state: the loop sets it again.
         self.round_clock: Callable[[int], int] | None = None
+
+    def _restart(self) -> None:
+        """Where a new sampler of these settings starts (no epoch pinned, step
+        ``first_step``); also a run started afresh on a sampler that handed out rows."""
+        self.pos: Position = Position(step=self.first_step)
+        self._open = False  # an epoch is under way: it started and not all its indices left
+        self._pinned_now = False  # __iter__ just pinned the first epoch
+        # The position counts whole steps, and moves before a step's indices leave. A state
+        # asked for between two of them is the step's start (``_step_start``) and how many of
+        # them this rank handed out (``within_step``); ``_owed``: how many it has not yet.
+        self._owed: int = 0
+        self._taken: int = 0
+        self._step_start: Position = self.pos
+        self._skip: int = 0  # a loaded state's within_step: the next step's indices to leave out
 
     # The batches steps are counted in: given, taken from the loader by check_loader, or taken
     # from a loaded state. None: not known.
@@ -579,14 +584,6 @@ class VersionedSampler(Sampler[int]):
         self._step_start = position
         self._skip = within
         self._open = self.pos.version is not None and self._step_shape() is not None
-
-    def _restart(self) -> None:
-        """Back to where a new sampler of these settings starts (no epoch pinned, step
-        ``first_step``): a run started afresh on a sampler that handed out rows already."""
-        self.pos = Position(step=self.first_step)
-        self._open = self._pinned_now = False
-        self._owed = self._taken = self._skip = 0
-        self._step_start = self.pos
 
     def _checked_state(self, state: dict[str, Any]) -> tuple[Batching, Position, int]:
         """What :meth:`load_state_dict` would adopt from ``state``, every check made and

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import paths
 from ..errors import (
@@ -39,6 +39,8 @@ from .leases import DEFAULT_TTL_S, Leases
 
 if TYPE_CHECKING:
     from .outcomes import Outcomes
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("dynstate")
 
@@ -149,6 +151,21 @@ class Log(Catalog):
             f"version {version} of {self.display_url} was removed by garbage collection "
             f"(oldest kept is {self._floor}); use a later version"
         )
+
+    def walk_kept(self, version: int, walk: Callable[[int], _T]) -> _T:
+        """``walk(version)``, a walk back through a kept version's records. A gc since this
+        handle last read the floor may have collected records on the way from the older
+        floor: then the floor is read again and the walk starts over from it, or, if
+        ``version`` itself is below it now, :class:`VersionCollectedError`."""
+        floor = self._floor
+        try:
+            return walk(version)
+        except DynstateError:
+            if self.read_floor() == floor and version >= floor:
+                raise
+        if version < self._floor:
+            raise self.collected(version) from None
+        return walk(version)
 
     def publish_floor(self, floor: int, *, previous: int | None = None) -> None:
         """Make ``floor`` readable on its own (its checkpoint and chunks), then name it in

@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import CorruptStoreError, InvalidDataError
 from ..records.consumption import check_record
 from .commits import Log
-from .steps import latest_step, own_step, round_of
+from .steps import own_step, round_of
 
 __all__ = ["Consumption", "check_new_record", "lineage_records", "record_of_step"]
 
@@ -49,17 +49,20 @@ def check_new_record(log: Log, head: int, record: dict[str, Any]) -> None:
     never committed would leave its rows in none). Walks back as :func:`round_of` does, only
     as far as the newest round before ``step``."""
     url, step = log.display_url, record["step"]
-    newest = latest_step(log, head)
-    if newest is not None and newest > step:
-        raise InvalidDataError(
-            f"consumption for {url}: step {step} is older than step {newest}, the newest step "
-            f"of the lineage of version {head}; a step's record is committed with its round, "
-            "in step order (roll back to before that step to run it again); nothing was "
-            "committed"
-        )
     before: tuple[int, dict[str, Any]] | None = None
+    newest: int | None = None  # the lineage's newest step: met before any record or cut
     for version in log.lineage(head):
         found = log.commit_record(version)
+        own = own_step(found)
+        if newest is None and own is not None:
+            newest = own
+            if newest > step:
+                raise InvalidDataError(
+                    f"consumption for {url}: step {step} is older than step {newest}, the "
+                    f"newest step of the lineage of version {head}; a step's record is "
+                    "committed with its round, in step order (roll back to before that step "
+                    "to run it again); nothing was committed"
+                )
         if found.consumption is not None and found.op == "append":
             theirs = found.consumption.get("step")
             if isinstance(theirs, int) and theirs >= step:
@@ -71,7 +74,6 @@ def check_new_record(log: Log, head: int, record: dict[str, Any]) -> None:
                 )
             before = version, _checked(log, version, found.consumption)
             break
-        own = own_step(found)
         if own is not None and own < step:
             break  # the round of an earlier step without a record: the ledger starts here
     if before is None:

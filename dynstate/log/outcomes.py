@@ -212,17 +212,9 @@ class Outcomes:
         (create, reset, compaction), outcome checkpoint or the gc floor — at most K - 1
         records, as for shards. A gc since this handle last read the floor may have collected
         records on the way from the older floor: then the floor is read again and the walk
-        starts over from it (as :meth:`dynstate.store.Store.shard_list` does), or, if
-        ``version`` itself is below it now, :class:`VersionCollectedError`."""
-        floor = self.log.floor
-        try:
-            return self._walk(version)
-        except DynstateError:
-            if self.log.read_floor() == floor and version >= floor:
-                raise
-        if version < self.log.floor:
-            raise self.log.collected(version) from None
-        return self._walk(version)
+        starts over from it, or, if ``version`` itself is below it now,
+        :class:`VersionCollectedError` (:meth:`Log.walk_kept`, as for shard lists)."""
+        return self.log.walk_kept(version, self._walk)
 
     def _walk(self, version: int) -> Lineage:
         cached = self._lineages.get(version) or self._provisional_lineage(version)

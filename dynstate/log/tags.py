@@ -104,7 +104,6 @@ class Tags:
         settled = False
         try:
             if target < self.log.read_floor():  # a gc published first: nothing is sent
-                settled = True
                 raise self.log.collected(target)
             self._create(name, target, force=force)
             settled = True
@@ -130,7 +129,8 @@ class Tags:
         """Versions tags are being created for (intents younger than :data:`INTENT_S` by the
         storage's clock; all of them where it keeps no times), by intent file."""
         out: dict[str, int] = {}
-        now = None
+        now: float | None = None
+        asked = False  # the storage's clock is read once (on an object store, a probe write)
         for file_name in sorted(self.storage.list(paths.TAG_INTENT_DIR)):
             rel = f"{paths.TAG_INTENT_DIR}/{file_name}"
             if paths.match_tag_intent(rel) is None:
@@ -145,7 +145,8 @@ class Tags:
                 continue
             if type(version) is not int or version < 0:
                 continue
-            now = self.storage.now() if now is None else now
+            if not asked:
+                now, asked = self.storage.now(), True
             modified = self.storage.modified(rel)
             if now is not None and modified is not None and now - modified > INTENT_S:
                 continue  # no request is that late: gc removes it
