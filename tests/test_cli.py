@@ -421,6 +421,23 @@ def test_head_never_crashes_at_exit(tmp_path) -> None:
         assert [json.loads(line)["id"] for line in proc.stdout.splitlines()] == [0, 1, 2]
 
 
+def test_python_dash_m_dynstate_is_the_command(tmp_path) -> None:
+    """``python -m dynstate`` runs the same commands as the ``dynstate`` script, with the same
+    name in its usage and the same exit codes."""
+    url = str(tmp_path / "store")
+    Store.open(url, create=True).append(rows(0, 3), meta={"step": 0})
+    run = subprocess.run([sys.executable, "-m", "dynstate", "head", url, "-n", "2", "--jsonl"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert [json.loads(line)["id"] for line in run.stdout.splitlines()] == [0, 1]
+    usage = subprocess.run([sys.executable, "-m", "dynstate", "--help"], capture_output=True,
+                           text=True)  # fmt: skip
+    assert usage.returncode == 0 and usage.stdout.startswith("Usage: dynstate "), usage.stdout
+    missing = subprocess.run([sys.executable, "-m", "dynstate", "ls", str(tmp_path / "none")],
+                             capture_output=True, text=True)  # fmt: skip
+    assert missing.returncode == 1 and "no dynstate store at" in missing.stderr
+
+
 # -- diff --------------------------------------------------------------------------------------
 
 
