@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -404,3 +405,35 @@ def test_inspect_of_a_state_without_counted_steps_says_why_it_cannot_draw(tmp_pa
     torch.save({"loader": sampler.state_dict()}, tmp_path / "data.pt")
     info = describe_checkpoint(str(tmp_path / "data.pt"))
     assert "pass batch_size" in info["next_error"] and info["next_indices"] == []
+
+
+@pytest.mark.parametrize("mode", ["mix", "epoch"])
+def test_a_reset_by_another_process_stops_the_run_at_once(tmp_path, mode):
+    """Another handle resets the store under a running sampler: the rows at the numbers its
+    position counts are other rows now. A mix-mode sampler used to wait its whole
+    wait_timeout for a round that never came; an epoch-mode one pinned the reset's rows for its
+    next epoch. Both refuse at once, naming the version they read, and draw nothing."""
+    url = str(tmp_path / "s")
+    store = Store.open(url, create=True)
+    store.append([{"id": i} for i in range(8)])
+    ds = VersionedDataset(store)
+    sampler = VersionedSampler(ds, mode=mode, batch_size=4, lag=1, wait_timeout=600, seed=1)
+    loader = sampler.check_loader(StatefulDataLoader(ds, batch_size=4, sampler=sampler))
+    other, batches = Store.open(url), []
+
+    def epochs():
+        while True:
+            yield from loader
+
+    started = time.monotonic()
+    with pytest.raises(StateMismatchError, match=r"no longer descends from version \d+") as err:
+        for step, batch in zip(range(6), epochs(), strict=False):
+            batches.append(sorted(int(i) for i in batch["id"]))
+            store.append([{"id": 100 + step}], meta={"step": step})
+            if step == 2:
+                other.reset(0)  # the import alone: rows 8.. are gone
+                store.append([{"id": 900 + k} for k in range(4)])  # other rows at those numbers
+    assert time.monotonic() - started < 60
+    assert "dynstate reset" in str(err.value) and url in str(err.value)
+    assert all(i < 900 for batch in batches for i in batch)
+    assert len(batches) == (3 if mode == "mix" else 5)  # epoch: at the next epoch's pin

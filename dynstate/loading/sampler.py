@@ -373,6 +373,7 @@ class VersionedSampler(Sampler[int]):
         if target < self.first_step:
             return head  # no training step has ended: no round to pin by
         if self.mode == "epoch":
+            store.steps.require_held(pinned, head)
             found = store.steps.round_version(head, target, pinned)
             return head if found is None else found  # a run that commits no rounds: the head
         return store.steps.wait_round(

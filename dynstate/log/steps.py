@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ..errors import RoundTimeoutError, VersionCollectedError
+from ..errors import RoundTimeoutError, StateMismatchError, VersionCollectedError
 from ..records.manifest import Commit
 from .commits import Log
 
@@ -40,6 +40,7 @@ __all__ = [
     "latest_step",
     "outcome_step",
     "own_step",
+    "require_held",
     "round_of",
     "round_version",
     "steps_after",
@@ -112,6 +113,23 @@ def round_version(log: Log, head: int, step: int, after: int) -> int | None:
     return best if ready else None
 
 
+def require_held(log: Log, held: int, head: int) -> None:
+    """Refuse to go on from ``held``, a version a running sampler has read, to ``head`` unless
+    ``head`` descends from it. Another process's reset or rollback puts other rows at the
+    numbers the sampler's position counts, and its run's next round would never come: without
+    this a mix-mode run waited its whole ``wait_timeout`` for it, and an epoch-mode one went on
+    over the other rows. Nothing can tell below the gc floor: then it goes on."""
+    if held >= 0 and log.on_lineage(held, head) is False:
+        raise StateMismatchError(
+            f"the head of {log.display_url} (version {head}) no longer descends from version "
+            f"{held}, which this sampler has read: another process reset the store or rolled "
+            "it back, and the rows at the numbers its position counts are not the ones it "
+            "counted. Stop this run and resume it from a checkpoint (a resume rolls the store "
+            f"back to the checkpoint's step), or restore the store first: dynstate reset "
+            f"{log.display_url} {held}"
+        )
+
+
 def round_of(log: Log, head: int, step: int) -> int | None:
     """The version on ``head``'s lineage whose round is exactly ``step`` (the first, as
     :func:`round_version` answers), or None. Walks back from the head only as far as the
@@ -173,10 +191,13 @@ def wait_round(
 ) -> int:
     """:func:`round_version` of the head, polled until the round of ``step`` is committed;
     after ``timeout`` seconds :class:`RoundTimeoutError` (also a ``TimeoutError``) says so,
-    ending with ``advice``."""
+    ending with ``advice``; :class:`StateMismatchError` at once when the head no longer
+    descends from ``after`` (:func:`require_held`)."""
     deadline = clock() + timeout
     while True:
-        found = round_version(log, log.refresh(), step, after)
+        head = log.refresh()
+        require_held(log, after, head)
+        found = round_version(log, head, step, after)
         if found is not None:
             return found
         if clock() > deadline:
@@ -213,6 +234,10 @@ class Steps:
     def version_at(self, head: int, step: int) -> int:
         """:func:`version_at_step`."""
         return version_at_step(self._log, head, step)
+
+    def require_held(self, held: int, head: int) -> None:
+        """:func:`require_held`."""
+        require_held(self._log, held, head)
 
     def wait_round(self, step: int, after: int, *, timeout: float, advice: str) -> int:
         """:func:`wait_round`."""
