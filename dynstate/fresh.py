@@ -71,6 +71,8 @@ class FreshShards:
             # all of its parent's buffers, and would never be kept.
             if table.num_rows != shard.rows or table.nbytes > self.max_bytes // 8:
                 continue  # a large round: not kept (and not copied)
+            if any(_hides_values(column) for column in table.columns):
+                continue
             # Never raises: the round is committed, and a table not kept costs a decode.
             try:
                 schema = self._read_schema(table.schema)
@@ -150,6 +152,30 @@ def _keeps_values(t: pa.DataType) -> bool:
     if pa.types.is_dictionary(t) or pa.types.is_date64(t) or isinstance(t, pa.BaseExtensionType):
         return False
     return all(_keeps_values(t.field(i).type) for i in range(t.num_fields))
+
+
+def _hides_values(values: pa.Array | pa.ChunkedArray) -> bool:
+    """Whether ``values`` holds a null struct: the writer's children under it keep what the
+    caller put there, a decode of the file has nulls (an Arrow batch's ``field()`` would show
+    the difference). Only columns whose type has a struct are looked at."""
+    t = values.type
+    if not _has_struct(t):
+        return False
+    chunks = values.chunks if isinstance(values, pa.ChunkedArray) else [values]
+    for chunk in chunks:
+        if pa.types.is_struct(t):
+            if chunk.null_count or any(_hides_values(chunk.field(i)) for i in range(t.num_fields)):
+                return True
+        elif pa.types.is_map(t):
+            if _hides_values(chunk.keys) or _hides_values(chunk.items):
+                return True
+        elif hasattr(chunk, "values") and _hides_values(chunk.values):  # the list kinds
+            return True
+    return False
+
+
+def _has_struct(t: pa.DataType) -> bool:
+    return pa.types.is_struct(t) or any(_has_struct(t.field(i).type) for i in range(t.num_fields))
 
 
 def _renamed_only(written: pa.Schema, read: pa.Schema) -> bool:

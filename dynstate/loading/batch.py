@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..errors import SchemaMismatchError
 from ..records.columns import int64_array
 from ..store import Store
 from .cache import ShardCache, _Shard
@@ -259,10 +260,21 @@ def arrow_batch(
         if empty.positions is not None:
             schema = pa.schema([schema.field(i) for i in empty.positions])
         return pa.RecordBatch.from_pylist([], schema=schema)
-    table = pa.concat_tables(tables, promote_options="default")
+    try:
+        table = pa.concat_tables(tables, promote_options="default")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        # rows of several versions (a sampler's tagged indices) whose columns a reset let
+        # change type: no one Arrow type holds both, the "rows" and "columns" formats can
+        raise SchemaMismatchError(
+            f"an arrow batch of {store.display_url} joins rows of versions whose columns "
+            f"cannot be one Arrow schema ({exc}); read each version's rows in a batch of its "
+            "own, or use batch_format='rows' or 'columns'"
+        ) from None
     order = np.concatenate(positions)
     if not (order[1:] > order[:-1]).all():
         inverse = np.empty(n, dtype=np.int64)
         inverse[order] = np.arange(n)
         table = table.take(int64_array(inverse))
+    if table.num_columns == 0:  # columns=[]: the rows' count is all there is
+        return pa.RecordBatch.from_struct_array(pa.array([{}] * n, type=pa.struct([])))
     return table.combine_chunks().to_batches()[0]

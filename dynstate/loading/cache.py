@@ -178,10 +178,6 @@ class ShardCache:
         """Bytes of decoded shards held now (at most ``max_bytes``, or one shard above it)."""
         return self._bytes
 
-    def get(self, store: Store, shard: m.ShardRef, schema: pa.Schema | None, version: int):
-        """The shard as a table shaped like ``schema`` (None: as stored)."""
-        return self.shard(store, shard, schema, None, version).table
-
     def shard(
         self,
         store: Store,

@@ -41,8 +41,19 @@ def encode_index(version: int, row: int) -> int:
     return ((version + 1) << _ROW_BITS) | row
 
 
+def _is_bool(value: Any) -> bool:
+    """A boolean (Python's, numpy's or a tensor's), which ``operator.index`` and numpy take
+    for 0 or 1: a mask's element is no row."""
+    return isinstance(value, (bool, np.bool_)) or "bool" in str(getattr(value, "dtype", ""))
+
+
 def decode_index(index: int) -> tuple[int | None, int]:
     """(version or None, row) of a dataset index; plain row numbers have no version."""
+    if _is_bool(index):
+        raise InvalidDataError(
+            f"a dataset index is an int (a row, or a VersionedSampler index), not the boolean "
+            f"{index!r}; pass the row number"
+        )
     try:
         # an int or what stands for one (numpy ints, an int tensor), never a float truncated
         # or a string parsed: a row nobody asked for
@@ -58,6 +69,22 @@ def decode_index(index: int) -> tuple[int | None, int]:
     if index <= _ROW_MASK:
         return None, index
     return (index >> _ROW_BITS) - 1, index & _ROW_MASK
+
+
+def _column_names(columns: Sequence[str] | None) -> list[str] | None:
+    """``columns`` as a list of distinct names: one name given as a string is not read as its
+    letters, and a name asked twice would give an Arrow batch two fields of one name."""
+    if columns is None:
+        return None
+    if isinstance(columns, (str, bytes)) or not all(isinstance(c, str) for c in columns):
+        raise InvalidDataError(
+            f"columns must be a list of column names, not {columns!r}; e.g. columns=['prompt']"
+        )
+    names = list(columns)
+    twice = sorted({c for c in names if names.count(c) > 1})
+    if twice:
+        raise InvalidDataError(f"columns names {twice} more than once; name each column once")
+    return names
 
 
 class VersionedDataset(Dataset):
@@ -115,7 +142,7 @@ class VersionedDataset(Dataset):
             self.storage_options = dict(storage_options or {})
         self.cache_bytes = cache_bytes
         self.cache_dir = cache_dir
-        self.columns = list(columns) if columns is not None else None
+        self.columns = _column_names(columns)
         self.batch_format = batch_format
         self.row_column = row_column
         self._pid = os.getpid()
@@ -342,6 +369,12 @@ class VersionedDataset(Dataset):
         )
         if isinstance(indices, (str, bytes)):
             raise InvalidDataError(f"{what}, not the string {indices!r}")
+        if isinstance(indices, (list, tuple)) and any(type(i) is not int for i in indices):
+            # numpy reads [True, 2] as the ints [1, 2]: find a boolean before it does (a
+            # sampler's plain ints skip this pass)
+            flag = next((i for i in indices if _is_bool(i)), None)
+            if flag is not None:
+                raise InvalidDataError(f"{what}, not the boolean {flag!r}; pass row numbers")
         try:
             raw = np.asarray(indices)
         except (TypeError, ValueError) as exc:
