@@ -223,3 +223,47 @@ def test_guard_outcomes_credit_exactly_the_rows_scored_across_an_epoch_rollover(
         assert len(set(epoch_rows)) == len(epoch_rows), (step, epoch_rows)
     assert oracle.records[oracle.round_version(4)]["num_rows"] == 24
     assert all(0 <= r < 24 for r in epoch_rows)
+
+
+def test_a_reset_by_another_process_stops_a_mix_mode_run_at_once(
+    example: Any, tmp_path: Path
+) -> None:
+    """Another handle (another process, as an operator's ``dynstate reset``) resets the store
+    after step 1's round and appends other rows at the numbers the run's sampler counts. The
+    mix-mode run waited its whole ``wait_timeout`` (600 s) for the round of step 1 on the new
+    head, then raised ``RoundTimeoutError`` with advice that did not fit; it stops at step 2
+    with ``StateMismatchError`` naming what happened and what to do, no round of step 2
+    committed."""
+    import time
+
+    from transformers import TrainerCallback
+
+    from dynstate import StateMismatchError
+
+    store = _store(example, tmp_path / "store")
+    url = str(tmp_path / "store")
+
+    class ResetByOther(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if state.global_step == 1:
+                other = Store.open(url)
+                other.reset(0)
+                other.append(example.first_tasks(100, count=16))
+            return control
+
+    trainer = _trainer(
+        example,
+        store,
+        tmp_path / "out",
+        mode="mix",
+        generator=example.HardestVariations(seed=0),
+        callbacks=[ResetByOther()],
+        config={"max_steps": 3, "save_strategy": "no"},
+    )
+    started = time.monotonic()
+    with pytest.raises(StateMismatchError, match=r"no longer descends from version \d+"):
+        trainer.train()
+    assert time.monotonic() - started < 300
+    assert trainer.dynstate_round is not None and trainer.dynstate_round.step == 1
+    records = [store.commit_record(v) for v in range(store.refresh() + 1)]
+    assert 2 not in [record.meta.get("step") for record in records]
