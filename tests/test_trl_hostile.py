@@ -267,3 +267,63 @@ def test_a_reset_by_another_process_stops_a_mix_mode_run_at_once(
     assert trainer.dynstate_round is not None and trainer.dynstate_round.step == 1
     records = [store.commit_record(v) for v in range(store.refresh() + 1)]
     assert 2 not in [record.meta.get("step") for record in records]
+
+
+@pytest.mark.parametrize("filtered", [False, True], ids=["plain", "filter_groups"])
+def test_a_dynstate_generator_sees_what_the_rewards_scored(
+    example: Any, tmp_path: Path, filtered: bool
+) -> None:
+    """A ``DynstateGenerator``'s ``StepBatch`` holds, response by response, the row, the prompt,
+    the completion and the score the reward function saw at that step (``completions`` was
+    always empty: a generator could not build on what the policy wrote). With
+    ``filter_groups`` every group scored at the step counts, filtered ones too, each once, as
+    the step's outcomes do. Held against the reward function's own record of its calls."""
+    from dynstate.trl import DynstateGenerator, FilterGroups
+
+    calls: list[list[tuple[int, str, str, float]]] = []
+
+    def reward(
+        completions: list[str], answer: list[str], prompts: list[str], dynstate_row: list[int],
+        **_: Any,
+    ) -> list[float]:  # fmt: skip
+        scores = example.reward(completions, answer)
+        calls.append(list(zip(dynstate_row, prompts, completions, scores, strict=True)))
+        return scores
+
+    seen: dict[int, list[tuple[int, str, str, float]]] = {}
+
+    class Watch(DynstateGenerator):
+        name = "watch"
+
+        def generate(self, batch: Any, step: int, dataset: Any) -> Any:
+            seen[step] = list(
+                zip(batch.rows, batch.prompts, batch.completions, batch.scores, strict=True)
+            )
+            return []
+
+    store = _store(example, tmp_path / "store")
+    over: dict[str, Any] = {"filter_groups": FilterGroups(gen_prompts=2)} if filtered else {}
+    trainer = _trainer(
+        example,
+        store,
+        tmp_path / "out",
+        generator=Watch(),
+        config={"max_steps": 2, "save_strategy": "no"},
+        **over,
+    )
+    trainer.reward_funcs = [reward]
+    trainer.train()
+    assert sorted(seen) == [1, 2]
+    if not filtered:
+        assert len(calls) == 2  # one generation per step
+        per_step = {1: calls[0], 2: calls[1]}
+    else:
+        # a step's generation batches, in order; the boundary is where seen[1] ends
+        flat = [x for call in calls for x in call]
+        per_step = {1: flat[: len(seen[1])], 2: flat[len(seen[1]) : len(seen[1]) + len(seen[2])]}
+        assert len(seen[1]) + len(seen[2]) == len(flat)
+    for step in (1, 2):
+        want = [(r, p, c, float(np.float32(s))) for r, p, c, s in per_step[step]]
+        got = [(r, p, c, float(np.float32(s))) for r, p, c, s in seen[step]]
+        assert got == want, step
+        assert all(isinstance(c, str) for _, _, c, _ in got)

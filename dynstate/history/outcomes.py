@@ -61,7 +61,8 @@ def outcome_records_count(store: Store, version: int) -> int:
 class RowSelection:
     """Which rows to list and in what order, by their statistics. ``sort``: one of
     :data:`SORT_KEYS`, ascending, or with a leading ``-`` descending; rows never trained
-    (no pass rate, no scores) come last either way, ties in row order. The pass-rate bounds
+    (no pass rate, no scores) come last either way, but by ``attempts`` and ``successes``,
+    where their count, 0, sorts with the others; ties in row order. The pass-rate bounds
     are inclusive and keep trained rows only; the attempt bounds are inclusive."""
 
     sort: str | None = None

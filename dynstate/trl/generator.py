@@ -45,8 +45,10 @@ from ..store import Store
 class StepBatch:
     """The scored prompts of one step, in the order they were generated: ``rows[i]`` is the
     store row of response ``i`` (a group's ``num_generations`` responses share one),
-    ``scores[i]`` its reward (the reward functions' weighted sum, as TRL's ``reward``), and
-    ``rows_version`` the version those rows were read at."""
+    ``scores[i]`` its reward (the reward functions' weighted sum, as TRL's ``reward``),
+    ``prompts[i]`` and ``completions[i]`` the prompt and the completion the reward functions
+    scored (text, or messages for a conversational dataset; None where a ``_calculate_rewards``
+    override scored other lists), and ``rows_version`` the version those rows were read at."""
 
     step: int
     rows: list[int]

@@ -216,7 +216,8 @@ class DynstateGRPOTrainer(GRPOTrainer):
         # each scored group's completions as GRPOTrainer's tensors, by the id of its item
         # (held too, so that the id is not reused while the entry lives)
         self._parts: dict[int, tuple[Any, dict[str, Any]]] = {}
-        self._step_scored: list[tuple[int, list[float], Any]] = []
+        self._step_scored: list[tuple[int, list[float], Any, list[Any]]] = []
+        self._completions: list[Any] = []  # the last reward call's, this process's
         if self._filter is None:
             self._make_loader()  # refuses bad sampler settings here, at start-up
         else:
@@ -660,6 +661,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         out = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._rewards_per_func = out
+        self._completions = list(completions)  # what the rewards scored, for the generator
         return out
 
     def _generate_and_score_completions(self, inputs):
@@ -671,9 +673,12 @@ class DynstateGRPOTrainer(GRPOTrainer):
             # GRPOTrainer gathers the rewards of every process (rank 0's responses first);
             # the rows, versions and prompts are gathered in the same order
             scores = (self._rewards_per_func * weights).nansum(dim=1).double().cpu().tolist()
+            completions = self._completions
+            if len(completions) != len(inputs):
+                completions = [None] * len(inputs)  # a reward override that passed other lists
             local = [
-                (int(x[loader_mod.ROW_KEY]), int(x[loader_mod.VERSION_KEY]), x.get("prompt"))
-                for x in inputs
+                (int(x[loader_mod.ROW_KEY]), int(x[loader_mod.VERSION_KEY]), x.get("prompt"), c)
+                for x, c in zip(inputs, completions, strict=True)
             ]
             every = local if self._world == 1 else gather_object(local)
             if len(every) != len(scores):
@@ -683,10 +688,11 @@ class DynstateGRPOTrainer(GRPOTrainer):
                     "differ in size"
                 )
             self._scored = {
-                "rows": [r for r, _, _ in every],
-                "versions": [v for _, v, _ in every],
+                "rows": [r for r, _, _, _ in every],
+                "versions": [v for _, v, _, _ in every],
                 "scores": scores,
-                "prompts": [p for _, _, p in every],
+                "prompts": [p for _, _, p, _ in every],
+                "completions": [c for _, _, _, c in every],
             }
         self._rewards_per_func = None
         return out
@@ -717,6 +723,9 @@ class DynstateGRPOTrainer(GRPOTrainer):
             with _alone(self):
                 out = super()._generate_and_score_completions(inputs)
         scores = self._weighted_scores()
+        completions = self._completions
+        if len(completions) != len(inputs):
+            completions = [None] * len(inputs)
         size = len(inputs)
         for key, value in out.items():
             if key == "num_items_in_batch":
@@ -734,7 +743,8 @@ class DynstateGRPOTrainer(GRPOTrainer):
                     if key != "num_items_in_batch"}  # fmt: skip
             self._parts[id(item)] = (item, part)
             per_item.append(scores[k * group : (k + 1) * group])
-            self._step_scored.append((int(item[loader_mod.ROW_KEY]), per_item[-1], item))
+            done = completions[k * group : (k + 1) * group]
+            self._step_scored.append((int(item[loader_mod.ROW_KEY]), per_item[-1], item, done))
         return per_item
 
     def _filtered_generation(self) -> dict[str, Any]:
@@ -776,7 +786,8 @@ class DynstateGRPOTrainer(GRPOTrainer):
             parts.append(held[1])
         # keep only the carry's completions: the rest are trained now, or filtered or dropped
         self._parts = {id(g.item): self._parts[id(g.item)] for g in dyn.carry}
-        scored = [(row, scores, item.get("prompt")) for row, scores, item in self._step_scored]
+        scored = [(row, scores, item.get("prompt"), done)
+                  for row, scores, item, done in self._step_scored]  # fmt: skip
         self._step_scored = []
         if self._world > 1:
             # rank 0 commits every rank's outcomes; each rank scored only the rows dealt to it
@@ -789,9 +800,10 @@ class DynstateGRPOTrainer(GRPOTrainer):
             "trained_scores": [s for g in trained for s in g.scores],
             # outcomes: every group scored at this step (trained, filtered, carried or
             # dropped), once, at the step that generated it
-            "rows": [r for r, scores, _ in scored for _ in scores],
-            "scores": [s for _, scores, _ in scored for s in scores],
-            "prompts": [prompt for _, scores, prompt in scored for _ in scores],
+            "rows": [r for r, scores, _, _ in scored for _ in scores],
+            "scores": [s for _, scores, _, _ in scored for s in scores],
+            "prompts": [prompt for _, scores, prompt, _ in scored for _ in scores],
+            "completions": [c for _, _, _, done in scored for c in done],
             "versions": [int(record["rows_version"])],
         }
         return self._assemble(parts)
@@ -1018,7 +1030,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 scores=scored["scores"],
                 rows_version=rows_version,
                 prompts=scored["prompts"],
-                completions=[],
+                completions=scored["completions"],
             )
             added_rows = run_generator(generator, batch, step, view)
             gen_state = state_of(generator)
