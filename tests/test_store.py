@@ -248,6 +248,24 @@ def test_missing_checkpoint_falls_back_to_log(tmp_path) -> None:
     assert ids(Store.open(url), 103) == list(range(1, 104))
 
 
+def test_a_refused_round_names_only_what_differs(tmp_path) -> None:
+    """A list column read from Parquet (its item field named ``element``) and the same column
+    from Python lists (``item``) are one type to a round's check; a round refused for its
+    extra column named the list column as a changed type too, sending the user after a
+    difference that is none."""
+    import pyarrow as pa
+
+    store = Store.open(str(tmp_path / "s"), create=True)
+    element = pa.list_(pa.field("element", pa.int64()))
+    store.append(pa.table({"id": [0], "xs": pa.array([[1, 2]], element)}))
+    with pytest.raises(SchemaMismatchError) as err:
+        store.append([{"id": 1, "xs": [3], "extra": 1}])
+    assert "unexpected columns: extra" in str(err.value)
+    assert "changed types" not in str(err.value)
+    store.append([{"id": 1, "xs": [3]}])
+    assert store.snapshot().to_arrow().column("xs").to_pylist() == [[1, 2], [3]]
+
+
 def test_add_nullable_columns_opt_in(store_url: str) -> None:
     store = Store.open(store_url, create=True)
     store.append([{"id": 0, "text": "a"}])

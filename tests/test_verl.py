@@ -688,3 +688,29 @@ def test_failing_generator_raises_or_skips_when_configured(world, old_generators
     got = rounds(spec)
     assert sorted(got) == [1, 2] and all("generator exploded" in m["error"] for m in got.values())
     assert all(m["rows"] == 0 for m in got.values())
+
+
+def test_a_store_filled_without_lineage_takes_generated_rounds(world, old_generators):
+    """A store filled by ``store.append(dataset)`` (the train file's rows, no lineage column,
+    as docs/trl.md's setup and any user's own import make it) and then trained by verl: each
+    round of an old-interface generator was refused at commit ("unexpected columns:
+    _dynstate_source", verl added the column with nulls whatever the store held), so ``fit()``
+    died after step 1. The round is built as TRL's is (``dynstate.generators.round_table``):
+    nulls only where the store has the column."""
+    import pyarrow.parquet as pq
+
+    spec = new_run(
+        world, "plain", steps=2, save_freq=-1,
+        datagen={"path": old_generators, "name": "MockDataGenerator"},
+    )  # fmt: skip
+    store = dynstate.Store.open(spec["store"], create=True)
+    train = pq.read_table(spec["train"])
+    store.append(train)
+    assert "_dynstate_source" not in store.snapshot().schema.names
+    assert call(world, spec) == 0, output(spec)
+    got = rounds(spec)
+    assert sorted(got) == [1, 2] and all(m["rows"] == 1 for m in got.values())
+    rows = content(spec)
+    assert len(rows) == train.num_rows + 2
+    assert [r["prompt"] for r in rows[train.num_rows :]] == [rows[0]["prompt"]] * 2
+    assert "_dynstate_source" not in rows[0]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -502,16 +503,21 @@ def schema_from_json(obj: dict[str, Any], where: str) -> pa.Schema:
     return schema
 
 
-def describe_schema_diff(expected: pa.Schema, got: pa.Schema) -> str:
-    """Human description of how ``got`` differs from ``expected``, naming columns."""
+def describe_schema_diff(
+    expected: pa.Schema,
+    got: pa.Schema,
+    same: Callable[[pa.DataType, pa.DataType], bool] | None = None,
+) -> str:
+    """Human description of how ``got`` differs from ``expected``, naming columns. ``same``:
+    which types count as one (a round's check lets a list's item name differ; default: equal
+    as text)."""
     exp = {f.name: f.type for f in expected}
     new = {f.name: f.type for f in got}
     parts = []
     missing = [n for n in exp if n not in new]
     extra = [n for n in new if n not in exp]
-    changed = [
-        f"{n} ({exp[n]} -> {new[n]})" for n in exp if n in new and str(exp[n]) != str(new[n])
-    ]
+    alike = same if same is not None else (lambda a, b: str(a) == str(b))
+    changed = [f"{n} ({exp[n]} -> {new[n]})" for n in exp if n in new and not alike(new[n], exp[n])]
     if missing:
         parts.append("missing columns: " + ", ".join(missing))
     if extra:

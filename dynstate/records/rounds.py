@@ -85,7 +85,7 @@ def conform_round(
     if bad or (extra and not allow_new_columns):
         raise SchemaMismatchError(
             f"round does not match the schema of {url} at version {version}: "
-            + m.describe_schema_diff(schema, table.schema)
+            + m.describe_schema_diff(schema, table.schema, same_type)
             + "; convert the round to the store's columns"
             + ("" if bad or not extra else ", or pass allow_new_columns=True")
         )

@@ -28,7 +28,7 @@ import pyarrow as pa
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
 from ..errors import InvalidDataError, StateMismatchError
-from ..generators import SOURCE_TYPE
+from ..generators import SOURCE_TYPE, round_table
 from ..loading.consumption import DynamicSampling
 from ..loading.dataset import VersionedDataset, decode_index
 from ..loading.sampler import VersionedSampler
@@ -41,7 +41,6 @@ from .generator import (
     ROW_KEY,
     SOURCE_COLUMN,
     VERSION_KEY,
-    DynstateGenerator,
     generator_name,
     load_generator,
     load_state,
@@ -407,8 +406,7 @@ class DynstateRLDataset(RLHFDataset):
                 meta["error"] = repr(exc)[:500]
             finally:
                 self._pending, self._pending_read_at = None, None
-        keep_source = isinstance(self.data_generator, DynstateGenerator)
-        table = self._round_table(rows, keep_source)
+        table, new_source = self._round_table(rows)
         meta["rows"] = table.num_rows
         if outcomes is None:
             log.warning(
@@ -420,6 +418,7 @@ class DynstateRLDataset(RLHFDataset):
         state = state_of(self.data_generator) if self.data_generator is not None else None
         version = self.store.append(
             table if table.num_rows else [],
+            allow_new_columns=new_source,  # the lineage column alone (round_table)
             meta=meta,
             outcomes=outcomes,
             generator_state=state,
@@ -434,25 +433,28 @@ class DynstateRLDataset(RLHFDataset):
         log.info("step %d: %s added %d rows as version %d", step, name, table.num_rows, version)
         return version
 
-    def _round_table(self, rows: Any, keep_source: bool) -> pa.Table:
+    def _round_table(self, rows: Any) -> tuple[pa.Table, bool]:
+        """The generator's rows as the round to append, and whether it brings the lineage
+        column new to the store: verl's own keys dropped, verl's overlong-prompt filter
+        applied as to the train files, then the round every trainer builds
+        (:func:`dynstate.generators.round_table`: the old interface's lineage dropped, nulls
+        only where the store has the column)."""
         url = self.store.display_url
-        if rows is None:
-            return pa.table({})
+        if rows is None or (isinstance(rows, list) and not rows):
+            return pa.table({}), False
         if isinstance(rows, list):
-            if not rows:
-                return pa.table({})
             rows = datasets.Dataset.from_list(rows)
         elif not isinstance(rows, datasets.Dataset):
             rows = datasets.Dataset(to_table(rows, url))
         drop = [c for c in (ROW_KEY, VERSION_KEY) if c in rows.column_names]
-        if not keep_source and SOURCE_COLUMN in rows.column_names:
-            drop.append(SOURCE_COLUMN)  # the old interface cannot know lineage
         if drop:
             rows = rows.remove_columns(drop)
         if len(rows) == 0:
-            return pa.table({})
+            return pa.table({}), False
         rows = self.maybe_filter_out_long_prompts(rows)  # verl's filter, as for the train files
-        return _with_source(to_table(rows, url))
+        schema = self.store.snapshot(self.store.refresh()).schema
+        table, new_source = round_table(to_table(rows, url), self.data_generator, schema, url)
+        return (table, new_source) if isinstance(table, pa.Table) else (pa.table({}), False)
 
     # -- resume ------------------------------------------------------------------------------
 
