@@ -235,14 +235,21 @@ class Log(Catalog):
                 return True
 
         if not exists(start):
-            # Hints are advisory; fall back to the last version known to exist.
-            start = max(self._head, self._floor)
-            absent.clear()
-            if not exists(start):
-                raise CorruptStoreError(
-                    f"{self.display_url} has no commit record for version {start}; run "
-                    "`dynstate verify` to see what is damaged"
-                )
+            # Hints are advisory; fall back to the last version known to exist. A gc since the
+            # floor was read removes records below its new floor, which it published first:
+            # read it again, and call the store damaged only when it did not move.
+            floor = self._floor
+            while True:
+                start = max(self._head, self.read_floor())
+                absent.clear()
+                if exists(start):
+                    break
+                if self._floor == floor:
+                    raise CorruptStoreError(
+                        f"{self.display_url} has no commit record for version {start}; run "
+                        "`dynstate verify` to see what is damaged"
+                    )
+                floor = self._floor
         step = 1
         lo = start
         while exists(lo + step):
@@ -270,11 +277,30 @@ class Log(Catalog):
     # -- records ---------------------------------------------------------------------------
 
     def record(self, version: int) -> Commit | None:
-        """The record of ``version``, or None if there is no such file."""
+        """The record of ``version``, or None if there is no such file (or, below the head,
+        a file gc's floor disowns: :meth:`_drop_strays`)."""
         cached = self._records.get(version)
         if cached is not None:
             return cached
-        return self._decode_record(version, self.storage.try_read(paths.log_path(version)))
+        found = self._decode_record(version, self.storage.try_read(paths.log_path(version)))
+        if found is not None and version < self._head:
+            self._drop_strays([version])
+            return self._records.get(version)
+        return found
+
+    def _drop_strays(self, read: list[int]) -> None:
+        """Forget the records just read of versions below the head that lie below the floor
+        as read *now*. The name of a collected version is free: a writer paused across the gc
+        can create its record there (a stray, :meth:`_stray`), and a handle whose floor was
+        read before that gc would take the stray for the version, its rows for the version's
+        rows. gc publishes its floor before it removes a record, so a floor read after the
+        record shows any stray below it. One small read per batch of records (the head's own
+        probe, at or above the head, needs none)."""
+        older = [v for v in read if v < self._head and v in self._records]
+        if older and min(older) < self.read_floor():
+            for v in older:
+                if v < self._floor:
+                    self._records.pop(v, None)
 
     def records(self, versions: Iterable[int], *, strict: bool = True) -> dict[int, Commit | None]:
         """The records of ``versions`` (None for a missing file), the ones not read before
@@ -296,6 +322,14 @@ class Log(Catalog):
             except DynstateError:
                 if strict:
                     raise
+        try:
+            self._drop_strays(missing)
+        except DynstateError:
+            if strict:
+                raise
+            for v in missing:  # unchecked: not kept, the walk's own read checks each again
+                if v < self._head:
+                    self._records.pop(v, None)
         return {v: self._records.get(v) for v in wanted}
 
     def _decode_record(self, version: int, raw: bytes | None) -> Commit | None:
@@ -619,6 +653,11 @@ class Log(Catalog):
             )
             return False
         self._records.pop(record.version, None)
+        try:  # in no lineage and below the floor: gc's anyway, and a stale reader's trap
+            self.storage.delete(paths.log_path(record.version))
+        except DynstateError as exc:
+            log.warning("could not remove stray record %d of %s: %s", record.version,
+                        self.display_url, exc)  # fmt: skip
         if sources or record.op != "append":
             raise VersionCollectedError(
                 f"the {record.op} of {self.display_url} was created as version "

@@ -19,6 +19,9 @@ from ..store import Store
 
 log = logging.getLogger("dynstate")
 
+#: How many times a check that found problems while gc moved the floor is run again.
+ATTEMPTS = 3
+
 
 @dataclass
 class VerifyReport:
@@ -55,7 +58,32 @@ def verify_store(
     records_progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
     """Check ``store``; ``progress(done, total)`` is called per shard read, and
-    ``records_progress(done, total)`` per commit record read before that."""
+    ``records_progress(done, total)`` per commit record read before that. A gc that runs
+    meanwhile removes what verify set out to read: a check that found problems while the
+    floor moved is run again from the new floor (at most :data:`ATTEMPTS` times), so only
+    what is missing above the floor as it stands is reported."""
+    for attempt in range(1, ATTEMPTS + 1):
+        report = _verify(store, all_versions, progress, records_progress)
+        if report.ok or attempt == ATTEMPTS:
+            return report
+        floor = store.log.read_floor()
+        if floor == report.floor:
+            return report
+        log.info(
+            "gc moved the floor of %s from %d to %d while verify ran; checking again",
+            store.display_url,
+            report.floor,
+            floor,
+        )
+    raise AssertionError("unreachable")
+
+
+def _verify(
+    store: Store,
+    all_versions: bool,
+    progress: Callable[[int, int], None] | None,
+    records_progress: Callable[[int, int], None] | None,
+) -> VerifyReport:
     head = store.refresh()
     floor = store.floor
     report = VerifyReport(store.display_url, head, floor)
