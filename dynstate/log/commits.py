@@ -601,8 +601,12 @@ class Log(Catalog):
                 attempts.append(record)
             try:
                 self._publish(record)
+                lost = False
             except FileExistsError:
-                # Another writer's record holds the name: ours can never land there.
+                lost = True
+            if lost:
+                # Another writer's record holds the name: ours can never land there. Out of
+                # the handler, so that a failure of what follows is not read as the lost race.
                 if attempts is not None:
                     attempts.pop()
                 self.refresh()

@@ -44,6 +44,9 @@ __all__ = [
 ]
 
 
+_ALIASES = {"gcs": "gs", "abfs": "az", "abfss": "az"}
+
+
 def open_storage(
     url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
 ) -> Storage:
@@ -60,6 +63,14 @@ def open_storage(
         return LocalStorage(url, storage_options)
     if scheme == "memory":
         return MemoryStorage(url, storage_options)
+    if scheme in _ALIASES:
+        # fsspec's names for the services obstore serves here (gcsfs and adlfs are no
+        # dependency): the extra they would ask for is installed, under the other name
+        raise InvalidDataError(
+            f"{redact(url)}: write {redact(_ALIASES[scheme] + '://' + url.split('://', 1)[1])}"
+            f" — dynstate opens {scheme}:// stores as {_ALIASES[scheme]}:// "
+            "(docs/object-stores.md)"
+        )
     if scheme in ("s3", "s3a", "gs", "az"):
         from .s3obstore import ObstoreStorage  # docs/object-stores.md
 

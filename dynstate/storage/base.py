@@ -36,7 +36,7 @@ from ..errors import (
 )
 from .connect import check_options, connect
 from .credentials import Scrubber, redact, secrets_of
-from .errors import text_of, translate
+from .errors import CREDENTIALS, DENIED, NO_BUCKET, REFUSED, SKEWED, row_of, text_of, translate
 from .retry import backoff, is_transient
 
 if TYPE_CHECKING:
@@ -404,8 +404,10 @@ class Storage:
         Some S3-compatible stores ignore ``If-None-Match``; find out once, by trying."""
         if self._exclusive_ok is None:
             probe = paths.probe_path()
+            created = False
             try:
                 self.create(probe, b"1")
+                created = True
                 try:
                     self.create(probe, b"2")
                     ok = False  # the header was ignored: the second create replaced the first
@@ -417,13 +419,24 @@ class Storage:
                     "not exist; create the bucket first, or check the URL"
                 ) from None
             except StorageError as exc:
-                if is_transient(exc):
-                    raise  # unreachable or overloaded, which says nothing about the header
+                if is_transient(exc) or row_of(exc)[0] in _NOT_ABOUT_THE_HEADER:
+                    # unreachable or overloaded, writes refused (read-only or no credentials,
+                    # a missing bucket, a skewed clock): nothing about the header, and
+                    # single_writer=True would not help
+                    raise
                 log.info("%s rejects conditional writes: %s", self.display_url, exc)
                 ok = False
+            except FileExistsError:
+                # a fresh random name taken: the backend maps names otherwise than written
+                # (never delete what it names then: another object may be there)
+                raise StorageError(
+                    f"cannot write to {self.display_url}: a new file {probe} already exists "
+                    "there, so the location does not keep the names written; check the URL"
+                ) from None
             finally:
                 try:
-                    self.delete(probe)
+                    if created:  # only ours: a create that failed names nothing of ours
+                        self.delete(probe)
                 except StorageError as exc:
                     log.warning("could not remove probe %s/%s: %s", self.display_url, probe, exc)
             self._exclusive_ok = ok
@@ -439,6 +452,9 @@ class Storage:
             "supports them, or open with single_writer=True if only one process ever writes"
         )
 
+
+# Failures of the exclusive-create probe that say nothing about the conditional header.
+_NOT_ABOUT_THE_HEADER = (CREDENTIALS, DENIED, NO_BUCKET, REFUSED, SKEWED)
 
 is_safe_name = paths.is_safe_name  # the name grammar lives in dynstate.paths
 

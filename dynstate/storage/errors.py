@@ -305,13 +305,21 @@ def _code(exc: BaseException) -> tuple[str, int] | None:
     return str(response["Error"].get("Code", "") or status or "unknown"), int(status)
 
 
+#: Set on an exception a client boundary raised whole (its cause, if any, is all of it): the
+#: exception a caller was handling when it was raised (a lost exclusive create's 412) is no
+#: part of its chain.
+STANDALONE = "_dynstate_standalone"
+
+
 def cause_chain(exc: BaseException) -> list[BaseException]:
-    """``exc`` and what it was raised from (at most 8 links, no cycle)."""
+    """``exc`` and what it was raised from (at most 8 links, no cycle): its cause, else the
+    exception being handled when it was raised (but for one raised :data:`STANDALONE`)."""
     seen: list[BaseException] = []
     current: BaseException | None = exc
     while current is not None and current not in seen and len(seen) < 8:
         seen.append(current)
-        current = current.__cause__ or current.__context__
+        context = None if getattr(current, STANDALONE, False) else current.__context__
+        current = current.__cause__ or context
     return seen
 
 

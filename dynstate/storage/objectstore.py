@@ -12,6 +12,7 @@ from ..errors import InvalidDataError
 from ..threads import ProcessPool
 from .base import Storage
 from .credentials import guard_loggers, split_userinfo
+from .preflight import check_shapes
 
 
 class ObjectStorage(Storage):
@@ -48,6 +49,7 @@ class ObjectStorage(Storage):
         retry mode (5xx, throttling, connection errors) and no listing cache (other writers)."""
         if self.url.split("://", 1)[0] not in ("s3", "s3a"):
             return options
+        check_shapes(options)  # before they are read here
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("retries", {"max_attempts": 5, "mode": "standard"})
         options["config_kwargs"] = config

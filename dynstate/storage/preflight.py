@@ -43,20 +43,38 @@ def _is_s3(url: str) -> bool:
     return url.split("://", 1)[0].lower() in _S3 if "://" in url else False
 
 
-def check_options(options: dict[str, Any]) -> None:
-    """Refuse (InvalidDataError) structured options of the wrong shape and a
-    ``config_kwargs`` botocore cannot make a ``Config`` of, naming the option."""
+def check_shapes(options: dict[str, Any]) -> None:
+    """Refuse (InvalidDataError) S3 options of the wrong shape, naming the option: those s3fs
+    takes as dicts, and an endpoint that is no ``http(s)://`` URL (each would fail deep
+    inside a client, as a failure to retry). Imports nothing."""
     for key, example in STRUCTURED_OPTIONS.items():
         if key in options and not isinstance(options[key], dict):
             raise InvalidDataError(f"{key} must be a JSON object, e.g. {key}={example}")
     config = options.get("config_kwargs")
-    if config is None:
-        return
-    if not isinstance(config.get("retries", {}), dict):
+    if config is not None and not isinstance(config.get("retries", {}), dict):
         raise InvalidDataError(
             'the "retries" of config_kwargs must be a JSON object, e.g. '
             f"config_kwargs={STRUCTURED_OPTIONS['config_kwargs']}"
         )
+    client = options.get("client_kwargs") or {}
+    for where, value in (("endpoint_url", options.get("endpoint_url")),
+                         ("client_kwargs.endpoint_url", client.get("endpoint_url"))):  # fmt: skip
+        if value is not None and (
+            not isinstance(value, str) or not value.lower().startswith(("http://", "https://"))
+        ):
+            raise InvalidDataError(
+                f"{where} must be an http:// or https:// URL, not {redact(str(value))!r}; e.g. "
+                f"{where}=http://127.0.0.1:9000"
+            )
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """:func:`check_shapes`, and refuse a ``config_kwargs`` botocore cannot make a
+    ``Config`` of (InvalidDataError naming the option)."""
+    check_shapes(options)
+    config = options.get("config_kwargs")
+    if config is None:
+        return
     try:
         from botocore.config import Config
     except ImportError:

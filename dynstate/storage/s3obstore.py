@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from ..errors import InvalidDataError, StorageError, StoreNotFoundError
+from .errors import STANDALONE
 from .objectstore import _READS, ObjectStorage
 from .s3config import (
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -190,7 +191,9 @@ def _run(fn: Callable[[], T]) -> T:
         if err is exc:
             raise
     # Outside the handler, so that obstore's exception is not also the context: the cause
-    # as_builtin set (if any) is the chain the table reads.
+    # as_builtin set (if any) is the chain the table reads, and no exception a caller is
+    # handling (a lost exclusive create's 412) is read as this one's.
+    setattr(err, STANDALONE, True)
     raise err
 
 
@@ -382,6 +385,17 @@ class ObstoreStorage(ObjectStorage):
             ) from None
 
     def _locate(self) -> str:
+        rest = self.url.partition("://")[2]
+        dots = any(part in (".", "..") for part in rest.split("?")[0].split("/"))
+        if dots or (self._cloud is None and any(c in rest for c in "?#")):
+            # s3fs would read a query as an object version (every file of the store one key,
+            # which the first delete removes) and store '..' as a key; obstore refuses both
+            # on every call, where "retry" would be the advice
+            raise InvalidDataError(
+                f"{self.display_url} is not a store URL; write "
+                f"{self.url.partition('://')[0]}://bucket/prefix, with no query, fragment, "
+                "'.' or '..' path segment"
+            )
         if self._cloud is None:
             root = root_of(self.url) if self._config is not None else None
             return super()._locate() if root is None else root
