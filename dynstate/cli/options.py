@@ -180,6 +180,7 @@ def open_store(url: str, storage_options: dict[str, Any]) -> Store:
     check; a missing bucket is told apart from a prefix that holds no store."""
     from ..errors import StoreNotFoundError
     from ..storage import redact
+    from ..storage.errors import S3, service_of
     from ..storage.preflight import endpoint_of, missing_bucket, preflight
     from ..store import Store
 
@@ -194,10 +195,11 @@ def open_store(url: str, storage_options: dict[str, Any]) -> Store:
     except StoreNotFoundError:
         bucket = missing_bucket(url, options)
         if bucket is not None:
-            where = endpoint_of(options) or "AWS S3"
+            service = service_of(url)
+            where = (endpoint_of(options) or "AWS S3") if service is S3 else service.name
             raise StoreNotFoundError(
                 f"bucket {bucket!r} does not exist at {where} ({redact(url)}); check the bucket "
-                "name and the endpoint (AWS_ENDPOINT_URL or the endpoint_url storage option)"
+                f"name and the endpoint ({service.endpoint})"
             ) from None
         raise
 

@@ -18,7 +18,7 @@ import socket
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..errors import DynstateError, InvalidDataError, StorageError
+from ..errors import DynstateError, InvalidDataError, StorageError, StoreNotFoundError
 from .credentials import redact, split_userinfo
 
 #: What an interactive command waits for: a few seconds per connect, few botocore attempts
@@ -195,19 +195,22 @@ def missing_bucket(url: str, options: dict[str, Any]) -> str | None:
     """The bucket of an object-store URL if it does not exist (one request), else None —
     also when it cannot tell: the caller keeps its own error then."""
     from . import open_storage
+    from .errors import NO_BUCKET, row_of
 
     scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in ("s3", "s3a", "gs", "gcs"):
+    if not sep or scheme.lower() not in ("s3", "s3a", "gs"):
         return None
     bucket = rest.split("/", 1)[0].rsplit("@", 1)[-1]
     try:
         storage = open_storage(f"{scheme}://{bucket}", options)
         if scheme.lower() in _S3:
             return bucket if _s3_says_no_such_bucket(storage.fs, bucket) else None
-        exists = storage.exists("")
+        storage.list("")  # an empty bucket lists nothing; a missing one is refused
+    except StoreNotFoundError as exc:
+        return bucket if row_of(exc)[0] is NO_BUCKET else None
     except (DynstateError, OSError):
         return None
-    return None if exists else bucket
+    return None
 
 
 def _s3_says_no_such_bucket(fs: Any, bucket: str) -> bool:

@@ -261,6 +261,10 @@ _ENDPOINT_ENV = {
 }
 
 
+class _UnparsedKeyError(StorageError):
+    """A listing obstore refused whole over one key it cannot parse (:meth:`list`)."""
+
+
 def cloud_root(url: str) -> str | None:
     """``bucket/prefix`` of a ``gs://`` or ``az://`` URL; None for another scheme or a URL
     whose form is not one store root (a query, a fragment, an empty segment)."""
@@ -568,15 +572,29 @@ class ObstoreStorage(ObjectStorage):
             raise  # a missing bucket (a FileNotFoundError too), as s3fs reports it
         except FileNotFoundError:
             return []
+        except _UnparsedKeyError as exc:
+            # Another program's key the client cannot parse (an empty segment: a URL with a
+            # trailing slash joined to a name) fails the whole listing in obstore; dynstate's
+            # names are plain, so s3fs's listing, which takes any key, answers the same.
+            if self._cloud is None:
+                return super().list(rel_dir)
+            raise StorageError(
+                f"cannot list {self.display_url}/{rel_dir}: an object there has a name the "
+                f"client cannot parse ({exc}); it is not dynstate's: rename or remove it"
+            ) from None
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in found["common_prefixes"]]
         names += [o["path"].rsplit("/", 1)[-1] for o in found["objects"] if o["path"] != prefix]
         return sorted(n for n in names if n)
 
     def _list_prefix(self, rel_dir: str) -> Any:
         import obstore
+        from obstore.exceptions import InvalidPathError
 
         prefix = self._key(rel_dir)
-        return self._run(lambda: obstore.list_with_delimiter(self.obstore, prefix or None))
+        try:
+            return self._run(lambda: obstore.list_with_delimiter(self.obstore, prefix or None))
+        except InvalidPathError as exc:
+            raise _UnparsedKeyError(" ".join(str(exc).split())[:300]) from None
 
     # -- writes ----------------------------------------------------------------------------
 
