@@ -254,8 +254,8 @@ def diff_cmd(url: str, v1: str, v2: str, with_shards: bool, with_rows: bool, row
         start = snap.num_rows - info["added_rows"]
         numbers = range(start, min(snap.num_rows, start + rows))
         preview = _read_rows(snap, numbers.start, numbers.stop, wanted)
-        info["added_preview"] = [
-            {"row": n, "values": row} for n, row in zip(numbers, preview, strict=True)
+        info["added_preview"] = [  # strict JSON, as head --json gives the rows
+            {"row": n, "values": r.json_row(row)} for n, row in zip(numbers, preview, strict=True)
         ]
     if as_json:
         r.print_json(info)

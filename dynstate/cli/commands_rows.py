@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from ..text import preview_order
+from ..text import preview_order, python_rows
 from . import render as r
 from .options import Count, Finite, json_option, open_store, store_command, version_arg
 
@@ -46,7 +46,7 @@ def _read_rows(snap: Any, start: int, stop: int, wanted: list[str]) -> list[dict
             break
         table = snap.read_shard(i).select(wanted)
         begin = max(start - lo, 0)
-        out.extend(r.python_rows(table.slice(begin, min(stop, snap.offsets[i + 1]) - lo - begin)))
+        out.extend(python_rows(table.slice(begin, min(stop, snap.offsets[i + 1]) - lo - begin)))
         del table
     return out
 
@@ -63,7 +63,7 @@ def read_rows_at(snap: Any, numbers: Any, wanted: list[str]) -> list[dict[str, A
     for shard, where in sorted(by_shard.items()):
         table = snap.read_shard(shard).select(wanted)
         taken = table.take(pa.array([local for _, local in where], pa.int64()))
-        for (pos, _), row in zip(where, r.python_rows(taken), strict=True):
+        for (pos, _), row in zip(where, python_rows(taken), strict=True):
             out[pos] = row
         del table
     return out

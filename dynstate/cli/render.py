@@ -107,52 +107,6 @@ def cell(value: Any) -> str:
     return text.replace("\n", "\\n")
 
 
-def python_rows(table: Any) -> list[dict[str, Any]]:
-    """A pyarrow Table's rows as dicts. Values Python cannot hold (a timestamp or date past
-    year 9999, a duration past 999,999,999 days) are shown as Arrow prints them, in text,
-    instead of failing the whole listing."""
-    try:
-        return table.to_pylist()
-    except (OverflowError, ValueError):
-        pass
-    columns: dict[str, list[Any]] = {}
-    for name, column in zip(table.column_names, table.columns, strict=True):
-        try:
-            columns[name] = column.to_pylist()
-        except (OverflowError, ValueError):
-            columns[name] = _as_text(column)
-    names = list(columns)
-    return [dict(zip(names, values, strict=True)) for values in zip(*columns.values(), strict=True)]
-
-
-def _as_text(column: Any) -> list[Any]:
-    import pyarrow as pa
-
-    try:
-        return column.cast(_text_type(column.type)).to_pylist()
-    except (pa.ArrowException, NotImplementedError, OverflowError, ValueError):
-        return [f"<{column.type} value>" if v.is_valid else None for v in column]
-
-
-def _text_type(t: Any) -> Any:
-    """``t`` with every time-like type (the ones Python's datetime bounds) replaced by string."""
-    import pyarrow as pa
-
-    if pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_duration(t):
-        return pa.string()
-    if isinstance(t, pa.BaseExtensionType):
-        return _text_type(t.storage_type)
-    if pa.types.is_dictionary(t):
-        return _text_type(t.value_type)
-    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-        return pa.list_(_text_type(t.value_type))
-    if pa.types.is_struct(t):
-        return pa.struct([f.with_type(_text_type(f.type)) for f in t])
-    if pa.types.is_map(t):
-        return pa.map_(_text_type(t.key_type), _text_type(t.item_type))
-    return t
-
-
 def width() -> int | None:
     """Columns available: ``COLUMNS`` if set, the terminal's width on a terminal, else None
     (piped output is not cut; scripts should prefer --json)."""

@@ -82,8 +82,11 @@ def pass_rates(stats: pa.Table) -> tuple[np.ndarray, np.ndarray]:
 
 def band_of(successes: np.ndarray, attempts: np.ndarray, bins: int) -> np.ndarray:
     """The pass-rate band of trained rows (``attempts > 0``): ``bins`` equal bands of
-    ``[0, 1]``, the last one closed."""
-    return np.minimum((pass_rate(successes, attempts) * bins).astype(np.int64), bins - 1)
+    ``[0, 1]``, the last one closed. In integers: ``29/50 * 50`` is 28.999... in floats,
+    which put a row on a band's lower edge into the band below."""
+    successes = np.asarray(successes, dtype=np.int64)
+    attempts = np.maximum(np.asarray(attempts, dtype=np.int64), 1)
+    return np.minimum(successes * bins // attempts, bins - 1)
 
 
 def band_counts(successes: np.ndarray, attempts: np.ndarray, bins: int) -> np.ndarray:

@@ -30,6 +30,7 @@ from ..errors import InvalidDataError
 from ..loading.cache import ShardCache
 from ..snapshot import Snapshot
 from ..store import Store
+from ..text import python_rows
 from .lineage import Rounds
 
 MAX_LIMIT = 500
@@ -308,7 +309,7 @@ class RowQuery:
         for shard, wanted in by_shard.items():
             table = self.table(snap, shard)
             taken = table.take(pa.array([local for _, local in wanted], pa.int64()))
-            for (pos, _), values in zip(wanted, taken.to_pylist(), strict=True):
+            for (pos, _), values in zip(wanted, python_rows(taken), strict=True):
                 out[pos] = {k: jsonable(x) for k, x in values.items()}
         return out
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DynstateError, InvalidDataError, MissingDependencyError, StorageError
+from .credentials import redact
 
 if TYPE_CHECKING:
     import fsspec
@@ -141,3 +142,36 @@ def connect(
             f"could not reach {shown}: {type(exc).__name__}: "
             f"{scrub(str(exc))}; check the URL and that the host is reachable"
         ) from None
+
+
+# Options s3fs takes as dicts (anything else fails deep inside it with a raw AttributeError).
+STRUCTURED_OPTIONS = {
+    "client_kwargs": '{"region_name": "eu-west-1"}',
+    "config_kwargs": '{"retries": {"max_attempts": 5}}',
+    "s3_additional_kwargs": '{"ServerSideEncryption": "AES256"}',
+}
+
+
+def check_shapes(options: dict[str, Any]) -> None:
+    """Refuse (InvalidDataError) S3 options of the wrong shape, naming the option: those s3fs
+    takes as dicts, and an endpoint that is no ``http(s)://`` URL (each would fail deep
+    inside a client, as a failure to retry). Imports nothing."""
+    for key, example in STRUCTURED_OPTIONS.items():
+        if key in options and not isinstance(options[key], dict):
+            raise InvalidDataError(f"{key} must be a JSON object, e.g. {key}={example}")
+    config = options.get("config_kwargs")
+    if config is not None and not isinstance(config.get("retries", {}), dict):
+        raise InvalidDataError(
+            'the "retries" of config_kwargs must be a JSON object, e.g. '
+            f"config_kwargs={STRUCTURED_OPTIONS['config_kwargs']}"
+        )
+    client = options.get("client_kwargs") or {}
+    for where, value in (("endpoint_url", options.get("endpoint_url")),
+                         ("client_kwargs.endpoint_url", client.get("endpoint_url"))):  # fmt: skip
+        if value is not None and (
+            not isinstance(value, str) or not value.lower().startswith(("http://", "https://"))
+        ):
+            raise InvalidDataError(
+                f"{where} must be an http:// or https:// URL, not {redact(str(value))!r}; e.g. "
+                f"{where}=http://127.0.0.1:9000"
+            )

@@ -11,8 +11,8 @@ from typing import Any
 from ..errors import InvalidDataError
 from ..threads import ProcessPool
 from .base import Storage
+from .connect import check_shapes
 from .credentials import guard_loggers, split_userinfo
-from .preflight import check_shapes
 
 
 class ObjectStorage(Storage):

@@ -30,12 +30,6 @@ FAIL_FAST_S3_CONFIG: dict[str, Any] = {
 }
 PREFLIGHT_TIMEOUT_S = 5.0
 
-# Options s3fs takes as dicts (anything else fails deep inside it with a raw AttributeError).
-STRUCTURED_OPTIONS = {
-    "client_kwargs": '{"region_name": "eu-west-1"}',
-    "config_kwargs": '{"retries": {"max_attempts": 5}}',
-    "s3_additional_kwargs": '{"ServerSideEncryption": "AES256"}',
-}
 _S3 = ("s3", "s3a")
 
 
@@ -43,34 +37,13 @@ def _is_s3(url: str) -> bool:
     return url.split("://", 1)[0].lower() in _S3 if "://" in url else False
 
 
-def check_shapes(options: dict[str, Any]) -> None:
-    """Refuse (InvalidDataError) S3 options of the wrong shape, naming the option: those s3fs
-    takes as dicts, and an endpoint that is no ``http(s)://`` URL (each would fail deep
-    inside a client, as a failure to retry). Imports nothing."""
-    for key, example in STRUCTURED_OPTIONS.items():
-        if key in options and not isinstance(options[key], dict):
-            raise InvalidDataError(f"{key} must be a JSON object, e.g. {key}={example}")
-    config = options.get("config_kwargs")
-    if config is not None and not isinstance(config.get("retries", {}), dict):
-        raise InvalidDataError(
-            'the "retries" of config_kwargs must be a JSON object, e.g. '
-            f"config_kwargs={STRUCTURED_OPTIONS['config_kwargs']}"
-        )
-    client = options.get("client_kwargs") or {}
-    for where, value in (("endpoint_url", options.get("endpoint_url")),
-                         ("client_kwargs.endpoint_url", client.get("endpoint_url"))):  # fmt: skip
-        if value is not None and (
-            not isinstance(value, str) or not value.lower().startswith(("http://", "https://"))
-        ):
-            raise InvalidDataError(
-                f"{where} must be an http:// or https:// URL, not {redact(str(value))!r}; e.g. "
-                f"{where}=http://127.0.0.1:9000"
-            )
-
-
 def check_options(options: dict[str, Any]) -> None:
     """:func:`check_shapes`, and refuse a ``config_kwargs`` botocore cannot make a
     ``Config`` of (InvalidDataError naming the option)."""
+    if not options:
+        return
+    from .connect import STRUCTURED_OPTIONS, check_shapes
+
     check_shapes(options)
     config = options.get("config_kwargs")
     if config is None:
