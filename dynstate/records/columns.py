@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import InvalidDataError
@@ -83,7 +84,7 @@ def check_table(table: pa.Table, url: str) -> pa.Table:
     """``table`` if every column has a name, a type dynstate can store and read back, and no
     nulls where its field says non-nullable; InvalidDataError/SchemaMismatchError otherwise."""
     check_names(table.column_names, url)
-    table = _reserved_types(table)
+    table = _reserved_types(table, url)
     for field in table.schema:
         problem = _type_problem(field.type, 1)
         if problem is not None:
@@ -192,6 +193,15 @@ def check_names(names: list[str], url: str) -> None:
         raise InvalidDataError(
             f"this round for {url} has a column with an empty name; name every column"
         )
+    # dynstate's own names (a row's number, ``VersionedDataset(row_column="_dynstate_row")``)
+    # stored as data would shadow what the readers add: only the lineage column is data
+    ours = sorted(n for n in names if n.startswith(RESERVED_PREFIX) and n not in RESERVED_TYPES)
+    if ours:
+        raise InvalidDataError(
+            f"this round for {url} has column(s) {', '.join(map(repr, ours))}: names beginning "
+            f"{RESERVED_PREFIX!r} are dynstate's (a row's number as a reader adds it); drop "
+            "them from the rows (a row's sources go in '_dynstate_source')"
+        )
 
 
 def _type_problem(t: pa.DataType, depth: int) -> str | None:
@@ -265,6 +275,8 @@ def _empty(t: pa.DataType) -> pa.Array:
 # Reserved columns whose type dynstate knows: a first round whose values are all None stores
 # them with this type, not null (verl's generators write row lineage as list<int64>).
 RESERVED_TYPES = {"_dynstate_source": pa.list_(pa.int64())}
+# Column names beginning so are dynstate's: none is stored but the reserved ones above.
+RESERVED_PREFIX = "_dynstate_"
 
 
 def has_null_type(t: pa.DataType) -> bool:
@@ -319,13 +331,40 @@ def promote_schema(stored: pa.Schema, got: pa.Schema) -> pa.Schema:
     return out
 
 
-def _reserved_types(table: pa.Table) -> pa.Table:
+def _reserved_types(table: pa.Table, url: str) -> pa.Table:
+    """The reserved columns in their one type: the lineage column is a list of row numbers
+    (``list<int64>``, whatever integer width or null-typed list it came as), and anything
+    else there — a bare number, text (``["3"]`` is no row), fractions, dicts, a negative
+    row — is refused, naming the column: a later round built by a trainer would not fit."""
     for name, kind in RESERVED_TYPES.items():
-        if name in table.column_names:
-            i = table.column_names.index(name)
-            column = table.column(i)
-            if has_null_type(column.type) and promote(column.type, kind) is not None:
-                table = table.set_column(i, table.field(i).with_type(kind), column.cast(kind))
+        if name not in table.column_names:
+            continue
+        i = table.column_names.index(name)
+        column = table.column(i)
+        t = column.type
+        rows = (pa.types.is_list(t) or pa.types.is_large_list(t)) and (
+            pa.types.is_integer(t.value_type) or pa.types.is_null(t.value_type)
+        )
+        if not (rows or pa.types.is_null(t)):
+            raise InvalidDataError(
+                f"column {name!r} of this round for {url} is a row's lineage: a list of the "
+                f"store's row numbers ({kind}), not {t}; give each row a list of ints, or None"
+            )
+        try:
+            cast = column.cast(kind)  # safe: a uint64 past int64 is refused, not wrapped
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            raise InvalidDataError(
+                f"column {name!r} of this round for {url} holds a row number {kind} cannot "
+                f"hold ({exc}); row numbers run from 0"
+            ) from None
+        lowest = pc.min(pc.list_flatten(cast)).as_py()
+        if lowest is not None and lowest < 0:
+            raise InvalidDataError(
+                f"column {name!r} of this round for {url} holds a negative row number "
+                f"({lowest}); row numbers run from 0"
+            )
+        if t != kind:
+            table = table.set_column(i, table.field(i).with_type(kind), cast)
     return table
 
 

@@ -191,9 +191,27 @@ def _from_rows(data: Sequence[Any], url: str, what: str, numbers: bool) -> pa.Ta
     if numbers:
         table = pa.table({n: _numbers([row.get(n) for row in data], n, what) for n in names})
     else:
-        table = pa.Table.from_pydict({n: [row.get(n) for row in data] for n in names})
+        table = pa.Table.from_pydict({n: _column(n, [row.get(n) for row in data], what)
+                                      for n in names})  # fmt: skip
     _check_has_columns(len(data), table, what)
     return table
+
+
+def _column(name: Any, values: list[Any], what: str) -> pa.Array:
+    """One column of rows, converted alone so that a refusal names it."""
+    try:
+        return pa.array(values)
+    except OverflowError as exc:
+        raise InvalidDataError(
+            f"cannot store {what}: column {name!r} holds an int Arrow cannot hold ({exc}); "
+            "ints run from -2**63 to 2**64 - 1: store larger ones as str"
+        ) from None
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError) as exc:
+        raise InvalidDataError(
+            f"cannot store {what}: column {name!r} mixes values Arrow cannot hold as one type "
+            f"({exc}); make the column one type (str, int, float, bool, lists or dicts of "
+            "those)"
+        ) from None
 
 
 def _from_columns(data: Mapping[Any, Any], what: str) -> pa.Table:

@@ -124,9 +124,38 @@ def _plain(t: pa.DataType) -> pa.DataType:
     return t
 
 
+_LISTS = (pa.types.is_list, pa.types.is_large_list, pa.types.is_list_view,
+          pa.types.is_large_list_view, pa.types.is_fixed_size_list)  # fmt: skip
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return any(test(t) for test in _LISTS)
+
+
 def same_type(a: pa.DataType, b: pa.DataType) -> bool:
-    # an all-None column of a list-of-dicts round arrives as type null: it fits any column
-    return a == b or pa.types.is_null(a) or _plain(a) == _plain(b)
+    """Whether a round's column of type ``a`` fits a stored column of type ``b``: every value
+    ``a`` can hold, the safe cast :func:`conform_round` makes turns into the same value of
+    ``b`` or refuses (an int past the range, a float that is not an int). So a type is no
+    artifact of how the first round was built: a null anywhere (``[]``, ``[None]``,
+    ``{"x": None}`` in every row of a round), struct fields by name in any order and any
+    subset (a field the store lacks is refused: the cast would drop it), an int into a wider
+    int or a float, a float into a wider float, a dictionary by its values."""
+    if a == b or pa.types.is_null(a) or _plain(a) == _plain(b):
+        return True
+    if pa.types.is_dictionary(a):
+        return same_type(a.value_type, b)
+    if pa.types.is_dictionary(b):
+        return same_type(a, b.value_type)
+    if _is_list(a) and _is_list(b) and not pa.types.is_fixed_size_list(b):
+        return same_type(a.value_type, b.value_type)
+    if pa.types.is_struct(a) and pa.types.is_struct(b):
+        stored = {f.name: f.type for f in b}
+        return len(stored) == b.num_fields and all(
+            f.name in stored and same_type(f.type, stored[f.name]) for f in a
+        )
+    if pa.types.is_integer(a):
+        return pa.types.is_integer(b) or pa.types.is_floating(b)
+    return pa.types.is_floating(a) and pa.types.is_floating(b)
 
 
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:

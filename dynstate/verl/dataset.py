@@ -443,7 +443,9 @@ class DynstateRLDataset(RLHFDataset):
         if rows is None or (isinstance(rows, list) and not rows):
             return pa.table({}), False
         if isinstance(rows, list):
-            rows = datasets.Dataset.from_list(rows)
+            # dynstate's conversion, not from_list (which keeps the first row's keys only: a
+            # later row's lineage would be dropped without a word)
+            rows = datasets.Dataset(to_table(rows, url))
         elif not isinstance(rows, datasets.Dataset):
             rows = datasets.Dataset(to_table(rows, url))
         drop = [c for c in (ROW_KEY, VERSION_KEY) if c in rows.column_names]
