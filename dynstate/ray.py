@@ -32,6 +32,8 @@ from .errors import (
     MissingDependencyError,
     MissingShardError,
     RoundFailedError,
+    SchemaMismatchError,
+    StateMismatchError,
 )
 from .snapshot import Staged
 from .store import DEFAULT_SHARD_BYTES, Store
@@ -62,10 +64,14 @@ class _Target:
     url: str
     storage_options: dict[str, Any]
     single_writer: bool
+    lease_ttl_s: float  # the driver's: a worker's parts are held as long as it holds its own
 
     def open(self) -> Store:
         return Store.open(
-            self.url, storage_options=self.storage_options, single_writer=self.single_writer
+            self.url,
+            storage_options=self.storage_options,
+            single_writer=self.single_writer,
+            lease_ttl_s=self.lease_ttl_s,
         )
 
 
@@ -87,7 +93,7 @@ def _resolve(store_or_url: Store | str, storage_options: dict[str, Any] | None) 
 
 
 def _target(store: Store) -> _Target:
-    return _Target(store.url, dict(store.storage_options), store.single_writer)
+    return _Target(store.url, dict(store.storage_options), store.single_writer, store.lease_ttl_s)
 
 
 # -- the Ray tasks (module level, so workers import them instead of unpickling code) ----------
@@ -179,10 +185,20 @@ def commit_round(
     store = _resolve(store_or_url, storage_options)
     staged: list[Staged] = []
     failures: dict[int, BaseException] = {}
+    received: dict[int, Staged] = {}
     try:
-        for index, part in enumerate(parts):
-            # Every part is awaited, also after a failure: a task still running would
-            # otherwise stage shards after we have cleaned up.
+        # Every part is awaited, also after a failure: a task still running would otherwise
+        # stage shards after we have cleaned up. Each is taken as its task ends, not in
+        # order: unpickled here its lease is renewed by this process, while one left in
+        # Ray's object store behind a slow task has nobody to renew it once its worker
+        # exits (a GPU task's, after one call), and a gc meanwhile would expire it.
+        pending = {part: i for i, part in enumerate(parts) if isinstance(part, ray.ObjectRef)}
+        ready = [(i, part) for i, part in enumerate(parts) if not isinstance(part, ray.ObjectRef)]
+        while ready or pending:
+            if not ready:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                ready = [(pending.pop(ref), ref) for ref in done]
+            index, part = ready.pop()
             try:
                 value = ray.get(part) if isinstance(part, ray.ObjectRef) else part
             except ray.exceptions.RayError as exc:
@@ -194,22 +210,31 @@ def commit_round(
                     f"{type(value).__name__}, not a dynstate.Staged; return Store.stage(...)"
                 )
                 continue
-            staged.append(value)
+            received[index] = value
+        staged.extend(received[i] for i in sorted(received))  # the round's order: the parts'
     except BaseException:
         # Interrupted while waiting (Ctrl-C): cancel what still runs and leave nothing behind
         # that we know of; whatever else was staged is unreferenced and collected by gc.
         for part in parts:
             if isinstance(part, ray.ObjectRef):
                 _cancel_quietly(ray, part)
-        store.discard(staged)
+        _discard_ours(store, list(received.values()))
         raise
     paths = [s.path for part in staged for s in part.shards]
     if not failures and len(paths) != len(set(paths)):
         failures[-1] = InvalidDataError("the same staged shard was passed twice")
     if failures:
-        store.discard(staged)
+        _discard_ours(store, staged)
         raise _round_failed(store, len(parts), failures)
-    version = store.commit_staged(staged, meta=meta)
+    try:
+        version = store.commit_staged(staged, meta=meta)
+    except (InvalidDataError, SchemaMismatchError, StateMismatchError):
+        # Refused before the commit began (a part of another store, a bad meta): this round
+        # is given up, as for a failed task, so that its parts are not held leased by this
+        # process for days (gc would keep them as a live writer's). A failure inside the
+        # commit has resolved its parts already (or holds them while its outcome is unknown).
+        _discard_ours(store, staged)
+        raise
     log.info(
         "committed a round of %d parts (%d rows) to %s as version %d",
         len(staged),
@@ -218,6 +243,17 @@ def commit_round(
         version,
     )
     return version
+
+
+def _discard_ours(store: Store, staged: list[Staged]) -> None:
+    """Give up the parts of ``staged`` this store can discard; never raises over them (the
+    round's own error is what the caller needs)."""
+    ours = [p for p in staged if p.store in (None, store.store_id)]
+    try:
+        store.discard(ours)
+    except DynstateError as exc:
+        log.warning("could not remove the staged parts of a round for %s: %s (gc will)",
+                    store.display_url, exc)  # fmt: skip
 
 
 def _cancel_quietly(ray: Any, ref: Any) -> None:

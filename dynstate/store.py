@@ -83,6 +83,7 @@ class Store:
         self.storage = storage
         self.store_id = store_id
         self.single_writer = single_writer
+        self.lease_ttl_s = lease_ttl_s  # what another process passes to open (a Ray task)
         self.log = Log(storage, store_id, single_writer=single_writer, lease_ttl_s=lease_ttl_s)
         #: the step queries (which version is the round of step N, ...): :mod:`.log.steps`
         self.steps = Steps(self.log)

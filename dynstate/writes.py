@@ -344,19 +344,22 @@ class Writer:
         ``consumption``: a record :meth:`_check_consumption` checked, with the head it was
         checked at (``append``)."""
         self._check_parts(parts)
+        # The caller's input is checked before the commit protocol starts: a refusal here
+        # leaves the parts staged, for the same parts to be committed once the input is fixed
+        # (inside it, any failure gives the parts up).
+        meta = check_meta(meta, self.display_url)
+        if checked is None and (outcomes is not None or generator_state is not None):
+            seen = self.log.seen
+            head = self.log.record(self.refresh())
+            assert head is not None
+            checked, rows_version = self._check_outcomes(
+                outcomes, generator_state, head, rows_version, seen
+            )
         shards = [s for part in parts for s in part.shards]
         pending: Pending | None = None
 
         def prepare(leases: set[str]) -> Callable[[Commit], Commit]:
-            nonlocal meta, checked, rows_version, pending
-            meta = check_meta(meta, self.display_url)
-            if checked is None and (outcomes is not None or generator_state is not None):
-                seen = self.log.seen
-                head = self.log.record(self.refresh())
-                assert head is not None
-                checked, rows_version = self._check_outcomes(
-                    outcomes, generator_state, head, rows_version, seen
-                )
+            nonlocal pending
             if checked is not None:
                 pending = outcomes_of(self.log).write(checked)
                 if pending.lease:
@@ -427,6 +430,16 @@ class Writer:
                 make, sources=sources, attempts=attempts, ready=ready, over_damaged=over_damaged
             )
         except BaseException as exc:
+            if isinstance(exc, LeaseExpiredError) and not attempts:
+                # A lease with no record of its end (gc removes a commit's after a week):
+                # parts a kept version holds were committed, and giving them up would mark a
+                # committed lease discarded, and its advice (stage again) store them twice.
+                held = self._committed_in(parts)
+                if held is not None:
+                    raise CommitConflictError(
+                        f"the staged parts of {self.display_url} were already committed as "
+                        f"version {held}; commit each staged part once"
+                    ) from None
             landed = self._resolve_failed_commit(
                 parts if written is None else written(),
                 leases,
@@ -434,8 +447,9 @@ class Writer:
                 exc,
                 nonce,
                 private=private,
-                # a conflict before the claim (outcomes bound to an abandoned version) is a
-                # refusal like any other: the parts go, as for bad outcomes
+                # a conflict before the claim (outcomes bound to a version another writer
+                # abandoned meanwhile) gives the parts up like any failure in the protocol
+                # (the caller's own input was checked before it, and leaves them staged)
                 claimed=not elsewhere,
                 sources=sources,
                 what=what,
@@ -607,6 +621,23 @@ class Writer:
             f"if it is this {record.op}, it is committed; if another version or nothing is "
             f"there, run the {what} again"
         ) from exc
+
+    def _committed_in(self, parts: Sequence[Staged]) -> int | None:
+        """The kept version whose round added a shard of ``parts``, or None (an error path:
+        the records from the floor to the head are read together)."""
+        paths = {s.path for p in parts for s in p.shards}
+        if not paths:
+            return None
+        head = self.refresh()
+        records = self.log.records(range(self.log.floor, head + 1), strict=False)
+        for version, record in sorted(records.items()):
+            if (
+                record is not None
+                and record.op == "append"
+                and any(s.path in paths for s in record.add)
+            ):
+                return version
+        return None
 
     def _claimed_elsewhere(self, exc: CommitConflictError, parts: Sequence[Staged]) -> Exception:
         """The error for parts whose lease another commit claimed, saying what is true: the
