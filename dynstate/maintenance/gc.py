@@ -28,7 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import paths
-from ..errors import CommitConflictError, DynstateError, InvalidDataError, StorageError
+from ..errors import (
+    CommitConflictError,
+    DynstateError,
+    InvalidDataError,
+    StorageError,
+    VersionCollectedError,
+)
 from ..log import LeaseState, survey
 from ..log.survey import Clock
 from ..log.tags import INTENT_S
@@ -285,7 +291,12 @@ def _publish_floor(store: Store, floor: int, floor_before: int) -> int:
         found = store.log.read_floor()
         if found != expected:
             raise _floor_moved(store, expected, found)
-        store.log.publish_floor(floor, previous=floor_before)
+        try:
+            store.log.publish_floor(floor, previous=floor_before)
+        except VersionCollectedError:
+            # another gc published a higher floor after the read above: its record of the
+            # new floor is read below that floor (a collected name), and nothing was written
+            raise _floor_moved(store, expected, store.log.read_floor()) from None
         expected = floor
         lowest = min([floor, *tagged(store, floor_before)])
         if lowest >= floor:

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import InvalidDataError
@@ -357,6 +356,8 @@ def _reserved_types(table: pa.Table, url: str) -> pa.Table:
                 f"column {name!r} of this round for {url} holds a row number {kind} cannot "
                 f"hold ({exc}); row numbers run from 0"
             ) from None
+        import pyarrow.compute as pc  # here only: a reader of statistics never imports it
+
         lowest = pc.min(pc.list_flatten(cast)).as_py()
         if lowest is not None and lowest < 0:
             raise InvalidDataError(
