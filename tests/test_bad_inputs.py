@@ -109,8 +109,8 @@ def check_message(exc: BaseException, *fragments: str) -> str:
 
 
 def check_unchanged(url: str, before: dict[str, str | None], head: int) -> None:
-    # A staged part refused by commit_staged is discarded: its lease's outcome stays as a
-    # tombstone (gc removes it after a week) so no other holder of the part can commit it.
+    # A discarded part's lease outcome stays as a tombstone (gc removes it after a week) so
+    # that no other holder of the part can commit it.
     def kept(listing: dict[str, str | None]) -> dict[str, str | None]:
         return {k: v for k, v in listing.items() if "/_dynstate/leases" not in k}
 
@@ -570,27 +570,36 @@ def test_bad_meta(meta: Any, fragments: tuple[str, ...], backend: str, via: str,
     url = make_url(backend, tmp_path)
     store = filled(url)
     before = files(url)
+    part = store.stage([{"id": 3, "text": "d"}]) if via == "commit_staged" else None
     with pytest.raises(InvalidDataError) as info:
-        if via == "append":
+        if part is None:
             store.append([{"id": 3, "text": "d"}], meta=meta)
         else:
-            store.commit_staged([store.stage([{"id": 3, "text": "d"}])], meta=meta)
+            store.commit_staged([part], meta=meta)
     assert type(info.value) is InvalidDataError
     check_message(info.value, store.display_url, *fragments)
+    if part is not None:
+        store.discard([part])  # the refusal left it staged, for a fixed commit (below)
     check_unchanged(url, before, 2)
 
 
 @pytest.mark.s3
 def test_bad_meta_after_stage_on_s3(s3_endpoint: str) -> None:
-    """The staged shards of a round refused at commit are removed from the bucket too."""
+    """A round refused at commit for its meta keeps its staged parts: the same parts commit
+    once the meta is fixed, stored once; before that the store is as it was."""
     url = s3_url()
     store = filled(url)
-    before = files(url)
     part = store.stage([{"id": 3, "text": "d"}])
+    before = files(url)
     with pytest.raises(InvalidDataError) as info:
         store.commit_staged([part], meta=deep_value(5000))
     check_message(info.value, store.display_url)
-    check_unchanged(url, before, 2)
+    assert files(url) == before and Store.open(url).head == 2
+    version = store.commit_staged([part], meta={"step": 3})
+    assert Store.open(url).snapshot(version).to_arrow().to_pylist() == [
+        *ROWS,
+        {"id": 3, "text": "d"},
+    ]
 
 
 def test_meta_within_limits_round_trips(tmp_path) -> None:
