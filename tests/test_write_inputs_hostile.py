@@ -377,3 +377,23 @@ def test_refusals_are_typed_and_leave_the_store_unchanged(tmp_path) -> None:
         with pytest.raises(DynstateError):
             store.append(bad)
     assert store.head == 1
+
+
+def test_a_struct_round_missing_a_required_field_is_refused_typed(tmp_path) -> None:
+    """Struct fields fit by name in any order; one left out that the store declares
+    non-nullable is refused with SchemaMismatchError (the null check walked the round's
+    fields by the store's positions and raised a bare IndexError), nothing committed, and
+    the same fields in another order append."""
+    from dynstate import SchemaMismatchError
+
+    store, root = _store(tmp_path)
+    kind = pa.struct([pa.field("role", pa.string(), nullable=False), ("content", pa.string())])
+    store.append(pa.table({"m": pa.array([{"role": "u", "content": "x"}], kind)}))
+    with pytest.raises(SchemaMismatchError, match="role"):
+        store.append([{"m": {"content": "y"}}])
+    assert store.head == 1
+    version = store.append([{"m": {"content": "z", "role": "a"}}])
+    assert [row["m"] for row in _stored(store, root, version)] == [
+        {"role": "u", "content": "x"},
+        {"role": "a", "content": "z"},
+    ]

@@ -100,14 +100,26 @@ def conform_round(
                 )
             new_schema = new_schema.append(f.with_metadata(None))
     out = table.select(new_schema.names)
-    check_required(out, new_schema, url, version)
+    # Nulls where the schema says non-nullable are named before the cast (which would say
+    # less) where the round has the schema's layout; a round that only fits it (fields in
+    # another order or left out) is checked once cast to it.
+    laid_out = all(_alike(f.type, g.type) for f, g in zip(out.schema, new_schema, strict=True))
+    if laid_out:
+        check_required(out, new_schema, url, version)
     try:
         out = out.cast(new_schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, ValueError) as exc:
         raise SchemaMismatchError(
             f"round does not fit the schema of {url} at version {version}: {exc}"
         ) from exc
+    if not laid_out:
+        check_required(out, new_schema, url, version)
     return out, new_schema
+
+
+def _alike(a: pa.DataType, b: pa.DataType) -> bool:
+    """The same layout: equal but for 64-bit offsets or views, or a top-level null."""
+    return a == b or pa.types.is_null(a) or _plain(a) == _plain(b)
 
 
 def _plain(t: pa.DataType) -> pa.DataType:
@@ -140,7 +152,7 @@ def same_type(a: pa.DataType, b: pa.DataType) -> bool:
     ``{"x": None}`` in every row of a round), struct fields by name in any order and any
     subset (a field the store lacks is refused: the cast would drop it), an int into a wider
     int or a float, a float into a wider float, a dictionary by its values."""
-    if a == b or pa.types.is_null(a) or _plain(a) == _plain(b):
+    if _alike(a, b):
         return True
     if pa.types.is_dictionary(a):
         return same_type(a.value_type, b)
