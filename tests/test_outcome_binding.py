@@ -178,8 +178,12 @@ def test_commit_staged_binds_outcomes_as_append_does(store_url: str) -> None:
         w.commit_staged([staged], outcomes=scored(36, step=1))
     after = state(store_url)
     assert after[:3] == before[:3]
-    # nothing written; the staged part's shards went, as for any refused commit
-    assert after[3] == [n for n in before[3] if not any(n in s.path for s in staged.shards)]
+    # nothing written; the refusal of the caller's outcomes leaves the part staged, for the
+    # caller to commit without them or discard
+    assert after[3] == before[3]
+    w.discard([staged])
+    gone = state(store_url)[3]
+    assert gone == [n for n in before[3] if not any(n in s.path for s in staged.shards)]
 
 
 def test_a_reset_while_commit_staged_commits_is_refused(tmp_path: Any, monkeypatch) -> None:
