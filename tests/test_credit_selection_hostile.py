@@ -12,6 +12,7 @@ import math
 import random
 import shutil
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -60,15 +61,23 @@ def _doc_parts(policy, stats) -> list[tuple[float, np.ndarray]]:
 
 
 def _doc_draw(parts, rng: np.random.Generator, count: int) -> list[int]:
-    """docs/selection.md, "How a draw is made": largest remainder over the drawing strata,
-    ``u = U[0, 1) * total`` per slot, the row whose cumulative interval holds ``u``, then one
-    permutation by the same stream when there are several strata."""
+    """docs/selection.md, "How a draw is made": with several strata, each its exact share of
+    the slots rounded down, the slots left to the strata whose cumulative interval of
+    fractional parts holds ``v + k`` (``v`` the step's first uniform); ``u = U[0, 1) * total``
+    per slot, the row whose cumulative interval holds ``u``, then one permutation by the same
+    stream when there are several strata."""
     live = [(s, w) for s, w in parts if s > 0 and w.sum() > 0]
-    total = sum(s for s, _ in live)
-    exact = [count * s / total for s, _ in live]
-    out = [math.floor(x) for x in exact]
-    for i in sorted(range(len(exact)), key=lambda i: (out[i] - exact[i], i))[: count - sum(out)]:
-        out[i] += 1
+    out = [count]
+    if len(live) > 1:
+        total = sum(Fraction(s) for s, _ in live)
+        exact = [count * Fraction(s) / total for s, _ in live]
+        v = Fraction(float(rng.random()))
+        edges = np.cumsum([Fraction(0)] + [x - math.floor(x) for x in exact])
+        points = [v + k for k in range(count - sum(math.floor(x) for x in exact))]
+        out = [
+            math.floor(x) + sum(edges[i] <= p < edges[i + 1] for p in points)
+            for i, x in enumerate(exact)
+        ]
     drawn = []
     for (_, w), n in zip(live, out, strict=True):
         c = np.cumsum(w)

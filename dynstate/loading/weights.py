@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import Any, Protocol
 
 import numpy as np
@@ -261,25 +262,38 @@ class Plan:
         """The strata a step draws from: a share above 0 and some row of weight above 0."""
         return [s for s in self.all_strata if s.active]
 
-    def counts(self, count: int) -> list[int]:
-        """Slots of each drawing stratum among ``count``: shares by largest remainder (ties
-        to the first stratum), so every step gets each share as closely as whole slots allow."""
+    def counts(self, count: int, u: float = 0.0) -> list[int]:
+        """Slots of each drawing stratum among ``count``: each stratum's exact share of the
+        slots rounded down or up, the slots left after rounding down going to the strata by
+        systematic sampling of their fractional parts at offset ``u`` in [0, 1) (the step's
+        first uniform). Every step holds each share as closely as whole slots allow, and a
+        stratum gets its extra slot with probability equal to its fraction, so over the steps
+        each share is met on average (a fixed rule, e.g. largest remainder, would give
+        0.5/0.3/0.2 at 8 slots 4/2/2 every step: 0.25 for the 0.3 pool forever). Exact
+        rational arithmetic: which stratum gets a slot never depends on float rounding."""
         strata = self.strata
-        total = sum(s.share for s in strata)
-        exact = [count * s.share / total for s in strata]
+        shares = [Fraction(s.share) for s in strata]
+        total = sum(shares)
+        exact = [count * s / total for s in shares]
         out = [math.floor(x) for x in exact]
-        order = sorted(range(len(exact)), key=lambda i: (out[i] - exact[i], i))
-        for i in order[: count - sum(out)]:
-            out[i] += 1
+        offset = Fraction(u)
+        low = Fraction(0)
+        for i, x in enumerate(exact):
+            high = low + (x - out[i])
+            # the points offset + k (k = 0, 1, ...) that fall in [low, high): 0 or 1 of them
+            out[i] += math.ceil(high - offset) - math.ceil(low - offset)
+            low = high
         return out
 
     def draw(self, rng: np.random.Generator, count: int) -> np.ndarray:
-        """``count`` rows, with replacement, each stratum's in proportion to its weights."""
+        """``count`` rows, with replacement, each stratum's in proportion to its weights; with
+        several strata the step's first uniform sets their slots (:meth:`counts`)."""
         strata = self.strata
         if count <= 0 or not strata:
             return np.zeros(0, np.int64)
+        counts = self.counts(count, float(rng.random())) if len(strata) > 1 else [count]
         parts = []
-        for stratum, n in zip(strata, self.counts(count), strict=True):
+        for stratum, n in zip(strata, counts, strict=True):
             u = rng.random(n) * stratum.weights.total
             parts.append(stratum.weights.find(u))
         rows = np.concatenate(parts)
