@@ -8,7 +8,7 @@ once or not at all, never a discarded part, the store stays usable, and every fa
 typed ``DynstateError`` that says what to do.
 
 The tests named ``test_defect_*`` each failed on the code before its fix (each docstring
-tells the defect as found; one, a leak, is left and marked a strict xfail); the
+tells the defect as found); the
 ``test_guard_*`` tests keep what held up.
 """
 
@@ -423,13 +423,9 @@ def test_guard_a_driver_killed_after_its_claim_loses_the_round_cleanly(tmp_path)
     assert _stored(url, version) == _expected(2, 3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="left: gc keeps a claimed lease while any holder of this machine lives; judging a "
-    "commit claim by its claimant alone touches what keeps a paused committer's shards",
-)
 def test_defect_a_dead_committers_round_is_never_collected_while_its_stager_lives(tmp_path):
-    """DEFECT (leak, and an error that promises what gc does not do). After the previous
+    """DEFECT (leak, and an error that promises what gc does not do; failed on the code before
+    its fix). After the previous
     test's kill between claim and record, commit_staged says "gc removes its files". It does
     not while the process that *staged* the parts lives: gc's survey
     (dynstate/log/survey.py, ``_protected``, kind ``commit``) keeps a claimed lease "while any
@@ -441,7 +437,7 @@ def test_defect_a_dead_committers_round_is_never_collected_while_its_stager_live
     past ``STALE_CLAIM_S``. Expected: the unreferenced shards are removed. Fix: judge a
     ``commit`` claim by its claimant — the ``pid``/``host`` the claim names (and holder files
     written after it) — not by every holder: a stager whose heartbeat saw the outcome is no
-    committer."""
+    committer. (Fixed so: ``survey._claimant``.)"""
     url = str(tmp_path / "store")
     _seed(url)
     parts = _parts(url)  # staged by this process, which lives on

@@ -135,6 +135,19 @@ def _holder_state(storage: Storage, lease: str, rel: str, here: str, now: float 
     return "paused-here" if local else "stale"
 
 
+def _claimant(outcome: dict, here: str) -> str | None:
+    """A commit claim's committer, as :func:`_fresh` judges holders: ``gone`` or
+    ``paused-here`` (its process of this machine exists: it may still publish), ``elsewhere``
+    (another machine's: judged by the claim's age); None for a claim that names no process
+    (an older writer's), judged by its lease's holders."""
+    host, pid = outcome.get("host"), outcome.get("pid")
+    if not isinstance(host, str) or type(pid) is not int or not 0 < pid <= _MAX_PID:
+        return None
+    if host != here:
+        return "elsewhere"
+    return "gone" if process_gone(pid) else "paused-here"
+
+
 def _protected(
     storage: Storage,
     lease: str,
@@ -168,6 +181,12 @@ def _protected(
                 return True, "commit"  # the commit is in flight
             # An unsettled claim's record may still land (a late PUT) after its process exited.
             unsettled = outcome.get("unsettled") is not None
+            claimant = _claimant(outcome, here)
+            if claimant is not None:
+                # The claim names its committer: judge it alone. A holder that is not the
+                # committer (the stager, whose heartbeat stopped when it saw the claim) says
+                # nothing about whether the record can still land.
+                gone, paused_here = claimant == "gone", claimant == "paused-here"
             if (gone and not unsettled) or not storage.exists(paths.lease_path(lease)):
                 # The committer is gone, or published and cleaned up (lease file first).
                 return False, "commit"
