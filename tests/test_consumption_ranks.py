@@ -268,11 +268,12 @@ def test_two_ranks_uninterrupted_hold_the_oracle(tmp_path: Path, surplus: str) -
         assert all(not r["carry"] for r in records) and any(r["dropped"] for r in records)
     else:
         assert total is not None and not total["dropped"]
-    # one round per step, with every rank's trained groups as outcomes
-    stats = Store.open(url).outcome_stats()
-    assert sum(stats.column("attempts").to_pylist()) == GROUP * sum(
-        len(r["trained"]) for r in records
-    )
+    # one round per step, with every rank's scored groups as outcomes (trained, filtered,
+    # carried, dropped), each at the step that scored it
+    got = Store.open(url).outcome_records().select(["row", "step", "score"]).to_pylist()
+    want = Counter((r, rec["step"], s) for rec in records for r in rec["drawn"]
+                   for s in scores_of(r, rec["step"]))  # fmt: skip
+    assert Counter((o["row"], o["step"], o["score"]) for o in got) == want
     # rows were dealt across ranks: some step scored a share of another rank
     assert any(r["gen_batches"] > 1 for r in records)
 

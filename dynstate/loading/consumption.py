@@ -160,12 +160,15 @@ class StepBatch:
     accepted ones in draw order) and the consumption ``record`` to commit with the step's
     round — with several ranks, the record of every rank's consumption, the same on each:
     one process (rank 0) commits it. ``everyone``: every rank's trained groups (items of
-    other ranks None), for :meth:`outcomes`; None with one rank."""
+    other ranks None); None with one rank. ``scored``: every group scored at this step —
+    trained, filtered, carried to the next step or dropped — every rank's, rank by rank in
+    scoring order (items of other ranks None), for :meth:`outcomes`."""
 
     step: int
     groups: tuple[Group, ...]
     record: dict[str, Any]
     everyone: tuple[Group, ...] | None = None
+    scored: tuple[Group, ...] = ()
 
     @property
     def full(self) -> bool:
@@ -179,11 +182,16 @@ class StepBatch:
         return value
 
     def outcomes(self) -> list[dict[str, Any]]:
-        """The trained groups' scores as outcome records (``row``, ``step``, ``score``, one per
-        response), for ``store.append(outcomes=..., rows_version=batch.rows_version)``. With
-        several ranks, every rank's trained groups: the step's one round holds them all."""
-        groups = self.groups if self.everyone is None else self.everyone
-        return [{"row": g.row, "step": self.step, "score": s} for g in groups for s in g.scores]
+        """The scores of every group scored at this step as outcome records (``row``,
+        ``step``, ``score``, one per response), for ``store.append(outcomes=...,
+        rows_version=batch.rows_version)``: the groups trained, filtered, carried and dropped,
+        each once, at the step that scored it (a carried group's scores are in the round of
+        the step that scored it, not again in the next step's). So a row filtered every time
+        (always solved, or never) counts as tried for selection. With several ranks, every
+        rank's groups: the step's one round holds them all."""
+        return [
+            {"row": g.row, "step": self.step, "score": s} for g in self.scored for s in g.scores
+        ]
 
 
 class _Drawn:
@@ -610,6 +618,7 @@ class DynamicSampling:
         accepted = list(carried_in)
         drawn: list[int] = []
         filtered: list[tuple[int, float]] = []
+        scored: list[Group] = []
         batches = 0
         while self.max_gen_batches is None or batches < self.max_gen_batches:
             # The same answer on every rank, so they draw in lockstep.
@@ -620,7 +629,7 @@ class DynamicSampling:
             dealt = self._deal(self._draw_batch(), needing)
             batches += 1
             for pairs in dealt:
-                self._score(pairs, score, step, url, drawn, accepted, filtered)
+                self._score(pairs, score, step, url, drawn, accepted, filtered, scored)
         trained, surplus = accepted[: self.train_groups], accepted[self.train_groups :]
         carry = surplus if self.surplus == "carry" else []
         dropped = [] if self.surplus == "carry" else surplus
@@ -632,6 +641,7 @@ class DynamicSampling:
                 filtered,
                 [g.index for g in dropped],
                 [(g.index, g.scores) for g in carry],
+                [(g.index, g.scores) for g in scored],
             )
         )
         for rank, part in enumerate(parts):
@@ -666,19 +676,23 @@ class DynamicSampling:
         self._rows_version = rows_version
         self._ends[step] = int(position["step"])
         all_trained = None
+        all_scored = scored
         if self.num_replicas > 1:
             groups: list[Group] = []
+            all_scored = []
             for rank, part in enumerate(parts):
                 if rank == self.rank:
                     groups.extend(trained)
+                    all_scored.extend(scored)
                 else:
                     groups.extend(Group(i, None, tuple(s)) for i, s in part[2])
+                    all_scored.extend(Group(i, None, tuple(s)) for i, s in part[6])
             all_trained = tuple(groups)
-        return StepBatch(step, tuple(trained), record, all_trained)
+        return StepBatch(step, tuple(trained), record, all_trained, tuple(all_scored))
 
     @staticmethod
     def _indices_of(part: tuple[Any, ...]) -> list[int]:
-        carried_in, drawn, trained, filtered, dropped, carry = part
+        carried_in, drawn, trained, filtered, dropped, carry, _ = part  # scored: drawn ones
         return [*carried_in, *drawn, *(i for i, _ in trained), *(i for i, _ in filtered),
                 *dropped, *(i for i, _ in carry)]  # fmt: skip
 
@@ -691,17 +705,19 @@ class DynamicSampling:
         drawn: list[int],
         accepted: list[Group],
         filtered: list[tuple[int, float]],
+        scored: list[Group],
     ) -> None:
-        """Score one generation batch and sort its groups into accepted and filtered."""
+        """Score one generation batch and sort its groups into accepted and filtered (each
+        goes into ``scored`` too)."""
         items = [item for _, item in pairs]
-        scored = score(items, step)
-        if not hasattr(scored, "__len__") or len(scored) != len(pairs):
-            got = len(scored) if hasattr(scored, "__len__") else type(scored).__name__
+        answer = score(items, step)
+        if not hasattr(answer, "__len__") or len(answer) != len(pairs):
+            got = len(answer) if hasattr(answer, "__len__") else type(answer).__name__
             raise InvalidDataError(
                 f"score returned {got} groups of scores for a generation batch of "
                 f"{len(pairs)} rows at step {step} ({url}); return one list per item"
             )
-        for (index, item), raw in zip(pairs, scored, strict=True):
+        for (index, item), raw in zip(pairs, answer, strict=True):
             scores = check_scores(raw, url, f"the scores of row {decode_index(index)[1]}")
             drawn.append(index)
             keep = self.rule.keep(scores)
@@ -711,8 +727,10 @@ class DynamicSampling:
                     f"{scores} at step {step} ({url}); a filter rule must be a pure "
                     "function of a group's scores — nothing was committed"
                 )
+            group = Group(index, item, tuple(scores))
+            scored.append(group)
             if keep:
-                accepted.append(Group(index, item, tuple(scores)))
+                accepted.append(group)
             else:
                 filtered.append((index, group_std(scores)))
 
