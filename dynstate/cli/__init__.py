@@ -121,10 +121,11 @@ for _module in (
         cli.add_command(_command)
 
 
-def main() -> None:
-    """Console-script entry point."""
+def main(args: list[str] | None = None) -> None:
+    """Console-script entry point (``args``: the command line after the program's name;
+    None: ``sys.argv[1:]``)."""
     try:
-        cli(prog_name="dynstate")
+        cli(args=args, prog_name="dynstate")
     finally:
         # Free Arrow objects (a store and its snapshots refer to each other) while Arrow's
         # runtime is alive: left to the interpreter's teardown, a native thread pool can be

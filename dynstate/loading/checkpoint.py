@@ -53,7 +53,8 @@ def read_checkpoint_file(file: str) -> tuple[Any, dict[str, Any]]:
         obj = torch.load(file, weights_only=True, map_location="cpu")
     except Exception as exc:  # torch raises a zoo of types for bad files
         raise StateMismatchError(
-            f"{file} could not be loaded with torch.load(weights_only=True) ({_why(exc)}); "
+            f"{file} could not be loaded with torch.load(weights_only=True) "
+            f"({_why(exc, _head(file))}); "
             "pass the data.pt the run's checkpoint wrote, and restore it if it is damaged"
         ) from exc
     state = find_sampler_state(obj)
@@ -154,9 +155,27 @@ def _unopened(file: str, state: dict[str, Any], shown_url: str) -> dict[str, Any
     }
 
 
-def _why(exc: BaseException) -> str:
-    """One line on why torch.load failed (its messages run to many lines, or are empty)."""
+# How a torch.save file starts: a zip archive (torch >= 1.6) or a pickle (protocol 2+, the
+# legacy format).
+_TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+def _head(file: str) -> bytes:
+    try:
+        with open(file, "rb") as fh:
+            return fh.read(4)
+    except OSError:
+        return b""
+
+
+def _why(exc: BaseException, head: bytes = b"PK\x03\x04") -> str:
+    """One line on why torch.load failed (its messages run to many lines, or are empty);
+    ``head``: the file's first bytes. torch's weights-only loader reports any file it cannot
+    unpickle as unsafe content, a text file beside the checkpoint (trainer_state.json,
+    latest_checkpointed_iteration.txt) included: such a file is no torch.save file at all."""
     text = str(exc)
+    if head and not head.startswith(_TORCH_MAGIC):
+        return f"not a torch.save file: it starts with {head!r}"
     if "Weights only load failed" in text:
         return "it holds Python objects other than plain types and tensors"
     if isinstance(exc, EOFError) or not text.strip():

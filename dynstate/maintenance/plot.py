@@ -227,13 +227,19 @@ def plot_growth(store: Store, out: str | os.PathLike[str], *, overwrite: bool = 
             f"{out} exists; choose another path or pass overwrite=True to replace it"
         )
     fig, model = growth_figure(store)
-    tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{uuid.uuid4().hex}.png.tmp")
+    parent = os.path.dirname(os.path.abspath(out))
+    tmp = os.path.join(parent, f".{uuid.uuid4().hex}.png.tmp")
     try:
+        os.makedirs(parent, exist_ok=True)  # as export does: a new folder for OUT is made
         # "tight": whatever the legend holds, nothing of it is cut at the image's edges.
         fig.savefig(tmp, format="png", bbox_inches="tight", pad_inches=0.1)
         os.replace(tmp, out)
     except OSError as exc:
-        raise StorageError(f"cannot write the plot to {out}: {exc}") from exc
+        # OUT, not the temporary name, which would mean nothing to the user
+        why = exc.strerror or type(exc).__name__
+        raise StorageError(
+            f"cannot write the plot to {out}: {why}; choose a path you can write to"
+        ) from exc
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)

@@ -1,7 +1,11 @@
 """``python -m dynstate.serve URL`` — the same as ``dynstate serve URL``."""
 
+import sys
+
 # The one import of dynstate.cli from this package: an entry point, which nothing imports.
-from ..cli.commands_serve import serve
+# Through the CLI's group, not the bare command: its errors are one line (never a
+# traceback) and Ctrl-C ends it as it ends ``dynstate serve``.
+from ..cli import main
 
 if __name__ == "__main__":
-    serve(prog_name="dynstate serve")
+    main(["serve", *sys.argv[1:]])

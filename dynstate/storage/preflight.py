@@ -103,6 +103,11 @@ def preflight(url: str, options: dict[str, Any]) -> None:
     with no endpoint set, when AWS's regional host cannot be reached. Other URLs pass."""
     if not _is_s3(url):
         return
+    # The URL's own mistakes first (credentials in it, a query, a '..' segment), offline and
+    # by the checks Store.open makes: an unreachable endpoint must not hide them.
+    from . import open_storage
+
+    open_storage(url, options)
     where = url.partition("://")[2].split("?", 1)[0].split("#", 1)[0].rstrip("/")
     if not where or "" in where.split("/"):
         raise InvalidDataError(

@@ -396,9 +396,9 @@ class ObstoreStorage(ObjectStorage):
             # which the first delete removes) and store '..' as a key; obstore refuses both
             # on every call, where "retry" would be the advice
             raise InvalidDataError(
-                f"{self.display_url} is not a store URL; write "
-                f"{self.url.partition('://')[0]}://bucket/prefix, with no query, fragment, "
-                "'.' or '..' path segment"
+                f"{self.display_url}: a store URL has no query, fragment, '.' or '..' path "
+                "segment (a query is not shown: it may hold a signature); write "
+                f"{self.url.partition('://')[0]}://bucket/prefix"
             )
         if self._cloud is None:
             root = root_of(self.url) if self._config is not None else None

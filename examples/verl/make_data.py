@@ -4,6 +4,7 @@ relative to where the run starts)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import sys
@@ -23,4 +24,11 @@ def main(folder: str, n_train: int = 2000, n_val: int = 200) -> None:
 
 
 if __name__ == "__main__":
-    main(os.path.expanduser(sys.argv[1] if len(sys.argv) > 1 else "data/arith"))
+    parser = argparse.ArgumentParser(description="Write arithmetic tasks in verl's parquet layout.")
+    parser.add_argument(
+        "folder", nargs="?", default="data/arith", help="where train.parquet and test.parquet go"
+    )
+    parser.add_argument("--train", type=int, default=2000, help="training tasks")
+    parser.add_argument("--val", type=int, default=200, help="validation tasks")
+    args = parser.parse_args()
+    main(os.path.expanduser(args.folder), args.train, args.val)
