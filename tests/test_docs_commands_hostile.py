@@ -501,6 +501,7 @@ MISTAKES: list[tuple[str, int, str]] = [
     ("head ./runs/run1 -n -1", 2, r"'-n': -1 is not in the range"),
     ("diff ./runs/run1 4 999", 1, NO_VERSION),
     ("diff ./runs/run1 4", 2, r"Missing argument 'V2'"),
+    ("diff ./runs/run1 4 5 -n 3", 2, r"-n counts the rows --rows shows; add --rows"),
     ("stats ./runs/run1 999", 1, NO_VERSION),
     ("stats ./runs/run1 --bins 0", 2, r"'--bins': 0 is not in the range"),
     ("stats ./runs/run1 --half-life nan", 2, r"'--half-life': 'nan' is not a finite number"),

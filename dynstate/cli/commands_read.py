@@ -242,6 +242,9 @@ def diff_cmd(url: str, v1: str, v2: str, with_shards: bool, with_rows: bool, row
 
     if columns is not None and not with_rows:
         raise click.UsageError("--columns chooses the columns --rows shows; add --rows")
+    source = click.get_current_context().get_parameter_source("rows")
+    if source is click.core.ParameterSource.COMMANDLINE and not with_rows:
+        raise click.UsageError("-n counts the rows --rows shows; add --rows")
     store = open_store(url, storage_options)
     info = diff(store, version_arg(v1), version_arg(v2), shards=with_shards)
     preview: list[dict[str, Any]] = []
