@@ -546,6 +546,8 @@ MISTAKES: list[tuple[str, int, str]] = [
     ("ls s4://bucket/runs/run1", 1, r"cannot open s4://bucket/runs/run1: Protocol not known: s4; check the URL"),
     ("ls gcs://bucket/runs/run1", 1, r"gcs://bucket/runs/run1: write gs://bucket/runs/run1"),
     ("ls s3:// --storage-option endpoint_url=http://127.0.0.1:{dead}", 1, r"s3:// is not a store URL; write s3://bucket/prefix"),
+    # an http(s):// store's advice names its host and port, not S3's endpoint settings
+    ("ls http://127.0.0.1:{dead}/store", 1, r"check that it is up, and the URL's host and port, and retry$"),
     ("ls s3://my-bucket/runs/exp1 --storage-option endpoint_url=http://127.0.0.1:{dead}", 1, r"cannot reach the S3 endpoint http://127\.0\.0\.1:\d+ \(Connection refused\); check that it is up"),
     ("ls s3://my-bucket/runs/exp1 --storage-option endpoint_url=http://user:pw-secret-1@127.0.0.1:{dead}", 1, r"the S3 endpoint 'http://\*\*\*@127\.0\.0\.1:\d+' has credentials in it; pass them as AWS_ACCESS_KEY_ID"),
     ("ls s3://my-bucket/runs/exp1 --storage-option endpoint_url=htp:/oops", 2, r"endpoint_url must be an http:// or https:// URL"),

@@ -91,12 +91,23 @@ AZURE = Service(
 )
 
 
+# a read-only store served over http(s):// (fsspec's HTTP filesystem): no endpoint setting
+HTTP = Service(
+    "the HTTP server",
+    "the storage option client_kwargs={'headers': {...}} (fsspec's HTTP filesystem)",
+    "the URL's host and port",
+)
+
+
 def service_of(url: str) -> Service:
-    """The service a location's URL names (S3 for every scheme but gs:// and az://)."""
+    """The service a location's URL names (S3 for every scheme but gs://, az:// and
+    http(s)://)."""
     if url.startswith(("gs://", "gcs://")):
         return GCS
     if url.startswith(("az://", "abfs://", "abfss://")):
         return AZURE
+    if url.startswith(("http://", "https://")):
+        return HTTP
     return S3
 
 
