@@ -944,6 +944,7 @@ def test_rows_sorted_and_filtered_by_pass_rate_and_attempts(scored):
     assert '<input type="hidden" name="sort" value="pass_rate">' in page
     for bad, message in (
         ("sort=score", "cannot sort the rows of version 5"),
+        ("sort=--pass_rate", "cannot sort the rows of version 5"),  # one '-' at most
         ("min_pass_rate=2", "min_pass_rate for the rows of version 5"),
         ("max_attempts=-1", "max_attempts for the rows of version 5"),
     ):

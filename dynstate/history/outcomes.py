@@ -89,7 +89,7 @@ class RowSelection:
         """From text or numbers (query parameters, CLI options); InvalidDataError naming
         ``where`` for anything else."""
         sort = params.get("sort") or None
-        if sort is not None and sort.lstrip("-") not in SORT_KEYS:
+        if sort is not None and sort.removeprefix("-") not in SORT_KEYS:  # one '-' at most
             raise InvalidDataError(
                 f"cannot sort the rows of {where} by {sort!r}; sort by one of "
                 f"{', '.join(SORT_KEYS)} (a leading '-' for descending)"
@@ -128,7 +128,7 @@ class RowSelection:
         rows = np.flatnonzero(keep)
         if self.sort is None:
             return rows
-        name = self.sort.lstrip("-")
+        name = self.sort.removeprefix("-")
         if name == "pass_rate":
             key = rate[rows]
         else:
