@@ -20,6 +20,7 @@ records in task-index order and commits them once (:meth:`Store.commit_staged`).
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -75,14 +76,16 @@ class _Target:
         )
 
 
-def _resolve(store_or_url: Store | str, storage_options: dict[str, Any] | None) -> Store:
+def _resolve(
+    store_or_url: Store | str | os.PathLike[str], storage_options: dict[str, Any] | None
+) -> Store:
     if isinstance(store_or_url, Store):
         store = store_or_url
-    elif isinstance(store_or_url, str):
+    elif isinstance(store_or_url, (str, os.PathLike)):  # a path, as Store.open takes
         store = Store.open(store_or_url, storage_options=storage_options)
     else:
         raise InvalidDataError(
-            f"expected a Store or a store URL, not {type(store_or_url).__name__}"
+            f"expected a Store, a store URL or a path, not {type(store_or_url).__name__}"
         )
     if not store.storage.shared_across_processes:
         raise InvalidDataError(
@@ -118,7 +121,7 @@ def _remote(ray: Any, func: Callable[..., Any], **options: Any) -> Any:
 
 
 def write_round(
-    store_or_url: Store | str,
+    store_or_url: Store | str | os.PathLike[str],
     items: Iterable[Any],
     fn: Callable[[Any], Any] | None = None,
     *,
@@ -168,7 +171,7 @@ def write_round(
 
 
 def commit_round(
-    store_or_url: Store | str,
+    store_or_url: Store | str | os.PathLike[str],
     parts: Sequence[Any],
     *,
     meta: dict[str, Any] | None = None,
@@ -306,7 +309,7 @@ def _stage_block(target: _Target, block: Any, shard_bytes: int) -> Staged:
 
 
 def write_ray_dataset(
-    store_or_url: Store | str,
+    store_or_url: Store | str | os.PathLike[str],
     ds: ray.data.Dataset,
     *,
     meta: dict[str, Any] | None = None,
@@ -329,7 +332,7 @@ def write_ray_dataset(
 
 
 def to_ray_dataset(
-    store_or_url: Store | str,
+    store_or_url: Store | str | os.PathLike[str],
     version: int | str | None = None,
     *,
     storage_options: dict[str, Any] | None = None,

@@ -9,6 +9,7 @@ commit; the abandoned versions stay listed and readable until gc.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 from .errors import InvalidDataError
@@ -30,7 +31,21 @@ def version_at_step(store: Store, step: int) -> int:
     rollback's reset stands for the step it rolled back to. When gc collected the versions
     that ``step`` needs, :class:`VersionCollectedError` names the oldest kept version. The
     one answer for every caller: :func:`dynstate.log.steps.version_at_step`."""
-    return store.steps.version_at(store.resolve(None), step)
+    return store.steps.version_at(store.resolve(None), _step(store, step))
+
+
+def _step(store: Store, step: object) -> int:
+    """A training step as an int (numpy's integers too): a bool, a fraction or text names no
+    step a round has (:class:`InvalidDataError`)."""
+    if not isinstance(step, bool):
+        try:
+            return operator.index(step)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise InvalidDataError(
+        f"a training step of {store.display_url} is a whole number (a round's meta step), not "
+        f"{step!r}"
+    )
 
 
 def rollback(
@@ -49,6 +64,8 @@ def rollback(
     if (version is None) == (step is None):
         raise InvalidDataError(f"rollback of {store.display_url} needs exactly one of version/step")
     head = store.refresh()
+    if step is not None:
+        step = _step(store, step)  # the record's rollback_step is a plain int
     target = version_at_step(store, step) if step is not None else store.resolve(version)
     if target == head:
         return head

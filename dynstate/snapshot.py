@@ -10,6 +10,7 @@ to count its rows reads no shard list (issue 23.2).
 from __future__ import annotations
 
 import bisect
+import operator
 from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -198,6 +199,21 @@ class Snapshot:
         return shard, row - offsets[shard]
 
     def read_shard(self, index: int) -> pa.Table:
+        """The rows of shard ``index`` (0 to ``len(shards) - 1``) of this version."""
+        if (
+            isinstance(index, bool)
+            or not isinstance(index, int)
+            or not 0 <= index < len(self.shards)
+        ):
+            try:
+                index = operator.index(index)  # numpy's integers
+            except TypeError:
+                index = -1
+            if isinstance(index, bool) or not 0 <= index < len(self.shards):
+                raise RowOutOfRangeError(
+                    f"version {self.version} of {self.store.display_url} has "
+                    f"{len(self.shards)} shards (0 to {len(self.shards) - 1}); no shard {index!r}"
+                )
         return self.store.read_shard(self.shards[index], self.schema, version=self.version)
 
     def to_arrow(self) -> pa.Table:

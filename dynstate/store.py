@@ -219,7 +219,7 @@ class Store:
         (a reset's predecessor is its target; abandoned versions are never on the way).
         ``ahead``: how many the caller takes at most, so that their records are fetched
         together (:meth:`dynstate.log.Log.lineage`)."""
-        return self.log.lineage(version, ahead=ahead)
+        return self.log.lineage(self.log.check_version(version), ahead=ahead)
 
     def commit_record(self, version: int) -> Commit:
         """The commit record of ``version``."""
@@ -240,10 +240,13 @@ class Store:
         """A version number from a number, a tag name or None (the head)."""
         if version is None:
             return self.refresh()
-        if isinstance(version, bool) or not isinstance(version, (int, str)):
-            raise VersionNotFoundError(
-                f"version must be an int, a tag name or None, not {version!r} ({self.display_url})"
-            )
+        if not isinstance(version, str):
+            if isinstance(version, bool) or not hasattr(version, "__index__"):
+                raise VersionNotFoundError(
+                    f"version must be an int, a tag name or None, not {version!r} "
+                    f"({self.display_url})"
+                )
+            version = self.log.version_number(version)  # numpy's integers too
         if isinstance(version, str):
             if not (version.isascii() and version.isdigit()):
                 return self._tags.version(version)
@@ -267,7 +270,12 @@ class Store:
         """Name a version. Tags are never moved unless ``force=True``; gc never collects a
         tagged version. Tagging a version gc collected (seen from any handle, however old)
         raises :class:`VersionCollectedError`."""
-        if not paths.is_safe_name(name) or name.isdigit() or name == "head":
+        if (
+            not isinstance(name, str)
+            or not paths.is_safe_name(name)
+            or name.isdigit()
+            or name == "head"
+        ):
             raise InvalidDataError(
                 f"invalid tag name {name!r} for {self.display_url}: use letters, digits, '.', "
                 "'_' and '-', starting with a letter or digit, not only digits, and not 'head' "
@@ -316,7 +324,7 @@ class Store:
         A gc since this handle last read the floor may have collected records on the way
         from an older floor: then the floor is read again and the walk starts over from
         it, or, if ``version`` itself is below it now, :class:`VersionCollectedError`."""
-        return self.log.walk_kept(version, self.log.materialize)
+        return self.log.walk_kept(self.log.check_version(version), self.log.materialize)
 
     def schema_of(self, record: Commit) -> pa.Schema | None:
         return self.log.schema(record.schema, record.version)
@@ -439,6 +447,13 @@ class Store:
         interrupt during the write) is resolved by reading the record back; when nothing was
         committed the parts' shards are removed. ``outcomes``, ``generator_state`` and
         ``rows_version`` as for :meth:`append`, in the same record."""
+        from .snapshot import Staged  # a cycle at import time: snapshot imports records
+
+        if isinstance(parts, Staged) or not isinstance(parts, Sequence):
+            raise InvalidDataError(
+                f"commit_staged of {self.display_url} takes a list of staged parts (what "
+                f"Store.stage returned), not {type(parts).__name__}; pass [part]"
+            )
         return self.writer.commit_staged(
             parts,
             meta=meta,

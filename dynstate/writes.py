@@ -637,7 +637,16 @@ class Writer:
                 and any(s.path in paths for s in record.add)
             ):
                 return version
-        return None
+        return head if self._held_at(head, paths) else None
+
+    def _held_at(self, version: int, paths: set[str]) -> bool:
+        """Whether ``version``'s shards include one of ``paths``: the rows of a commit whose
+        record gc collected are still in the versions after it (an error path)."""
+        try:
+            shards = self.log.walk_kept(version, self.log.materialize)
+        except DynstateError:
+            return False
+        return any(s.path in paths for s in shards)
 
     def _claimed_elsewhere(self, exc: CommitConflictError, parts: Sequence[Staged]) -> Exception:
         """The error for parts whose lease another commit claimed, saying what is true: the
@@ -659,6 +668,12 @@ class Writer:
                     f"the staged parts of lease {lease} of {self.display_url} were already "
                     f"committed as version {version}; commit each staged part once"
                 )
+        if self._held_at(head, paths):
+            return CommitConflictError(
+                f"the staged parts of lease {lease} of {self.display_url} were already "
+                f"committed: version {head} holds their rows (gc collected the version that "
+                "added them); commit each staged part once"
+            )
         where = f"the staged parts of lease {lease} of {self.display_url}"
         pid, host = claim.get("pid"), claim.get("host")
         unsettled = claim.get("unsettled")

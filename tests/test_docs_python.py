@@ -571,8 +571,9 @@ def test_dynamic_sampling_loop_block(tmp_path: Path) -> None:
         )
         assert into == out
         assert r["settings"]["rule"]["name"] == "zero_variance" and r["filtered"]
+    # every group scored at a step (trained, filtered, carried, dropped): each drawn row's
     assert sorted(store.outcome_records().column("step").to_pylist()) == sorted(
-        s for s, t in enumerate(trained) for _ in t for _ in range(4)
+        r["step"] for r in records for _ in r["drawn"] for _ in range(4)
     )
 
     again: list = []

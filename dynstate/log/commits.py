@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import random
 import threading
 import time
@@ -364,13 +365,29 @@ class Log(Catalog):
             "pass version=None for the latest"
         )
 
-    def check_version(self, version: int) -> None:
+    def check_version(self, version: int) -> int:
+        """``version`` as an int (numpy's integers included) if it is kept, or a typed
+        error: not a whole number or never committed (:class:`VersionNotFoundError`),
+        collected by gc (:class:`VersionCollectedError`)."""
+        version = self.version_number(version)
         if version > self._head:
             self.refresh()
         if version < 0 or version > self._head:
             raise VersionNotFoundError(self.not_found(version))
         if version < self._floor:
             raise self.collected(version)
+        return version
+
+    def version_number(self, version: object) -> int:
+        """``version`` as an int: an int or a numpy integer, never a bool, a float or text."""
+        if not isinstance(version, bool):
+            try:
+                return operator.index(version)  # type: ignore[arg-type]
+            except TypeError:
+                pass
+        raise VersionNotFoundError(
+            f"a version must be a whole number, not {version!r} ({self.display_url})"
+        )
 
     def commit_record(self, version: int) -> Commit:
         """The record of a kept ``version``, or a typed error."""

@@ -39,6 +39,10 @@ def export(
     """Write ``snap``'s rows to ``out`` (a path or fsspec URL); returns ``out``. Parquet is
     streamed shard by shard; a ``datasets`` directory loads with
     ``datasets.load_from_disk(out)``. ``progress(done, total)`` counts shards read."""
+    if not isinstance(snap, Snapshot):
+        raise InvalidDataError(
+            f"export takes a Snapshot (store.snapshot(version)), not {type(snap).__name__}"
+        )
     out = os.fspath(out)
     if fmt not in FORMATS:
         raise InvalidDataError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")

@@ -193,6 +193,12 @@ def collect_garbage(
         raise InvalidDataError(
             f"gc of {store.display_url}: the grace period must be a number of seconds >= 0"
         )
+    if not isinstance(dry_run, bool):
+        # anything else would read as "not a dry run" where it is falsy (None, 0): a delete
+        raise InvalidDataError(
+            f"gc of {store.display_url}: dry_run must be True (plan only) or False (delete), "
+            f"not {dry_run!r}"
+        )
     floor_before = store.log.read_floor()
     plan = retention_plan(store, keep=keep, older_than_s=older_than_s, clock=clock)
     floor = plan.floor

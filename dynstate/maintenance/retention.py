@@ -7,6 +7,8 @@ then carries out. Reads only; nothing here deletes.
 from __future__ import annotations
 
 import logging
+import math
+import operator
 import re
 from dataclasses import dataclass
 
@@ -164,12 +166,25 @@ def _asked_floor(
         )
     candidate = head
     if keep is not None:
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        whole = None if isinstance(keep, bool) else _whole(keep)
+        if whole is None or whole < 1:
             raise InvalidDataError(
-                f"gc of {store.display_url}: keep must be at least 1 (the head), not {keep!r}"
+                f"gc of {store.display_url}: keep must be a whole number of versions, at least "
+                f"1 (the head), not {keep!r}"
             )
-        candidate = head - keep + 1
+        candidate = head - whole + 1
     else:
+        age = older_than_s
+        if (
+            isinstance(age, bool)
+            or not isinstance(age, (int, float))
+            or not math.isfinite(age)
+            or age < 0
+        ):
+            raise InvalidDataError(
+                f"gc of {store.display_url}: older_than_s must be a finite number of seconds "
+                f">= 0, not {age!r} (the CLI's --older-than takes '7d', '12h', '30m')"
+            )
         # A version's age is its record's, by the storage's clock (the time the storage
         # stamped on the record, against a probe it stamped just now): the ``created`` a
         # writer wrote in it is its host's clock, which may be hours off.
@@ -187,6 +202,14 @@ def _asked_floor(
         while candidate - 1 >= floor and _created(store, candidate - 1) >= cutoff:
             candidate -= 1
     return max(floor, candidate)
+
+
+def _whole(value: object) -> int | None:
+    """``value`` as an int when it is one (numpy's integers included), else None."""
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def tags_from(store: Store, floor: int) -> dict[str, int]:
