@@ -9,10 +9,10 @@ commit; the abandoned versions stay listed and readable until gc.
 from __future__ import annotations
 
 import logging
-import operator
 from typing import Any
 
 from .errors import InvalidDataError
+from .records.codec import whole
 from .store import Store
 
 log = logging.getLogger("dynstate")
@@ -37,11 +37,9 @@ def version_at_step(store: Store, step: int) -> int:
 def _step(store: Store, step: object) -> int:
     """A training step as an int (numpy's integers too): a bool, a fraction or text names no
     step a round has (:class:`InvalidDataError`)."""
-    if not isinstance(step, bool):
-        try:
-            return operator.index(step)  # type: ignore[arg-type]
-        except TypeError:
-            pass
+    number = whole(step)
+    if number is not None:
+        return number
     raise InvalidDataError(
         f"a training step of {store.display_url} is a whole number (a round's meta step), not "
         f"{step!r}"

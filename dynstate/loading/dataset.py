@@ -18,6 +18,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from ..errors import InvalidDataError, RowOutOfRangeError, VersionNotFoundError
+from ..records.codec import whole
 from ..records.columns import int64_array
 from ..snapshot import Snapshot
 from ..store import Store
@@ -40,16 +41,11 @@ def encode_index(version: int, row: int) -> int:
     """An index meaning "row ``row`` of version ``version``" (rows < 2**40). Anything else
     would name another row (row 2**40 of version 1 is row 0 of version 2; version -1 a plain
     row): :class:`InvalidDataError`."""
-    values = []
-    for name, value in (("version", version), ("row", row)):
-        try:
-            values.append(None if _is_bool(value) else operator.index(value))
-        except TypeError:
-            values.append(None)
-        if values[-1] is None:
-            raise InvalidDataError(f"encode_index takes a whole {name}, not {value!r}")
-    v, r = values
-    assert v is not None and r is not None
+    v, r = whole(version), whole(row)
+    if v is None or r is None:
+        raise InvalidDataError(
+            f"encode_index takes a whole version and row, not {version!r} and {row!r}"
+        )
     if v < 0 or not 0 <= r < 1 << _ROW_BITS:
         raise InvalidDataError(
             f"encode_index(version={v}, row={r}): a version >= 0 and a row from 0 to 2**40 - 1"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import operator
 import random
 import threading
 import time
@@ -33,6 +32,7 @@ from ..errors import (
     VersionNotFoundError,
 )
 from ..records import manifest as m
+from ..records.codec import whole
 from ..records.manifest import Commit, ShardRef
 from ..storage import Storage
 from .catalog import Catalog, checkpoint_bytes
@@ -380,11 +380,9 @@ class Log(Catalog):
 
     def version_number(self, version: object) -> int:
         """``version`` as an int: an int or a numpy integer, never a bool, a float or text."""
-        if not isinstance(version, bool):
-            try:
-                return operator.index(version)  # type: ignore[arg-type]
-            except TypeError:
-                pass
+        number = whole(version)
+        if number is not None:
+            return number
         raise VersionNotFoundError(
             f"a version must be a whole number, not {version!r} ({self.display_url})"
         )

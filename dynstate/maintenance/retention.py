@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import re
 from dataclasses import dataclass
 
 from ..errors import InvalidDataError
 from ..log.survey import Clock
+from ..records.codec import whole
 from ..store import Store
 
 log = logging.getLogger("dynstate")
@@ -166,13 +166,13 @@ def _asked_floor(
         )
     candidate = head
     if keep is not None:
-        whole = None if isinstance(keep, bool) else _whole(keep)
-        if whole is None or whole < 1:
+        number = whole(keep)
+        if number is None or number < 1:
             raise InvalidDataError(
                 f"gc of {store.display_url}: keep must be a whole number of versions, at least "
                 f"1 (the head), not {keep!r}"
             )
-        candidate = head - whole + 1
+        candidate = head - number + 1
     else:
         age = older_than_s
         if (
@@ -202,14 +202,6 @@ def _asked_floor(
         while candidate - 1 >= floor and _created(store, candidate - 1) >= cutoff:
             candidate -= 1
     return max(floor, candidate)
-
-
-def _whole(value: object) -> int | None:
-    """``value`` as an int when it is one (numpy's integers included), else None."""
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return None
 
 
 def tags_from(store: Store, floor: int) -> dict[str, int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import re
 from datetime import datetime, timezone
 from typing import Any
@@ -107,6 +108,17 @@ _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _DIGITS_ONLY = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
 _LONG_RUN = b"0" * (MAX_INT_DIGITS + 1)
 _SAFE_RUN = b"0" * (_SAFE_DIGITS + 1)
+
+
+def whole(value: object) -> int | None:
+    """``value`` as an int when it is a whole number by type — an int or what stands for one
+    (numpy's integers, ``operator.index``) — never a bool, a float or text; else None."""
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
+        return None  # numpy's and torch's booleans too (operator.index takes a bool tensor)
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def int_fits(value: int) -> bool:
