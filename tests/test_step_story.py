@@ -212,11 +212,12 @@ def test_a_dynamic_sampling_round_shows_what_the_step_consumed(tmp_path: Path) -
             assert used[name]["more"] == max(len(record[name]) - 5, 0), name
         # the policy the sampler state in the record names
         assert story["policy"] == SELECT
-        # the outcomes: one record per response of each trained group (rows, in the record)
+        # the outcomes: one record per response of each group scored at the step (every
+        # drawn row's: trained, filtered, carried or dropped)
         out = story["outcomes"]
-        assert out["records"] == GROUP * len(record["trained"])
-        assert out["rows"] == len(set(record["trained"]))
-        assert {d["row"] for d in out["drawn"]} <= set(record["trained"])
+        assert out["records"] == GROUP * len(record["drawn"])
+        assert out["rows"] == len(set(record["drawn"]))
+        assert {d["row"] for d in out["drawn"]} <= set(record["drawn"])
     # serve's version page lists the same counts
     version = records[-1]["version"]
     with served(StoreView(store, url=url)) as base:

@@ -166,7 +166,9 @@ def weight_spread(
     try:
         built = as_policy({**policy["params"], "policy": policy["policy"]})
         assert built is not None
-        share = built.expected_shares(store.outcome_stats(version), (step or 0) + 1)
+        at = (step or 0) + 1
+        where = f"{built.describe()} at step {at}, version {version} of {store.display_url}"
+        share = built.expected_shares(store.outcome_stats(version), at, where)
     except InvalidDataError as exc:
         return {**out, "error": str(exc)}
     drawn = share[share > 0]

@@ -85,6 +85,11 @@ class Policy:
         unchecked (what subclasses implement)."""
         raise NotImplementedError
 
+    def weigh_at(self, stats: pa.Table, step: int, where: str) -> list[tuple[float, Any]]:
+        """:meth:`weigh`, where a policy that checks its own answer names ``where`` (the
+        policy, step and version) in its refusals."""
+        return self.weigh(stats, step)
+
     def parts(self, stats: pa.Table, step: int) -> list[tuple[float, np.ndarray]]:
         """:meth:`weigh` over a whole statistics table, checked: float64 weights, or
         :class:`InvalidDataError` naming the policy and the step."""
@@ -94,16 +99,23 @@ class Policy:
         """The policy in words, for error messages."""
         return f"selection policy {self.name!r}"
 
-    def expected_shares(self, stats: pa.Table, step: int) -> np.ndarray:
+    def expected_shares(self, stats: pa.Table, step: int, where: str) -> np.ndarray:
         """Each row's expected share of a step's draws by ``stats`` (float64, summing to 1):
         the parts that draw (a share above 0 and a weight above 0) split the step by their
         shares, and each part's rows split its share by their weights, as :class:`Plan`
-        draws (but for the rounding of a step's slots to whole ones)."""
+        draws (its slots rounded down or up, which averages to the shares). What a sampler
+        refuses (nothing drawable, weights whose total leaves float64's range) is refused
+        here too, by the sampler's own plan (``where`` names the policy and version)."""
+        parts = self.checked_parts(stats, step, where)
+        Plan.of(stats.num_rows, parts, where)  # the sampler's checks
         shares = np.zeros(stats.num_rows, np.float64)
-        live = [(s, w) for s, w in self.parts(stats, step) if s > 0 and w.sum() > 0]
-        total = sum(s for s, _ in live)
+        live = [(s, w) for s, w in parts if s > 0 and w.sum() > 0]
+        if not live:
+            return shares
+        top = max(s for s, _ in live)  # shares scaled to at most 1: their sum stays finite
+        total = math.fsum(s / top for s, _ in live)
         for s, w in live:
-            shares += (s / total) * (w / w.sum())
+            shares += (s / top / total) * (w / w.sum())
         return shares
 
     def checked_parts(
@@ -112,7 +124,7 @@ class Policy:
         """:meth:`parts`, each weight vector checked (:func:`check_weights`). ``whole``:
         ``stats`` holds every row, so a lone part of all zeros is refused here already
         (several parts: pools, of which some may be empty)."""
-        parts = self.weigh(stats, step)
+        parts = self.weigh_at(stats, step, where)
         some = whole and len(parts) == 1
         n = stats.num_rows
         return [(share, check_weights(w, n, where, some=some)) for share, w in parts]
@@ -326,7 +338,9 @@ class FunctionPolicy(Policy):
         return f"selection policy {self.user_name!r}"
 
     def weigh(self, stats: pa.Table, step: int) -> list[tuple[float, Any]]:
-        where = f"selection policy {self.user_name!r} at step {step}"
+        return self.weigh_at(stats, step, f"selection policy {self.user_name!r} at step {step}")
+
+    def weigh_at(self, stats: pa.Table, step: int, where: str) -> list[tuple[float, Any]]:
         weights = self.fn(stats, step)
         if not self._checked:
             weights = check_weights(weights, stats.num_rows, where, some=False)

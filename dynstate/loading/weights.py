@@ -109,6 +109,11 @@ def check_weights(values: Any, num_rows: int, where: str, *, some: bool = True) 
     return weights
 
 
+#: The smallest total weight a stratum may have: below it a draw's ``U[0, 1) * total`` is
+#: rounded to subnormal floats, coarser than U's 53 bits (2**-1022 is the smallest normal).
+MIN_TOTAL = 2.0**-969
+
+
 def all_zero(where: str, num_rows: int) -> str:
     return (
         f"{where} gives every one of the {num_rows} rows weight 0: nothing can be drawn; "
@@ -242,12 +247,21 @@ class Plan:
             # Finite weights can still sum past the float range: u = U[0, 1) * inf is inf or
             # NaN, and every draw would land on the last row. Refused rather than rescaled,
             # so that a row's share is always its weight over the plain float64 total.
-            if not math.isfinite(stratum.weights.total):
+            total = stratum.weights.total
+            if not math.isfinite(total):
                 raise InvalidDataError(
                     f"{where} returned weights whose total overflows float64 (largest "
                     f"{stratum.weights.weights.max():.6g} over {num_rows} rows); weights are "
                     "relative: scale them down (e.g. divide by their maximum) so that they "
                     "sum to a finite number"
+                )
+            # Below MIN_TOTAL, u = U[0, 1) * total falls on a grid coarser than U's 53 bits
+            # (subnormal floats): rows would be drawn out of proportion to their weights.
+            if 0 < total < MIN_TOTAL:
+                raise InvalidDataError(
+                    f"{where} returned weights whose total {total:.6g} is too small to draw "
+                    f"in proportion (below {MIN_TOTAL:.3g}); weights are relative: scale them "
+                    "up (e.g. divide by their maximum)"
                 )
         if num_rows and not self.strata:
             if len(self.all_strata) == 1:
