@@ -140,10 +140,16 @@ class Served:
         self.base = match.group(1).rstrip("/") if match else ""
 
 
+def _default_sigint() -> None:
+    # As in a user's shell: a pytest-xdist worker ignores SIGINT, and its children inherit
+    # that (uvicorn then restores "ignored" after its shutdown, and the server exits 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _serve(argv: list[str], cwd: Path, env: dict[str, str] | None = None) -> Served:
     proc = subprocess.Popen(
         argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=env or _env(),
+        env=env or _env(), preexec_fn=_default_sigint,
     )  # fmt: skip
     line = proc.stdout.readline() if proc.stdout else ""
     if "serving" not in line:
