@@ -10,12 +10,12 @@ to count its rows reads no shard list (issue 23.2).
 from __future__ import annotations
 
 import bisect
-import operator
 from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import ChecksumMismatchError, CorruptStoreError, RowOutOfRangeError
 from .records import manifest as m
+from .records.codec import whole
 from .records.manifest import Commit, ShardRef
 
 if TYPE_CHECKING:
@@ -200,21 +200,13 @@ class Snapshot:
 
     def read_shard(self, index: int) -> pa.Table:
         """The rows of shard ``index`` (0 to ``len(shards) - 1``) of this version."""
-        if (
-            isinstance(index, bool)
-            or not isinstance(index, int)
-            or not 0 <= index < len(self.shards)
-        ):
-            try:
-                index = operator.index(index)  # numpy's integers
-            except TypeError:
-                index = -1
-            if isinstance(index, bool) or not 0 <= index < len(self.shards):
-                raise RowOutOfRangeError(
-                    f"version {self.version} of {self.store.display_url} has "
-                    f"{len(self.shards)} shards (0 to {len(self.shards) - 1}); no shard {index!r}"
-                )
-        return self.store.read_shard(self.shards[index], self.schema, version=self.version)
+        i = whole(index)  # numpy's integers too; never a bool
+        if i is None or not 0 <= i < len(self.shards):
+            raise RowOutOfRangeError(
+                f"version {self.version} of {self.store.display_url} has {len(self.shards)} "
+                f"shards (0 to {len(self.shards) - 1}); no shard {index!r}"
+            )
+        return self.store.read_shard(self.shards[i], self.schema, version=self.version)
 
     def to_arrow(self) -> pa.Table:
         """This version's rows, in order, as one table."""

@@ -29,6 +29,7 @@ from .log import DEFAULT_TTL_S, Log, Tags
 from .log.commits import ROOT_FILES
 from .log.steps import Steps
 from .records import manifest as m
+from .records.codec import whole
 from .records.manifest import Commit, ShardRef
 from .storage import Storage, open_storage
 
@@ -241,12 +242,13 @@ class Store:
         if version is None:
             return self.refresh()
         if not isinstance(version, str):
-            if isinstance(version, bool) or not hasattr(version, "__index__"):
+            number = whole(version)  # numpy's integers too; never a bool
+            if number is None:
                 raise VersionNotFoundError(
                     f"version must be an int, a tag name or None, not {version!r} "
                     f"({self.display_url})"
                 )
-            version = self.log.version_number(version)  # numpy's integers too
+            version = number
         if isinstance(version, str):
             if not (version.isascii() and version.isdigit()):
                 return self._tags.version(version)
