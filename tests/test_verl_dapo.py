@@ -104,7 +104,8 @@ def check_run(url: str, log: dict[int, dict], *, surplus: str = "carry") -> dict
     """The store's consumption records against the batches the driver logged, folded by hand:
     each step trains its carried-in groups, then the accepted drawn ones in draw order; a group
     is filtered exactly when its responses' rewards agree; the exactly-once equation per step and
-    across the run."""
+    across the run; each step's outcomes are the rewards of every group it drew, worked out
+    from the prompts."""
     records = _records(url)
     assert sorted(records) == list(range(1, STEPS + 1))
     carry: list = []
@@ -150,6 +151,8 @@ def check_run(url: str, log: dict[int, dict], *, surplus: str = "carry") -> dict
     # over the run: every row drawn was trained, filtered, dropped or is in the last carry
     last = Counter(r for r, _ in carry)
     assert drawn_all + Counter(records[1]["carried_in"]) == accounted + last
+    # the outcomes: every group scored at a step (filtered ones too), once, at that step
+    standins.audit_outcomes(url, [records[s] for s in sorted(records)], log)
     return records
 
 

@@ -585,7 +585,7 @@ def audit_exactly_once(url: str, log: dict[int, dict], steps: int) -> list[dict]
     carried_in is the step before's in_flight), and over the run every row drawn is trained,
     filtered, dropped or still in flight, exactly once; each epoch's draws are a permutation of
     its pinned version's rows (the last one a prefix without repeats); every trained prompt is
-    its row's, read the plain way."""
+    its row's, read the plain way; the outcomes are every scored group's (audit_outcomes)."""
     from collections import Counter
 
     import pyarrow as pa
@@ -628,7 +628,60 @@ def audit_exactly_once(url: str, log: dict[int, dict], steps: int) -> list[dict]
         assert entry["rows"][::2] == r["trained"]  # two responses per prompt, in group order
         want = table.take(pa.array(entry["rows"])).column("prompt").to_pylist()
         assert [m[-1]["content"] for m in want] == entry["prompts"]
+    audit_outcomes(url, records, log)
     return records
+
+
+def dapo_reward(prompt: str, session: int) -> float:
+    """The reward of the stand-in's ``dapo`` policy's answer in rollout session ``session`` to
+    ``prompt`` (``What is a + b ?``), worked out from the prompt alone: by ``a + b`` mod 3 every
+    session wrong, every one right, or only session 0 right; right scores 1.0 (verl's GSM8K
+    reward and ``standin_score``'s ``acc`` alike), wrong 0.0."""
+    words = prompt.split()
+    a, b = int(words[2]), int(words[4])
+    right = {0: False, 1: True}.get((a + b) % 3, session == 0)
+    return 1.0 if right else 0.0
+
+
+def audit_outcomes(url: str, records: list[dict], log: dict[int, dict]) -> None:
+    """Every step's outcome records are the responses of every group it scored, each group
+    once, at the step that scored it: with dynstate's group filtering (format 1) the rows it
+    drew (trained, filtered, dropped or carried; a carried-in group was credited at the step
+    before); in an async mode (format 2) the rows it trained, filtered or dropped as stale
+    (a failed group's sessions were not all scored). The scores are worked out from the rows'
+    prompts, read the plain way (:func:`dapo_reward`, itself held to the logged trained
+    batches), not taken from the store."""
+    from collections import Counter
+
+    import dynstate
+
+    store = dynstate.Store.open(url)
+    prompts = [m[-1]["content"] for m in plain_rows(url, store.head).column("prompt").to_pylist()]
+
+    def expected(rows: list[int]) -> Counter:
+        return Counter((r, dapo_reward(prompts[r], s)) for r in rows for s in (0, 1))
+
+    got_by_step: dict[int, Counter] = {}
+    for rec in store.outcome_records().to_pylist():
+        assert rec["response_length"] > 0, rec
+        got_by_step.setdefault(rec["step"], Counter())[(rec["row"], rec["score"])] += 1
+    for r in records:
+        step = r["step"]
+        entry = log[step]
+        # the oracle holds for the batches verl trained and logged
+        trained = Counter(zip(entry["rows"], entry["scores"], strict=True))
+        assert trained == expected(entry["rows"][::2]), f"step {step}: oracle disagrees"
+        if r["format"] == 2:
+            credited = r["trained"] + [row for row, _ in r["filtered"]]
+            credited += [row for row, why in r["dropped"] if why == "stale"]
+        else:
+            credited = list(r["drawn"])
+        want = expected(credited)
+        assert got_by_step.get(step, Counter()) == want, (
+            f"step {step}: outcomes {sorted(got_by_step.get(step, Counter()).items())} "
+            f"!= {sorted(want.items())}"
+        )
+    assert set(got_by_step) <= {r["step"] for r in records}, sorted(got_by_step)
 
 
 def store_summary(url: str, storage_options: dict | None = None) -> dict:

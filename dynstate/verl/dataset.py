@@ -351,13 +351,19 @@ class DynstateRLDataset(RLHFDataset):
         return self.commit_round(batch, self.step + 1)
 
     def commit_round(
-        self, batch: Any, step: int, consumption: dict[str, Any] | None = None
+        self,
+        batch: Any,
+        step: int,
+        consumption: dict[str, Any] | None = None,
+        outcomes: dict[str, Any] | None = None,
     ) -> int | None:
         """Generate and commit the round of training step ``step`` from its scored ``batch``;
         returns the version holding it. The same commit holds the step's outcomes
         (:func:`batch_outcomes`), the generator's ``state_dict()`` if it has one, and with
         group filtering the step's ``consumption`` record (``StepBatch.record`` of
         :class:`~dynstate.DynamicSampling`; the outcomes then bind to its ``rows_version``).
+        ``outcomes`` replaces the batch's when the trainer scored groups it did not train
+        (group filtering: every group scored at the step, each once; the same columns).
         Idempotent per step: a round already on the head's lineage for ``step`` is returned
         without running the generator again. :attr:`last_metrics` then holds the figures
         verl's tracker gets (:meth:`round_metrics`)."""
@@ -383,7 +389,8 @@ class DynstateRLDataset(RLHFDataset):
         if self.live_settings.select is not None:
             meta[SELECT_META] = self.live_settings.select.identity()
         rows = None
-        outcomes = batch_outcomes(batch, step)
+        if outcomes is None:
+            outcomes = batch_outcomes(batch, step)
         # the version the batch's rows were read at: the outcomes bind to it (a reset since
         # would credit the scores to other rows; the commit refuses it)
         read_at = batch_rows_version(batch, self.store) if outcomes is not None else None

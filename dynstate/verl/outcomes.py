@@ -52,6 +52,17 @@ def batch_outcomes(batch: Any, step: int) -> dict[str, Any] | None:
     return out
 
 
+def join_outcomes(parts: list[dict[str, Any]], step: int) -> dict[str, Any]:
+    """Outcome records of one step from several sources (a trained batch's, the groups an
+    async trainer evicted), in order, every ``step`` set to ``step``; the columns every part
+    has."""
+    names = [n for n in parts[0] if all(n in p for p in parts[1:])] if parts else []
+    out = {n: np.concatenate([np.asarray(p[n]) for p in parts]) for n in names}
+    if parts:
+        out["step"] = np.full(len(out["row"]), int(step), dtype=np.int64)
+    return out
+
+
 def batch_rows_version(batch: Any, store: Store) -> int | None:
     """The version the rows of a scored verl ``batch`` were read at, for the round commit's
     ``rows_version`` (outcomes bind to the rows they were scored on): the newest of its items'

@@ -67,7 +67,7 @@ from ..loading.consumption import DynamicSampling, FilterRule, StepBatch, group_
 from .dataset import DynstateRLDataset
 from .settings import Settings, uses_dynstate
 from .trainer import checkpoint_dir
-from .v1_rounds import StepRounds, loader_over, trajectory_order
+from .v1_rounds import StepRounds, loader_over, trajectory_order, trajectory_outcomes
 
 log = logging.getLogger("dynstate")
 
@@ -287,6 +287,14 @@ class _FilteredBuffer(ReplayBuffer):
         return batch, {}
 
 
+def _trajectories(items: dict[str, dict], uid: str) -> list[str]:
+    """The trajectory keys of group ``uid`` in TransferQueue's listing ``items``, in session
+    order (its prompt entry left out)."""
+    keys = [k for k, tag in items.items() if k.split("_")[0] == uid and k != uid]
+    keys = [k for k in keys if not items[k].get("is_prompt", False)]
+    return sorted(keys, key=lambda k: trajectory_order(k, {uid: 0}))
+
+
 def _imported_rows(dataset: DynstateRLDataset) -> int:
     """Rows of the store as of the end of step 0 (the train files' import, and whatever was
     committed before the first round): what the first epoch pinned, asked of the one step
@@ -324,6 +332,7 @@ class DynstatePPOTrainer(StepRounds, PPOTrainerSync):
         self._uids: dict[int, str] = {}  # id(group item) -> its TransferQueue uid
         self._step_uids: list[str] = []  # every uid the step being prepared submitted
         self._step_batch: StepBatch | None = None
+        self._step_outcomes: tuple[int, dict[str, Any]] | None = None
         super().__init__(config)
 
     # verl keys its sync behaviour (ReplayBuffer, no TransferQueue checkpoint, no re-issue of
@@ -442,10 +451,20 @@ class DynstatePPOTrainer(StepRounds, PPOTrainerSync):
             )
         trained = [self._uids[id(g.item)] for g in batch.groups]
         carry = {self._uids[id(g.item)] for g in self._dyn.carry}
+        items = tq.kv_list("train").get("train", {}) or {}
+        # the step's outcomes: every group it scored (trained, filtered, dropped, carried),
+        # read before the filtered and dropped ones leave the queue — as DynamicSampling's
+        # outcomes(); a carried group was credited at the step that scored it
+        scored = [(g.row, self._uids[id(g.item)]) for g in batch.scored]
+        self._step_outcomes = (
+            step,
+            trajectory_outcomes(
+                [(row, _trajectories(items, uid)) for row, uid in scored], step, "train"
+            ),
+        )
         # filtered and dropped groups leave the queue now; the carry stays for the next step
         # (and its checkpoint), the trained groups until verl clears the step's batch
         gone = [u for u in self._step_uids if u not in carry and u not in set(trained)]
-        items = tq.kv_list("train").get("train", {}) or {}
         if gone:
             dead = set(gone)
             tq.kv_clear(keys=[k for k in items if k.split("_")[0] in dead], partition_id="train")
@@ -546,6 +565,11 @@ class DynstatePPOTrainer(StepRounds, PPOTrainerSync):
                 )
             by_key[key] = float(info[metric])
         return [[by_key[k] for k in keys[u]] for u in uids]
+
+    def _outcomes(self, step: int, batch: Any) -> dict[str, Any] | None:
+        if self._step_outcomes is not None and self._step_outcomes[0] == step:
+            return self._step_outcomes[1]
+        return None
 
     def _save_carry(self, folder: str) -> None:
         """The carried groups' trajectories (every TransferQueue field and tag) into
@@ -659,6 +683,7 @@ class DynstatePPOTrainer(StepRounds, PPOTrainerSync):
 
     def _committed(self, record: dict | None) -> None:
         self._step_batch = None
+        self._step_outcomes = None
 
     def _before_checkpoint(self) -> None:
         if self._dyn is not None:

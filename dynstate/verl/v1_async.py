@@ -52,9 +52,10 @@ from ..errors import CheckpointNotFoundError, InvalidDataError, StateMismatchErr
 from ..loading.state import find_sampler_state
 from ..records.consumption import ASYNC_FORMAT
 from .dataset import DynstateRLDataset
+from .outcomes import batch_outcomes, join_outcomes
 from .trainer import checkpoint_dir
 from .v1 import ASYNC_TRAINERS, _imported_rows, check_async_config
-from .v1_rounds import StepRounds, loader_over
+from .v1_rounds import StepRounds, loader_over, trajectory_order, trajectory_outcomes
 
 log = logging.getLogger("dynstate")
 
@@ -107,7 +108,8 @@ def _prompt_entries() -> dict[str, dict]:
 
 class RecordingBuffer(ReplayBufferAsync):
     """verl's ``ReplayBufferAsync`` that tells :attr:`on_evicted` the uids it is about to evict
-    (stale, filtered, failed) while their prompt entries, and rows, still exist."""
+    (stale, filtered, failed) while their prompt entries, rows and trajectories still exist,
+    with the trajectory keys of each evicted group that finished (its responses scored)."""
 
     on_evicted: Any = None
 
@@ -117,7 +119,15 @@ class RecordingBuffer(ReplayBufferAsync):
         stale, filtered, failed, _counts = eviction_reasons
         evicted = stale | filtered | failed
         if partition_id == PARTITION and self.on_evicted is not None and evicted:
-            self.on_evicted(set(stale), set(filtered), set(failed))
+            finished = (stale | filtered) & set(self.finished_keys[partition_id]) - set(failed)
+            scored: dict[str, list[str]] = {uid: [] for uid in finished}
+            for key, tag in self.partitions[partition_id].items():
+                uid = key.split("_")[0]
+                if uid in scored and key != uid and not tag.get("is_prompt", False):
+                    scored[uid].append(key)
+            for uid, keys in scored.items():
+                keys.sort(key=lambda k: trajectory_order(k, {uid: 0}))
+            self.on_evicted(set(stale), set(filtered), set(failed), scored)
         return super()._evict_terminal_groups(global_steps, partition_id, eviction_reasons)
 
 
@@ -130,8 +140,15 @@ class _Consumed:
         self.trained: list[int] = []
         self.filtered: list[list[Any]] = []
         self.dropped: list[list[Any]] = []
+        self.scored: list[dict[str, Any]] = []  # the outcomes of evicted groups that finished
 
-    def evicted(self, stale: set[str], filtered: set[str], failed: set[str]) -> None:
+    def evicted(
+        self,
+        stale: set[str],
+        filtered: set[str],
+        failed: set[str],
+        scored: dict[str, list[str]],
+    ) -> None:
         rows = _rows_of(sorted(stale | filtered | failed))
         for uid in sorted(rows, key=lambda u: rows[u]):
             if uid in failed:
@@ -140,6 +157,11 @@ class _Consumed:
                 self.dropped.append([rows[uid], "stale"])
             else:  # verl's DAPO rule: every response's metric the same
                 self.filtered.append([rows[uid], 0.0])
+        # a filtered or stale group's responses were scored: outcomes, as a trained group's
+        # (a row filtered every time counts as tried); a failed group's were not all scored
+        groups = [(rows[uid], scored[uid]) for uid in sorted(scored, key=lambda u: rows[u])]
+        if groups:
+            self.scored.append(trajectory_outcomes(groups, 0, PARTITION))  # step: at commit
 
 
 class AsyncRounds(StepRounds):
@@ -175,8 +197,10 @@ class AsyncRounds(StepRounds):
         buffer.on_evicted = self._evicted
         return buffer
 
-    def _evicted(self, stale: set[str], filtered: set[str], failed: set[str]) -> None:
-        self._consumed.evicted(stale, filtered, failed)
+    def _evicted(
+        self, stale: set[str], filtered: set[str], failed: set[str], scored: dict[str, list[str]]
+    ) -> None:
+        self._consumed.evicted(stale, filtered, failed, scored)
 
     # -- the sampler ---------------------------------------------------------------------------
 
@@ -260,6 +284,14 @@ class AsyncRounds(StepRounds):
         }
 
     # -- one round per step ----------------------------------------------------------------------
+
+    def _outcomes(self, step: int, batch: Any) -> dict[str, Any] | None:
+        """The trained groups' outcomes and those of the groups the step evicted after
+        scoring them (filtered, stale), each once, at the step whose record names it."""
+        if not self._consumed.scored:
+            return None
+        trained = batch_outcomes(batch, step)
+        return join_outcomes([*([trained] if trained else []), *self._consumed.scored], step)
 
     def _committed(self, record: dict | None) -> None:
         assert record is not None

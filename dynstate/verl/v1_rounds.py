@@ -40,6 +40,36 @@ def trajectory_order(key: str, prompt_order: dict[str, int]) -> tuple[int, int, 
     )
 
 
+def trajectory_outcomes(
+    groups: list[tuple[int, list[str]]], step: int, partition_id: str
+) -> dict[str, np.ndarray]:
+    """The outcome records of scored groups still in TransferQueue, each ``(row, its
+    trajectory keys)``: one per response, ``score`` its ``rm_scores`` summed and
+    ``response_length`` its ``response_mask`` summed — what
+    :func:`~dynstate.verl.outcomes.batch_outcomes` makes of the same trajectories in a trained
+    batch. For the groups a step scores and does not train (filtered, dropped, carried), read
+    before they leave the queue."""
+    keys = [k for _, ks in groups for k in ks]
+    rows = [row for row, ks in groups for _ in ks]
+    scores = np.zeros(len(keys), dtype=np.float64)
+    lengths = np.zeros(len(keys), dtype=np.float64)
+    if keys:
+        data = tq.kv_batch_get(
+            keys=keys, partition_id=partition_id, select_fields=["rm_scores", "response_mask"]
+        )
+        for i, (score, mask) in enumerate(
+            zip(list(data["rm_scores"]), list(data["response_mask"]), strict=True)
+        ):
+            scores[i] = float(score.sum().double().item())  # as batch_outcomes sums
+            lengths[i] = float(mask.sum().double().item())
+    return {
+        "row": np.asarray(rows, dtype=np.int64),
+        "step": np.full(len(keys), int(step), dtype=np.int64),
+        "score": scores,
+        "response_length": lengths,
+    }
+
+
 def _to_numpy_objects(values: Any) -> np.ndarray:
     items = list(values.tolist() if hasattr(values, "tolist") else values)
     out = np.empty(len(items), dtype=object)
@@ -125,6 +155,12 @@ class StepRounds(PPOTrainer):
         """The consumption record that goes in ``step``'s round, if the mode keeps one."""
         return None
 
+    def _outcomes(self, step: int, batch: DataProto) -> dict[str, Any] | None:
+        """The step's outcome records when the mode scored groups it did not train (group
+        filtering); None: the trained ``batch``'s
+        (:func:`~dynstate.verl.outcomes.batch_outcomes`)."""
+        return None
+
     def _committed(self, record: dict | None) -> None:
         """Called once ``record``'s round is durable."""
 
@@ -163,7 +199,8 @@ class StepRounds(PPOTrainer):
         if step != self.global_steps:
             return None
         record = self._consumption(step)
-        version = dataset.commit_round(batch, step, consumption=record)
+        outcomes = self._outcomes(step, batch)
+        version = dataset.commit_round(batch, step, consumption=record, outcomes=outcomes)
         self._scored = None
         self._committed(record)
         if self._step_metrics is not None:
