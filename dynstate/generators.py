@@ -27,7 +27,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from .errors import InvalidDataError
+from .errors import InvalidDataError, StateMismatchError
 from .records.rounds import to_table
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "AbstractDataGenerator",
     "DynstateGenerator",
     "check_generator",
+    "check_state_owner",
     "generator_name",
     "load_state",
     "round_table",
@@ -105,6 +106,42 @@ def state_of(generator: Any) -> Any:
     """The generator's ``state_dict()`` (committed with its round), or None without one."""
     method = getattr(generator, "state_dict", None)
     return method() if callable(method) else None
+
+
+# how many records back a resume looks for the round that committed the generator state it
+# loads (a stateful generator commits it with every round: the first record has it)
+OWNER_LOOKBACK = 256
+
+
+def state_owner(store: Any, version: int) -> str | None:
+    """The generator (its commit meta's ``generator``) that committed the generator state
+    ``version``'s lineage holds, or None where that is not known: no state, a record without
+    the name (a compaction carries the state), or none within :data:`OWNER_LOOKBACK` records."""
+    for i, v in enumerate(store.lineage(version, ahead=16)):
+        if i >= OWNER_LOOKBACK:
+            return None
+        record = store.commit_record(v)
+        if record.generator_state is not None:
+            name = (record.meta or {}).get("generator")
+            return name if isinstance(name, str) else None
+    return None
+
+
+def check_state_owner(generator: Any, store: Any, version: int, resuming: str) -> None:
+    """Refuse, before a resume changes anything, to give ``generator``'s ``load_state_dict``
+    the state another generator committed (its own rows would follow from a state it never
+    wrote). ``resuming``: what is being resumed, for the message."""
+    if generator is None or not callable(getattr(generator, "load_state_dict", None)):
+        return
+    owner = state_owner(store, version)
+    mine = generator_name(generator)
+    if owner is not None and owner != mine:
+        raise StateMismatchError(
+            f"{resuming}: the generator state of version {version} of {store.display_url} was "
+            f"committed by generator {owner!r}, and this run's generator is {mine!r}, whose "
+            f"load_state_dict would get {owner!r}'s state; resume with {owner!r}, or give your "
+            f"generator name = {owner!r} if it reads that state — nothing was changed"
+        )
 
 
 def load_state(generator: Any, state: Any) -> bool:

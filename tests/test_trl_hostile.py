@@ -327,3 +327,55 @@ def test_a_dynstate_generator_sees_what_the_rewards_scored(
         got = [(r, p, c, float(np.float32(s))) for r, p, c, s in seen[step]]
         assert got == want, step
         assert all(isinstance(c, str) for _, _, c, _ in got)
+
+
+def test_a_resume_with_another_stateful_generator_is_refused_unchanged(
+    example: Any, tmp_path: Path
+) -> None:
+    """DEFECT (noticed in a closing note). Resuming from a checkpoint with a stateful generator
+    of another name handed its ``load_state_dict`` the state the run's generator had committed
+    (``{"seed", "count"}`` of ``hardest-variations``) and trained on. Expected: the resume is
+    refused with :class:`StateMismatchError` naming both generators, before the rollback (the
+    store exactly as it was); a generator that takes the name resumes with the state."""
+    import os
+
+    from dynstate.errors import StateMismatchError
+
+    class Other(example.HardestVariations):
+        name = "other-variations"
+
+    class SameName(example.HardestVariations):
+        name = "hardest-variations"
+
+    store = _store(example, tmp_path / "store")
+    first = _trainer(
+        example,
+        store,
+        tmp_path / "out",
+        generator=example.HardestVariations(seed=0),
+        config={"max_steps": 3},
+    )
+    first.train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / "dynstate_state.pt").is_file()
+
+    def files() -> dict[str, int]:
+        root = tmp_path / "store"
+        return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
+    head, before = store.refresh(), files()
+    other = Other(seed=5)
+    trainer = _trainer(example, store, tmp_path / "out2", generator=other, config={"max_steps": 3})
+    with pytest.raises(StateMismatchError) as caught:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    said = str(caught.value)
+    assert "'hardest-variations'" in said and "'other-variations'" in said, said
+    assert "nothing was changed" in said and os.fspath(checkpoint) in said
+    assert other.seed == 5 and other.count == 0  # it got no state
+    assert store.refresh() == head and files() == before
+
+    same = SameName(seed=5)
+    trainer = _trainer(example, store, tmp_path / "out3", generator=same, config={"max_steps": 3})
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    # the state of checkpoint 2, then step 3's own round: as the first run's step 3
+    assert same.state_dict() == first.dynstate_generator.state_dict()

@@ -335,3 +335,52 @@ def test_old_interface_stateful_generator_resumes_exactly(world, tmp_path):
     assert [run[0]["resumed_from"] for run in events(spec)] == [0, 2, 4]
     assert content(spec) == final
     assert outcome_state(spec["store"]) == ref_state
+
+
+OTHER_STATEFUL = f"""
+import sys
+
+sys.path.insert(0, {os.path.join(ROOT, "examples", "verl")!r})
+from hardest_first import HardestFirst  # noqa: E402
+
+
+class Renamed(HardestFirst):
+    name = "hardest-first-v2"
+
+
+class SameName(HardestFirst):
+    name = "hardest-first"
+"""
+
+
+@pytest.mark.slow
+def test_resume_with_another_stateful_generator_is_refused_before_the_rollback(
+    world, hardest_reference, tmp_path
+):
+    """Checkpoint 2 of the hardest-first run (its store holds later rounds): resumed with a
+    stateful generator of another name, verl's ``fit()`` stops in ``_load_checkpoint`` naming
+    both generators, the store exactly as it was, instead of handing ``load_state_dict`` a
+    state another generator wrote. A generator that takes the name (``name = "hardest-first"``)
+    resumes and gets the state."""
+    path = tmp_path / "other_stateful.py"
+    path.write_text(OTHER_STATEFUL)
+    source = hardest_reference[0]
+    other = {**HARDEST, "path": str(path), "name": "Renamed"}
+    spec = test_verl.resumed_copy(
+        world, "other-gen", source, 2, datagen=other, dynstate={"select": LEARN}, **EPOCH
+    )
+    test_verl.assert_refused_unchanged(
+        world,
+        spec,
+        2,
+        "StateMismatchError",
+        "committed by generator 'hardest-first'",
+        "'hardest-first-v2'",
+        "nothing was changed",
+    )
+    same = {**HARDEST, "path": str(path), "name": "SameName"}
+    spec = test_verl.resumed_copy(
+        world, "same-name", source, 2, datagen=same, dynstate={"select": LEARN}, **EPOCH
+    )
+    assert call(world, spec) == 0, output(spec)
+    assert outcome_state(spec["store"]) == hardest_reference[3]

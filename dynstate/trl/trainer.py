@@ -54,7 +54,7 @@ from trl import GRPOTrainer
 
 from .. import rollback, version_at_step
 from ..errors import InvalidDataError, StateMismatchError
-from ..generators import check_generator, round_table
+from ..generators import check_generator, check_state_owner, round_table
 from ..loading.checkpoint import load_loader_state, save_durably, sync_checkpoint, sync_folder
 from ..loading.consumption import DynamicSampling
 from ..loading.dataset import VersionedDataset
@@ -507,6 +507,8 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 "step: the store was reset, rewritten or appended to since; restore it to the "
                 f"checkpoint's history (dynstate reset {store.display_url} {version}) to resume"
             )
+        resuming = f"cannot resume from {checkpoint}"
+        check_state_owner(self.dynstate_generator, store, target, resuming)
         if self._dyn is not None or "filter_groups" in state:
             self._resume_filtered(checkpoint, state, target)
             return

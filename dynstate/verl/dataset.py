@@ -28,7 +28,7 @@ import pyarrow as pa
 from verl.utils.dataset.rl_dataset import RLHFDataset
 
 from ..errors import InvalidDataError, StateMismatchError
-from ..generators import SOURCE_TYPE, round_table
+from ..generators import SOURCE_TYPE, check_state_owner, round_table
 from ..loading.consumption import DynamicSampling
 from ..loading.dataset import VersionedDataset, decode_index
 from ..loading.sampler import VersionedSampler
@@ -521,6 +521,7 @@ class DynstateRLDataset(RLHFDataset):
         lineage of step ``step``'s round (the abandoned rounds' are not on it)."""
         if self.data_generator is None or round_version is None:
             return
+        check_state_owner(self.data_generator, self.store, round_version, f"resuming step {step}")
         generator_state = self.store.generator_state(round_version)
         if generator_state is not None and load_state(self.data_generator, generator_state):
             log.info("generator state of step %d (version %d) loaded", step, round_version)
