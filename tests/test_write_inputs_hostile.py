@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dynstate import DynstateError, InvalidDataError, Store, VersionedDataset
+from dynstate import DynstateError, InvalidDataError, SchemaMismatchError, Store, VersionedDataset
 from dynstate.generators import DynstateGenerator, round_table
 
 
@@ -128,13 +128,67 @@ def test_a_later_round_the_store_holds_exactly_is_not_refused(tmp_path, first, l
     int8>``) then a round with plain strings. Each was a SchemaMismatchError although the
     store's type holds every value exactly and conform_round's cast is a safe cast (it raises
     on a value it would change: 2.5 into int32, 2**53+1 into float64); ``same_type``
-    (records/rounds.py) accepted only equal types. (A categorical first round still fixes
-    its index width: a later round of more categories than int8 indexes is refused; left.)"""
+    (records/rounds.py) accepted only equal types. (The categorical's index width: the next
+    test.)"""
     store, root = _store(tmp_path)
     store.append(first() if callable(first) else first)
     version = store.append(later() if callable(later) else later)
     column = next(iter(_stored(store, root, version)[0]))
     assert [row[column] for row in _stored(store, root, version)] == want
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        lambda: _categorical(["easy", "hard"]),
+        lambda: pa.table(
+            {
+                "label": pa.array(["easy", "hard"])
+                .dictionary_encode()
+                .cast(pa.dictionary(pa.uint8(), pa.string()))
+            }
+        ),
+    ],
+    ids=["pandas-categorical", "arrow-uint8-indices"],
+)
+def test_a_categorical_first_round_takes_later_rounds_of_many_categories(tmp_path, first):
+    """DEFECT (left in an earlier audit). A pandas ``Categorical`` of two values comes as
+    ``dictionary<large_string, int8>``; the first round fixed that index width, and every later
+    round with more than 128 distinct labels (300 generated task sources, a categorical or
+    plain strings) was refused: ``SchemaMismatchError ... Integer value 128 not in range:
+    -128 to 127``. Expected: dictionary columns are stored with 32-bit indices, and the rounds
+    read back, the shards read whole with pyarrow, are the rows given, in order."""
+    store, root = _store(tmp_path)
+    store.append(first())
+    many = [f"source-{i}" for i in range(300)]
+    v2 = store.append(_categorical(many))
+    v3 = store.append([{"label": f"plain-{i}"} for i in range(200)])
+    want = ["easy", "hard", *many, *(f"plain-{i}" for i in range(200))]
+    assert [row["label"] for row in _stored(store, root, v3)] == want
+    assert store.snapshot(v3).to_arrow().column("label").to_pylist() == want
+    assert pa.types.is_dictionary(store.snapshot(v2).schema.field("label").type)
+    assert store.snapshot(v2).schema.field("label").type.index_type == pa.int32()
+
+
+def test_a_store_with_narrow_dictionary_indices_says_what_to_do() -> None:
+    """A store whose first round an earlier release wrote with int8 dictionary indices (its
+    schema given here to the check every append runs) refuses a round of more labels than
+    int8 indexes with a message naming the column and what to do."""
+    from dynstate.records.rounds import conform_round
+
+    narrow = pa.dictionary(pa.int8(), pa.string())
+
+    with pytest.raises(SchemaMismatchError) as info:
+        conform_round(
+            pa.table({"label": pa.array([f"v{i}" for i in range(300)]).dictionary_encode()}),
+            pa.schema([pa.field("label", narrow)]),
+            False,
+            "mem://store",
+            1,
+        )
+    said = str(info.value)
+    assert "label (int8 indices)" in said and "at most 128 distinct values" in said, said
+    assert "split the round" in said
 
 
 @pytest.mark.parametrize(

@@ -61,8 +61,25 @@ def check_meta(meta: dict[str, Any] | None, url: str) -> dict[str, Any]:
 
 def to_table(data: Any, url: str) -> pa.Table:
     """The round ``data`` as a pyarrow Table that dynstate can store and read back, or
-    InvalidDataError."""
-    return check_table(to_arrow(data, url), url)
+    InvalidDataError. Dictionary columns get 32-bit indices at least (:func:`wide_indices`)."""
+    return wide_indices(check_table(to_arrow(data, url), url))
+
+
+def wide_indices(table: pa.Table) -> pa.Table:
+    """``table`` with the top-level dictionary columns' indices widened to int32 (int64 kept).
+    The first round fixes the schema, and a pandas ``Categorical`` of a few values comes as
+    int8 indices: kept, they would refuse every later round of more than 128 distinct values."""
+    fields = []
+    for f in table.schema:
+        t = f.type
+        if pa.types.is_dictionary(t):
+            # signed, as Arrow's own dictionary_encode makes them; uint32 and 64-bit into int64
+            wide = t.index_type.bit_width == 64 or t.index_type == pa.uint32()
+            index = pa.int64() if wide else pa.int32()
+            f = f.with_type(pa.dictionary(index, t.value_type, t.ordered))
+        fields.append(f)
+    schema = pa.schema(fields, metadata=table.schema.metadata)
+    return table if schema.equals(table.schema) else table.cast(schema)
 
 
 # -- later rounds ----------------------------------------------------------------------------
@@ -111,10 +128,30 @@ def conform_round(
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, ValueError) as exc:
         raise SchemaMismatchError(
             f"round does not fit the schema of {url} at version {version}: {exc}"
+            + _narrow_dictionaries(new_schema)
         ) from exc
     if not laid_out:
         check_required(out, new_schema, url, version)
     return out, new_schema
+
+
+def _narrow_dictionaries(schema: pa.Schema) -> str:
+    """What to do where the cast failed on a dictionary column stored with narrow indices (a
+    store whose first round a release before this one wrote from a pandas Categorical)."""
+    narrow = [
+        (f.name, f.type.index_type)
+        for f in schema
+        if pa.types.is_dictionary(f.type) and f.type.index_type.bit_width < 32
+    ]
+    if not narrow:
+        return ""
+    said = ", ".join(f"{name} ({index} indices)" for name, index in narrow)
+    return (
+        f"; the store's dictionary column(s) {said} hold at most "
+        f"{min(2 ** (i.bit_width - 1) for _, i in narrow)} distinct values per round (the "
+        "first round fixed their index width): split the round, or copy the rows into a new "
+        "store, whose dictionary columns get 32-bit indices"
+    )
 
 
 def _alike(a: pa.DataType, b: pa.DataType) -> bool:
