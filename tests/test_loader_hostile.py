@@ -306,3 +306,23 @@ def test_load_loader_state_refuses_a_truncated_state_with_a_typed_error(tmp_path
     with pytest.raises(DynstateError):
         load_loader_state(fresh, damaged)
         list(fresh)  # torchdata restores lazily, at the next iter()
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**64 + 7, -(2**63) - 1, 10**30])
+def test_a_seed_beyond_64_bits_is_refused(tmp_path, seed) -> None:
+    """Was wrong: the permutation keys on ``seed & (2**64 - 1)``, so ``seed=2**64 + 7`` drew
+    exactly the rows of ``seed=7``: two runs a user seeded differently trained the same
+    order. Seeds outside torch's ``manual_seed`` range are refused now, naming it."""
+    ds = VersionedDataset(_store(tmp_path))
+    with pytest.raises(InvalidDataError, match="-2\\*\\*63 to 2\\*\\*64 - 1"):
+        VersionedSampler(ds, seed=seed)
+
+
+def test_seeds_at_the_ends_of_the_range_are_taken(tmp_path) -> None:
+    ds = VersionedDataset(_store(tmp_path, n=64))
+    orders = []
+    for seed in (-(2**63), 2**64 - 1, 0):
+        sampler = VersionedSampler(ds, seed=seed)
+        orders.append([int(i) for i in sampler])
+    assert all(sorted(o) == sorted(orders[0]) for o in orders)
+    assert len({tuple(o) for o in orders}) == 3

@@ -130,8 +130,17 @@ class VersionedSampler(Sampler[int]):
     ) -> None:
         if mode not in MODES:
             raise InvalidDataError(f"mode must be one of {MODES}, not {mode!r}")
-        if not _is_int(seed):
-            raise InvalidDataError(f"seed must be an int, not {seed!r}")
+        if not _is_int(seed) or not -(2**63) <= seed < 2**64:
+            # the permutation keys on 64 bits: seeds 2**64 apart would be one stream (torch's
+            # manual_seed refuses them too)
+            said = (
+                repr(seed)
+                if not _is_int(seed) or abs(seed) < 2**128
+                else (
+                    f"<an int of {seed.bit_length():,} bits>"  # its digits could pass the str limit
+                )
+            )
+            raise InvalidDataError(f"seed must be an int from -2**63 to 2**64 - 1, not {said}")
         if batch_size is not None and (not _is_int(batch_size) or batch_size < 1):
             raise InvalidDataError(f"batch_size must be a positive int or None, not {batch_size!r}")
         if not isinstance(drop_last, bool) or not isinstance(shuffle, bool):
