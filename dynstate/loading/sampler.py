@@ -133,13 +133,8 @@ class VersionedSampler(Sampler[int]):
         if not _is_int(seed) or not -(2**63) <= seed < 2**64:
             # the permutation keys on 64 bits: seeds 2**64 apart would be one stream (torch's
             # manual_seed refuses them too)
-            said = (
-                repr(seed)
-                if not _is_int(seed) or abs(seed) < 2**128
-                else (
-                    f"<an int of {seed.bit_length():,} bits>"  # its digits could pass the str limit
-                )
-            )
+            big = _is_int(seed) and abs(seed) >= 2**128  # its digits could pass the str limit
+            said = f"<an int of {int(seed).bit_length():,} bits>" if big else repr(seed)
             raise InvalidDataError(f"seed must be an int from -2**63 to 2**64 - 1, not {said}")
         if batch_size is not None and (not _is_int(batch_size) or batch_size < 1):
             raise InvalidDataError(f"batch_size must be a positive int or None, not {batch_size!r}")
