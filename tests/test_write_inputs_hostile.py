@@ -194,16 +194,17 @@ def test_a_store_with_narrow_dictionary_indices_says_what_to_do() -> None:
 @pytest.mark.parametrize(
     ("rows", "column"),
     [
-        ([{"id": 0, "seed_hash": 2**64 - 1}], "seed_hash"),
+        ([{"id": 0, "seed_hash": 2**64}], "seed_hash"),
+        ([{"id": 0, "seed_hash": 2**63}, {"id": 1, "seed_hash": -1}], "seed_hash"),
         ([{"id": 0, "is_hard": True}, {"id": 1, "is_hard": 2}], "is_hard"),
         ([{"id": 0, "answer": 42}, {"id": 1, "answer": "42"}], "answer"),
     ],
-    ids=["int-beyond-int64", "bool-and-int", "int-and-str"],
+    ids=["int-beyond-uint64", "uint64-and-negative", "bool-and-int", "int-and-str"],
 )
 def test_a_value_arrow_cannot_convert_is_refused_naming_its_column(tmp_path, rows, column):
     """DEFECT. docs/format.md: "each refusal is an InvalidDataError naming the column". A
-    list-of-dicts round with a 64-bit hash (2**64-1), or a column mixing bool and int or int
-    and str, is refused with ``cannot store this round for ...: Arrow cannot hold its values
+    list-of-dicts round with an int past uint64 (a 64-bit hash of 2**64-1 is stored as
+    uint64 now), or a column mixing bool and int or int and str, is refused with ``cannot store this round for ...: Arrow cannot hold its values
     (Python int too large to convert to C long); make each column one type ...`` — no
     column named (a wide row leaves the user to bisect), and for the overflow the advice is
     wrong (the column is one type). Cause: records/inputs.py ``_from_rows`` converts all

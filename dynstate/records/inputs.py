@@ -200,7 +200,13 @@ def _from_rows(data: Sequence[Any], url: str, what: str, numbers: bool) -> pa.Ta
 def _column(name: Any, values: list[Any], what: str) -> pa.Array:
     """One column of rows, converted alone so that a refusal names it."""
     try:
-        return pa.array(values)
+        try:
+            return pa.array(values)
+        except OverflowError:
+            # ints past int64 that uint64 holds (a 64-bit hash): Arrow infers int64 only
+            if all(v is None or (type(v) is int and 0 <= v < 2**64) for v in values):
+                return pa.array(values, type=pa.uint64())
+            raise
     except OverflowError as exc:
         raise InvalidDataError(
             f"cannot store {what}: column {name!r} holds an int Arrow cannot hold ({exc}); "

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ..errors import InvalidDataError, SchemaMismatchError
 from . import manifest as m
@@ -61,25 +63,66 @@ def check_meta(meta: dict[str, Any] | None, url: str) -> dict[str, Any]:
 
 def to_table(data: Any, url: str) -> pa.Table:
     """The round ``data`` as a pyarrow Table that dynstate can store and read back, or
-    InvalidDataError. Dictionary columns get 32-bit indices at least (:func:`wide_indices`)."""
-    return wide_indices(check_table(to_arrow(data, url), url))
+    InvalidDataError; its dictionary and view columns as they are stored
+    (:func:`storable`)."""
+    return check_table(storable(to_arrow(data, url)), url)
 
 
-def wide_indices(table: pa.Table) -> pa.Table:
-    """``table`` with the top-level dictionary columns' indices widened to int32 (int64 kept).
-    The first round fixes the schema, and a pandas ``Categorical`` of a few values comes as
-    int8 indices: kept, they would refuse every later round of more than 128 distinct values."""
-    fields = []
-    for f in table.schema:
-        t = f.type
-        if pa.types.is_dictionary(t):
-            # signed, as Arrow's own dictionary_encode makes them; uint32 and 64-bit into int64
-            wide = t.index_type.bit_width == 64 or t.index_type == pa.uint32()
-            index = pa.int64() if wide else pa.int32()
-            f = f.with_type(pa.dictionary(index, t.value_type, t.ordered))
-        fields.append(f)
-    schema = pa.schema(fields, metadata=table.schema.metadata)
-    return table if schema.equals(table.schema) else table.cast(schema)
+def storable(table: pa.Table) -> pa.Table:
+    """``table`` with the types Parquet would not give back as they are, cast to what it
+    does (:func:`_storable`); unchanged if the cast is refused (the checks then name it)."""
+    schema = pa.schema(
+        [f.with_type(_storable(f.type)) for f in table.schema], metadata=table.schema.metadata
+    )
+    if schema.equals(table.schema):
+        return table
+    try:
+        return table.cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, ValueError):
+        return table
+
+
+def _storable(t: pa.DataType) -> pa.DataType:
+    """The type a column of type ``t`` is stored as:
+
+    * a dictionary of strings or bytes keeps its encoding, with ``int32`` indices (``int64``
+      from 64-bit or ``uint32`` ones): the first round fixes the schema, and a pandas
+      ``Categorical`` of a few values comes with ``int8`` indices, which would refuse every
+      later round of more than 128 distinct values;
+    * a dictionary of anything else is stored as its values: Parquet gives those back
+      decoded, and Arrow has no cast back to a dictionary of numbers, so the version could
+      not be read;
+    * ``string_view`` and ``binary_view`` are stored as ``string`` and ``binary``: Arrow's
+      ``take`` has no kernel for views, so no batch of them could be read."""
+    if pa.types.is_dictionary(t):
+        values = _storable(t.value_type)
+        if not (
+            pa.types.is_string(values)
+            or pa.types.is_large_string(values)
+            or pa.types.is_binary(values)
+            or pa.types.is_large_binary(values)
+        ):
+            return values
+        wide = t.index_type.bit_width == 64 or t.index_type == pa.uint32()
+        return pa.dictionary(pa.int64() if wide else pa.int32(), values, t.ordered)
+    if pa.types.is_string_view(t):
+        return pa.string()
+    if pa.types.is_binary_view(t):
+        return pa.binary()
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        make = pa.list_ if pa.types.is_list(t) else pa.large_list
+        return make(t.value_field.with_type(_storable(t.value_type)))
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(t.value_field.with_type(_storable(t.value_type)), t.list_size)
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_storable(f.type)) for f in t])
+    if pa.types.is_map(t):
+        return pa.map_(
+            t.key_field.with_type(_storable(t.key_type)),
+            t.item_field.with_type(_storable(t.item_type)),
+            t.keys_sorted,
+        )
+    return t
 
 
 # -- later rounds ----------------------------------------------------------------------------
@@ -127,12 +170,77 @@ def conform_round(
         out = out.cast(new_schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, ValueError) as exc:
         raise SchemaMismatchError(
-            f"round does not fit the schema of {url} at version {version}: {exc}"
-            + _narrow_dictionaries(new_schema)
+            f"round does not fit the schema of {url} at version {version}: "
+            f"{_failing_column(out, new_schema)}{exc}" + _narrow_dictionaries(new_schema)
         ) from exc
     if not laid_out:
         check_required(out, new_schema, url, version)
+    _check_exact(table, out, url, version)
     return out, new_schema
+
+
+def _check_exact(given: pa.Table, stored: pa.Table, url: str, version: int) -> None:
+    """SchemaMismatchError naming the column where the cast into a float column narrower than
+    the round's (float32, float16: from a ``datasets`` ``Value("float32")`` first round) changed
+    a value: Arrow's safe cast checks an int into float32 or float64 but neither a float into a
+    narrower float (0.1 would be stored as 0.10000000149011612, 1e300 as inf) nor an int into
+    float16."""
+    for field in stored.schema:
+        if field.name not in given.column_names or not _narrow_float(field.type):
+            continue
+        before = given.column(field.name)
+        if before.type == field.type:
+            continue
+        after = stored.column(field.name)
+        try:
+            same = _same_values(before.combine_chunks(), after.cast(before.type).combine_chunks())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            same = False  # inf or out of range on the way back
+        if not same:
+            raise SchemaMismatchError(
+                f"round does not fit the schema of {url} at version {version}: column "
+                f"{field.name} is stored as {field.type}, which would change values of the "
+                f"round's {before.type} (a float rounded or past its range); cast the round "
+                f"to {field.type} yourself if that precision is meant"
+            )
+
+
+def _narrow_float(t: pa.DataType) -> bool:
+    """Whether ``t`` holds a float narrower than float64 anywhere."""
+    if pa.types.is_float16(t) or pa.types.is_float32(t):
+        return True
+    if pa.types.is_dictionary(t):
+        return _narrow_float(t.value_type)
+    return any(_narrow_float(t.field(i).type) for i in range(getattr(t, "num_fields", 0)))
+
+
+def _same_values(a: pa.Array, b: pa.Array) -> bool:
+    """Whether ``a`` and ``b`` (one type, one layout) hold the same values, NaN equal to NaN
+    and -0.0 told from 0.0."""
+    if not a.is_null().equals(b.is_null()):
+        return False
+    t = a.type
+    if pa.types.is_floating(t):
+        x = np.asarray(pc.fill_null(a, 0).to_numpy(zero_copy_only=False), dtype=np.float64)
+        y = np.asarray(pc.fill_null(b, 0).to_numpy(zero_copy_only=False), dtype=np.float64)
+        same = (x == y) & (np.signbit(x) == np.signbit(y))
+        return bool(np.all(same | (np.isnan(x) & np.isnan(y))))
+    if _is_list(t) or pa.types.is_map(t):
+        return _same_values(a.flatten(), b.flatten())
+    if pa.types.is_struct(t):
+        return all(_same_values(a.field(i), b.field(i)) for i in range(t.num_fields))
+    return a.equals(b)
+
+
+def _failing_column(table: pa.Table, schema: pa.Schema) -> str:
+    """``"column NAME (TYPE into STORED): "`` for the first column of ``table`` whose safe
+    cast to ``schema`` fails (the cast of a whole table does not say which)."""
+    for column, field in zip(table.columns, schema, strict=True):
+        try:
+            column.cast(field.type)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, ValueError):
+            return f"column {field.name} ({column.type} into {field.type}): "
+    return ""
 
 
 def _narrow_dictionaries(schema: pa.Schema) -> str:
@@ -187,10 +295,19 @@ def same_type(a: pa.DataType, b: pa.DataType) -> bool:
     ``b`` or refuses (an int past the range, a float that is not an int). So a type is no
     artifact of how the first round was built: a null anywhere (``[]``, ``[None]``,
     ``{"x": None}`` in every row of a round), struct fields by name in any order and any
-    subset (a field the store lacks is refused: the cast would drop it), an int into a wider
-    int or a float, a float into a wider float, a dictionary by its values."""
+    subset (a field the store lacks is refused: the cast would drop it), an int into an int
+    or a float, a float into a float (into a narrower one only where every value stays the
+    same: :func:`_check_exact`), a dictionary by its values, a decimal into a decimal, a
+    timestamp into one of the same time zone, a duration, time or date into another unit
+    (the safe cast refuses a value with digits past the stored scale or unit, or out of its
+    range)."""
     if _alike(a, b):
         return True
+    for kind in (pa.types.is_decimal, pa.types.is_duration, pa.types.is_time, pa.types.is_date):
+        if kind(a) and kind(b):
+            return True
+    if pa.types.is_timestamp(a) and pa.types.is_timestamp(b):
+        return a.tz == b.tz
     if pa.types.is_dictionary(a):
         return same_type(a.value_type, b)
     if pa.types.is_dictionary(b):
