@@ -197,7 +197,15 @@ class Store:
         """Look for versions committed by other processes (and a new gc floor); the head.
         Outcomes this handle commits without ``rows_version`` bind to the head seen here
         (:meth:`append`)."""
-        self.log.seen = head = self.log.refresh()
+        return self._looked_at(self.log.refresh())
+
+    def _looked_at(self, head: int) -> int:
+        """Record that this handle's user read ``head`` (the head): the version outcomes
+        committed without ``rows_version`` bind to (docs/outcomes.md). Only a user's read
+        counts — :meth:`refresh`, :meth:`snapshot` or :meth:`outcome_stats` of the head, a
+        dataset moving to the head — never what dynstate reads for itself (maintenance, a
+        trainer integration, a write's own refresh), which would launder refused outcomes."""
+        self.log.seen = head
         return head
 
     @property
@@ -234,13 +242,15 @@ class Store:
 
     def versions(self, *, start: int = 0) -> list[Commit]:
         """Commit records of every kept version from ``start`` on, oldest first."""
-        head = self.refresh()
+        head = self.log.refresh()
         return [self.commit_record(v) for v in range(max(start, self.log.floor), head + 1)]
 
     def resolve(self, version: int | str | None = None) -> int:
-        """A version number from a number, a tag name or None (the head)."""
+        """A version number from a number, a tag name or None (the head, re-read; not a look
+        that outcomes' default ``rows_version`` binds to: :meth:`refresh`, :meth:`snapshot`
+        and :meth:`outcome_stats` of the head are)."""
         if version is None:
-            return self.refresh()
+            return self.log.refresh()
         if not isinstance(version, str):
             number = whole(version)  # numpy's integers too; never a bool
             if number is None:
@@ -254,7 +264,7 @@ class Store:
                 return self._tags.version(version)
             digits = version.lstrip("0") or "0"
             if len(digits) > 20:  # past any head, and past int()'s digit limit at 4,300
-                self.refresh()
+                self.log.refresh()
                 raise VersionNotFoundError(
                     self.log.not_found(f"{digits[:20]}... ({len(digits)} digits)")
                 )
@@ -283,7 +293,7 @@ class Store:
                 "'_' and '-', starting with a letter or digit, not only digits, and not 'head' "
                 "(which the dynstate commands read as the latest version)"
             )
-        self.refresh()  # a stale handle must see the current gc floor
+        self.log.refresh()  # a stale handle must see the current gc floor
         target = self.resolve(version)
         self.commit_record(target)  # a version whose record is damaged or gone is no target
         self.log.require_writable()
@@ -309,6 +319,8 @@ class Store:
         from its commit record: its shard list and schema are read when first needed
         (:class:`dynstate.Snapshot`), so counting rows reads no shard list."""
         number = self.resolve(version)
+        if version is None:
+            self._looked_at(number)
         from .snapshot import Contents, Snapshot
 
         contents = self._snapshots.get(number)
@@ -529,6 +541,8 @@ class Store:
             number = self.log.refresh()
         else:
             number = self.resolve(version)
+            if version is None:
+                self._looked_at(number)
         if pending is not None:
             if rows_version is not None:
                 read_at = check_rows_version(rows_version, self.display_url)
@@ -585,7 +599,7 @@ class Store:
         """Make ``version``'s content the new head, as a new version. Versions committed
         after it stay listed and readable (as abandoned) until garbage collection. A version
         gc collected — as seen from any handle — raises :class:`VersionCollectedError`."""
-        self.refresh()  # a stale handle must see the current gc floor
+        self.log.refresh()  # a stale handle must see the current gc floor
         snap = self.snapshot(version)
         new = self.commit_base(
             list(snap.shards), op="reset", schema=snap.schema, meta=meta, target=snap.version

@@ -163,6 +163,8 @@ class VersionedDataset(Dataset):
         store = self.store
         self.store_id = store.store_id
         self.version = store.resolve(version)
+        if version is None:
+            store._looked_at(self.version)  # a dataset moving to the head (docs/outcomes.md)
         if row_column is not None:
             self._view(self.version)  # a name clash is refused here, not at the first batch
 
@@ -211,6 +213,8 @@ class VersionedDataset(Dataset):
     def pin(self, version: int | str | None) -> int:
         """Move to ``version`` (None: the head); returns the version number."""
         self.version = self.store.resolve(version)
+        if version is None:
+            self.store._looked_at(self.version)
         return self.version
 
     def refresh(self) -> int:

@@ -97,10 +97,10 @@ def compact(
         )
     meta = check_meta(meta, store.display_url)
     writer = store.writer
-    snap = store.snapshot(version)
+    snap = store.snapshot(store.resolve(version))  # not a look of the caller's handle
     base = snap.version
     # Refuse early, before writing anything, when the head is not ``base`` plus appends.
-    writer.appended_since(base, store.refresh())
+    writer.appended_since(base, store.log.refresh())
     steps = plan(snap.shards, target_bytes)
     if all(isinstance(step, ShardRef) for step in steps):
         log.info("nothing to compact in version %d of %s", base, store.display_url)
@@ -208,7 +208,7 @@ def compact_if_needed(
         raise InvalidDataError(
             f"max_small_shards for {store.display_url} must be at least 1, not {max_small_shards}"
         )
-    snap = store.snapshot()
+    snap = store.snapshot(store.resolve(None))
     small = sum(1 for s in snap.shards if s.bytes * 2 < target_bytes)
     if small <= max_small_shards:
         return None

@@ -76,14 +76,14 @@ class RoundView:
     def dataframe(self) -> datasets.Dataset:
         """The current rows as a ``datasets.Dataset`` (verl's old generator interface)."""
         if self._frame is None:
-            table = self.store.snapshot().to_arrow()
+            table = self.store.snapshot(self.store.resolve(None)).to_arrow()
             if SOURCE_COLUMN in table.column_names:
                 table = table.drop_columns([SOURCE_COLUMN])
             self._frame = datasets.Dataset(table)
         return self._frame
 
     def __len__(self) -> int:
-        return self.store.snapshot().num_rows
+        return self.store.snapshot(self.store.resolve(None)).num_rows
 
     def outcome_stats(self, *, pending: bool = False, **kwargs: Any) -> pa.Table:
         """Per-row statistics at the head; ``pending=True`` counts this step's outcomes too."""

@@ -287,7 +287,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 "in steps; set max_steps",
             )
         rows, per_step = (
-            store.snapshot().num_rows,
+            store.snapshot(store.resolve(None)).num_rows,
             int(a.generation_batch_size) // int(a.num_generations),
         )
         if rows < per_step:
@@ -391,7 +391,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 "such a num_generations, or max_gen_batches=None"
             )
         gen = self._prompts_per_batch if f.gen_prompts is None else f.gen_prompts
-        rows = store.snapshot().num_rows
+        rows = store.snapshot(store.resolve(None)).num_rows
         if isinstance(gen, int) and not isinstance(gen, bool) and 0 < rows < gen:
             raise InvalidDataError(
                 f"DynstateGRPOTrainer over {url} has {rows} rows but filter_groups draws "
@@ -462,7 +462,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
         if resume_from_checkpoint:
             self._resume(str(resume_from_checkpoint))
         else:
-            head = store.refresh()
+            head = store.log.refresh()
             start = version_at_step(store, FIRST_STEP - 1)
             if start != head:
                 raise StateMismatchError(
@@ -484,7 +484,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
         store = self.dynstate_store
         state = loader_mod.read_checkpoint_state(checkpoint, store)
         step, version = state["step"], state["version"]
-        store.refresh()
+        store.log.refresh()
         per = int(state.get("steps_per_round", 1))
         if per != self._per_round:
             raise StateMismatchError(
@@ -537,7 +537,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
         if self._rank == 0:
             rollback(store, version=target, meta={"trainer": "trl"})
         self._barrier()
-        head = store.refresh()
+        head = store.log.refresh()
         load_state(self.dynstate_generator, store.generator_state(head))
         log.info("resuming %s at step %d from version %d", store.display_url, step, head)
 
@@ -582,7 +582,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 f"the filter_groups settings differ from those {checkpoint} was saved with "
                 f"({said}); resume {url} with the checkpoint's settings — nothing was changed"
             )
-        found = store.consumption.of_step(store.refresh(), step)
+        found = store.consumption.of_step(store.log.refresh(), step)
         if found is None:
             raise StateMismatchError(
                 f"{url} holds no consumption record of step {step} on its head's lineage, which "
@@ -615,7 +615,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
             for g, i in zip(dyn.carry, mine, strict=True)
         }
         # refreshed: on the other ranks the head is still the one before rank 0's rollback
-        load_state(self.dynstate_generator, store.generator_state(store.refresh()))
+        load_state(self.dynstate_generator, store.generator_state(store.log.refresh()))
         log.info(
             "resuming %s at step %d (version %d) with %d carried groups",
             url, step, target, len(dyn.carry),
@@ -1024,7 +1024,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
             meta[SELECT_META] = self._sampler.select.identity()
         gen_state = None
         if generator is not None:
-            store.refresh()
+            store.log.refresh()
             view = RoundView(store, outcomes, rows_version)
             batch = StepBatch(
                 step=step,
@@ -1037,7 +1037,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
             added_rows = run_generator(generator, batch, step, view)
             gen_state = state_of(generator)
             meta["generator"] = generator_name(generator)
-        head = store.snapshot(store.refresh())
+        head = store.snapshot(store.log.refresh())
         before = head.num_rows
         rows, new_source = round_table(added_rows, generator, head.schema, store.display_url)
         version = store.append(
