@@ -659,44 +659,55 @@ def test_rows_version_of_a_numpy_integer_is_taken_as_the_version_it_names(tmp_pa
         store.append([], outcomes=[{"row": 0, "step": 1, "score": 1.0}], rows_version=True)
     v = store.append([], outcomes=[{"row": 4, "step": 1, "score": 1.0}], rows_version=np.int64(1))
     assert records_of(store, v) == [(4, 1, 1.0)]
+    # the statistics' parameters as numpy numbers, as the version is
+    plain = store.outcome_stats(success_above=0.5, half_life=10)
+    assert store.outcome_stats(success_above=np.float32(0.5), half_life=np.int64(10)) == plain
+    with pytest.raises(InvalidDataError):
+        store.outcome_stats(success_above=np.bool_(True))
 
 
 # -- extra fields across steps -----------------------------------------------------------------
 
 EXTRA_PAIRS = [
-    ("bool, then int", True, 1),
-    ("bool, then float", True, 0.5),
-    ("int past 2**53, then float", 2**53 + 1, 0.5),
-    ("all null, then int past 2**53", None, 2**60 + 1),
-    ("all null, then int", None, 7),
+    # name, the field at step 1, at step 2, what outcome_records reads (None: refused)
+    ("bool, then int", True, 1, [1.0, 1.0]),
+    ("bool, then float", True, 0.5, [1.0, 0.5]),
+    ("int past 2**53, then float", 2**53 + 1, 0.5, None),
+    ("all null, then int past 2**53", None, 2**60 + 1, None),
+    ("all null, then int", None, 7, [None, 7]),
+    ("bool, then bool", False, True, [False, True]),
+    ("int, then null, then int", 3, None, [3, None]),
 ]
 
 
 @pytest.mark.parametrize("name", [p[0] for p in EXTRA_PAIRS])
 def test_extra_fields_read_back_as_recorded_whatever_other_steps_held(tmp_path, name):
-    """DEFECT. docs/api.md: outcomes take "up to 32 extra numeric or bool columns (nulls allowed
-    there)", and ``outcome_records`` is "every outcome record of the version's lineage ...
-    (extra columns a commit lacks are null)"; docs/format.md: an outcome file's extra columns
-    are "int64, finite float64 or bool". Each commit below is accepted, but one field that
-    is a bool at one step and an int or float at another (``correct=True`` / ``correct=1``),
-    or an int past 2**53 at one step and a float (or all null) at another, makes
-    ``outcome_records`` of every later version raise a raw pyarrow ArrowTypeError /
-    ArrowInvalid (dynstate/log/outcomes.py:586, ``pa.concat_tables(...,
+    """DEFECT (fixed). docs/api.md: outcomes take "up to 32 extra numeric or bool columns
+    (nulls allowed there)", and ``outcome_records`` is "every outcome record of the version's
+    lineage ... (extra columns a commit lacks are null)"; docs/format.md: an outcome file's
+    extra columns are "int64, finite float64 or bool". Each commit below was accepted, but one
+    field that is a bool at one step and an int or float at another (``correct=True`` /
+    ``correct=1``), or an int past 2**53 at one step and a float (or all null) at another,
+    made ``outcome_records`` of every later version raise a raw pyarrow ArrowTypeError /
+    ArrowInvalid (dynstate/log/outcomes.py, ``pa.concat_tables(...,
     promote_options="permissive")`` over files whose extra columns have per-commit types);
-    serve's row page (``OutcomeViews.row_steps``) fails the same way. A field that was null
-    in every record of one step comes back as float (7 -> 7.0) at every other step.
-    Expected: every record's fields read back as recorded (or the clash refused at commit
-    with InvalidDataError), never an unreadable lineage."""
-    _, first, second = next(p for p in EXTRA_PAIRS if p[0] == name)
+    serve's row page (``OutcomeViews.row_steps``) failed the same way. A field that was null
+    in every record of one step came back as float (7 -> 7.0) at every other step.
+    Now (docs/format.md, "Outcomes"): a field reads as its type where every commit agrees
+    (all-null commits taking it), as float64 where they differ, its ints bounded by 2**53 at
+    commit so that the float is exact; the statistics never change."""
+    _, first, second, want = next(p for p in EXTRA_PAIRS if p[0] == name)
     store = new_store(tmp_path / "s", 4)
-    store.append([], outcomes=[{"row": 0, "step": 1, "score": 1.0, "field": first}])
     try:
+        store.append([], outcomes=[{"row": 0, "step": 1, "score": 1.0, "field": first}])
         store.append([], outcomes=[{"row": 1, "step": 2, "score": 0.0, "field": second}])
-    except InvalidDataError:
-        return  # refusing the clash at commit is fine too
+    except InvalidDataError as exc:
+        assert want is None and "2**53" in str(exc), exc
+        return
+    assert want is not None
     got = store.outcome_records().to_pylist()
-    assert [r["field"] for r in got] == [first, second]
-    assert [type(r["field"]) for r in got] == [type(first), type(second)]
+    assert [r["field"] for r in got] == want
+    assert [type(r["field"]) for r in got] == [type(w) for w in want]
     assert_stats(store.outcome_stats(), fold([(0, 1, 1.0), (1, 2, 0.0)], 4), name)
 
 

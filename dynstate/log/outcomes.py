@@ -52,6 +52,7 @@ from ..records.outcomes import (
     check_outcomes,
     overlap,
     steps_of,
+    unify_extras,
     union,
     valid_ranges,
 )
@@ -583,7 +584,7 @@ class Outcomes:
         tables = self._read_files(self.files(lineage), version)
         if not tables:
             return OUTCOME_SCHEMA.empty_table()
-        return pa.concat_tables(tables, promote_options="permissive")
+        return pa.concat_tables(unify_extras(tables), promote_options="default")
 
     def read_aggregate(self, ref: AggregateRef) -> Aggregate:
         where = self.log.where(ref.path)

@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InvalidDataError
+from .codec import whole
 from .inputs import plain_json, to_arrow
 
 # The parameters the stored aggregates are built with: statistics with this half-life are
@@ -187,7 +188,9 @@ def _numeric(col: pa.ChunkedArray, name: str, url: str, *, nulls: bool) -> pa.Ch
         return col
     if pa.types.is_null(t):
         if nulls:
-            return col.cast(pa.float64())
+            # kept null: the field's type comes from the commits that give it values (a
+            # float64 here read back 7 of another step as 7.0: unify_extras)
+            return col
         raise InvalidDataError(f"outcomes for {url}: column {name!r} holds nulls")
     if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
         raise InvalidDataError(
@@ -225,7 +228,50 @@ def _numeric(col: pa.ChunkedArray, name: str, url: str, *, nulls: bool) -> pa.Ch
                 f"outcomes for {url}: column 'score' holds an integer beyond 2**53, which a "
                 "float64 score cannot hold exactly; pass scores as floats"
             ) from None
-    return col.cast(pa.int64()) if t != pa.uint64() else _uint(col, name, url)
+    if t == pa.uint64():
+        return _uint(col, name, url)
+    col = col.cast(pa.int64())
+    import pyarrow.compute as pc  # here, not at the top: see above
+
+    bounds = pc.min_max(col).as_py()
+    if any(v is not None and abs(v) > MAX_STEP for v in bounds.values()):
+        raise InvalidDataError(
+            f"outcomes for {url}: column {name!r} holds an integer beyond 2**53; an extra "
+            "field's ints must stay exact as floats (commits that give it floats are read "
+            "together with them: unify_extras); pass it as a float or a str column elsewhere"
+        )
+    return col
+
+
+def unify_extras(tables: list[pa.Table]) -> list[pa.Table]:
+    """Outcome files of one lineage whose extra fields agree in type, to be read as one
+    table: a field each commit stores with the type its values had (bool, int64, float64, or
+    null where a commit held only nulls) is read as that type where every file agrees (nulls
+    taking it), and as float64 where they differ (``True`` -> 1.0, ints exact: bounded by
+    2**53 at commit); an older store's all-null float64 columns count as null."""
+    kinds: dict[str, set[pa.DataType]] = {}
+    for table in tables:
+        for field in table.schema:
+            if field.name in REQUIRED:
+                continue
+            column = table.column(field.name)
+            if pa.types.is_null(field.type) or column.null_count == len(column):
+                kinds.setdefault(field.name, set())
+            else:
+                kinds.setdefault(field.name, set()).add(field.type)
+    target = {
+        name: next(iter(types)) if len(types) == 1 else pa.float64()
+        for name, types in kinds.items()
+        if types
+    }
+    out = []
+    for table in tables:
+        for i, field in enumerate(table.schema):
+            want = target.get(field.name)
+            if want is not None and field.type != want:
+                table = table.set_column(i, field.name, table.column(i).cast(want))
+        out.append(table)
+    return out
 
 
 def check_generator_state(state: Any, url: str) -> Any:
@@ -320,7 +366,16 @@ def valid_ranges(obj: Any) -> bool:
     return True
 
 
+def _real(value: Any) -> Any:
+    """``value`` as a Python number where it is one (numpy's ints and floats too), else as
+    given; bools stay bools (refused by the callers)."""
+    if isinstance(value, (np.integer, np.floating)) and not isinstance(value, np.bool_):
+        return value.item()
+    return value
+
+
 def check_stats_params(success_above: Any, half_life: Any, url: str) -> tuple[float, float]:
+    success_above, half_life = _real(success_above), _real(half_life)
     if isinstance(success_above, bool) or not isinstance(success_above, (int, float)):
         raise InvalidDataError(f"success_above for {url} must be a number, not {success_above!r}")
     if not math.isfinite(success_above):
@@ -340,9 +395,10 @@ def check_stats_params(success_above: Any, half_life: Any, url: str) -> tuple[fl
 def check_rows_version(value: Any, url: str) -> int:
     """``rows_version=``: the version the outcomes' rows were read at (their row numbers mean
     that version's rows), a version number."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    number = whole(value)  # numpy's integers too (a batch's max version); never a bool
+    if number is None or number < 0:
         raise InvalidDataError(
             f"rows_version for {url} must be the version number the outcomes' rows were read "
             f"at (an int >= 0), not {value!r}"
         )
-    return value
+    return number
