@@ -766,7 +766,9 @@ class Writer:
     ) -> tuple[pa.Table, pa.Schema | None]:
         current = self.schema_of(head)
         if table.num_columns == 0 and table.num_rows == 0:
-            return table, current  # an empty round with no columns fits any schema
+            # an empty round with no columns fits any schema, also one another writer sets
+            # while it commits: it names none (its record takes the parent's)
+            return table, None
         if current is None:
             schema = m.normalize_schema(table.schema)
             return table.replace_schema_metadata(None), schema
