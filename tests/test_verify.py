@@ -118,3 +118,24 @@ def test_a_commit_landing_while_verify_runs_is_not_taken_for_removed_records(
     monkeypatch.setattr(type(store.log), "hinted_head", late_commit)
     report = verify_store(Store.open(str(root)))
     assert report.problems == [], report.problems
+
+
+def test_a_shard_its_version_schema_cannot_read_is_named(tmp_path, monkeypatch) -> None:
+    """A store an earlier release wrote with a pandas Categorical of ints kept the schema's
+    ``dictionary<int64>`` while Parquet gives the column back as ``int64``, and Arrow has no
+    cast back: every read of the version failed, and verify said nothing. Made here by
+    turning off what this release does instead (store such dictionaries as their values, and
+    try the read's cast at write); verify now names the shard, the column and both types."""
+    import pandas as pd
+
+    from dynstate.records import columns, rounds
+
+    monkeypatch.setattr(rounds, "storable", lambda table: table)
+    monkeypatch.setattr(columns, "_parquet_roundtrip", lambda schema: None)
+    store = Store.open(str(tmp_path / "s"), create=True)
+    store.append(pd.DataFrame({"level": pd.Categorical([3, 1, 3])}))
+    monkeypatch.undo()
+    report = verify_store(Store.open(str(tmp_path / "s")))
+    (problem,) = report.problems
+    assert "holds column level as int64" in problem
+    assert "dictionary<values=int64" in problem and "cannot read" in problem

@@ -256,7 +256,8 @@ def _check_shard(store: Store, shard: ShardRef, version: int, report: VerifyRepo
     report.shards_checked += 1
     report.bytes_checked += len(data)
     try:
-        rows = pq.read_metadata(pa.BufferReader(data)).num_rows
+        metadata = pq.read_metadata(pa.BufferReader(data))
+        rows, stored = metadata.num_rows, metadata.schema.to_arrow_schema()
     except (pa.ArrowException, OSError) as exc:
         report.problems.append(
             f"shard {shard.path} of {store.display_url} (version {version}) matches its "
@@ -268,3 +269,30 @@ def _check_shard(store: Store, shard: ShardRef, version: int, report: VerifyRepo
             f"shard {shard.path} of {store.display_url} (version {version}) holds {rows} rows, "
             f"its record says {shard.rows}"
         )
+    _check_shard_schema(store, shard, version, stored, report)
+
+
+def _check_shard_schema(
+    store: Store, shard: ShardRef, version: int, stored: pa.Schema, report: VerifyReport
+) -> None:
+    """A shard's columns must read as ``version``'s schema says: a read casts each column to
+    the schema's type (records/rounds ``conform``), and a cast Arrow lacks would fail every
+    read of the version. Columns the shard lacks (added after it was written) read as nulls."""
+    try:
+        schema = store.snapshot(version).schema
+    except DynstateError:
+        return  # the record's problem, reported by _check_records / _check_schemas
+    if schema is None:
+        return
+    for want in schema:
+        at = stored.get_field_index(want.name)
+        if at < 0 or stored.field(at).type == want.type:
+            continue
+        got = stored.field(at).type
+        try:
+            pa.array([], got).cast(want.type)
+        except (pa.ArrowException, ValueError, TypeError):
+            report.problems.append(
+                f"shard {shard.path} of {store.display_url} (version {version}) holds column "
+                f"{want.name} as {got}, which the version's schema ({want.type}) cannot read"
+            )
