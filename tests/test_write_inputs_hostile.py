@@ -204,8 +204,9 @@ def test_a_store_with_narrow_dictionary_indices_says_what_to_do() -> None:
 def test_a_value_arrow_cannot_convert_is_refused_naming_its_column(tmp_path, rows, column):
     """DEFECT. docs/format.md: "each refusal is an InvalidDataError naming the column". A
     list-of-dicts round with an int past uint64 (a 64-bit hash of 2**64-1 is stored as
-    uint64 now), or a column mixing bool and int or int and str, is refused with ``cannot store this round for ...: Arrow cannot hold its values
-    (Python int too large to convert to C long); make each column one type ...`` — no
+    uint64 now), or a column mixing bool and int or int and str, is refused with ``cannot
+    store this round for ...: Arrow cannot hold its values (Python int too large to convert
+    to C long); make each column one type ...`` — no
     column named (a wide row leaves the user to bisect), and for the overflow the advice is
     wrong (the column is one type). Cause: records/inputs.py ``_from_rows`` converts all
     columns in one ``pa.Table.from_pydict`` call, and ``to_arrow``'s handler wraps the bare
