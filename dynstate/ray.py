@@ -290,7 +290,7 @@ def _round_failed(store: Store, total: int, failures: dict[int, BaseException]) 
     reason = summary[-1] if summary else type(first).__name__
     where = f"part {first_index}" if first_index >= 0 else "the round"
     try:
-        head = store.log.refresh()
+        head = store.latest()
     except DynstateError:
         head = store.head  # the store being unreachable must not hide the round's failure
     error = RoundFailedError(

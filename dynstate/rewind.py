@@ -61,7 +61,7 @@ def rollback(
     already is that version. ``keep=True`` keeps later rounds (logged, not silent)."""
     if (version is None) == (step is None):
         raise InvalidDataError(f"rollback of {store.display_url} needs exactly one of version/step")
-    head = store.log.refresh()
+    head = store.latest()
     if step is not None:
         step = _step(store, step)  # the record's rollback_step is a plain int
     target = version_at_step(store, step) if step is not None else store.resolve(version)

@@ -199,6 +199,12 @@ class Store:
         (:meth:`append`)."""
         return self._looked_at(self.log.refresh())
 
+    def latest(self) -> int:
+        """The head now: :meth:`refresh` for a caller's own use (maintenance, a trainer
+        integration, a check), which is not a look that outcomes committed without
+        ``rows_version`` bind to."""
+        return self.log.refresh()
+
     def _looked_at(self, head: int) -> int:
         """Record that this handle's user read ``head`` (the head): the version outcomes
         committed without ``rows_version`` bind to (docs/outcomes.md). Only a user's read

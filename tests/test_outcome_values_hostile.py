@@ -607,7 +607,7 @@ _LOOKS_THAT_ARE_NOT = {
     "compact": lambda store: compact(store),
     "versions": lambda store: store.versions(),
     "version_at_step": lambda store: version_at_step(store, 1),
-    "rollback to the head": lambda store: rollback(store, version=store.log.refresh()),
+    "rollback to the head": lambda store: rollback(store, version=store.latest()),
     "verify_store": lambda store: verify_store(store),
     "resolve the head": lambda store: store.resolve(None),
     "generator_state of the head": lambda store: store.generator_state(),

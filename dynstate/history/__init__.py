@@ -74,7 +74,7 @@ def version_rows(
     down, as ``dynstate serve`` pages them). A caller that has just refreshed the store and
     read its ``tags`` (as :func:`summary` does) can pass ``refresh=False`` and the tags to
     save those requests."""
-    head = store.log.refresh() if refresh else store.head
+    head = store.latest() if refresh else store.head
     floor = store.floor
     if include_abandoned:
         top = head if before is None else min(head, before - 1)
@@ -131,7 +131,7 @@ def summary(store: Store, *, refresh: bool = True) -> dict[str, Any]:
     the oldest kept version's records and the tags, whatever the length of the history.
     ``refresh=False``: the caller has just refreshed the store (a command that opened it), so
     the head and floor it found stand for this call too, rather than being read again."""
-    head = store.log.refresh() if refresh else store.head
+    head = store.latest() if refresh else store.head
     floor = store.floor
     store.commit_records((head, floor))
     last, first = store.commit_record(head), store.commit_record(floor)
@@ -163,7 +163,7 @@ def describe(
     grow with the history. ``refresh=False`` as for :func:`summary`."""
     snap = store.snapshot(store.head if version is None and not refresh else version)
     record = snap.commit
-    head = store.log.refresh() if refresh else store.head
+    head = store.latest() if refresh else store.head
     floor = store.floor
 
     def walk(start: int, stop: int) -> tuple[list[int], bool]:

@@ -66,7 +66,7 @@ def growth(
     if floor is None:
         floor = store.floor
     if chain is None:
-        head = store.log.refresh()
+        head = store.latest()
         line = itertools.takewhile(lambda v: v >= floor, store.lineage(head))
         chain = [store.commit_record(v) for v in reversed(list(line))]
     records = [r for r in chain if not (r.version == 0 and r.num_rows == 0)]

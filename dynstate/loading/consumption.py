@@ -469,7 +469,7 @@ class DynamicSampling:
         return step + 1
 
     def _checked_record(self, step: int, url: str) -> dict[str, Any]:
-        found = self.store.consumption.of_step(self.store.log.refresh(), step)
+        found = self.store.consumption.of_step(self.store.latest(), step)
         if found is None:
             raise StateMismatchError(
                 f"{url} holds no consumption record for step {step} on its head's lineage; "
@@ -564,7 +564,7 @@ class DynamicSampling:
         """The sampler step after ``step``'s draws: this object's record, else the store's
         (None: the head's lineage holds no record of ``step``)."""
         if step not in self._ends:
-            found = self.store.consumption.of_step(self.store.log.refresh(), step)
+            found = self.store.consumption.of_step(self.store.latest(), step)
             if found is None:
                 return None
             self._ends[step] = int(found[1]["sampler"]["step"])

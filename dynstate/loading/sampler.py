@@ -302,7 +302,7 @@ class VersionedSampler(Sampler[int]):
 
     def _steps_taken_up(self) -> int:
         store = self.dataset.store
-        last = store.steps.latest(store.log.refresh())
+        last = store.steps.latest(store.latest())
         return self.first_step if last is None else max(self.first_step, last + 1)
 
     # -- iteration ---------------------------------------------------------------------------
@@ -360,7 +360,7 @@ class VersionedSampler(Sampler[int]):
     def _epoch_version(self, first: bool) -> int:
         """The version the epoch starting now pins (see the class docstring)."""
         store, pinned = self.dataset.store, self.pos.version
-        head = store.log.refresh()
+        head = store.latest()
         if first or pinned is None:
             return head
         if self.batch_size is None:
@@ -641,7 +641,7 @@ class VersionedSampler(Sampler[int]):
         uncounted = state["format"] == 1 or state["batch_size"] is None
         if uncounted and state["mode"] == "epoch" and state["version"] is not None:
             # Written while the sampler counted no steps: take them up after the newest round.
-            last = store.steps.latest(store.log.refresh())
+            last = store.steps.latest(store.latest())
             position = replace(position, step=0 if last is None else last + 1)
         within = state["within_step"]
         if within and state["num_replicas"] != self.num_replicas:

@@ -100,7 +100,7 @@ def compact(
     snap = store.snapshot(store.resolve(version))  # not a look of the caller's handle
     base = snap.version
     # Refuse early, before writing anything, when the head is not ``base`` plus appends.
-    writer.appended_since(base, store.log.refresh())
+    writer.appended_since(base, store.latest())
     steps = plan(snap.shards, target_bytes)
     if all(isinstance(step, ShardRef) for step in steps):
         log.info("nothing to compact in version %d of %s", base, store.display_url)

@@ -213,7 +213,7 @@ def collect_garbage(
     leases = survey(store.storage, claim=not dry_run, now=now, stale_claim_s=STALE_CLAIM_S)
     if floor > floor_before and not dry_run:
         floor = _publish_floor(store, floor, floor_before)
-    head = store.log.refresh()
+    head = store.latest()
     refs = References(store, floor)
     refs.add_versions(floor, head)
     collected = references_below(store, floor_before, floor)
@@ -237,7 +237,7 @@ def collect_garbage(
     if dry_run:
         return result
     # Commits that landed since the references were read may name a kept version's files.
-    latest = store.log.refresh()
+    latest = store.latest()
     if latest > head:
         refs.add_versions(head + 1, latest)
         result.removed = [r for r in result.removed if not refs.needs(r.path)]

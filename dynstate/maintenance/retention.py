@@ -156,7 +156,7 @@ def _asked_floor(
     clock: Clock | None = None,
 ) -> int:
     """The floor the retention rule alone asks for (tags not considered)."""
-    head = store.log.refresh()
+    head = store.latest()
     floor = store.floor
     if keep is None and older_than_s is None:
         return floor

@@ -84,7 +84,7 @@ def _verify(
     progress: Callable[[int, int], None] | None,
     records_progress: Callable[[int, int], None] | None,
 ) -> VerifyReport:
-    head = store.log.refresh()
+    head = store.latest()
     floor = store.floor
     report = VerifyReport(store.display_url, head, floor)
     hinted = store.log.hinted_head()

@@ -462,7 +462,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
         if resume_from_checkpoint:
             self._resume(str(resume_from_checkpoint))
         else:
-            head = store.log.refresh()
+            head = store.latest()
             start = version_at_step(store, FIRST_STEP - 1)
             if start != head:
                 raise StateMismatchError(
@@ -484,7 +484,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
         store = self.dynstate_store
         state = loader_mod.read_checkpoint_state(checkpoint, store)
         step, version = state["step"], state["version"]
-        store.log.refresh()
+        store.latest()
         per = int(state.get("steps_per_round", 1))
         if per != self._per_round:
             raise StateMismatchError(
@@ -537,7 +537,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
         if self._rank == 0:
             rollback(store, version=target, meta={"trainer": "trl"})
         self._barrier()
-        head = store.log.refresh()
+        head = store.latest()
         load_state(self.dynstate_generator, store.generator_state(head))
         log.info("resuming %s at step %d from version %d", store.display_url, step, head)
 
@@ -582,7 +582,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
                 f"the filter_groups settings differ from those {checkpoint} was saved with "
                 f"({said}); resume {url} with the checkpoint's settings — nothing was changed"
             )
-        found = store.consumption.of_step(store.log.refresh(), step)
+        found = store.consumption.of_step(store.latest(), step)
         if found is None:
             raise StateMismatchError(
                 f"{url} holds no consumption record of step {step} on its head's lineage, which "
@@ -615,7 +615,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
             for g, i in zip(dyn.carry, mine, strict=True)
         }
         # refreshed: on the other ranks the head is still the one before rank 0's rollback
-        load_state(self.dynstate_generator, store.generator_state(store.log.refresh()))
+        load_state(self.dynstate_generator, store.generator_state(store.latest()))
         log.info(
             "resuming %s at step %d (version %d) with %d carried groups",
             url, step, target, len(dyn.carry),
@@ -1024,7 +1024,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
             meta[SELECT_META] = self._sampler.select.identity()
         gen_state = None
         if generator is not None:
-            store.log.refresh()
+            store.latest()
             view = RoundView(store, outcomes, rows_version)
             batch = StepBatch(
                 step=step,
@@ -1037,7 +1037,7 @@ class DynstateGRPOTrainer(GRPOTrainer):
             added_rows = run_generator(generator, batch, step, view)
             gen_state = state_of(generator)
             meta["generator"] = generator_name(generator)
-        head = store.snapshot(store.log.refresh())
+        head = store.snapshot(store.latest())
         before = head.num_rows
         rows, new_source = round_table(added_rows, generator, head.schema, store.display_url)
         version = store.append(

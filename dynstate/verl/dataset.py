@@ -229,7 +229,7 @@ class DynstateRLDataset(RLHFDataset):
             super()._read_files_and_tokenize()
             return
         store = self._open_store()
-        if store.log.refresh() == 0:
+        if store.latest() == 0:
             # verl's own reading, sampling and overlong filtering, then one atomic commit:
             # a crash before it leaves the store empty, so the next start imports again.
             super()._read_files_and_tokenize()
@@ -336,7 +336,7 @@ class DynstateRLDataset(RLHFDataset):
 
     def round_of(self, step: int) -> int | None:
         """The version of the head's lineage that holds the round of ``step``, or None."""
-        return self.store.steps.round_of(self.store.log.refresh(), step)
+        return self.store.steps.round_of(self.store.latest(), step)
 
     def on_batch_end(self, batch: Any) -> int | None:
         """Generate and commit the round of the step whose ``batch`` just trained; returns the
@@ -461,7 +461,7 @@ class DynstateRLDataset(RLHFDataset):
         if len(rows) == 0:
             return pa.table({}), False
         rows = self.maybe_filter_out_long_prompts(rows)  # verl's filter, as for the train files
-        schema = self.store.snapshot(self.store.log.refresh()).schema
+        schema = self.store.snapshot(self.store.latest()).schema
         table, new_source = round_table(to_table(rows, url), self.data_generator, schema, url)
         return (table, new_source) if isinstance(table, pa.Table) else (pa.table({}), False)
 
@@ -568,7 +568,7 @@ class DynstateRLDataset(RLHFDataset):
     def consumption_of(self, step: int) -> dict[str, Any] | None:
         """The consumption record of ``step``'s round on the head's lineage (group filtering),
         or None."""
-        found = self.store.consumption.of_step(self.store.log.refresh(), step)
+        found = self.store.consumption.of_step(self.store.latest(), step)
         return None if found is None else found[1]
 
     def resume_filtered(self, sampling: DynamicSampling, step: int) -> None:

@@ -300,7 +300,7 @@ def _imported_rows(dataset: DynstateRLDataset) -> int:
     committed before the first round): what the first epoch pinned, asked of the one step
     query, so resets, rollbacks to step 0 and gc cuts are read as everywhere else."""
     store = dataset.store
-    head = store.log.refresh()
+    head = store.latest()
     try:
         version = store.steps.version_at(head, 0)
     except VersionCollectedError:

@@ -270,7 +270,7 @@ class AsyncRounds(StepRounds):
         return {
             "format": ASYNC_FORMAT,
             "step": step,
-            "rows_version": dataset.store.log.refresh() if named else None,
+            "rows_version": dataset.store.latest() if named else None,
             "settings": dict(self._settings),
             "carried_in": list(c.carried_in),
             "drawn": list(c.drawn),
