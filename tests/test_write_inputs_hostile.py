@@ -453,3 +453,27 @@ def test_a_struct_round_missing_a_required_field_is_refused_typed(tmp_path) -> N
         {"role": "u", "content": "x"},
         {"role": "a", "content": "z"},
     ]
+
+
+def test_a_categorical_of_only_none_takes_its_type_from_later_rounds(tmp_path) -> None:
+    """DEFECT (fixed): a pandas ``Categorical`` of only ``None`` (pandas gives it ``float64``
+    categories) as the first round fixed the column as ``double``, and every later round of
+    labels was refused; one in a later round was refused by a column of labels. Stored as a
+    null column now, it takes the type of the first round with values, as an all-``None``
+    object column does."""
+    pd = pytest.importorskip("pandas")
+    store, root = _store(tmp_path)
+    store.append(pd.DataFrame({"a": [1, 2], "c": pd.Categorical([None, None])}))
+    assert store.snapshot().schema.field("c").type == pa.null()
+    store.append(pd.DataFrame({"a": [3, 4], "c": pd.Categorical(["x", "y"])}))
+    store.append(pd.DataFrame({"a": [5], "c": pd.Categorical([None])}))
+    expected = [
+        {"a": 1, "c": None},
+        {"a": 2, "c": None},
+        {"a": 3, "c": "x"},
+        {"a": 4, "c": "y"},
+        {"a": 5, "c": None},
+    ]
+    assert _stored(store, root) == expected
+    assert store.snapshot().to_arrow().to_pylist() == expected
+    assert VersionedDataset(root).__getitems__([4, 2, 0, 2]) == [expected[i] for i in (4, 2, 0, 2)]

@@ -71,6 +71,7 @@ def to_table(data: Any, url: str) -> pa.Table:
 def storable(table: pa.Table) -> pa.Table:
     """``table`` with the types Parquet would not give back as they are, cast to what it
     does (:func:`_storable`); unchanged if the cast is refused (the checks then name it)."""
+    table = _untyped_categoricals(table)
     schema = pa.schema(
         [f.with_type(_storable(f.type)) for f in table.schema], metadata=table.schema.metadata
     )
@@ -80,6 +81,24 @@ def storable(table: pa.Table) -> pa.Table:
         return table.cast(schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, ValueError):
         return table
+
+
+def _untyped_categoricals(table: pa.Table) -> pa.Table:
+    """``table`` with each dictionary column that holds no value and no category, and would be
+    stored as its values, made a column of nulls. pandas gives a ``Categorical`` of only
+    ``None`` the categories ``float64`` whatever the column is meant to hold; as a null column
+    it takes its type from the first round that has values, as an all-``None`` object column
+    does, instead of fixing ``double`` and refusing every later round of labels."""
+    for i, field in enumerate(table.schema):
+        column = table.column(i)
+        if (
+            pa.types.is_dictionary(field.type)
+            and not pa.types.is_dictionary(_storable(field.type))
+            and column.null_count == len(column)
+            and all(len(chunk.dictionary) == 0 for chunk in column.chunks)
+        ):
+            table = table.set_column(i, field.with_type(pa.null()), pa.nulls(len(column)))
+    return table
 
 
 def _storable(t: pa.DataType) -> pa.DataType:
