@@ -5,6 +5,9 @@ on it."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from .. import paths
@@ -18,6 +21,42 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dynstate")
 
+#: A content-addressed file this handle wrote longer ago than this before the record (or
+#: checkpoint) naming it was created is written again after that create. gc removes such a
+#: file once it is unreferenced and an hour old by the storage's clock (gc's BUSY_S) and
+#: judges that age again right before the delete; a writer paused between its write and its
+#: create (SIGSTOP, a suspended VM) comes back to a file gc may have judged old meanwhile, and
+#: the rewrite gives it a stamp past gc's second judgement. Far below BUSY_S, far above what a
+#: commit normally takes between the two.
+REWRITE_AFTER_S = 60.0
+
+
+class Touches:
+    """When this handle last wrote each content-addressed file (bounded: the most recent
+    ``limit``). Elapsed time is taken by both the monotonic and the wall clock, the larger
+    counting: the monotonic clock stops while a machine is suspended, the wall clock may step;
+    a rewrite too many costs one small PUT, one too few a file."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._at: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._limit = limit
+        self._lock = threading.Lock()  # the background outcome checkpoint writes too
+
+    def note(self, rel: str) -> None:
+        with self._lock:
+            self._at[rel] = (time.monotonic(), time.time())
+            self._at.move_to_end(rel)
+            while len(self._at) > self._limit:
+                self._at.popitem(last=False)
+
+    def due(self, rel: str) -> bool:
+        """Whether ``rel``, written by this handle, was written over :data:`REWRITE_AFTER_S`
+        ago (False for a file it did not write: nothing says it was paused)."""
+        at = self._at.get(rel)
+        if at is None:
+            return False
+        return max(time.monotonic() - at[0], time.time() - at[1]) > REWRITE_AFTER_S
+
 
 class Catalog:
     """Chunks, schemas and checkpoints of one store, read through caches."""
@@ -26,6 +65,7 @@ class Catalog:
         self.storage = storage
         self._schemas: dict[str, pa.Schema] = {}
         self._chunks: dict[str, list[ShardRef]] = {}
+        self._touches = Touches()
 
     @property
     def display_url(self) -> str:
@@ -141,18 +181,15 @@ class Catalog:
         """After ``record`` was created: make sure the schema and chunks it names exist — of
         its shard list and of its outcome list (a reset's or compaction's ``outcomes.base``) —
         rewriting any that a gc removed between our write and the record's create (a gc that
-        read the head before the record existed counts them as unreferenced). Rewriting is
-        safe: they are content-addressed, and this handle holds their content."""
-        if record.schema is not None and not self.storage.exists(paths.schema_path(record.schema)):
+        read the head before the record existed counts them as unreferenced), and any this
+        handle wrote longer than :data:`REWRITE_AFTER_S` before (a writer paused meanwhile:
+        gc may have judged it old and be about to delete it). Rewriting is safe: they are
+        content-addressed, and this handle holds their content."""
+        if record.schema is not None:
             schema = self._schemas.get(record.schema)
-            if schema is not None:
-                log.warning(
-                    "schema %s of version %d of %s was removed by a concurrent gc; rewritten",
-                    record.schema[:12],
-                    record.version,
-                    self.display_url,
-                )
-                self._touch(paths.schema_path(record.schema), m.encode(m.schema_to_json(schema)))
+            rel = paths.schema_path(record.schema)
+            if schema is not None and self._restore_due(rel, f"version {record.version}"):
+                self._touch(rel, m.encode(m.schema_to_json(schema)))
         named = f"version {record.version}"
         if record.base is not None:
             self.restore_chunks(record.base, named)
@@ -162,28 +199,39 @@ class Catalog:
             self.restore_chunks(m.ShardList.from_json(field["base"], where), named)
 
     def restore_chunks(self, shard_list: m.ShardList, named_by: str) -> None:
-        """Rewrite any chunk of ``shard_list`` that is missing now and whose content this
-        handle holds (it wrote or read it): ``named_by`` (a record, a checkpoint) was created
-        naming it, and a gc that listed files before that create may have removed it."""
+        """Rewrite any chunk of ``shard_list`` whose content this handle holds (it wrote or
+        read it) and that is missing now, or that this handle wrote long before (see
+        :meth:`restore_named`): ``named_by`` (a record, a checkpoint) was created naming it,
+        and a gc that listed files before that create may have removed it."""
         for digest in shard_list.chunks:
             rel = paths.chunk_path(digest)
             entries = self._chunks.get(digest)
-            if entries is None or self.storage.exists(rel):
+            if entries is None or not self._restore_due(rel, named_by):
                 continue
             files, _ = m.split_chunks(entries)
-            log.warning(
-                "chunk %s of %s of %s was removed by a concurrent gc; rewritten",
-                digest[:12],
-                named_by,
-                self.display_url,
-            )
             self._touch(rel, files[0][1])
+
+    def _restore_due(self, rel: str, named_by: str) -> bool:
+        """Whether ``rel``, just named by ``named_by``, must be written again: it is missing
+        (a concurrent gc removed it; logged), or this handle's write of it is old."""
+        if self._touches.due(rel):
+            return True
+        if self.storage.exists(rel):
+            return False
+        log.warning(
+            "%s of %s of %s was removed by a concurrent gc; rewritten",
+            rel,
+            named_by,
+            self.display_url,
+        )
+        return True
 
     def _touch(self, rel: str, data: bytes) -> None:
         """Write a content-addressed file, whether or not it exists (same name, same bytes):
         its fresh time tells gc that a commit is about to name it — gc leaves unreferenced
         metadata younger than an hour alone, and this one may be an old orphan."""
         self.storage.put(rel, data)
+        self._touches.note(rel)
 
 
 def checkpoint_bytes(record: Commit, shard_list: m.ShardList) -> bytes:

@@ -58,6 +58,7 @@ from ..records.outcomes import (
 )
 from ..records.rowgroups import read_parquet
 from ..threads import ProcessPool
+from .catalog import Touches
 from .leases import shard_path
 
 if TYPE_CHECKING:
@@ -198,6 +199,7 @@ class Outcomes:
         # one a concurrent gc removed before that create (see restore_named)
         self._named_aggregates: OrderedDict[str, bytes] = OrderedDict()
         self._named_lock = threading.Lock()
+        self._aggregate_touches = Touches(limit=4)
         # the outcome checkpoint written in the background (write_checkpoint), one at a time
         self._checkpointing: threading.Thread | None = None
         self._checkpoint_lock = threading.Lock()
@@ -850,6 +852,7 @@ class Outcomes:
         return True
 
     def _keep_aggregate(self, path: str, data: bytes) -> None:
+        self._aggregate_touches.note(path)
         with self._named_lock:  # the background checkpoint keeps its aggregate too
             self._named_aggregates[path] = data
             self._named_aggregates.move_to_end(path)
@@ -866,16 +869,23 @@ class Outcomes:
             self._restore_aggregate(ref, f"version {record.version}")
 
     def _restore_aggregate(self, ref: AggregateRef, named_by: str) -> None:
+        """Write the aggregate ``named_by`` names again if a gc removed it, or if this
+        handle's write of it is old (a writer paused before the create: gc may have judged it
+        old and be about to delete it; :meth:`Catalog.restore_named`)."""
         data = self._named_aggregates.get(ref.path)
-        if data is None or self.storage.exists(ref.path):
+        if data is None:
             return
-        log.warning(
-            "outcome aggregate %s of %s of %s was removed by a concurrent gc; rewritten",
-            ref.sha256[:12],
-            named_by,
-            self.display_url,
-        )
+        if not self._aggregate_touches.due(ref.path):
+            if self.storage.exists(ref.path):
+                return
+            log.warning(
+                "outcome aggregate %s of %s of %s was removed by a concurrent gc; rewritten",
+                ref.sha256[:12],
+                named_by,
+                self.display_url,
+            )
         self.storage.put(ref.path, data)
+        self._aggregate_touches.note(ref.path)
 
     def write_checkpoint(self, record: Commit, *, background: bool = False) -> None:
         """The outcome checkpoint of ``record``'s version: its complete outcome list and an

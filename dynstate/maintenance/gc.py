@@ -250,8 +250,8 @@ def collect_garbage(
     result.removed.sort(
         key=lambda r: (r.path.startswith(paths.META_DIR), r.path.startswith(paths.LEASE_DIR))
     )
-    # Schemas and chunks are judged again at the last moment, against a clock reading taken
-    # now: one a committer rewrote since the plan has a stamp past it and stays.
+    # Schemas, chunks and aggregates are judged again at the last moment, against a clock
+    # reading taken now: one a committer rewrote since the plan has a stamp past it and stays.
     rewritable = any(_rewritten_by_commits(r.path) for r in result.removed)
     now = _storage_now(store, dry_run, clock) if rewritable else now
     kept_late = set()
@@ -378,8 +378,9 @@ _BY_VERSION_DIRS = (paths.LOG_DIR, paths.CHECKPOINT_DIR, paths.OUTCOME_DIR)
 
 
 def _rewritten_by_commits(rel: str) -> bool:
-    """Content-addressed metadata that every commit naming it writes again (schemas, chunks)."""
-    return rel.rsplit("/", 1)[0] in (paths.SCHEMA_DIR, paths.CHUNK_DIR)
+    """Content-addressed metadata that every commit or outcome checkpoint naming it writes
+    again (schemas, chunks, outcome aggregates)."""
+    return rel.rsplit("/", 1)[0] in (paths.SCHEMA_DIR, paths.CHUNK_DIR, paths.AGGREGATE_DIR)
 
 
 def _min_age(rel: str, grace_s: float) -> float:
