@@ -371,9 +371,18 @@ class Writer:
             typed = [p for p in typed if p.shards] or typed
             schemas = {m.schema_fingerprint(p.schema) for p in typed}
             if len(schemas) > 1:
+                first = typed[0].schema
+                assert first is not None
+                other = next(
+                    p.schema
+                    for p in typed
+                    if p.schema is not None
+                    and m.schema_fingerprint(p.schema) != m.schema_fingerprint(first)
+                )
                 raise SchemaMismatchError(
-                    f"staged parts for {self.display_url} have different schemas; stage every "
-                    "part of a round with the same columns"
+                    f"staged parts for {self.display_url} have different schemas ("
+                    + m.describe_schema_diff(first, other)
+                    + "); stage every part of a round with the same columns, in one order"
                 )
             schema = typed[0].schema if typed else None
             validated = typed[0].validated if typed else None

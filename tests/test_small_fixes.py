@@ -263,3 +263,16 @@ def test_one_version_and_one_shard_are_said_in_the_singular(tmp_path):
         label.startswith("reset to version 2; version 3 abandoned (1 row dropped)")
         for label in labels
     ), labels
+
+
+def test_staged_first_round_parts_in_another_column_order_name_the_order(tmp_path) -> None:
+    """Parts of a first round whose columns differ only in order (dicts built with their keys
+    in another order) were refused with "have different schemas" and nothing else to go by;
+    the message names the two orders now, and the store is unchanged."""
+    from dynstate import SchemaMismatchError
+
+    store = Store.open(str(tmp_path / "store"), create=True)
+    first, second = store.stage([{"a": 1, "b": "x"}]), store.stage([{"b": "y", "a": 2}])
+    with pytest.raises(SchemaMismatchError, match=r"column order differs \(a, b vs b, a\)"):
+        store.commit_staged([first, second])
+    assert Store.open(str(tmp_path / "store")).head == 0

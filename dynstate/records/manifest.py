@@ -524,7 +524,9 @@ def describe_schema_diff(
         parts.append("unexpected columns: " + ", ".join(extra))
     if changed:
         parts.append("changed types: " + ", ".join(changed))
-    return "; ".join(parts) or "column order or nullability differs"
+    if not parts and list(exp) != list(new):
+        parts.append(f"column order differs ({', '.join(exp)} vs {', '.join(new)})")
+    return "; ".join(parts) or "column nullability or metadata differs"
 
 
 def cache_id(shard: ShardRef) -> tuple[str, str]:
