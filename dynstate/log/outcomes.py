@@ -707,7 +707,11 @@ class Outcomes:
             self._check_new_steps(steps, head)
             if table.num_rows == 0:
                 table = None
-        state = None if generator_state is None else check_generator_state(generator_state, url)
+        state = (
+            None
+            if generator_state is None
+            else check_generator_state(generator_state, url, exact=True)
+        )
         if table is None and state is None:
             return None
         return Pending(table, steps, state, head.version)

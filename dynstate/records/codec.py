@@ -10,6 +10,8 @@ import hashlib
 import json
 import operator
 import re
+import sys
+import threading
 from datetime import datetime, timezone
 from typing import Any
 
@@ -34,9 +36,35 @@ def sha256(data: bytes) -> str:
 
 
 def canonical(obj: Any, *, allow_nan: bool = True) -> bytes:
-    return json.dumps(
+    return dumps(
         obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=allow_nan
     ).encode()
+
+
+_INT_LIMIT = threading.Lock()
+
+
+def dumps(obj: Any, **kwargs: Any) -> str:
+    """``json.dumps`` whatever this process's ``sys.set_int_max_str_digits``: a process that
+    lowered it (to 640 at least) still writes every integer within the store's bound
+    (:data:`MAX_INT_DIGITS`, checked by magnitude before this), as every reader converts one
+    whatever its own limit. Only a conversion that fails is done again, with the limit raised
+    to the bound for that call (under a lock: it is the interpreter's; other threads meanwhile
+    see a higher limit, never a lower one)."""
+    try:
+        return json.dumps(obj, **kwargs)
+    except ValueError as exc:
+        if "integer string conversion" not in str(exc):
+            raise
+    with _INT_LIMIT:
+        before = sys.get_int_max_str_digits()
+        if before == 0 or before >= MAX_INT_DIGITS:
+            return json.dumps(obj, **kwargs)  # raises again: it is past the bound
+        sys.set_int_max_str_digits(MAX_INT_DIGITS)
+        try:
+            return json.dumps(obj, **kwargs)
+        finally:
+            sys.set_int_max_str_digits(before)
 
 
 def encode(obj: dict[str, Any]) -> bytes:

@@ -225,7 +225,7 @@ def check_record(record: Any, url: str, step: Any = None) -> dict[str, Any]:
         plain = check_generator_state(
             {"settings": record["settings"], "sampler": record["sampler"]}, url
         )
-        text = json.dumps(record, allow_nan=False)
+        text = codec.dumps(record, allow_nan=False)
     except (InvalidDataError, TypeError, ValueError) as exc:
         raise _bad(url, f"settings and sampler must be plain JSON types ({exc})") from exc
     if len(text) > MAX_RECORD_BYTES:

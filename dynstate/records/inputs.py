@@ -11,7 +11,6 @@ with a message, not a RecursionError.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -19,18 +18,30 @@ from typing import Any
 import pyarrow as pa
 
 from ..errors import DynstateError, InvalidDataError
-from .codec import check_int
+from .codec import check_int, dumps, load_json
 from .columns import check_names, check_row_depth
 
 
-def check_plain(value: Any, label: str, root: str, *, depth: int, tuples: bool = False) -> Any:
+def check_plain(
+    value: Any, label: str, root: str, *, depth: int, tuples: bool = False, exact: bool = False
+) -> Any:
     """``value`` as plain types (a copy: subclasses become the plain type, tuples lists
     where ``tuples``, else they are refused since they would come back lists), or
     InvalidDataError starting with ``label`` and naming where in the value (``root`` and
-    the keys and indices to it). At most ``depth`` dicts and lists nest."""
+    the keys and indices to it). At most ``depth`` dicts and lists nest. ``exact``: a
+    subclass is refused too (a ``numpy.float64``, an ``IntEnum``, an ``OrderedDict``), since
+    it would come back the plain type (a generator's state: a resumed run must hold what the
+    uninterrupted one held)."""
 
     def walk(value: Any, where: str, budget: int) -> Any:
         at = where if len(where) <= 60 else where[:57] + "..."
+        if exact and type(value) not in _EXACT and isinstance(value, _PLAIN):
+            plain = next(t for t in _PLAIN if isinstance(value, t)).__name__
+            kind = f"{type(value).__module__.split('.')[0]}.{type(value).__name__}"
+            raise InvalidDataError(
+                f"{label} holds a {kind} at {at}, which would come back a plain {plain}; "
+                f"convert it ({plain}(value)) so that a resumed run holds what this one does"
+            )
         if value is None or isinstance(value, bool):
             return value
         if isinstance(value, str):
@@ -74,6 +85,11 @@ def check_plain(value: Any, label: str, root: str, *, depth: int, tuples: bool =
     return walk(value, root, depth)
 
 
+# bool before int: a bool is an int; its own type is plain.
+_PLAIN: tuple[type, ...] = (bool, str, int, float, dict, list)
+_EXACT = frozenset((*_PLAIN, type(None)))
+
+
 def _utf8(text: str, what: str) -> str:
     """``text``, or InvalidDataError if UTF-8 cannot encode it (a lone surrogate)."""
     try:
@@ -95,13 +111,14 @@ def plain_json(
     max_bytes: int,
     advice: str,
     tuples: bool = False,
+    exact: bool = False,
 ) -> Any:
     """:func:`check_plain` of ``value``, then a round trip through
     JSON of at most ``max_bytes`` bytes (``advice``: what to do instead), as stored."""
-    plain = check_plain(value, label, root, depth=depth, tuples=tuples)
+    plain = check_plain(value, label, root, depth=depth, tuples=tuples, exact=exact)
     try:
         # keys sorted, as the canonical record every other handle reads
-        text = json.dumps(plain, allow_nan=False, ensure_ascii=False, sort_keys=True)
+        text = dumps(plain, allow_nan=False, ensure_ascii=False, sort_keys=True)
         size = len(text.encode())
     except (TypeError, ValueError, OverflowError) as exc:
         # the last line under the walk (which refuses NaN, big ints and lone surrogates)
@@ -112,7 +129,7 @@ def plain_json(
         raise InvalidDataError(
             f"{label} is {size:,} bytes of JSON, over the limit of {max_bytes:,}; {advice}"
         )
-    return json.loads(text)
+    return load_json(text, label)  # as a reader parses it: whatever this process's int limit
 
 
 # -- user input to Arrow ---------------------------------------------------------------------

@@ -274,10 +274,12 @@ def unify_extras(tables: list[pa.Table]) -> list[pa.Table]:
     return out
 
 
-def check_generator_state(state: Any, url: str) -> Any:
+def check_generator_state(state: Any, url: str, *, exact: bool = False) -> Any:
     """``state`` as stored (a copy through JSON), or InvalidDataError: plain types only —
     dict with str keys, list, str, int, finite float, bool, None — at most 32 levels deep and
-    1 MiB of JSON. ``None`` means no state; tuples are refused (they would come back lists)."""
+    1 MiB of JSON. ``None`` means no state; tuples are refused (they would come back lists),
+    and with ``exact`` (a user's generator state) subclasses of the plain types too (a
+    ``numpy.float64`` would come back a float)."""
     return plain_json(
         state,
         f"generator_state for {url}",
@@ -285,6 +287,7 @@ def check_generator_state(state: Any, url: str) -> Any:
         depth=MAX_STATE_DEPTH,
         max_bytes=MAX_STATE_BYTES,
         advice="keep large state in the round's rows or beside the store",
+        exact=exact,
     )
 
 

@@ -531,6 +531,9 @@ class DynstateGRPOTrainer(GRPOTrainer):
         transformers has loaded the checkpoint (``on_train_begin``), so that a checkpoint it
         cannot load is refused with the store as it was."""
         store = self.dynstate_store
+        # the state of the checkpoint's round (the rollback's, which copies it), loaded before
+        # the rollback commit: a generator that refuses it leaves the store as it was
+        load_state(self.dynstate_generator, store.generator_state(target))
         # every rank has checked the store before rank 0 rolls it back, and sees the rollback
         # before it draws: one writer, as for the rounds
         self._barrier()
@@ -538,7 +541,6 @@ class DynstateGRPOTrainer(GRPOTrainer):
             rollback(store, version=target, meta={"trainer": "trl"})
         self._barrier()
         head = store.latest()
-        load_state(self.dynstate_generator, store.generator_state(head))
         log.info("resuming %s at step %d from version %d", store.display_url, step, head)
 
     def _finish_resume(self) -> None:
@@ -608,14 +610,14 @@ class DynstateGRPOTrainer(GRPOTrainer):
         and the carried completions, once transformers has loaded the checkpoint."""
         store, dyn, url = self.dynstate_store, self._dyn, self.dynstate_store.display_url
         assert dyn is not None
+        # before the rollback commit (as in _roll_back): a refusal leaves the store as it was
+        load_state(self.dynstate_generator, store.generator_state(target))
         dyn.resume(step, first_step=FIRST_STEP)
         device = self.accelerator.device
         self._parts = {
             id(g.item): (g.item, {k: v.to(device) for k, v in tensors[i].items()})
             for g, i in zip(dyn.carry, mine, strict=True)
         }
-        # refreshed: on the other ranks the head is still the one before rank 0's rollback
-        load_state(self.dynstate_generator, store.generator_state(store.latest()))
         log.info(
             "resuming %s at step %d (version %d) with %d carried groups",
             url, step, target, len(dyn.carry),
