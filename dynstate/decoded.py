@@ -40,10 +40,26 @@ class ShardFiles(Protocol):
     def shard_file(self, shard: m.ShardRef) -> str | None: ...
 
 
+def _boot_id() -> str | None:
+    """This boot of the machine (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+# Decoded files are renamed into place without an fsync (a reader's decode would otherwise pay
+# one per shard): within one boot the page cache holds every byte written before the rename,
+# but after a power loss or a kernel crash a file may come back with its name and zeros, or
+# parts of its old blocks, in place of its content. The boot is therefore part of every name:
+# a file of an earlier boot answers for nothing (trimmed as the oldest). Where the boot cannot
+# be told, each file is fsynced before its rename instead.
+_BOOT = _boot_id()
 # What a decode gives depends on the code that decodes: part of every name, so that an
 # interpreter with another pyarrow, or a dynstate whose decode changed (bump the number), never
 # maps a file that an older or newer one wrote; each decodes and writes its own.
-_DECODE = f"decode-1;pyarrow-{pa.__version__}"
+_DECODE = f"decode-1;pyarrow-{pa.__version__};boot-{_BOOT}"
 # The schema metadata key of a decoded file: the content it was decoded from.
 _DECODED_FROM = b"dynstate.decoded_from"
 # A writer's temporary file older than this is one whose process died mid-write.
@@ -158,6 +174,9 @@ class Decoded:
                 with pa.ipc.new_file(sink, table.schema.with_metadata(meta)) as writer:
                     writer.write_table(table)
                 size = sink.tell()
+                if _BOOT is None:  # no boot in the name: durable before it has the name
+                    sink.flush()
+                    os.fsync(sink.fileno())
             os.replace(tmp, path)
         except (OSError, pa.ArrowException) as exc:
             log.debug("decoded cache write of %s failed: %s", name, exc)
@@ -187,7 +206,7 @@ class Decoded:
                     except OSError:
                         continue
                     if entry.name.endswith(".tmp"):
-                        if now - st.st_mtime > _STALE_TMP_S:
+                        if now - st.st_mtime > _STALE_TMP_S or _writer_gone(entry.name):
                             _unlink(entry.path)
                     elif entry.name.endswith(".arrow"):
                         files.append((st.st_mtime, st.st_size, entry.path))
@@ -205,6 +224,26 @@ class Decoded:
             drop += 1
         with _FOLDERS_LOCK:
             _FOLDERS[folder] = [total, len(files) - drop]
+
+
+def _writer_gone(tmp_name: str) -> bool:
+    """Whether the process that named temporary file ``tmp_name`` (``<name>.arrow.<pid>.<thread
+    >.tmp``) has exited: it died mid-write (its file is removed at once, not after an hour). A
+    pid in use again by another process keeps the file until it is an hour old."""
+    parts = tmp_name.split(".")
+    try:
+        pid = int(parts[-3])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive, another user's (EPERM)
+    return False
 
 
 # What this process knows of each folder of decoded files: [bytes, files], from one scan
@@ -300,12 +339,14 @@ def _uid() -> int:
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
 def _map_ours(path: str) -> pa.Buffer | None:
     """The file at ``path`` memory-mapped, if it is a plain file of this user's (checked on the
     open descriptor, so that no file swapped in after a check is read); else None."""
-    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+    # O_NONBLOCK: a named pipe at the name would block the open until a writer came
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _NONBLOCK)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != _uid() or st.st_size == 0:

@@ -155,27 +155,39 @@ def _keeps_values(t: pa.DataType) -> bool:
 
 
 def _hides_values(values: pa.Array | pa.ChunkedArray) -> bool:
-    """Whether ``values`` holds a null struct: the writer's children under it keep what the
-    caller put there, a decode of the file has nulls (an Arrow batch's ``field()`` would show
-    the difference). Only columns whose type has a struct are looked at."""
+    """Whether ``values`` holds a null slot with child values under it: a null struct, a
+    null fixed-size list (an embedding's null row keeps its ``k`` values), or a null list or
+    map whose offsets span values. The writer's children keep what the caller put there, a
+    decode of the file has nulls or nothing (an Arrow batch's ``field()`` or ``.values``
+    would show the difference). Only nested columns are looked at."""
     t = values.type
-    if not _has_struct(t):
+    if t.num_fields == 0:
         return False
     chunks = values.chunks if isinstance(values, pa.ChunkedArray) else [values]
     for chunk in chunks:
         if pa.types.is_struct(t):
             if chunk.null_count or any(_hides_values(chunk.field(i)) for i in range(t.num_fields)):
                 return True
-        elif pa.types.is_map(t):
+            continue
+        if pa.types.is_fixed_size_list(t):
+            if chunk.null_count and t.list_size:
+                return True
+        elif chunk.null_count and _spans_under_nulls(chunk):
+            return True
+        if pa.types.is_map(t):
             if _hides_values(chunk.keys) or _hides_values(chunk.items):
                 return True
-        elif hasattr(chunk, "values") and _hides_values(chunk.values):  # the list kinds
+        elif _hides_values(chunk.values):  # the list kinds
             return True
     return False
 
 
-def _has_struct(t: pa.DataType) -> bool:
-    return pa.types.is_struct(t) or any(_has_struct(t.field(i).type) for i in range(t.num_fields))
+def _spans_under_nulls(chunk: pa.Array) -> bool:
+    """Whether a null slot of the list or map ``chunk`` spans child values (Arrow allows it;
+    pyarrow's own builders leave them empty)."""
+    offsets = chunk.offsets.to_numpy(zero_copy_only=False)
+    nulls = chunk.is_null().to_numpy(zero_copy_only=False)
+    return bool((offsets[1:] - offsets[:-1])[nulls].any())
 
 
 def _renamed_only(written: pa.Schema, read: pa.Schema) -> bool:
