@@ -95,7 +95,7 @@ def is_digest(text: Any) -> bool:
 
 def is_safe_name(name: str) -> bool:
     """Whether ``name`` may be a file name's stem that a user chose (a tag)."""
-    return _SAFE_NAME.fullmatch(name) is not None and ".." not in name
+    return isinstance(name, str) and _SAFE_NAME.fullmatch(name) is not None and ".." not in name
 
 
 def is_shard_reference(path: Any) -> bool:

@@ -494,15 +494,24 @@ def test_reset_whose_reply_is_lost_returns_its_version(late_proxy, s3_endpoint) 
     assert verify_store(direct, all_versions=True).ok
 
 
+@pytest.mark.parametrize("honoured", [True, False], ids=["intent", "intent-expired"])
 @pytest.mark.parametrize("keep", [1, 2])
-def test_compaction_racing_a_gc_past_its_base_is_undone_once(tmp_path, monkeypatch, keep) -> None:
+def test_compaction_racing_a_gc_past_its_base_is_undone_once(
+    tmp_path, monkeypatch, keep, honoured
+) -> None:
     """gc runs right after the compaction's record (of version 4, rounds 5 and 6 appended
-    after it) is created. A floor past the parent (keep 1) means that gc saw the record: the
-    compaction stands. A floor past the base but not the parent (keep 2): the writer cannot
-    know, so it commits one reset back to its parent and raises; the compacted version stays
-    readable (kept above the floor) and its shards are never removed."""
-    from dynstate.log import Log
+    after it) is created. The compaction's intent (written before it read the floor) makes
+    that gc keep version 4: the compaction stands. Where gc no longer honours the intent (the
+    writer paused past INTENT_S; here made stale at once): a floor past the parent (keep 1)
+    means that gc saw the record: the compaction stands. A floor past the base but not the
+    parent (keep 2): the writer cannot know, so it commits one reset back to its parent and
+    raises; the compacted version stays readable (kept above the floor) and its shards are
+    never removed."""
+    from dynstate.log import Log, intents
 
+    if not honoured:
+        monkeypatch.setattr(intents, "INTENT_S", -1.0)
+    undone = keep == 2 and not honoured
     url = str(tmp_path / "store")
     store = Store.open(url, create=True)
     expected = _fill(store, 6)
@@ -516,15 +525,15 @@ def test_compaction_racing_a_gc_past_its_base_is_undone_once(tmp_path, monkeypat
             collect_garbage(Store.open(url), keep=keep, grace_s=0, dry_run=False)
 
     monkeypatch.setattr(Log, "_publish", publish_then_gc)
-    if keep == 1:
+    if not undone:
         assert compact(store, target_bytes=SMALL, version=4) == 7
     else:
         with pytest.raises(VersionCollectedError, match="oldest kept is 6"):
             compact(store, target_bytes=SMALL, version=4)
     monkeypatch.undo()
     again = Store.open(url)
-    assert again.head == (7 if keep == 1 else 8)  # one undo, never two
-    if keep == 2:
+    assert again.head == (8 if undone else 7)  # one undo, never two
+    if undone:
         undo = again.commit_record(8)
         assert undo.op == "reset" and undo.target == 6 and undo.meta == {"undo": 7}
     _assert_same_rows(expected, _rows(again))

@@ -298,3 +298,43 @@ def test_gc_is_a_dry_run_unless_asked_and_deletes_what_it_planned(durable_url: s
         f in (m.GC_FILE, m.checkpoint_path(head - 1)) or f.endswith(".outcome.json") for f in added
     )
     assert [r.version for r in Store.open(durable_url).versions()] == [head - 1, head]
+
+
+def test_a_gc_that_cannot_read_the_tags_after_publishing_puts_its_floor_back(
+    tmp_path, monkeypatch
+) -> None:
+    """gc publishes its floor, then reads the tags and intents again (a tag made meanwhile
+    lowers it). When that read fails, the floor it published was never confirmed: it is put
+    back to the one the gc found, before the error goes on, so a tag made meanwhile never
+    names a version the floor calls collected."""
+    from dynstate import StorageError
+    from dynstate.maintenance import gc as gc_module
+
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    for i in range(6):
+        store.append([{"i": i}])
+    tagged = gc_module.tagged
+    calls = {"n": 0}
+
+    def failing(store_, floor):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            # a tagger that read the floor before it was published creates its tag now
+            tagger = Store.open(url)
+            tagger.storage.create(f"{m.META_DIR}/tags/late.json", m.encode({
+                "format": m.FORMAT, "version": 2, "created": m.utc_now()
+            }))  # fmt: skip
+            raise StorageError("listing the tags failed")
+        return tagged(store_, floor)
+
+    monkeypatch.setattr(gc_module, "tagged", failing)
+    with pytest.raises(StorageError, match="listing the tags"):
+        collect_garbage(Store.open(url), keep=2, grace_s=0, dry_run=False)
+    reader = Store.open(url)
+    assert reader.floor == 0
+    assert reader.snapshot("late").to_arrow().to_pylist() == [{"i": 0}, {"i": 1}]
+    monkeypatch.setattr(gc_module, "tagged", tagged)
+    result = collect_garbage(Store.open(url), keep=2, grace_s=0, dry_run=False)
+    assert result.floor_after == 2  # the tag holds it
+    assert Store.open(url).snapshot("late").to_arrow().to_pylist() == [{"i": 0}, {"i": 1}]

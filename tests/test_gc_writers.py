@@ -311,31 +311,42 @@ def test_a_tag_made_while_gc_runs_is_kept_or_refused(tmp_path, monkeypatch, tag_
     assert verify_store(again, all_versions=True).ok
 
 
+@pytest.mark.parametrize("honoured", [True, False], ids=["intent", "intent-expired"])
 @pytest.mark.parametrize("keep", [1, 2])
-def test_a_reset_racing_a_gc_never_leaves_a_head_gc_may_empty(tmp_path, monkeypatch, keep) -> None:
+def test_a_reset_racing_a_gc_never_leaves_a_head_gc_may_empty(
+    tmp_path, monkeypatch, keep, honoured
+) -> None:
     """gc publishes a floor past a reset's target while the reset's record is being created.
-    If that gc's floor passed the reset's parent, it saw the record (and keeps its files): the
-    reset stands. Otherwise the writer cannot know: it commits a reset back to its parent and
-    raises VersionCollectedError."""
-    from dynstate.log import Log
+    The reset's intent (written before it read the floor) makes that gc lower its floor to the
+    target: the reset stands. Where gc no longer honours the intent (the writer paused past
+    INTENT_S, here an intent made stale at once), the floor re-check after the create is the
+    last line: if that gc's floor passed the reset's parent, it saw the record (and keeps its
+    files): the reset stands. Otherwise the writer cannot know: it commits a reset back to its
+    parent and raises VersionCollectedError."""
+    from dynstate.log import Log, intents
 
+    if not honoured:
+        monkeypatch.setattr(intents, "INTENT_S", -1.0)
     url = str(tmp_path / "store")
     store = Store.open(url, create=True)
     for step in range(6):
         store.append([{"step": step}])
     real = Log._publish
     fired: list[bool] = []
+    floors: list[int] = []
 
     def publish_then_gc(self: Log, record) -> None:
         real(self, record)
         if record.op == "reset" and not fired:
             fired.append(True)
-            collect_garbage(Store.open(url), keep=keep, grace_s=0, dry_run=False)
+            result = collect_garbage(Store.open(url), keep=keep, grace_s=0, dry_run=False)
+            floors.append(result.floor_after)
 
     monkeypatch.setattr(Log, "_publish", publish_then_gc)
-    if keep == 1:
+    if keep == 1 or honoured:
         assert store.reset(2) == 7
         expected = [0, 1]
+        assert floors == ([2] if honoured else [7])
     else:
         with pytest.raises(VersionCollectedError, match="oldest kept is 6"):
             store.reset(2)
@@ -344,6 +355,7 @@ def test_a_reset_racing_a_gc_never_leaves_a_head_gc_may_empty(tmp_path, monkeypa
     again = Store.open(url)
     assert again.snapshot().to_arrow().column("step").to_pylist() == expected
     assert verify_store(again, all_versions=True).ok
+    assert not os.listdir(os.path.join(url, "_dynstate", "tag-intents"))  # settled: removed
 
 
 def test_a_stale_snapshot_of_a_collected_version_says_so(tmp_path) -> None:

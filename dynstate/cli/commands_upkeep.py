@@ -282,6 +282,28 @@ def tag_cmd(url, name: str, version, force: bool, delete: bool, as_json: bool, s
         r.echo(text)
 
 
+def _content_of(store, version: int, limit: int = 1000) -> int | None:
+    """The version whose content (rows, outcomes, generator state, step records) ``version``
+    is by construction: following resets to their target and compactions to their parent
+    (a compaction changes files, never content). None if a record cannot be read, or past
+    ``limit`` such steps. Equal rows alone are not enough: a round of outcomes or of a
+    generator state only adds no rows, and a reset must take it off the head."""
+    from ..errors import DynstateError
+
+    for _ in range(limit):
+        try:
+            record = store.commit_record(version)
+        except DynstateError:
+            return None  # a head record that cannot be read: the reset is the way out
+        if record.op == "reset" and record.target is not None:
+            version = record.target
+        elif record.op == "compact" and record.parent is not None:
+            version = record.parent
+        else:
+            return version
+    return None
+
+
 @click.command("reset")
 @click.argument("url")
 @click.argument("version")
@@ -290,28 +312,18 @@ def tag_cmd(url, name: str, version, force: bool, delete: bool, as_json: bool, s
 def reset_cmd(url: str, version: str, as_json: bool, storage_options) -> None:
     """Make a past version's rows the head again, as a new version. The versions after it stay
     readable, listed as abandoned by `ls --all`, until gc collects them. If the head already
-    has exactly those rows, nothing is committed.
+    has that version's content (they are the same version, or resets or compactions of one),
+    nothing is committed.
 
     \b
     Example:
       dynstate reset ./runs/run1 40
     """
-    from ..errors import CorruptStoreError
-    from ..history import diff
-
     store = open_store(url, storage_options)
     head = store.refresh()
     target = store.resolve(version_arg(version))
-    # Only versions with as many rows can hold the same rows: the lineage walk (which reads
-    # the records back to where the two meet) is needed only then.
-    same = False
-    try:
-        head_rows: int | None = store.commit_record(head).num_rows
-    except CorruptStoreError:
-        head_rows = None  # a head record that cannot be read: the reset is the way out
-    if head_rows == store.commit_record(target).num_rows:
-        info = diff(store, head, target)
-        same = info["same_rows"] and info["schema_change"] is None
+    content = _content_of(store, head)
+    same = content is not None and content == _content_of(store, target)
     if same:
         out = {"url": store.display_url, "target": target, "head": head, "committed": None}
         text = (

@@ -42,6 +42,14 @@ class Touches:
         self._limit = limit
         self._lock = threading.Lock()  # the background outcome checkpoint writes too
 
+    def __getstate__(self) -> dict[str, int]:
+        # a handle sent to another process (a Ray task, a spawned worker) starts with no
+        # writes of its own: these times are this process's
+        return {"limit": self._limit}
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        self.__init__(state["limit"])  # type: ignore[misc]
+
     def note(self, rel: str) -> None:
         with self._lock:
             self._at[rel] = (time.monotonic(), time.time())

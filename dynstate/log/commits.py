@@ -27,6 +27,7 @@ from ..errors import (
     CorruptStoreError,
     DynstateError,
     LeaseExpiredError,
+    StorageError,
     StoreNotFoundError,
     VersionCollectedError,
     VersionNotFoundError,
@@ -36,6 +37,7 @@ from ..records.codec import whole
 from ..records.manifest import Commit, ShardRef
 from ..storage import Storage
 from .catalog import Catalog, checkpoint_bytes
+from .intents import Intent
 from .leases import DEFAULT_TTL_S, Leases
 
 if TYPE_CHECKING:
@@ -582,10 +584,26 @@ class Log(Catalog):
         way out of such a store."""
         previous = getattr(_COMMITTING, "ready", None)
         _COMMITTING.ready = ready
+        sources = list(sources)
+        # Written before the floor is first read: a gc publishing its floor meanwhile keeps
+        # the sources (dynstate.log.intents), instead of the record naming collected files.
+        intent = Intent(self.storage, min(sources), {"commit": "sources"}) if sources else None
+        settled = False
         try:
-            return self._commit(make, list(sources), attempts, over_damaged)
+            if intent is not None:
+                intent.write()
+            version = self._commit(make, sources, attempts, over_damaged, intent)
+            settled = True
+            return version
+        except DynstateError as exc:
+            # refused, or lost every race: nothing in flight; a storage failure may have left
+            # a create of unknown outcome that may still land
+            settled = not isinstance(exc, StorageError)
+            raise
         finally:
             _COMMITTING.ready = previous
+            if intent is not None:
+                intent.settle(settled, f"the record reusing version {intent.version}'s shards")
 
     def _commit(
         self,
@@ -593,6 +611,7 @@ class Log(Catalog):
         sources: list[int],
         attempts: list[Commit] | None,
         over_damaged: bool = False,
+        intent: Intent | None = None,
     ) -> int:
         for attempt in range(MAX_COMMIT_ATTEMPTS):
             floor = self.read_floor()
@@ -612,6 +631,8 @@ class Log(Catalog):
                 self.refresh()
                 continue
             record = make(parent)
+            if intent is not None and intent.renew():
+                continue  # paused since the intent: read the floor again before the create
             if attempts is not None:
                 attempts.append(record)
             try:

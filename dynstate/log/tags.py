@@ -1,14 +1,8 @@
 """Tags: names for versions, which gc never collects.
 
-A tagger first writes an *intent* naming the version (``_dynstate/tag-intents/<id>.json``),
-then reads the gc floor, then creates the tag. A gc that publishes its floor reads the tags
-and the intents afterwards, so either gc sees the intent (and keeps the version) or the
-tagger sees the new floor (and refuses the collected version before sending anything).
-There is no interleaving in which neither sees the other. The intent is removed once the
-tag's create has an outcome; when it has none (a request failed with its outcome unknown, on
-an object store it may still land after its client gave up) the intent stays, and gc keeps
-the version while the intent is younger than :data:`INTENT_S` by the storage's clock, then
-removes it: a tag that lands late never names a collected version.
+A tagger writes an intent naming the version (:mod:`dynstate.log.intents`), then reads the gc
+floor, then creates the tag; the intent is removed once the tag's create has an outcome, and
+stays while a create of unknown outcome may still land.
 """
 
 from __future__ import annotations
@@ -24,13 +18,13 @@ from ..errors import (
     VersionNotFoundError,
 )
 from ..records import manifest as m
+from . import intents
 from .commits import Log
+from .intents import INTENT_S, Intent
 
 log = logging.getLogger("dynstate")
 
-#: How long gc honours a tag intent: longer than any request of the tag's create can be late
-#: (gc's own BUSY_S for files a live writer may still use).
-INTENT_S = 3600.0
+__all__ = ["INTENT_S", "Tags"]
 
 
 class Tags:
@@ -97,10 +91,8 @@ class Tags:
         return tags, damaged
 
     def create(self, name: str, target: int, *, force: bool) -> None:
-        intent = paths.tag_intent_path(paths.new_id())
-        body = {"format": m.FORMAT, "version": target, "tag": name, "created": m.utc_now()}
-        # Fails before anything else is sent; if it lands late it only keeps target longer.
-        self.storage.create(intent, m.encode(body))
+        intent = Intent(self.storage, target, {"tag": name})
+        intent.write()
         settled = False
         try:
             if target < self.log.read_floor():  # a gc published first: nothing is sent
@@ -111,47 +103,12 @@ class Tags:
             settled = True  # refused by us, with no request in flight
             raise
         finally:
-            if settled:
-                try:
-                    self.storage.delete(intent)
-                except DynstateError as exc:  # gc removes it within INTENT_S
-                    log.warning("could not remove %s of %s: %s", intent, self.log.display_url, exc)
-            else:
-                log.warning(
-                    "tag %s of %s: its create may still land; gc keeps version %d for %.0f s",
-                    name,
-                    self.log.display_url,
-                    target,
-                    INTENT_S,
-                )
+            intent.settle(settled, f"tag {name}")
 
     def pending(self) -> dict[str, int]:
-        """Versions tags are being created for (intents younger than :data:`INTENT_S` by the
-        storage's clock; all of them where it keeps no times), by intent file."""
-        out: dict[str, int] = {}
-        now: float | None = None
-        asked = False  # the storage's clock is read once (on an object store, a probe write)
-        for file_name in sorted(self.storage.list(paths.TAG_INTENT_DIR)):
-            rel = f"{paths.TAG_INTENT_DIR}/{file_name}"
-            if paths.match_tag_intent(rel) is None:
-                continue
-            raw = self.storage.try_read(rel)
-            if raw is None:
-                continue  # removed while we listed
-            try:
-                version = m.decode(raw, self.log.where(rel)).get("version")
-            except CorruptStoreError as exc:
-                log.warning("ignoring damaged tag intent %s: %s", rel, exc)
-                continue
-            if type(version) is not int or version < 0:
-                continue
-            if not asked:
-                now, asked = self.storage.now(), True
-            modified = self.storage.modified(rel)
-            if now is not None and modified is not None and now - modified > INTENT_S:
-                continue  # no request is that late: gc removes it
-            out[rel] = version
-        return out
+        """Versions tags (and resets, compactions) are being created for: see
+        :func:`dynstate.log.intents.pending`."""
+        return intents.pending(self.storage)
 
     def _create(self, name: str, target: int, *, force: bool) -> None:
         raw = m.encode({"format": m.FORMAT, "version": target, "created": m.utc_now()})

@@ -36,8 +36,8 @@ from ..errors import (
     VersionCollectedError,
 )
 from ..log import LeaseState, survey
+from ..log.intents import INTENT_S
 from ..log.survey import Clock
-from ..log.tags import INTENT_S
 from ..store import Store
 from .references import References, references_below
 from .retention import Retention, parse_duration, retention_floor, retention_plan, tagged
@@ -304,7 +304,20 @@ def _publish_floor(store: Store, floor: int, floor_before: int) -> int:
             # new floor is read below that floor (a collected name), and nothing was written
             raise _floor_moved(store, expected, store.log.read_floor()) from None
         expected = floor
-        lowest = min([floor, *tagged(store, floor_before)])
+        try:
+            lowest = min([floor, *tagged(store, floor_before)])
+        except BaseException:
+            # The floor is out, unconfirmed: a tag or intent made meanwhile may name a version
+            # below it. Put the floor this gc found back before the error goes on.
+            try:
+                store.log.publish_floor(floor_before, previous=floor_before)
+            except DynstateError as exc:
+                log.warning(
+                    "gc of %s: could not put floor %d back (%s); versions from %d on may "
+                    "read as collected until the next gc",
+                    store.display_url, floor_before, exc, floor_before,
+                )  # fmt: skip
+            raise
         if lowest >= floor:
             return floor
         log.info("gc of %s: a new tag pins version %d; floor lowered", store.display_url, lowest)
@@ -389,7 +402,7 @@ def _min_age(rel: str, grace_s: float) -> float:
     if rel.startswith(paths.DATA_DIR + "/"):
         return grace_s
     if rel.startswith(paths.TAG_INTENT_DIR + "/"):
-        return max(grace_s, INTENT_S)  # honoured until then (dynstate.log.tags)
+        return max(grace_s, INTENT_S)  # honoured until then (dynstate.log.intents)
     return max(grace_s, BUSY_S)
 
 
