@@ -35,6 +35,7 @@ from .errors import (
     RoundFailedError,
     SchemaMismatchError,
     StateMismatchError,
+    VersionCollectedError,
 )
 from .snapshot import Staged
 from .store import DEFAULT_SHARD_BYTES, Store
@@ -96,7 +97,12 @@ def _resolve(
 
 
 def _target(store: Store) -> _Target:
-    return _Target(store.url, dict(store.storage_options), store.single_writer, store.lease_ttl_s)
+    # A local path as the driver resolves it: a worker keeps the directory it started in, and
+    # on another node a relative path means another folder.
+    url = (
+        os.path.abspath(store.url) if store.reads_in_place and "://" not in store.url else store.url
+    )
+    return _Target(url, dict(store.storage_options), store.single_writer, store.lease_ttl_s)
 
 
 # -- the Ray tasks (module level, so workers import them instead of unpickling code) ----------
@@ -195,6 +201,13 @@ def commit_round(
         # order: unpickled here its lease is renewed by this process, while one left in
         # Ray's object store behind a slow task has nobody to renew it once its worker
         # exits (a GPU task's, after one call), and a gc meanwhile would expire it.
+        refs = [part for part in parts if isinstance(part, ray.ObjectRef)]
+        if len(set(refs)) != len(refs):
+            # one part given twice would be staged once and committed once, out of order
+            failures[-1] = InvalidDataError(
+                f"a round for {store.display_url} was given the same part twice; pass each "
+                "task's result once"
+            )
         pending = {part: i for i, part in enumerate(parts) if isinstance(part, ray.ObjectRef)}
         ready = [(i, part) for i, part in enumerate(parts) if not isinstance(part, ray.ObjectRef)]
         while ready or pending:
@@ -348,17 +361,39 @@ def to_ray_dataset(
     ray = _ray()
     store = _resolve(store_or_url, storage_options)
     snap = store.snapshot(version)
+    schema = snap.schema
+    columns = read_args.pop("columns", None)
+    if columns is not None and schema is not None:
+        # Checked and applied here: Ray's reader prunes a projection to the columns of the
+        # first file (a column older shards lack vanished from every row) and answers unknown
+        # names with placeholder rows.
+        if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
+            raise InvalidDataError(
+                f"columns must be a list of column names, not {columns!r}; e.g. columns=['a']"
+            )
+        missing = [c for c in columns if c not in schema.names]
+        if missing:
+            raise InvalidDataError(
+                f"columns {missing} are not in version {snap.version} of {store.display_url} "
+                f"(it has {schema.names}); pass names it has"
+            )
+        import pyarrow as pa
+
+        schema = pa.schema([schema.field(c) for c in columns])
     if check_sizes:
         _check_sizes(store, snap.version, snap.shards)
     if not snap.shards:
-        empty = snap.schema.empty_table() if snap.schema is not None else None
+        empty = schema.empty_table() if schema is not None else None
         return ray.data.from_arrow(empty) if empty is not None else ray.data.from_items([])
     paths = [store.storage.path(s.path) for s in snap.shards]
     args: dict[str, Any] = {
         "filesystem": _arrow_fs(store),
-        "schema": snap.schema,  # older shards lack later nullable columns: read them as nulls
+        "schema": schema,  # older shards lack later nullable columns: read them as nulls
         "partitioning": None,
         "shuffle": None,
+        # The list is exact: no filter by name (Ray cuts a path at "?" before it looks for
+        # ".parquet", and a store under such a folder read as empty).
+        "file_extensions": None,
     }
     args.update(read_args)
     ctx = ray.data.DataContext.get_current()
@@ -383,6 +418,12 @@ def _check_sizes(store: Store, version: int, shards: Sequence[Any]) -> None:
         try:
             size = store.storage.size(shard.path)
         except FileNotFoundError:
+            store.latest()  # the floor now: a gc since this handle read it collected it
+            if version < store.floor:
+                raise VersionCollectedError(
+                    f"version {version} of {store.display_url} was removed by garbage "
+                    f"collection (oldest kept is {store.floor}); use a later version"
+                ) from None
             raise MissingShardError(
                 f"shard {shard.path} of {store.display_url} (version {version}) is missing; "
                 "restore it, or reset the store to a version that does not use it"

@@ -40,7 +40,7 @@ from .records import manifest as m
 from .records.consumption import check_record, indices_of
 from .records.manifest import Commit, ShardRef
 from .records.outcomes import as_numpy, check_rows_version
-from .records.rounds import check_meta, conform_round, to_table
+from .records.rounds import check_meta, conform_round, merge_parts, to_table
 from .records.rowgroups import group_rows, write_shard
 from .snapshot import Staged
 from .storage import DeferredSync
@@ -370,21 +370,14 @@ class Writer:
             typed = [p for p in parts if p.schema is not None]
             typed = [p for p in typed if p.shards] or typed
             schemas = {m.schema_fingerprint(p.schema) for p in typed}
+            merged = None
             if len(schemas) > 1:
-                first = typed[0].schema
-                assert first is not None
-                other = next(
-                    p.schema
-                    for p in typed
-                    if p.schema is not None
-                    and m.schema_fingerprint(p.schema) != m.schema_fingerprint(first)
+                # parts of one round written apart (Ray tasks, blocks): one schema that reads
+                # each part's shards as they are, or a refusal naming the columns
+                merged = merge_parts(
+                    [p.schema for p in typed if p.schema is not None], self.display_url
                 )
-                raise SchemaMismatchError(
-                    f"staged parts for {self.display_url} have different schemas ("
-                    + m.describe_schema_diff(first, other)
-                    + "); stage every part of a round with the same columns, in one order"
-                )
-            schema = typed[0].schema if typed else None
+            schema = merged if merged is not None else typed[0].schema if typed else None
             validated = typed[0].validated if typed else None
             return lambda parent: self._append_record(
                 parent, shards, schema, validated, meta, pending, rows_version, consumption

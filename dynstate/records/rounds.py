@@ -11,6 +11,7 @@ applies (:func:`dynstate.records.codec.check_int`), whatever this process's int 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -112,7 +113,14 @@ def _storable(t: pa.DataType) -> pa.DataType:
       decoded, and Arrow has no cast back to a dictionary of numbers, so the version could
       not be read;
     * ``string_view`` and ``binary_view`` are stored as ``string`` and ``binary``: Arrow's
-      ``take`` has no kernel for views, so no batch of them could be read."""
+      ``take`` has no kernel for views, so no batch of them could be read;
+    * another package's extension type (Ray's tensors) is stored as its storage type."""
+    if isinstance(t, pa.BaseExtensionType) and not type(t).__module__.startswith("pyarrow"):
+        # Another package's extension type (Ray's tensors): a reader without that package
+        # would see another schema than one with it, and a round it fits could then make the
+        # version unreadable where the package is loaded. Stored as its storage type; Arrow's
+        # own (canonical) extension types keep theirs.
+        return _storable(t.storage_type)
     if pa.types.is_dictionary(t):
         values = _storable(t.value_type)
         if not (
@@ -196,6 +204,72 @@ def conform_round(
         check_required(out, new_schema, url, version)
     _check_exact(table, out, url, version)
     return out, new_schema
+
+
+def merge_parts(schemas: Sequence[pa.Schema], url: str) -> pa.Schema:
+    """The schema of a round whose parts were staged with ``schemas`` (each checked against
+    the head when it was staged, or its own on a new store): they may differ where every read
+    gives each part's shards the merged type by a cast that cannot fail or change a value —
+    column order, a column of nulls (all None so far) in some parts and typed in others, the
+    string kinds (``string``, ``large_string``, a dictionary of them; the binary kinds
+    likewise), a nullable column some parts lack (read as nulls there, as in an older shard).
+    The first part's types and order win. Anything else is SchemaMismatchError naming the
+    columns (reads conform each shard to the version's schema by name,
+    :func:`conform`)."""
+    merged = schemas[0]
+    for other in schemas[1:]:
+        fields = []
+        for f in merged:
+            if f.name not in other.names:
+                if not f.nullable:
+                    raise _parts_differ(url, merged, other, f"a part lacks required {f.name}")
+                fields.append(f)
+                continue
+            g = other.field(f.name)
+            t = _merged_type(f.type, g.type)
+            if t is None:
+                raise _parts_differ(url, merged, other, None)
+            fields.append(f.with_type(t).with_nullable(f.nullable or g.nullable))
+        for g in other:
+            if g.name not in merged.names:
+                if not g.nullable:
+                    raise _parts_differ(url, merged, other, f"only some parts have {g.name}")
+                fields.append(g)
+        merged = pa.schema(fields)
+    return merged
+
+
+def _merged_type(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    if a == b or pa.types.is_null(b):
+        return a
+    if pa.types.is_null(a):
+        return b
+    for kind in (_is_text, _is_bytes):
+        if kind(a) and kind(b):
+            return a
+    return None
+
+
+def _is_text(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_bytes(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+
+def _parts_differ(
+    url: str, merged: pa.Schema, other: pa.Schema, why: str | None
+) -> SchemaMismatchError:
+    detail = why if why is not None else m.describe_schema_diff(merged, other)
+    return SchemaMismatchError(
+        f"staged parts for {url} have schemas no one version can hold ({detail}); stage "
+        "every part of a round with the same column types"
+    )
 
 
 def _check_exact(given: pa.Table, stored: pa.Table, url: str, version: int) -> None:
