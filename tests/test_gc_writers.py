@@ -465,3 +465,46 @@ def test_a_writer_with_a_head_from_before_gc_commits_on_top(durable_url: str) ->
     assert slow.commit_staged([part]) == 6
     again = Store.open(durable_url)
     assert again.snapshot().to_arrow().column("step").to_pylist() == [0, 1, 2, 3, 4, 99]
+
+
+def test_a_reset_paused_past_its_intent_reads_the_floor_again_before_its_create(
+    tmp_path, monkeypatch
+) -> None:
+    """A resetter paused after writing its intent and reading the floor (here: every intent
+    counts as old at once, RENEW_S 0) while a gc that no longer honoured the intent (INTENT_S
+    passed) collected its target: before its create it writes the intent again and reads the
+    floor again, and refuses the collected target with nothing created. Without a pause the
+    same reset stands."""
+    from dynstate.log import intents
+
+    url = str(tmp_path / "store")
+    store = Store.open(url, create=True)
+    for step in range(6):
+        store.append([{"step": step}])
+    store.reset(1)  # versions 2-6 abandoned: only version 1's shard is on the head's lineage
+    monkeypatch.setattr(intents, "RENEW_S", 0.0)
+    renew = intents.Intent.renew
+    fired: list[int] = []
+
+    def paused_renew(self):
+        if not fired:  # what gc did during the pause: the intent had gone stale
+            monkeypatch.setattr(intents, "INTENT_S", -1.0)
+            result = collect_garbage(Store.open(url), keep=1, grace_s=0, dry_run=False)
+            fired.append(result.floor_after)
+            monkeypatch.setattr(intents, "INTENT_S", 3600.0)
+        return renew(self)
+
+    monkeypatch.setattr(intents.Intent, "renew", paused_renew)
+    head = Store.open(url).head
+    with pytest.raises(VersionCollectedError, match="version 4"):
+        store.reset(4)
+    assert fired == [head]
+    again = Store.open(url)
+    assert again.head == head
+    assert again.snapshot().to_arrow().column("step").to_pylist() == [0]
+    assert verify_store(again, all_versions=True).ok
+    assert not os.listdir(os.path.join(url, "_dynstate", "tag-intents"))
+    monkeypatch.setattr(intents.Intent, "renew", renew)
+    assert store.append([{"step": 9}]) == head + 1
+    assert store.reset(head) == head + 2  # renewed at the create, target kept: it stands
+    assert Store.open(url).snapshot().to_arrow().column("step").to_pylist() == [0]

@@ -632,7 +632,12 @@ class Log(Catalog):
                 continue
             record = make(parent)
             if intent is not None and intent.renew():
-                continue  # paused since the intent: read the floor again before the create
+                # paused since the intent was written: gc may have stopped honouring it, and
+                # the floor is read again, after the intent's new stamp, before the create
+                floor = self.read_floor()
+                for source in sources:
+                    if source < floor:
+                        raise self.collected(source)
             if attempts is not None:
                 attempts.append(record)
             try:
