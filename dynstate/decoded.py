@@ -309,8 +309,31 @@ def keep_decoded(
             log.debug("decoded file of %s not written: %s", shard.path, exc)
 
 
+_OFF = frozenset(("0", "false", "off", "no"))
+_ON = frozenset(("1", "true", "on", "yes"))
+_warned: set[str] = set()
+
+
 def _switch() -> str | None:
-    return os.environ.get("DYNSTATE_DECODED_CACHE")
+    """``DYNSTATE_DECODED_CACHE`` as "0" (off: ``0``, ``false``, ``off``, ``no``), "1" (on for
+    object stores too: ``1``, ``true``, ``on``, ``yes``; any case, spaces around ignored) or
+    None (unset or empty: the default). Anything else is the default, said once."""
+    raw = os.environ.get("DYNSTATE_DECODED_CACHE")
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in _OFF:
+        return "0"
+    if value in _ON:
+        return "1"
+    if value and raw not in _warned:
+        _warned.add(raw)
+        log.warning(
+            "DYNSTATE_DECODED_CACHE=%r is neither 0/false/off/no nor 1/true/on/yes; decoded "
+            "files keep their default (on for local stores)",
+            raw,
+        )
+    return None
 
 
 def switched_on() -> bool:
