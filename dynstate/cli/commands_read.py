@@ -4,11 +4,11 @@ two library functions and renders the result."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
 
+from ..records.codec import dumps
 from . import render as r
 from .commands_rows import _columns, _print_rows, _read_rows, head_cmd
 from .options import Count, json_option, open_store, store_command, version_arg
@@ -87,7 +87,7 @@ def show_cmd(url, version, max_shards: int, drawn: int, as_json: bool, storage_o
         ("size", f"{r.human_size(info['bytes'])} ({info['bytes']:,} bytes)"),
         ("tags", ", ".join(info["tags"]) or "none"),
         ("lineage", info["lineage"]),
-        ("meta", json.dumps(info["meta"], sort_keys=True, ensure_ascii=False)),
+        ("meta", dumps(info["meta"], sort_keys=True, ensure_ascii=False)),
     ]
     for line in r.fields(pairs):
         r.echo(line.rstrip())
@@ -163,7 +163,7 @@ def _print_story(story: dict[str, Any]) -> None:
             ),
         ]
     state = story["generator_state"]
-    text = json.dumps(state, sort_keys=True, ensure_ascii=False)
+    text = dumps(state, sort_keys=True, ensure_ascii=False)
     if len(text) > STATE_CHARS:
         text = f"{text[:STATE_CHARS]}… ({len(text):,} characters: --json shows it whole)"
     pairs.append(("generator", "no state committed" if state is None else text))
@@ -183,7 +183,7 @@ def _print_story(story: dict[str, Any]) -> None:
                 pairs.append((name, text + more))
     policy = story["policy"]
     if policy is not None:
-        params = json.dumps(policy.get("params"), sort_keys=True, ensure_ascii=False)
+        params = dumps(policy.get("params"), sort_keys=True, ensure_ascii=False)
         pairs.append(("policy", f"{policy.get('policy')} {params}"))
         pairs.append(("weights", _spread(story["weights"])))
     for line in r.fields(pairs):

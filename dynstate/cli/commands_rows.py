@@ -3,11 +3,11 @@ share with it."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
 
+from ..records.codec import dumps
 from ..text import preview_order, python_rows
 from . import render as r
 from .options import Count, Finite, json_option, open_store, store_command, version_arg
@@ -198,7 +198,7 @@ def head_cmd(url, version, rows: int, offset: int, tail: bool, added: bool, colu
         out = [r.json_row(row) for row in out]
     if jsonl:
         for row in out:
-            r.echo(json.dumps(row, default=str, ensure_ascii=False))
+            r.echo(dumps(row, default=str, ensure_ascii=False))
         return
     if as_json:
         r.print_json(out)
@@ -251,7 +251,7 @@ def _head_by_stats(store: Any, snap: Any, picks: dict[str, Any], span: tuple[int
         ]
         if jsonl:
             for row in rows:
-                r.echo(json.dumps(row, default=str, ensure_ascii=False))
+                r.echo(dumps(row, default=str, ensure_ascii=False))
         else:
             r.print_json(rows)
         return

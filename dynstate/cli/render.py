@@ -6,7 +6,6 @@ Kept free of heavy imports: rich is loaded only when a progress bar is actually 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -17,6 +16,7 @@ from typing import Any
 
 import click
 
+from ..records.codec import dumps
 from ..text import chat_text
 
 GAP = "  "
@@ -38,7 +38,7 @@ def echo(line: str = "") -> None:
 
 
 def print_json(obj: Any) -> None:
-    click.echo(clean(json.dumps(obj, indent=2, default=str, ensure_ascii=False)))
+    click.echo(clean(dumps(obj, indent=2, default=str, ensure_ascii=False)))
 
 
 def json_row(row: Any) -> Any:
@@ -101,7 +101,7 @@ def cell(value: Any) -> str:
     if chat is not None:
         return chat.replace("\n", "\\n")
     if isinstance(value, (dict, list)):
-        text = json.dumps(value, default=str, ensure_ascii=False)
+        text = dumps(value, default=str, ensure_ascii=False)
     else:
         text = str(value)
     return text.replace("\n", "\\n")

@@ -4,7 +4,6 @@ reworded for a browser."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -14,6 +13,7 @@ import jinja2
 from starlette.requests import Request
 
 from .._version import __version__
+from ..records import codec
 from ..text import chat_text
 from .chart import COLORS
 from .lineage import SOURCE_COLUMN
@@ -49,7 +49,7 @@ def web_terms(message: str) -> str:
 
 def dumps(data: Any) -> str:
     """A JSON document as ``/api`` returns it."""
-    return json.dumps(data, ensure_ascii=False, default=str, indent=1)
+    return codec.dumps(data, ensure_ascii=False, default=str, indent=1)
 
 
 def _fmt_bytes(n: Any) -> str:
@@ -77,7 +77,7 @@ def _cell(value: Any, limit: int = 160) -> str:
     elif isinstance(value, str):
         text = value
     else:
-        text = json.dumps(value, ensure_ascii=False, default=str)
+        text = codec.dumps(value, ensure_ascii=False, default=str)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
@@ -91,7 +91,7 @@ def _messages(value: Any) -> list[dict[str, str]] | None:
             "role": str(m.get("role") or ""),
             "content": m["content"]
             if isinstance(m["content"], str)
-            else json.dumps(m["content"], ensure_ascii=False, default=str),
+            else codec.dumps(m["content"], ensure_ascii=False, default=str),
         }
         for m in value
     ]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import decimal
-import json
 import math
 import threading
 from collections import OrderedDict
@@ -28,6 +27,7 @@ import pyarrow.compute as pc
 
 from ..errors import InvalidDataError
 from ..loading.cache import ShardCache
+from ..records.codec import dumps
 from ..snapshot import Snapshot
 from ..store import Store
 from ..text import python_rows
@@ -93,7 +93,7 @@ def round_text(value: Any) -> str:
         return "null"
     if isinstance(value, (str, int, float)):
         return str(value)
-    return json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
+    return dumps(value, ensure_ascii=False, sort_keys=True, default=str)
 
 
 def _facet_key(value: Any) -> Any:
