@@ -201,3 +201,20 @@ def test_writer_killed_mid_commit(az, point):
     head = fresh.head
     assert fresh.append(soak_store.round_rows(head)) == head + 1
     assert Store.open(az).snapshot().to_arrow().to_pylist() == _expected(head + 1)
+
+
+def test_a_forced_tag_move_is_conditional_on_the_version_it_read(az) -> None:
+    """A forced tag move writes only over the tag it read (Azure's If-Match): a swap whose
+    expected bytes are not there any more changes nothing, and moves land in order."""
+    store = Store.open(az, create=True)
+    for i in range(3):
+        store.append([{"i": i}])
+    store.tag("t", 1)
+    store.tag("t", 2, force=True)
+    store.tag("t", 3, force=True)
+    assert Store.open(az).tags() == {"t": 3}
+    rel = "_dynstate/tags/t.json"
+    current = store.storage.read(rel)
+    assert not store.storage.swap(rel, b"{}", b"not what is there")
+    assert store.storage.read(rel) == current
+    assert Store.open(az).snapshot("t").to_arrow().to_pylist() == [{"i": 0}, {"i": 1}, {"i": 2}]

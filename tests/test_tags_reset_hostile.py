@@ -11,8 +11,8 @@ a reset's rows are its target's). Outcomes: `outcome_stats(v)` equals a hand fol
 with its parent's (nothing of an abandoned branch leaks). Store unchanged: every file and its
 bytes before and after a refused call.
 
-Tests whose docstring begins "DEFECT (fixed)" each failed on the code before its fix; the
-one marked "DEFECT (left, documented)" is a strict xfail; the rest are attacks that held."""
+Tests whose docstring begins "DEFECT (fixed" each failed on the code before its fix; the
+rest are attacks that held."""
 
 from __future__ import annotations
 
@@ -918,13 +918,9 @@ def _proxied(proxy: FaultProxy, url: str, create: bool = False) -> Store:
 
 
 @pytest.mark.s3
-@pytest.mark.xfail(
-    strict=True,
-    reason="left, documented (docs/format.md, Tag): a forced move is a plain overwrite; a "
-    "move whose request failed may still land after a later one",
-)
 def test_forced_tag_move_that_lands_late_moves_the_tag_back(s3_endpoint) -> None:
-    """DEFECT (left, documented): (the known "a forced tag move is a plain overwrite") `tag("t", 2,
+    """DEFECT (fixed: a move is now a PUT conditional on the version it read, If-Match, and
+    the held copy meets a 412): (the known "a forced tag move is a plain overwrite") `tag("t", 2,
     force=True)` fails with StorageError ("... and retry") because its PUT is held; the user then
     moves the tag to 3, which succeeds; the held PUT lands (S3 applies a request up to 15 minutes
     after signing) and the tag silently names version 2 again: `snapshot("t")` hands a reader
@@ -947,7 +943,7 @@ def test_forced_tag_move_that_lands_late_moves_the_tag_back(s3_endpoint) -> None
         assert Store.open(url, storage_options=direct).tags() == {"t": 1}
         user.tag("t", 3, force=True)
         assert Store.open(url, storage_options=direct).tags() == {"t": 3}
-        assert proxy.held and proxy.release(len(proxy.held) - 1) == 200  # lands late
+        assert proxy.held and proxy.release(len(proxy.held) - 1) == 412  # lands late: refused
     reader = Store.open(url, storage_options=direct)
     assert reader.tags() == {"t": 3}, "the tag moved back by itself"
     assert _rows(reader, "t") == _oracle(reader, 3, s3_endpoint)

@@ -11,6 +11,7 @@ import logging
 
 from .. import paths
 from ..errors import (
+    CommitConflictError,
     CorruptStoreError,
     DynstateError,
     StoreExistsError,
@@ -99,8 +100,10 @@ class Tags:
                 raise self.log.collected(target)
             self._create(name, target, force=force)
             settled = True
-        except (StoreExistsError, VersionCollectedError, CorruptStoreError):
-            settled = True  # refused by us, with no request in flight
+        except (StoreExistsError, VersionCollectedError, CorruptStoreError, CommitConflictError):
+            # refused by us, with no request in flight (a conditional move's late copy can
+            # change nothing once the tag was moved)
+            settled = True
             raise
         finally:
             intent.settle(settled, f"tag {name}")
@@ -131,13 +134,26 @@ class Tags:
                     "pass force=True to move it"
                 ) from None
             previous = self.storage.try_read(rel)
-            self.storage.put(rel, raw)
+            # conditional on what was read (on object stores, its version): a move whose
+            # request lands late, after a later move, changes nothing
+            try:
+                moved = previous is not None and self.storage.swap(rel, raw, previous)
+            except FileNotFoundError:
+                moved = False  # removed meanwhile
+            if not moved:
+                raise CommitConflictError(
+                    f"tag {name!r} in {self.log.display_url} was moved or removed by another "
+                    "writer while this one moved it; look at `dynstate tags` and run again"
+                ) from None
         if target >= self.log.read_floor():
             return
         # gc moved its floor past the target while we tagged it: take the tag back.
         try:
             if previous is not None:
-                self.storage.put(rel, previous)
+                try:
+                    self.storage.swap(rel, previous, raw)  # unless another writer moved it since
+                except FileNotFoundError:
+                    pass  # removed meanwhile: nothing of ours to take back
             else:
                 self.storage.delete(rel)
         except DynstateError as exc:

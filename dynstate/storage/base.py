@@ -366,6 +366,25 @@ class Storage:
         force; never data). ``durable=False`` skips the fsync where a lost write is harmless."""
         self._call("write", rel, lambda: self._put(rel, data, durable))
 
+    def swap(self, rel: str, data: bytes, expected: bytes) -> bool:
+        """Write ``data`` at ``rel`` only while it holds ``expected`` (a tag moved with force,
+        and moved back): True if ``rel`` holds ``data`` now, False if it holds something
+        else (another writer moved it). Object stores served by obstore make the write
+        conditional on the version read (``If-Match``), so a request of this call that lands
+        after a later write, or a retry of it, changes nothing; here (local files, memory,
+        fsspec) a read, a comparison and a write, as no request of these arrives late."""
+
+        def attempt() -> bool:
+            current = self._cat(rel)
+            if current == data:
+                return True
+            if current != expected:
+                return False
+            self._put(rel, data, True)
+            return True
+
+        return self._call("write", rel, attempt)
+
     def overwrite(self, rel: str, data: bytes) -> None:
         """Replace the content of an advisory file (the head hint) as cheaply as the backend
         allows, not durably: a reader may meet the old bytes, the new ones or, locally, a

@@ -613,6 +613,38 @@ class ObstoreStorage(ObjectStorage):
 
         self._run(lambda: obstore.put(self.obstore, self._key(rel), data))
 
+    def swap(self, rel: str, data: bytes, expected: bytes) -> bool:
+        if not self.served:
+            return super().swap(rel, data, expected)
+        import obstore
+
+        def attempt() -> bool:
+            got = self._run(lambda: obstore.get(self.obstore, self._key(rel)))
+            current = bytes(got.bytes())
+            if current == data:
+                return True  # ours, from an earlier try whose reply was lost
+            if current != expected:
+                return False
+            meta = got.meta
+            version = {k: meta[k] for k in ("e_tag", "version") if meta.get(k) is not None}
+            if not version:  # a store that names no version: no condition to put on the write
+                self._put(rel, data, True)
+                return True
+            try:
+                # conditional on the version read: a copy of this request that lands after
+                # any later write (the client gave up on it) meets a 412 and changes nothing
+                self._run(
+                    lambda: obstore.put(self.obstore, self._key(rel), data, mode=version)  # type: ignore[arg-type]
+                )
+            except FileExistsError:  # the precondition failed: moved since our read
+                return (
+                    self._run(lambda: bytes(obstore.get(self.obstore, self._key(rel)).bytes()))
+                    == data
+                )
+            return True
+
+        return self._call("write", rel, attempt)
+
     def delete(self, rel: str) -> None:
         if not self.served:
             return super().delete(rel)
