@@ -151,10 +151,13 @@ def test_bad_meta_after_stage_keeps_the_part_for_a_fixed_commit(store: Store) ->
 
 
 def test_staged_parts_with_different_schemas(store: Store) -> None:
+    """Parts whose schemas no one version can hold (a new column typed one way in one part,
+    another way in the other) are refused, the store as it was. (A new nullable column that
+    only one part brings makes one round: see test_small_fixes.)"""
     before = listing(store)
-    a = store.stage([{"id": 9, "text": "z"}])
+    a = store.stage([{"id": 9, "text": "z", "more": "one"}], allow_new_columns=True)
     b = store.stage([{"id": 9, "text": "z", "more": 1.0}], allow_new_columns=True)
-    with pytest.raises(SchemaMismatchError):
+    with pytest.raises(SchemaMismatchError, match="more"):
         store.commit_staged([a, b])
     assert without_tombstones(listing(store)) == before
 
