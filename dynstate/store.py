@@ -309,8 +309,8 @@ class Store:
         self._tags.remove(name)
 
     def pending_tags(self) -> dict[str, int]:
-        """The versions tags are being created for, which gc keeps as it keeps tagged ones
-        (see :mod:`dynstate.log.tags`), by intent file."""
+        """The versions tags, resets and compactions are about to name (their intents), which
+        gc keeps as it keeps tagged ones (see :mod:`dynstate.log.intents`), by intent file."""
         return self._tags.pending()
 
     def check_tags(self) -> tuple[dict[str, int], dict[str, DynstateError]]:
